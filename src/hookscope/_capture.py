@@ -1,0 +1,464 @@
+"""``capture``: record layer outputs, inputs and gradients, every call, in order."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from ._errors import InPlaceModifiedWarning, LayerNotFoundError, LayerNotRunError, NoGradientError
+from ._nested import iter_tensors, map_tensors
+from ._scope import HookScope, check_model, in_backward, warn_once
+from ._select import resolve, suggest
+from ._transfer import move, ready
+
+__all__ = ["Call", "Capture", "Inputs", "capture"]
+
+_NEVER_RAN_HINT = (
+    "it was never called through module(...) while the scope was open. PyTorch runs hooks only "
+    "through __call__: a parent that calls child.forward(...) directly skips them "
+    "(e.g. nn.MultiheadAttention.out_proj), and branches not taken for this input never run"
+)
+
+
+class Inputs(NamedTuple):
+    """Positional and keyword inputs of one call."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _nograd_reason() -> str:
+    if torch.is_inference_mode_enabled():
+        return "the forward pass ran under torch.inference_mode()"
+    if not torch.is_grad_enabled():
+        return "the forward pass ran under torch.no_grad()"
+    return "no tensor in it required grad (no input or parameter upstream requires grad)"
+
+
+class _GradSlots:
+    """Gradients for the tensor leaves of one captured value (accumulated over backward passes)."""
+
+    __slots__ = ("grads", "n", "reason")
+
+    def __init__(self, n: int, reason: str | None) -> None:
+        self.n, self.reason = n, reason
+        self.grads: list[torch.Tensor | None] = [None] * n
+
+    def hook(self, i: int, to: torch.device | None) -> Any:
+        def record(grad: torch.Tensor) -> None:
+            g = grad.detach()
+            g = ready(move(g, to)) if to is not None else g
+            prev = self.grads[i]
+            self.grads[i] = g if prev is None else prev + g
+            return None
+
+        return record
+
+    def build(self, like: Any, what: str) -> Any:
+        if all(g is None for g in self.grads):
+            reason = self.reason or "backward() has not reached it yet, or it does not contribute to the loss"
+            raise NoGradientError(f"no gradient for {what}: {reason}")
+        it = iter(self.grads)
+        return map_tensors(lambda _t: next(it), like)
+
+
+class Call:
+    """One call of a captured layer.
+
+    Attributes:
+        layer: the layer's dotted name.
+        index: 0 for the layer's first call in the scope, 1 for the second, ...
+        output: the output (nested structure kept), detached unless ``detach=False``.
+        inputs: :class:`Inputs` when captured with ``inputs=True``, else ``None``.
+    """
+
+    __slots__ = ("_grad", "_in_grad", "_output", "_versions", "index", "inputs", "layer")
+
+    def __init__(self, layer: str, index: int) -> None:
+        self.layer, self.index = layer, index
+        self._output: Any = _UNSET
+        self.inputs: Inputs | None = None
+        self._grad: _GradSlots | None = None
+        self._in_grad: _GradSlots | None = None
+        self._versions: list[tuple[torch.Tensor, int]] | None = None
+
+    @property
+    def output(self) -> Any:
+        if self._output is _UNSET:
+            raise LayerNotRunError(f"layer {self.layer!r} call {self.index} raised before returning an output")
+        if self._versions:
+            for t, v in self._versions:
+                if t._version != v:
+                    warnings.warn(
+                        f"the output of {self.layer!r} (call {self.index}) was modified in place after it "
+                        "was captured (e.g. by a later ReLU(inplace=True) or +=); you see the modified "
+                        "values. Capture with clone=True to keep the values the layer produced",
+                        InPlaceModifiedWarning,
+                        stacklevel=3,
+                    )
+                    break
+        return map_tensors(ready, self._output) if self._output.__class__ is not torch.Tensor else self._output
+
+    @property
+    def grad(self) -> Any:
+        """Gradient of the loss w.r.t. this call's output (same structure, ``None`` for leaves without one)."""
+        if self._grad is None:
+            raise NoGradientError(f"gradients of {self.layer!r} were not captured; use capture(..., grads=True)")
+        return self._grad.build(self._output, f"the output of {self.layer!r} (call {self.index})")
+
+    @property
+    def input_grad(self) -> Inputs:
+        """Gradient w.r.t. this call's inputs (through this layer only), as :class:`Inputs`."""
+        if self._in_grad is None or self.inputs is None:
+            raise NoGradientError(
+                f"input gradients of {self.layer!r} were not captured; use capture(..., inputs=True, grads=True)"
+            )
+        g = self._in_grad.build((self._raw_inputs_structure()), f"the inputs of {self.layer!r} (call {self.index})")
+        return Inputs(tuple(g[0]), dict(g[1]))
+
+    def _raw_inputs_structure(self) -> tuple[Any, Any]:
+        assert self.inputs is not None
+        return (self.inputs.args, self.inputs.kwargs)
+
+    def __repr__(self) -> str:
+        from ._nested import describe
+
+        out = "?" if self._output is _UNSET else describe(self._output)
+        return f"Call({self.layer!r}, index={self.index}, output={out})"
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
+class _Recorder:
+    """Per-scope recording logic shared by :class:`Capture` and :class:`FeatureExtractor`."""
+
+    def __init__(
+        self,
+        *,
+        inputs: bool,
+        grads: bool,
+        detach: bool,
+        clone: bool,
+        to: torch.device | None,
+        keep: str,
+    ) -> None:
+        self.want_inputs, self.want_grads = inputs, grads
+        self.detach, self.clone, self.to, self.keep = detach, clone, to, keep
+        self.calls: dict[str, list[Call]] = {}
+        self.counts: dict[str, int] = {}
+        self.warned: set[str] = set()
+
+    def store(self, value: Any, versions: list[tuple[torch.Tensor, int]] | None) -> Any:
+        detach, clone, to = self.detach, self.clone, self.to
+
+        def one(t: torch.Tensor) -> Any:
+            if detach:
+                t = t.detach()
+            if clone:
+                t = t.clone()
+            elif to is None and versions is not None and not t.is_inference():
+                versions.append((t, t._version))
+            if to is not None:
+                return move(t, to)
+            return t
+
+        if value.__class__ is torch.Tensor:
+            return one(value)
+        return map_tensors(one, value)
+
+    def new_call(self, name: str) -> Call:
+        index = self.counts.get(name, 0)
+        self.counts[name] = index + 1
+        call = Call(name, index)
+        if self.keep == "last":
+            self.calls[name] = [call]
+        else:
+            self.calls.setdefault(name, []).append(call)
+        return call
+
+    def attach_grads(self, scope: HookScope, name: str, value: Any, what: str) -> tuple[_GradSlots, Any]:
+        """Register gradient hooks on the tensors of ``value``; return the slots."""
+        leaves = list(iter_tensors(value))
+        needs = [t.requires_grad for _, t in leaves]
+        reason = None if any(needs) else _nograd_reason()
+        if reason is not None and not torch.is_grad_enabled():
+            warn_once(
+                self.warned,
+                "nograd",
+                f"capture(grads=True): {reason}, so no gradient will be recorded for {name!r}",
+            )
+        slots = _GradSlots(len(leaves), reason)
+        for i, (_, t) in enumerate(leaves):
+            if t.requires_grad:
+                scope.add_activation_grad_hook(t, slots.hook(i, self.to), layer=name)
+        return slots, value
+
+
+class Capture(Mapping[str, Any]):
+    """Result of :func:`capture`: a read-only mapping ``{layer: output of its last call}``.
+
+    Also a context manager (exiting removes the hooks; recorded values stay readable).
+
+    Attributes:
+        grads: mapping ``{layer: gradient w.r.t. the output of its last call}``.
+        inputs: mapping ``{layer: Inputs(args, kwargs) of its last call}``.
+        layers: the layers that were selected, in model order.
+    """
+
+    def __init__(self, model: nn.Module, named: dict[str, nn.Module], recorder: _Recorder, stop: bool) -> None:
+        self._model_type = type(model).__name__
+        self._rec = recorder
+        self.layers: list[str] = list(named)
+        self._scope = HookScope("capture")
+        self._stop = stop
+        self.grads = _GradView(self)
+        self.inputs = _InputView(self)
+        try:
+            self._register(named)
+        except BaseException:
+            self._scope.remove()
+            raise
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _register(self, named: dict[str, nn.Module]) -> None:
+        rec, scope = self._rec, self._scope
+        pending: set[str] | None = set(named) if self._stop else None
+        stop_signal = scope.stop_signal
+        track_versions = not rec.clone and rec.detach
+
+        def finish(name: str) -> None:
+            if pending is not None and name in pending:
+                pending.discard(name)
+                if not pending:
+                    raise stop_signal()
+
+        for name, module in named.items():
+            if rec.want_inputs:
+                self._register_with_inputs(name, module, finish)
+                continue
+
+            def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
+                if in_backward():  # activation checkpointing re-running forward (PITFALL 27)
+                    return
+                call = rec.new_call(name)
+                versions: list[tuple[torch.Tensor, int]] | None = [] if track_versions else None
+                call._output = rec.store(output, versions)
+                call._versions = versions
+                if rec.want_grads:
+                    call._grad, _ = rec.attach_grads(scope, name, output, f"{name!r}")
+                if pending is not None:
+                    finish(name)
+
+            scope.add_forward(module, hook, layer=name)
+
+    def _register_with_inputs(self, name: str, module: nn.Module, finish: Any) -> None:
+        rec, scope = self._rec, self._scope
+        stack: list[Call] = []
+        track_versions = not rec.clone and rec.detach
+
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            if in_backward():
+                return None
+            call = rec.new_call(name)
+            stack.append(call)
+            replaced = None
+            if rec.want_grads and torch.is_grad_enabled() and any(t.requires_grad for _, t in iter_tensors((args, kwargs))):
+                # Route each input through its own identity view so the gradient we record is the
+                # one flowing through this layer only (a tensor also used elsewhere, e.g. a residual,
+                # gets the rest of its gradient from other paths). Same tensor -> same view, so
+                # identity checks such as `query is key` keep their path (PITFALL 4).
+                views: dict[int, torch.Tensor] = {}
+
+                def alias(t: torch.Tensor) -> torch.Tensor:
+                    if not t.requires_grad:
+                        return t
+                    v = views.get(id(t))
+                    if v is None:
+                        v = views[id(t)] = t.view_as(t)
+                    return v
+
+                replaced = (map_tensors(alias, args), map_tensors(alias, kwargs))
+                call._in_grad, _ = rec.attach_grads(scope, name, replaced, f"inputs of {name!r}")
+            versions: list[tuple[torch.Tensor, int]] | None = [] if track_versions else None
+            a, k = replaced if replaced is not None else (args, kwargs)
+            call.inputs = Inputs(rec.store(tuple(a), versions), rec.store(dict(k), versions))
+            return replaced
+
+        def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if in_backward() or not stack:
+                return
+            call = stack.pop()
+            versions: list[tuple[torch.Tensor, int]] | None = [] if track_versions else None
+            call._output = rec.store(output, versions)
+            call._versions = versions
+            if rec.want_grads:
+                call._grad, _ = rec.attach_grads(scope, name, output, f"{name!r}")
+            finish(name)
+
+        scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
+        scope.add_forward(module, post, layer=name, with_kwargs=True)
+
+    # -- context manager ------------------------------------------------------------------------
+    def __enter__(self) -> Capture:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        suppressed = self._scope.__exit__(exc_type, exc, tb)
+        if self._stop and exc is None:
+            missing = self.missing
+            if missing:
+                raise LayerNotRunError(
+                    f"capture(stop=True): layer(s) {', '.join(map(repr, missing))} of {self._model_type} "
+                    f"never ran, so the forward pass was not stopped early; {_NEVER_RAN_HINT}"
+                )
+        return suppressed
+
+    def remove(self) -> None:
+        """Remove the hooks now (values recorded so far stay readable)."""
+        self._scope.remove()
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are still attached."""
+        return self._scope.active
+
+    # -- reading --------------------------------------------------------------------------------
+    @property
+    def missing(self) -> list[str]:
+        """Selected layers that have not run (yet)."""
+        return [n for n in self.layers if not self._rec.calls.get(n)]
+
+    def calls(self, layer: str) -> list[Call]:
+        """Every recorded call of ``layer``, in order (a module used twice gives two)."""
+        self._check(layer)
+        return list(self._rec.calls.get(layer, ()))
+
+    def last(self, layer: str) -> Call:
+        """The last recorded call of ``layer``."""
+        self._check(layer)
+        calls = self._rec.calls.get(layer)
+        if not calls:
+            raise LayerNotRunError(f"layer {layer!r} was selected but nothing was recorded: {_NEVER_RAN_HINT}")
+        return calls[-1]
+
+    def _check(self, layer: str) -> None:
+        if layer not in self.layers:
+            hint = suggest(layer, self.layers)
+            raise LayerNotFoundError(
+                f"{layer!r} is not a captured layer; captured: "
+                + ", ".join(repr(x) for x in (hint or self.layers[:8]))
+            )
+
+    def clear(self) -> None:
+        """Drop every recorded call (keeps the hooks)."""
+        self._rec.calls.clear()
+        self._rec.counts.clear()
+
+    def __getitem__(self, layer: str) -> Any:
+        return self.last(layer).output
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n in self.layers if self._rec.calls.get(n))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "closed"
+        done = {n: len(self._rec.calls.get(n, ())) for n in self.layers}
+        return f"<Capture {state} {done}>"
+
+
+class _GradView(Mapping[str, Any]):
+    def __init__(self, cap: Capture) -> None:
+        self._cap = cap
+
+    def __getitem__(self, layer: str) -> Any:
+        return self._cap.last(layer).grad
+
+    def __iter__(self) -> Iterator[str]:
+        for n in self._cap:
+            g = self._cap.last(n)._grad
+            if g is not None and any(x is not None for x in g.grads):
+                yield n
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _InputView(Mapping[str, Inputs]):
+    def __init__(self, cap: Capture) -> None:
+        self._cap = cap
+
+    def __getitem__(self, layer: str) -> Inputs:
+        call = self._cap.last(layer)
+        if call.inputs is None:
+            raise LayerNotRunError(f"inputs of {layer!r} were not captured; use capture(..., inputs=True)")
+        return Inputs(tuple(map_tensors(ready, call.inputs.args)), map_tensors(ready, call.inputs.kwargs))
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n in self._cap if self._cap.last(n).inputs is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def capture(
+    model: nn.Module,
+    layers: Any,
+    *,
+    inputs: bool = False,
+    grads: bool = False,
+    detach: bool = True,
+    clone: bool = False,
+    to: str | torch.device | None = None,
+    stop: bool = False,
+    keep: Literal["all", "last"] = "all",
+) -> Capture:
+    """Record the outputs (and optionally inputs and gradients) of layers, every call, in order.
+
+    Hooks are attached when called and removed when the ``with`` block exits (or on
+    :meth:`Capture.remove`); what was recorded stays readable afterwards.
+
+    Args:
+        model: any ``nn.Module``.
+        layers: a selector or list of selectors (see :func:`find`), or a ``{name: module}`` dict.
+        inputs: also record positional and keyword inputs (``cap.inputs[name]``).
+        grads: also record gradients w.r.t. outputs (``cap.grads[name]``), and w.r.t. inputs when
+            ``inputs=True`` (``cap.last(name).input_grad``). Uses tensor hooks, so in-place ops
+            (``ReLU(inplace=True)``) are fine; never the legacy backward hook.
+        detach: store detached tensors (the default; keeps no autograd graph alive).
+        clone: store copies, immune to later in-place changes by the model.
+        to: move stored tensors to this device (asynchronous from CUDA to CPU).
+        stop: end the forward pass as soon as every selected layer has run once (the exception
+            used for that is swallowed when the ``with`` block exits). A selected layer that never
+            runs raises :class:`LayerNotRunError` at exit.
+        keep: ``"all"`` keeps every call; ``"last"`` only the latest per layer (long loops).
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> x = torch.randn(2, 3)
+        >>> with hs.capture(net, ["0", "2"], grads=True) as cap:
+        ...     net(x).sum().backward()
+        >>> cap["0"].shape, cap.grads["2"].tolist()
+        (torch.Size([2, 4]), [[1.0], [1.0]])
+    """
+    check_model(model)
+    named = resolve(model, layers)
+    if keep not in ("all", "last"):
+        raise ValueError(f"keep must be 'all' or 'last', got {keep!r}")
+    device = torch.device(to) if to is not None else None
+    recorder = _Recorder(inputs=inputs, grads=grads, detach=detach, clone=clone, to=device, keep=keep)
+    return Capture(model, named, recorder, stop)
+

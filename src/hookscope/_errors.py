@@ -1,0 +1,57 @@
+"""hookscope's exception and warning hierarchy.
+
+Every error hookscope raises for a user mistake derives from :class:`HookscopeError`, so a caller
+can catch them all in one place. Errors that are also lookups (an unknown layer) derive from
+:class:`KeyError` too, so ``except KeyError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HookConflictError",
+    "HookscopeError",
+    "HookscopeWarning",
+    "InPlaceModifiedWarning",
+    "LayerNotFoundError",
+    "LayerNotRunError",
+    "NoGradientError",
+    "UnsupportedModelError",
+]
+
+
+class HookscopeError(Exception):
+    """Base class of every error hookscope raises."""
+
+
+class _KeyErrorMixin(KeyError):
+    # KeyError.__str__ quotes its argument (repr); we want the plain message.
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class LayerNotFoundError(_KeyErrorMixin, HookscopeError):
+    """A layer name, glob, type or predicate matched nothing; the message lists the closest names."""
+
+
+class LayerNotRunError(_KeyErrorMixin, HookscopeError):
+    """A selected layer exists but was never called (so nothing was captured for it)."""
+
+
+class NoGradientError(_KeyErrorMixin, HookscopeError):
+    """No gradient reached a captured value (backward not run, no_grad, or not part of the loss)."""
+
+
+class HookConflictError(HookscopeError):
+    """A hook hookscope needs cannot coexist with hooks already on the module."""
+
+
+class UnsupportedModelError(HookscopeError):
+    """The model cannot carry Python hooks (TorchScript) or would silently ignore them (compiled)."""
+
+
+class HookscopeWarning(UserWarning):
+    """Base class of hookscope's warnings."""
+
+
+class InPlaceModifiedWarning(HookscopeWarning):
+    """A captured tensor was modified in place by the model after it was captured."""

@@ -1,0 +1,138 @@
+"""List every hook on a model (hookscope's and everyone else's) and remove only hookscope's.
+
+PyTorch has no public "list/remove all hooks" (pytorch#2847), and DDP, FSDP, checkpointing and
+other libraries add their own, so a blanket clear would break them. hookscope reads PyTorch's hook
+dicts and tells its own hooks apart by their type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+from torch.nn.modules import module as _module_mod
+
+from ._scope import _Hook, _InertHook
+
+__all__ = ["HookInfo", "hooks_on", "remove_hooks"]
+
+# (attribute on the module, kind reported)
+_MODULE_DICTS = (
+    ("_forward_pre_hooks", "forward_pre"),
+    ("_forward_hooks", "forward"),
+    ("_backward_pre_hooks", "backward_pre"),
+    ("_backward_hooks", "backward"),
+)
+# Side tables keyed by hook id that must be cleaned together with the main dict.
+_SIDE_TABLES = {
+    "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+    "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+}
+_TENSOR_DICTS = (("_backward_hooks", "tensor"), ("_post_accumulate_grad_hooks", "post_accumulate_grad"))
+_GLOBAL_DICTS = (
+    ("_global_forward_pre_hooks", "global_forward_pre"),
+    ("_global_forward_hooks", "global_forward"),
+    ("_global_backward_pre_hooks", "global_backward_pre"),
+    ("_global_backward_hooks", "global_backward"),
+)
+
+
+@dataclass(frozen=True)
+class HookInfo:
+    """One hook found on a model.
+
+    Attributes:
+        kind: ``forward_pre``, ``forward``, ``backward`` (full, or ``legacy_backward``),
+            ``backward_pre``, ``tensor`` (a parameter's gradient hook), ``post_accumulate_grad``,
+            or ``global_*`` for hooks registered for every module.
+        layer: dotted module name (a parameter's name for parameter hooks, ``*`` for global hooks).
+        owner: ``"hookscope"`` for hooks hookscope added (``feature`` says which), else ``"other"``.
+        feature: the hookscope feature that owns it (``capture``, ``edit``, ...), or the hook's
+            ``module.qualname`` for other hooks.
+        hook: the registered callable.
+    """
+
+    kind: str
+    layer: str
+    owner: str
+    feature: str
+    hook: Any = None
+
+    def __repr__(self) -> str:
+        return f"HookInfo({self.kind}, layer={self.layer!r}, owner={self.owner}, feature={self.feature!r})"
+
+
+def _describe(fn: Any) -> tuple[str, str]:
+    if isinstance(fn, (_Hook, _InertHook)):
+        return "hookscope", fn.owner + (" (inert copy)" if isinstance(fn, _InertHook) else "")
+    target = getattr(fn, "__func__", fn)
+    mod = getattr(target, "__module__", None) or type(target).__module__
+    qual = getattr(target, "__qualname__", None) or type(target).__qualname__
+    return "other", f"{mod}.{qual}"
+
+
+def _iter(model: nn.Module) -> Iterator[tuple[Any, str, str, Any, int]]:
+    """Yield (container, attr, kind, layer, hook_id) for every hook on the model."""
+    for name, mod in model.named_modules():
+        for attr, kind in _MODULE_DICTS:
+            d = getattr(mod, attr, None)
+            if not d:
+                continue
+            if attr == "_backward_hooks" and getattr(mod, "_is_full_backward_hook", None) is False:
+                kind = "legacy_backward"
+            for hid in list(d):
+                yield mod, attr, kind, name, hid
+    for pname, p in model.named_parameters():
+        for attr, kind in _TENSOR_DICTS:
+            d = getattr(p, attr, None)
+            if not d:
+                continue
+            for hid in list(d):
+                yield p, attr, kind, pname, hid
+
+
+def hooks_on(model: nn.Module, *, include_global: bool = True) -> list[HookInfo]:
+    """Every hook on ``model``: its modules' hooks, its parameters' hooks and global module hooks.
+
+    Example:
+        >>> import torch.nn as nn, hookscope as hs
+        >>> net = nn.Linear(2, 2)
+        >>> h = net.register_forward_hook(lambda m, i, o: None)
+        >>> [(x.kind, x.owner) for x in hs.hooks_on(net)]
+        [('forward', 'other')]
+        >>> h.remove()
+    """
+    found = []
+    for container, attr, kind, layer, hid in _iter(model):
+        fn = getattr(container, attr)[hid]
+        owner, feature = _describe(fn)
+        found.append(HookInfo(kind, layer, owner, feature, fn))
+    if include_global:
+        for attr, kind in _GLOBAL_DICTS:
+            for fn in getattr(_module_mod, attr, {}).values():
+                owner, feature = _describe(fn)
+                found.append(HookInfo(kind, "*", owner, feature, fn))
+    return found
+
+
+def remove_hooks(model: nn.Module) -> int:
+    """Remove every hook hookscope added to ``model`` (and inert copies); return how many.
+
+    Hooks from PyTorch, DDP, FSDP, checkpointing or the user are left in place.
+    """
+    removed = 0
+    for container, attr, _kind, _layer, hid in _iter(model):
+        d = getattr(container, attr)
+        if isinstance(d.get(hid), (_Hook, _InertHook)):
+            del d[hid]
+            for side in _SIDE_TABLES.get(attr, ()):
+                table = getattr(container, side, None)
+                if table is not None and hid in table:
+                    if isinstance(table, dict):
+                        del table[hid]
+                    else:
+                        table.discard(hid)
+            removed += 1
+    return removed

@@ -1,0 +1,110 @@
+"""``observe`` and ``tensor_grads``: call a function on every layer call, or collect tensor grads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._capture import Call, Inputs
+from ._errors import HookscopeError, NoGradientError
+from ._scope import HookScope, check_model
+from ._select import resolve
+
+__all__ = ["TensorGrads", "observe", "tensor_grads"]
+
+
+def observe(model: nn.Module, layers: Any, fn: Callable[[Call], Any]) -> HookScope:
+    """Call ``fn(call)`` after every call of the selected layers, while the scope is active.
+
+    ``call`` is a :class:`Call` holding the layer name, call index, inputs and the (not detached)
+    output. ``fn``'s return value is ignored, so ``lambda c: c.output.register_hook(f)`` (which
+    returns a handle) cannot replace the output by accident (PITFALL 11); use :func:`edit` to
+    change values.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+        >>> seen = []
+        >>> with hs.observe(net, "*", lambda c: seen.append((c.layer, tuple(c.output.shape)))):
+        ...     _ = net(torch.zeros(4, 2))
+        >>> seen
+        [('0', (4, 3)), ('1', (4, 3))]
+    """
+    check_model(model)
+    named = resolve(model, layers)
+    scope = HookScope("observe")
+    counts: dict[str, int] = {}
+    for name, module in named.items():
+
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+            index = counts.get(name, 0)
+            counts[name] = index + 1
+            call = Call(name, index)
+            call._output = output
+            call.inputs = Inputs(tuple(args), dict(kwargs))
+            fn(call)  # return value deliberately ignored
+
+        scope.add_forward(module, hook, layer=name, with_kwargs=True)
+    return scope
+
+
+class TensorGrads(Sequence[torch.Tensor]):
+    """Gradients of given tensors, collected by :func:`tensor_grads` (index like the arguments)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._scope = HookScope("tensor_grads")
+        self._grads: list[torch.Tensor | None] = [None] * len(tensors)
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"tensor_grads takes tensors; argument {i} is {type(t).__name__}")
+            if not t.requires_grad:
+                raise HookscopeError(f"tensor_grads: argument {i} does not require grad, so it never gets a gradient")
+            self._scope.add_activation_grad_hook(t, self._recorder(i), layer=f"<tensor {i}>")
+
+    def _recorder(self, i: int) -> Callable[[torch.Tensor], None]:
+        def record(grad: torch.Tensor) -> None:
+            g = grad.detach()
+            prev = self._grads[i]
+            self._grads[i] = g if prev is None else prev + g
+
+        return record
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+        g = self._grads[i]
+        if g is None:
+            raise NoGradientError(f"no gradient reached tensor {i}: backward() has not run, or it is not part of the loss")
+        return g
+
+    def __len__(self) -> int:
+        return len(self._grads)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (self[i] for i in range(len(self)))
+
+    def __enter__(self) -> TensorGrads:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._scope.remove()
+
+    def remove(self) -> None:
+        """Stop collecting (recorded gradients stay readable)."""
+        self._scope.remove()
+
+
+def tensor_grads(*tensors: torch.Tensor) -> TensorGrads:
+    """Collect the gradients of any tensors (non-leaf too) without ``retain_grad()``.
+
+    Example:
+        >>> import torch, hookscope as hs
+        >>> a = torch.ones(3, requires_grad=True)
+        >>> b = 2 * a
+        >>> with hs.tensor_grads(b) as g:
+        ...     b.mean().backward()
+        >>> g[0].tolist()
+        [0.3333333432674408, 0.3333333432674408, 0.3333333432674408]
+    """
+    return TensorGrads(tensors)

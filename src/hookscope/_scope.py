@@ -1,0 +1,273 @@
+"""The hook engine: every hook hookscope adds is owned by a :class:`HookScope`.
+
+A scope registers hooks through PyTorch's public API, keeps their handles, and removes them all
+on :meth:`HookScope.remove` (idempotent), on ``with`` exit, on an exception and on
+``KeyboardInterrupt``. Nested scopes remove only their own hooks. The callable placed in PyTorch's
+hook dicts is a :class:`_Hook`, which marks the hook as hookscope's (so :func:`hooks_on` can tell
+them apart and :func:`remove_hooks` removes only ours), never holds the module (so the model is
+freed by reference counting alone) and turns into an inert no-op when the model is deep-copied or
+pickled (so ``copy.deepcopy(model)`` does not write into the original's store and
+``torch.save(model)`` works while hooks are attached).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError
+from ._nested import describe_call
+
+__all__ = ["HookScope", "check_model", "in_backward", "note_exception"]
+
+_scope_ids = itertools.count(1)
+
+
+class _InertHook:
+    """What a hookscope hook becomes in a deep copy or a pickle: does nothing, returns None."""
+
+    __slots__ = ("kind", "layer", "owner")
+
+    def __init__(self, owner: str, kind: str, layer: str) -> None:
+        self.owner, self.kind, self.layer = owner, kind, layer
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<inert hookscope {self.kind} hook of {self.owner} on {self.layer!r}>"
+
+
+class _Hook:
+    """The callable hookscope registers with PyTorch. Holds the function, not the module."""
+
+    __slots__ = ("fn", "kind", "layer", "owner", "scope_id")
+
+    def __init__(self, fn: Callable[..., Any], owner: str, kind: str, layer: str, scope_id: int) -> None:
+        self.fn, self.owner, self.kind, self.layer, self.scope_id = fn, owner, kind, layer, scope_id
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
+        return _InertHook(self.owner, self.kind, self.layer)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_InertHook, (self.owner, self.kind, self.layer))
+
+    def __repr__(self) -> str:
+        return f"<hookscope {self.kind} hook of {self.owner} on {self.layer!r}>"
+
+
+def check_model(model: nn.Module) -> None:
+    """Refuse models whose hooks would fail or be silently ignored (PITFALLS 15, 16)."""
+    if isinstance(model, torch.jit.ScriptModule):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is a TorchScript module, which cannot run Python hooks; "
+            "use the original nn.Module (before torch.jit.script/trace)"
+        )
+    orig = getattr(model, "_orig_mod", None)
+    if isinstance(orig, nn.Module) and type(model).__name__ == "OptimizedModule":
+        raise UnsupportedModelError(
+            "this model is wrapped by torch.compile: hooks added after compiling are silently "
+            "ignored by the compiled graph (pytorch#117758). Attach hookscope to the uncompiled "
+            "model (model._orig_mod), or before calling torch.compile"
+        )
+
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. activation checkpointing re-runs forward)."""
+    return _graph_task_id is not None and _graph_task_id() != -1
+
+
+_noted: threading.local = threading.local()
+
+
+def note_exception(layer: str, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+    """From an ``always_call`` forward hook: if ``forward`` is raising, name the layer in the error.
+
+    PyTorch calls ``always_call`` hooks from inside its ``except`` block, so the exception being
+    raised is visible through :func:`sys.exc_info`; the innermost layer sees it first, and only that
+    one adds a note (``layer 'x' (Conv2d) got input shapes ...``) to the original exception.
+    """
+    exc = sys.exc_info()[1]
+    if exc is None or getattr(_noted, "exc", None) is exc or isinstance(exc, _StopSignal):
+        return
+    _noted.exc = exc
+    shown = layer if layer else "<root>"
+    note = f"hookscope: raised inside layer {shown!r} ({type(module).__name__}), called with input shapes {describe_call(args, kwargs)}"
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    try:
+        exc.hookscope_layer = layer  # type: ignore[attr-defined]
+        exc.hookscope_inputs = describe_call(args, kwargs)  # type: ignore[attr-defined]
+    except Exception:
+        pass
+
+
+class _StopSignal(Exception):
+    """Raised from a hook to end a forward pass early; caught by the scope that raised it."""
+
+    def __init__(self, scope_id: int) -> None:
+        super().__init__(f"hookscope early stop (scope {scope_id})")
+        self.scope_id = scope_id
+
+
+class HookScope:
+    """Owns a set of hooks; removes them all on :meth:`remove` or at the end of a ``with`` block.
+
+    Features (capture, edit, trace, summary, monitor, CAM) are thin clients: they create a scope
+    and register through its ``add_*`` methods, which accept plain functions with PyTorch's hook
+    signatures.
+
+    Example:
+        >>> import torch, torch.nn as nn
+        >>> from hookscope import HookScope, hooks_on
+        >>> net = nn.Linear(2, 2)
+        >>> with HookScope("demo") as scope:
+        ...     _ = scope.add_forward(net, lambda m, i, o: None, layer="")
+        ...     len(hooks_on(net))
+        1
+        >>> len(hooks_on(net))
+        0
+    """
+
+    def __init__(self, owner: str = "hookscope") -> None:
+        self.owner = owner
+        self.id = next(_scope_ids)
+        self.active = True
+        self._handles: list[RemovableHandle] = []
+        self._on_remove: list[Callable[[], None]] = []
+
+    # -- registration -------------------------------------------------------------------------
+    def _wrap(self, fn: Callable[..., Any], kind: str, layer: str) -> _Hook:
+        if not self.active:
+            raise RuntimeError(f"{self!r} was removed; create a new scope to add hooks")
+        return _Hook(fn, self.owner, kind, layer, self.id)
+
+    def _keep(self, handle: RemovableHandle) -> RemovableHandle:
+        self._handles.append(handle)
+        return handle
+
+    def add_forward(
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        layer: str,
+        with_kwargs: bool = False,
+        always_call: bool = False,
+        prepend: bool = False,
+    ) -> RemovableHandle:
+        """``fn(module, args, output)`` (or ``fn(module, args, kwargs, output)``) after forward."""
+        hook = self._wrap(fn, "forward", layer)
+        return self._keep(
+            module.register_forward_hook(hook, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call)
+        )
+
+    def add_forward_pre(
+        self, module: nn.Module, fn: Callable[..., Any], *, layer: str, with_kwargs: bool = False, prepend: bool = False
+    ) -> RemovableHandle:
+        """``fn(module, args)`` (or ``fn(module, args, kwargs)``) before forward."""
+        hook = self._wrap(fn, "forward_pre", layer)
+        return self._keep(module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=with_kwargs))
+
+    def add_full_backward(self, module: nn.Module, fn: Callable[..., Any], *, layer: str) -> RemovableHandle:
+        """``fn(module, grad_input, grad_output)``: a full backward hook, for callers that need one.
+
+        hookscope's own features never use it (tensor hooks are in-place safe, PITFALLS 3-5), and
+        the legacy ``register_backward_hook`` is never used at all (PITFALL 1).
+        """
+        if getattr(module, "_is_full_backward_hook", None) is False:
+            raise HookConflictError(
+                f"layer {layer!r} ({type(module).__name__}) has had a legacy register_backward_hook; "
+                "PyTorch then refuses full backward hooks on it, even after that hook was removed. "
+                "Rebuild the module, or use hookscope's gradient capture (tensor hooks), which is unaffected"
+            )
+        hook = self._wrap(fn, "backward", layer)
+        return self._keep(module.register_full_backward_hook(hook))
+
+    def add_tensor_hook(self, tensor: torch.Tensor, fn: Callable[[torch.Tensor], Any], *, layer: str) -> RemovableHandle:
+        """``fn(grad) -> new_grad | None`` on a tensor, kept and removed with the scope (parameters).
+
+        For activations use :meth:`add_activation_grad_hook`, which does not keep a handle.
+        """
+        hook = self._wrap(fn, "tensor", layer)
+        return self._keep(tensor.register_hook(hook))
+
+    def add_activation_grad_hook(self, tensor: torch.Tensor, fn: Callable[[torch.Tensor], Any], *, layer: str) -> None:
+        """A gradient hook on an activation: lives as long as the autograd graph, inert once removed.
+
+        Keeping a handle per activation would grow without bound in a training loop; instead the
+        hook checks the scope and does nothing after :meth:`remove`.
+        """
+        scope = self
+
+        def guarded(grad: torch.Tensor) -> Any:
+            if scope.active:
+                return fn(grad)
+            return None
+
+        tensor.register_hook(_Hook(guarded, self.owner, "tensor", layer, self.id))
+
+    def add_post_accumulate_grad(self, param: torch.Tensor, fn: Callable[[torch.Tensor], None], *, layer: str) -> RemovableHandle:
+        """``fn(param)`` after ``param.grad`` was accumulated (PITFALLS 7 and 19)."""
+        hook = self._wrap(fn, "post_accumulate_grad", layer)
+        return self._keep(param.register_post_accumulate_grad_hook(hook))
+
+    def on_remove(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` when the scope is removed (release per-scope state)."""
+        self._on_remove.append(fn)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def num_hooks(self) -> int:
+        """Number of hooks this scope holds on modules and parameters."""
+        return len(self._handles)
+
+    def stop_signal(self) -> _StopSignal:
+        """The exception a hook raises to end the forward pass early; this scope swallows it."""
+        return _StopSignal(self.id)
+
+    def remove(self) -> None:
+        """Remove every hook of this scope. Safe to call several times."""
+        if not self.active:
+            return
+        self.active = False
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.remove()
+        callbacks, self._on_remove = self._on_remove, []
+        for cb in callbacks:
+            cb()
+
+    close = remove
+
+    def __enter__(self) -> HookScope:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        self.remove()
+        return isinstance(exc, _StopSignal) and exc.scope_id == self.id
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"<{type(self).__name__} {self.owner!r} #{self.id} {state}, {len(self._handles)} hooks>"
+
+
+def warn_once(store: set[str], key: str, message: str) -> None:
+    """Emit a :class:`HookscopeWarning` once per key (per scope)."""
+    if key not in store:
+        store.add(key)
+        warnings.warn(message, HookscopeWarning, stacklevel=3)

@@ -1,0 +1,135 @@
+"""Layer selection: turn names, globs, module types and predicates into ``{name: module}``.
+
+Every hookscope feature that takes ``layers`` resolves them here, so the rules (and the helpful
+errors) are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
+
+import torch.nn as nn
+
+from ._errors import LayerNotFoundError
+
+__all__ = ["Selector", "find", "resolve", "suggest"]
+
+Selector = Union[str, type, nn.Module, Callable[[str, nn.Module], bool]]
+"""A layer selector: an exact dotted name (``""`` is the root), a glob (``"layer*.conv2"``), a
+module class (``nn.ReLU``), a module instance, or a predicate ``(name, module) -> bool``."""
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    return next(iter(module.children()), None) is None
+
+
+def suggest(name: str, names: Iterable[str], n: int = 5) -> list[str]:
+    """The valid names closest to ``name`` (edit distance, then shared prefix, then siblings)."""
+    names = [x for x in names if x != ""]
+    close = difflib.get_close_matches(name, names, n=n, cutoff=0.6)
+    if len(close) < n:
+        # Names sharing the longest dotted prefix (siblings of a mistyped child).
+        parts = name.split(".")
+        for k in range(len(parts) - 1, -1, -1):
+            prefix = ".".join(parts[:k])
+            sib = [x for x in names if (x.startswith(prefix + ".") if prefix else "." not in x)]
+            if sib:
+                close += [x for x in difflib.get_close_matches(name, sib, n=n, cutoff=0.0) if x not in close]
+                break
+    return close[:n]
+
+
+def _not_found(what: str, names: list[str], query: str | None) -> LayerNotFoundError:
+    hint = suggest(query, names) if query is not None else []
+    if hint:
+        tail = "closest valid names: " + ", ".join(repr(h) for h in hint)
+    else:
+        sample = [x for x in names if x][:8]
+        tail = "some valid names: " + ", ".join(repr(h) for h in sample) + (" ..." if len(names) > 9 else "")
+    return LayerNotFoundError(f"{what}; {tail}")
+
+
+def _match(model_name: str, all_modules: dict[str, nn.Module], sel: Any) -> dict[str, nn.Module]:
+    if isinstance(sel, str):
+        if sel in all_modules:
+            return {sel: all_modules[sel]}
+        if _GLOB_CHARS & set(sel):
+            hit = {k: m for k, m in all_modules.items() if k and fnmatch.fnmatchcase(k, sel)}
+            if not hit:
+                raise _not_found(f"pattern {sel!r} matched no layer of {model_name}", list(all_modules), sel.replace("*", "").replace("?", ""))
+            return hit
+        raise _not_found(f"no layer named {sel!r} in {model_name}", list(all_modules), sel)
+    if isinstance(sel, type) and issubclass(sel, nn.Module):
+        hit = {k: m for k, m in all_modules.items() if isinstance(m, sel)}
+        if not hit:
+            present = sorted({type(m).__name__ for m in all_modules.values()})
+            raise LayerNotFoundError(
+                f"no layer of type {sel.__name__} in {model_name}; types present: {', '.join(present[:15])}"
+            )
+        return hit
+    if isinstance(sel, nn.Module):
+        for k, m in all_modules.items():
+            if m is sel:
+                return {k: m}
+        raise LayerNotFoundError(f"the {type(sel).__name__} instance given is not a submodule of {model_name}")
+    if callable(sel):
+        hit = {k: m for k, m in all_modules.items() if sel(k, m)}
+        if not hit:
+            raise LayerNotFoundError(f"predicate {getattr(sel, '__name__', sel)!r} matched no layer of {model_name}")
+        return hit
+    raise TypeError(
+        f"a layer selector must be a name, glob, module class, module or predicate (name, module) -> bool; "
+        f"got {type(sel).__name__}: {sel!r}"
+    )
+
+
+def find(model: nn.Module, *selectors: Selector, leaves: bool = False) -> dict[str, nn.Module]:
+    """Select layers of ``model`` and return ``{dotted_name: module}`` in the model's order.
+
+    Each selector is an exact dotted name (``""`` is the model itself), a glob (``*`` also matches
+    dots), a module class, a module instance or a predicate ``(name, module) -> bool``. With no
+    selector every module is returned. ``leaves=True`` keeps only modules without children. Every
+    selector must match at least one layer, so typos fail loudly.
+
+    Raises:
+        LayerNotFoundError: a selector matched nothing; the message lists the closest valid names.
+
+    Example:
+        >>> import torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> list(hs.find(net, nn.Linear))
+        ['0', '2']
+        >>> list(hs.find(net, leaves=True))
+        ['0', '1', '2']
+    """
+    all_modules = dict(model.named_modules())
+    model_name = type(model).__name__
+    if not selectors:
+        chosen = all_modules
+    else:
+        chosen_names: set[str] = set()
+        for sel in selectors:
+            chosen_names.update(_match(model_name, all_modules, sel))
+        chosen = {k: m for k, m in all_modules.items() if k in chosen_names}
+    if leaves:
+        chosen = {k: m for k, m in chosen.items() if _is_leaf(m)}
+    return chosen
+
+
+def resolve(model: nn.Module, layers: Any) -> dict[str, nn.Module]:
+    """Resolve a ``layers`` argument: one selector, or an iterable/mapping of selectors."""
+    if layers is None:
+        return find(model)
+    if isinstance(layers, Mapping):
+        return find(model, *layers.keys())
+    if isinstance(layers, (str, type, nn.Module)) or (callable(layers) and not isinstance(layers, Iterable)):
+        return find(model, layers)
+    layers = list(layers)
+    if not layers:
+        raise ValueError("layers is empty: name at least one layer (a name, glob, type or predicate)")
+    return find(model, *layers)
