@@ -63,7 +63,7 @@ class _GradSlots:
             reason = self.reason or "backward() has not reached it yet, or it does not contribute to the loss"
             raise NoGradientError(f"no gradient for {what}: {reason}")
         it = iter(self.grads)
-        return map_tensors(lambda _t: next(it), like)
+        return map_tensors(lambda _t: next(it), like, other=lambda _x: None)
 
 
 class Call:

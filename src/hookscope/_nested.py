@@ -44,10 +44,11 @@ def iter_tensors(obj: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor
             yield from iter_tensors(getattr(obj, f.name), (*path, f.name))
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
+def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any, other: Callable[[Any], Any] | None = None) -> Any:
     """Return ``obj`` rebuilt with ``fn`` applied to every tensor; other leaves are kept as is.
 
     Containers keep their type (namedtuples, ``OrderedDict``, ``ModelOutput``, dataclasses).
+    ``other``, if given, maps the non-tensor leaves (e.g. ``lambda _: None``).
 
     >>> map_tensors(lambda t: t + 1, (torch.zeros(1), "keep"))
     (tensor([1.]), 'keep')
@@ -55,12 +56,12 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, list):
-        return [map_tensors(fn, v) for v in obj]
+        return [map_tensors(fn, v, other) for v in obj]
     if isinstance(obj, tuple):
-        vals = [map_tensors(fn, v) for v in obj]
+        vals = [map_tensors(fn, v, other) for v in obj]
         return type(obj)(*vals) if _is_namedtuple(obj) else type(obj)(vals)
     if isinstance(obj, Mapping):
-        new = {k: map_tensors(fn, v) for k, v in obj.items()}
+        new = {k: map_tensors(fn, v, other) for k, v in obj.items()}
         try:
             out = copy.copy(obj)
             for k, v in new.items():
@@ -71,9 +72,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = copy.copy(obj)
         for f in dataclasses.fields(obj):
-            object.__setattr__(out, f.name, map_tensors(fn, getattr(obj, f.name)))
+            object.__setattr__(out, f.name, map_tensors(fn, getattr(obj, f.name), other))
         return out
-    return obj
+    return obj if other is None or obj is None else other(obj)
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:
