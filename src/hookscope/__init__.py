@@ -12,6 +12,8 @@ Example:
 from __future__ import annotations
 
 from . import ops
+from ._cam import CAM, CAMError, cam_methods, get_cam
+from ._cam_methods import EigenCAM, GradCAM, GradCAMPlusPlus, HiResCAM, LayerCAM, ScoreCAM, XGradCAM
 from ._capture import Call, Capture, Inputs, capture
 from ._edit import clip_grads, edit, edit_grads
 from ._errors import (
@@ -24,43 +26,68 @@ from ._errors import (
     NoGradientError,
     UnsupportedModelError,
 )
+from ._extract import extract
 from ._extractor import FeatureExtractor
+from ._featstore import ExtractError, Features, IncompleteExtractionError, load_features
+from ._imagefolder import ImageFolder
 from ._inventory import HookInfo, hooks_on, remove_hooks
 from ._observe import TensorGrads, observe, tensor_grads
 from ._scope import HookScope
 from ._select import Selector, find
+from ._tokens import ReshapeError
 from ._trace import Trace, TraceEvent, trace
+from ._viz import feature_maps, overlay
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CAM",
+    "CAMError",
     "Call",
     "Capture",
+    "EigenCAM",
+    "ExtractError",
     "FeatureExtractor",
+    "Features",
+    "GradCAM",
+    "GradCAMPlusPlus",
+    "HiResCAM",
     "HookConflictError",
     "HookInfo",
     "HookScope",
     "HookscopeError",
     "HookscopeWarning",
+    "ImageFolder",
     "InPlaceModifiedWarning",
+    "IncompleteExtractionError",
     "Inputs",
+    "LayerCAM",
     "LayerNotFoundError",
     "LayerNotRunError",
     "NoGradientError",
+    "ReshapeError",
+    "ScoreCAM",
     "Selector",
     "TensorGrads",
     "Trace",
     "TraceEvent",
     "UnsupportedModelError",
+    "XGradCAM",
     "__version__",
+    "cam_methods",
     "capture",
     "clip_grads",
     "edit",
     "edit_grads",
+    "extract",
+    "feature_maps",
     "find",
+    "get_cam",
     "hooks_on",
+    "load_features",
     "observe",
     "ops",
+    "overlay",
     "remove_hooks",
     "tensor_grads",
     "trace",
