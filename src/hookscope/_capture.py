@@ -353,11 +353,11 @@ class Capture(Mapping[str, Any]):
 
     def _check(self, layer: str) -> None:
         if layer not in self.layers:
-            hint = suggest(layer, self.layers)
-            raise LayerNotFoundError(
-                f"{layer!r} is not a captured layer; captured: "
-                + ", ".join(repr(x) for x in (hint or self.layers[:8]))
-            )
+            if len(self.layers) <= 8:
+                listed = "the captured layers are " + ", ".join(repr(x) for x in self.layers)
+            else:
+                listed = "closest captured layers: " + ", ".join(repr(x) for x in suggest(layer, self.layers))
+            raise LayerNotFoundError(f"{layer!r} is not a captured layer; {listed}")
 
     def clear(self) -> None:
         """Drop every recorded call (keeps the hooks)."""

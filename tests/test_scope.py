@@ -1,0 +1,112 @@
+"""Scopes own their hooks: removal on exit / exception / KeyboardInterrupt, idempotent, nested."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+
+
+def _net():
+    return nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+
+
+def test_nested_scopes_remove_only_their_own():
+    net = _net()
+    x = torch.randn(1, 2)
+    with hs.capture(net, ["0", "2"]) as outer:
+        with hs.capture(net, "0", inputs=True) as inner, hs.edit(net, {"1": hs.ops.scale(2.0)}):
+            assert len(hs.hooks_on(net)) == 2 + 2 + 1
+            net(x)
+        assert [(i.kind, i.layer, i.feature) for i in hs.hooks_on(net)] == [
+            ("forward", "0", "capture"),
+            ("forward", "2", "capture"),
+        ]
+        net(x)
+    assert hs.hooks_on(net) == []
+    assert len(outer.calls("0")) == 2 and len(inner.calls("0")) == 1
+
+
+def test_remove_is_idempotent_and_scope_rejects_new_hooks():
+    net = _net()
+    scope = hs.edit(net, {"0": hs.ops.zero()})
+    scope.remove()
+    scope.remove()
+    with scope:
+        pass
+    assert hs.hooks_on(net) == []
+    with pytest.raises(RuntimeError, match="was removed"):
+        scope.add_forward(net, lambda m, i, o: None, layer="")
+
+
+@pytest.mark.parametrize("exc", [ValueError("boom"), KeyboardInterrupt()])
+def test_hooks_removed_on_exception_and_interrupt(exc):
+    net = _net()
+    with pytest.raises(type(exc)), hs.capture(net, "*", grads=True), hs.edit_grads(net, {"0.weight": hs.ops.zero()}):
+        net(torch.randn(1, 2)).sum().backward()
+        raise exc
+    assert hs.hooks_on(net) == []
+
+
+def test_scope_without_with_stays_until_removed():
+    net = _net()
+    handle = hs.clip_grads(net, value=0.1)
+    assert {i.kind for i in hs.hooks_on(net)} == {"tensor"}
+    assert handle.num_hooks == 4
+    handle.remove()
+    assert hs.hooks_on(net) == []
+
+
+def test_activation_grad_hooks_are_inert_after_exit():
+    net = _net()
+    x = torch.randn(1, 2)
+    with hs.edit_grads(net, {"2": hs.ops.zero()}):
+        out = net(x)  # grad hook registered on this graph
+    out.sum().backward()  # after the scope: no edit applied
+    assert net[0].weight.grad.abs().sum() > 0
+
+
+def test_torchscript_and_compiled_models_are_refused():
+    net = _net()
+    with pytest.warns(FutureWarning, match="deprecated"):
+        scripted = torch.jit.script(net)
+    with pytest.raises(hs.UnsupportedModelError, match="TorchScript"):
+        hs.capture(scripted, "0")
+
+    class FakeCompiled(nn.Module):  # same shape as torch._dynamo's OptimizedModule
+        def __init__(self, m):
+            super().__init__()
+            self._orig_mod = m
+
+    FakeCompiled.__name__ = "OptimizedModule"
+    with pytest.raises(hs.UnsupportedModelError, match="torch.compile"):
+        hs.edit(FakeCompiled(net), {"_orig_mod.0": hs.ops.zero()})
+
+
+def test_torch_compile_is_refused():
+    net = _net()
+    compiled = torch.compile(net)
+    with pytest.raises(hs.UnsupportedModelError, match=r"_orig_mod"):
+        hs.capture(compiled, "_orig_mod.0")
+
+
+def test_hooks_on_reports_kinds_and_legacy_hooks():
+    net = _net()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        h = net[2].register_backward_hook(lambda m, gi, go: None)
+    h2 = net[0].register_full_backward_pre_hook(lambda m, go: None)
+    with hs.capture(net, "1", inputs=True):
+        kinds = sorted((i.kind, i.layer, i.owner) for i in hs.hooks_on(net))
+    assert kinds == [
+        ("backward_pre", "0", "other"),
+        ("forward", "1", "hookscope"),
+        ("forward_pre", "1", "hookscope"),
+        ("legacy_backward", "2", "other"),
+    ]
+    h.remove()
+    h2.remove()
