@@ -1,0 +1,124 @@
+"""``ImageFolder``: a folder of images as a map-style dataset that knows each sample's file path.
+
+Unlike ``torchvision.datasets.ImageFolder`` it needs only Pillow, accepts a flat folder as well as
+one sub-folder per class, and names the file in its errors, which :func:`hookscope.extract` uses
+to report (or skip) an image that does not decode.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["IMAGE_EXTENSIONS", "ImageFolder"]
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif"})
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class ImageFolder(torch.utils.data.Dataset):
+    """Every image file under ``root`` (recursively, sorted by relative path), as ``(image, label)``.
+
+    ``label`` is the index of the first-level sub-folder (sorted), or 0 for files directly in
+    ``root``. Without ``transform`` an image becomes a float tensor ``(3, S, S)``: its shorter side
+    resized to ``S / 0.875`` (bilinear), centre-cropped to ``S = image_size`` and normalised with
+    the ImageNet mean and std, as the torchvision classification weights expect. With
+    ``image_size=None`` the image keeps its size. ``transform(pil_image)`` replaces all of this.
+
+    ``sample_id(i)`` is the file's path relative to ``root`` (the ``index`` that
+    :func:`hookscope.extract` saves). A file that does not decode raises an ``OSError`` naming it.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from PIL import Image
+        >>> root = tempfile.mkdtemp()
+        >>> Image.fromarray(np.zeros((40, 50, 3), np.uint8)).save(f"{root}/a.png")
+        >>> ds = ImageFolder(root, image_size=32)
+        >>> len(ds), ds.sample_id(0), tuple(ds[0][0].shape)
+        (1, 'a.png', (3, 32, 32))
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        image_size: int | None = 224,
+        transform: Callable[[Any], Any] | None = None,
+        extensions: frozenset[str] | set[str] = IMAGE_EXTENSIONS,
+    ) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"image folder {str(root)!r} does not exist or is not a directory")
+        exts = {e.lower() for e in extensions}
+        files = sorted(
+            p.relative_to(self.root).as_posix()
+            for p in self.root.rglob("*")
+            if p.suffix.lower() in exts and p.is_file()
+        )
+        if not files:
+            raise FileNotFoundError(
+                f"no image files ({', '.join(sorted(exts))}) under {str(root)!r}"
+            )
+        self.classes = sorted({f.split("/", 1)[0] for f in files if "/" in f})
+        cls_index = {c: i for i, c in enumerate(self.classes)}
+        self.samples: list[tuple[str, int]] = [
+            (str(self.root / f), cls_index[f.split("/", 1)[0]] if "/" in f else 0) for f in files
+        ]
+        self.files = files
+        self.image_size = image_size
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def sample_id(self, i: int) -> str:
+        """The path of sample ``i`` relative to ``root``."""
+        return self.files[i]
+
+    def load(self, i: int) -> Any:
+        """Sample ``i`` as an RGB ``PIL.Image`` (decoded fully, so a truncated file fails here)."""
+        try:
+            from PIL import Image
+        except ImportError:  # pragma: no cover - pillow is an optional dependency
+            raise ImportError("reading image folders needs Pillow: pip install 'hookscope[viz]'") from None
+        path = self.samples[i][0]
+        try:
+            with Image.open(path) as im:
+                return im.convert("RGB")
+        except Exception as e:
+            raise OSError(f"cannot decode image {path}: {type(e).__name__}: {e}") from e
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        image = self.load(i)
+        label = self.samples[i][1]
+        if self.transform is not None:
+            return self.transform(image), label
+        return to_tensor(image, self.image_size), label
+
+    def __repr__(self) -> str:
+        return f"ImageFolder({str(self.root)!r}, {len(self)} images, {len(self.classes)} classes, image_size={self.image_size})"
+
+
+def to_tensor(image: Any, size: int | None) -> torch.Tensor:
+    """Resize (shorter side to ``size / 0.875``), centre-crop ``size``, scale to [0, 1], normalise."""
+    from PIL import Image
+
+    if size is not None:
+        w, h = image.size
+        short = round(size / 0.875)
+        if w <= h:
+            nw, nh = short, max(short, round(h * short / w))
+        else:
+            nw, nh = max(short, round(w * short / h)), short
+        image = image.resize((nw, nh), Image.Resampling.BILINEAR)
+        left, top = (nw - size) // 2, (nh - size) // 2
+        image = image.crop((left, top, left + size, top + size))
+    arr = np.asarray(image, dtype=np.float32) / 255.0
+    arr = (arr - np.asarray(IMAGENET_MEAN, np.float32)) / np.asarray(IMAGENET_STD, np.float32)
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
