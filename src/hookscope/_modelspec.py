@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,7 +112,7 @@ def load_model(spec: str) -> nn.Module:
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"1,3,224,224"`` (or ``1x3x224x224``) -> ``(1, 3, 224, 224)``."""
-    parts = [p for p in text.replace("x", ",").replace(" ", "").split(",") if p != ""]
+    parts = re.split(r"[,x×]", text.strip().strip("()[]").replace(" ", ""))
     try:
         shape = tuple(int(p) for p in parts)
     except ValueError:
