@@ -331,6 +331,16 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
+def _model_name(model: nn.Module) -> str:
+    """``package.module.Class``; for a model loaded from a file (CLI ``path.py:Name``) ``path.py:Class``,
+    stable across processes (the module name the loader invents is not)."""
+    cls = type(model)
+    mod = sys.modules.get(cls.__module__)
+    if cls.__module__.startswith("_hookscope_user_") and getattr(mod, "__file__", None):
+        return f"{Path(mod.__file__).name}:{cls.__qualname__}"  # type: ignore[union-attr, arg-type]
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _fingerprint(model: nn.Module, names: list[str], pool: str, dtype: torch.dtype | None, n: int, batch_size: int, index: np.ndarray) -> str:
     h = hashlib.sha256()
     for k, v in model.state_dict().items():
@@ -340,7 +350,7 @@ def _fingerprint(model: nn.Module, names: list[str], pool: str, dtype: torch.dty
         elif v.numel():
             h.update(repr(int(v.detach().long().sum())).encode())
     desc = {
-        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "model": _model_name(model),
         "weights": h.hexdigest(),
         "layers": names,
         "pool": pool,
@@ -541,7 +551,7 @@ def _prepare(
     dtypes = {k: (dtype if dtype is not None else (torch.float32 if d == torch.bfloat16 else d)) for k, (_, d) in probed.items()}
     run = {
         "fingerprint": fingerprint,
-        "model": f"{type(runner.model).__module__}.{type(runner.model).__qualname__}",
+        "model": _model_name(runner.model),
         "layers": names,
         "files": layer_files(names),
         "shapes": {k: list(probed[k][0]) for k in names},

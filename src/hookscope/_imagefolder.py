@@ -52,7 +52,7 @@ class ImageFolder(torch.utils.data.Dataset):
         transform: Callable[[Any], Any] | None = None,
         extensions: frozenset[str] | set[str] = IMAGE_EXTENSIONS,
     ) -> None:
-        self.root = Path(root)
+        self.root = Path(root).resolve()
         if not self.root.is_dir():
             raise FileNotFoundError(f"image folder {str(root)!r} does not exist or is not a directory")
         exts = {e.lower() for e in extensions}
