@@ -34,6 +34,7 @@ from ._inventory import HookInfo, hooks_on, remove_hooks
 from ._observe import TensorGrads, observe, tensor_grads
 from ._scope import HookScope
 from ._select import Selector, find
+from ._summary import Summary, SummaryRow, SummaryTotals, summary
 from ._tokens import ReshapeError
 from ._trace import Trace, TraceEvent, trace
 from ._viz import feature_maps, overlay
@@ -68,6 +69,9 @@ __all__ = [
     "ReshapeError",
     "ScoreCAM",
     "Selector",
+    "Summary",
+    "SummaryRow",
+    "SummaryTotals",
     "TensorGrads",
     "Trace",
     "TraceEvent",
@@ -89,6 +93,7 @@ __all__ = [
     "ops",
     "overlay",
     "remove_hooks",
+    "summary",
     "tensor_grads",
     "trace",
 ]

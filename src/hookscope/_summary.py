@@ -1,0 +1,377 @@
+"""``summary``: one forward pass, one row per module call: shapes, parameters, FLOPs, time, memory."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._flops import OpCounter
+from ._nested import describe_call, iter_tensors
+from ._scope import HookScope, check_model, in_backward, note_exception
+from ._summary_table import COLUMNS, DEFAULT_COLUMNS, Summary, SummaryRow, SummaryTotals
+
+__all__ = ["Summary", "SummaryRow", "SummaryTotals", "summary"]
+
+
+class _Call:
+    """A module call being recorded (becomes a :class:`SummaryRow`)."""
+
+    __slots__ = (
+        "children",
+        "depth",
+        "ev",
+        "flops",
+        "module",
+        "name",
+        "out_bytes",
+        "out_shapes",
+        "parent",
+        "shapes",
+        "t0",
+        "time",
+    )
+
+    def __init__(self, name: str, module: nn.Module, depth: int, parent: int) -> None:
+        self.name, self.module, self.depth, self.parent = name, module, depth, parent
+        self.flops = 0
+        self.children = 0
+        self.time = 0.0
+        self.t0 = 0.0
+        self.ev: Any = None
+        self.shapes: dict[str, list[int]] = {}
+        self.out_shapes: dict[str, list[int]] = {}
+        self.out_bytes = 0
+
+
+def _key(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _shapes(args: Any, kwargs: Any) -> dict[str, list[int]]:
+    out = {_key((i, *p)): list(t.shape) for i, a in enumerate(args) for p, t in iter_tensors(a)}
+    out.update(
+        {
+            _key((k, *p)): list(t.shape)
+            for k, v in (kwargs or {}).items()
+            for p, t in iter_tensors(v)
+        }
+    )
+    return out
+
+
+def _columns(columns: str | Sequence[str] | None) -> tuple[str, ...]:
+    if columns is None:
+        return DEFAULT_COLUMNS
+    if isinstance(columns, str):
+        if columns == "all":
+            return COLUMNS
+        columns = [c.strip() for c in columns.split(",") if c.strip()]
+    for c in columns:
+        if c not in COLUMNS:
+            close = difflib.get_close_matches(str(c), COLUMNS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(
+                f"unknown summary column {c!r}; {hint}valid columns: {', '.join(COLUMNS)} (or 'all')"
+            )
+    return tuple(columns)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def make_inputs(input_size: Any, dtypes: Any, device: torch.device) -> list[torch.Tensor]:
+    """Random inputs (seeded, the global RNG untouched) for ``input_size`` shapes (batch included)."""
+    sizes = list(input_size) if isinstance(input_size, (list, tuple, torch.Size)) else [input_size]
+    if all(isinstance(d, int) for d in sizes):
+        sizes = [sizes]
+    shapes = []
+    for s in sizes:
+        if (
+            not isinstance(s, (list, tuple, torch.Size))
+            or not s
+            or not all(isinstance(d, int) and d > 0 for d in s)
+        ):
+            raise ValueError(
+                f"input_size: bad shape {s!r}; expected positive integers, e.g. (1, 3, 224, 224) or a list of such"
+            )
+        shapes.append(tuple(s))
+    if dtypes is None or isinstance(dtypes, torch.dtype):
+        dts = [dtypes or torch.float32] * len(shapes)
+    else:
+        dts = list(dtypes)
+        if len(dts) != len(shapes) or not all(isinstance(d, torch.dtype) for d in dts):
+            raise ValueError(
+                f"dtypes: expected one torch.dtype or one per input ({len(shapes)}); got {dtypes!r}"
+            )
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for s, dt in zip(shapes, dts):
+        t = (
+            torch.randn(s, generator=gen)
+            if dt.is_floating_point or dt.is_complex
+            else torch.randint(0, 2, s, generator=gen)
+        )
+        out.append(t.to(device=device, dtype=dt))
+    return out
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Restore what one forward can change: buffers (BatchNorm statistics in train mode), the RNG,
+    and the MHA fast-path switch (turned off so sub-layers run through ``__call__``)."""
+    # Kernels such as batch_norm update running statistics without bumping _version: compare values.
+    bufs = (
+        [(b, b.detach().clone()) for b in model.buffers()]
+        if any(m.training for m in model.modules())
+        else []
+    )
+    mha = getattr(torch.backends, "mha", None)
+    fast = mha.get_fastpath_enabled() if mha is not None else None
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    try:
+        if mha is not None:
+            mha.set_fastpath_enabled(False)
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        if mha is not None:
+            mha.set_fastpath_enabled(fast)
+        with torch.no_grad():
+            for b, saved in bufs:
+                if not torch.equal(b, saved):
+                    b.copy_(saved)
+
+
+def summary(
+    model: nn.Module,
+    *inputs: Any,
+    input_size: Any = None,
+    dtypes: Any = None,
+    depth: int | None = None,
+    columns: str | Sequence[str] | None = None,
+    **kwargs: Any,
+) -> Summary:
+    """Run ``model(*inputs, **kwargs)`` once, under ``torch.no_grad()``, and describe every module call.
+
+    One :class:`SummaryRow` per call, in call order (a module called twice gets two rows, ``#1`` and
+    ``#2``): dotted name, type, input shapes (positional and keyword), output shapes (nested outputs
+    too), parameters and trainable parameters (a shared/tied parameter counts once in the totals and
+    is marked ``*`` where it repeats), forward FLOPs of the operators the call ran itself (counted at
+    the dispatcher with ``FlopCounterMode``'s formulas; rows sum to the total), inclusive time and
+    output bytes. Totals: parameters, FLOPs, parameter bytes, activation bytes, peak memory (CUDA:
+    ``max_memory_allocated`` over the forward, after resetting the peak counter; CPU: the peak of
+    bytes of tensors created by the forward and alive at once, tracked at the dispatcher).
+
+    Give inputs as tensors/keywords, or ``input_size=(1, 3, 224, 224)`` (a list for several inputs)
+    with ``dtypes``. ``depth=N`` folds deeper rows into their ancestor at depth ``N`` (totals
+    unchanged); ``columns`` picks the table's columns (``"all"``, or from ``type, input, output,
+    params, trainable, flops, time, bytes``). The model is left as found: mode, device,
+    ``requires_grad``, buffers, RNG state, no hooks. The MHA fast path is off during the run so
+    attention sub-layers are shown and counted. An exception inside the model is re-raised with a
+    note naming the layer and the shapes it got.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
+        >>> s = hs.summary(net, torch.zeros(2, 8))
+        >>> [(r.label, r.params, r.flops) for r in s.rows]
+        [('<root>', 36, 0), ('0', 36, 128), ('1', 0, 0)]
+        >>> s.totals.flops, s.rows[1].output_shapes
+        (128, {'': [2, 4]})
+    """
+    check_model(model)
+    if depth is not None and (not isinstance(depth, int) or depth < 0):
+        raise ValueError(f"depth must be a non-negative int or None; got {depth!r}")
+    cols = _columns(columns)
+    device = _model_device(model)
+    if input_size is not None:
+        if inputs:
+            raise ValueError("give the inputs or input_size, not both")
+        inputs = tuple(make_inputs(input_size, dtypes, device))
+    elif dtypes is not None:
+        raise ValueError("dtypes applies to input_size; give input_size too (or pass tensors)")
+    if not inputs and not kwargs:
+        raise ValueError(
+            "summary needs an input: summary(model, x), summary(model, input_ids=ids) or input_size=(1, 3, 224, 224)"
+        )
+
+    calls: list[_Call] = []
+    stack: list[_Call] = []
+    known = [*model.parameters(), *model.buffers(), *(t for _, t in iter_tensors((inputs, kwargs)))]
+    counter = OpCounter(known)
+    outside = counter.sink
+    cuda = any(t.is_cuda for t in known)
+    dev = next((t.device for t in known if t.is_cuda), device)
+    scope = HookScope("summary")
+    perf = time.perf_counter
+
+    def pre(module: nn.Module, args: Any, kw: Any, name: str) -> None:
+        if in_backward():
+            return
+        parent = stack[-1] if stack else None
+        c = _Call(name, module, len(stack), parent_index[-1] if parent_index else -1)
+        c.shapes = _shapes(args, kw)
+        if parent is not None:
+            parent.children += 1
+        parent_index.append(len(calls))
+        calls.append(c)
+        stack.append(c)
+        counter.sink = c
+        if cuda:
+            c.ev = torch.cuda.Event(enable_timing=True)
+            c.ev.record()
+        c.t0 = perf()
+
+    def post(module: nn.Module, args: Any, kw: Any, output: Any, name: str) -> None:
+        t1 = perf()
+        if not stack or stack[-1].name != name or stack[-1].module is not module:
+            return
+        c = stack.pop()
+        parent_index.pop()
+        counter.sink = stack[-1] if stack else outside
+        c.time = (t1 - c.t0) * 1e3
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            c.ev = (c.ev, end)
+        if sys.exc_info()[1] is not None and output is None:
+            note_exception(name, module, args, kw)
+            return
+        seen: set[int] = set()
+        for p, t in iter_tensors(output):
+            c.out_shapes[_key(p)] = list(t.shape)
+            if id(t) not in seen:
+                seen.add(id(t))
+                c.out_bytes += t.numel() * t.element_size()
+
+    parent_index: list[int] = []
+    with scope:
+        for name, module in model.named_modules():
+            scope.add_forward_pre(
+                module, lambda m, a, k, name=name: pre(m, a, k, name), layer=name, with_kwargs=True
+            )
+            scope.add_forward(
+                module,
+                lambda m, a, k, o, name=name: post(m, a, k, o, name),
+                layer=name,
+                with_kwargs=True,
+                always_call=True,
+            )
+        with _state_kept(model), torch.no_grad():
+            before = 0
+            if cuda:
+                torch.cuda.synchronize(dev)
+                before = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = perf()
+            with counter:
+                model(*inputs, **kwargs)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            wall = (perf() - t0) * 1e3
+            peak = torch.cuda.max_memory_allocated(dev) - before if cuda else counter.peak_bytes
+    if cuda:
+        for c in calls:
+            if isinstance(c.ev, tuple):
+                c.time = c.ev[0].elapsed_time(c.ev[1])
+    if calls:
+        calls[0].flops += outside.flops  # ops run by other hooks before/after the root call
+    rows = _rows(calls)
+    params = {id(p): p for p in model.parameters()}
+    totals = SummaryTotals(
+        params=sum(p.numel() for p in params.values()),
+        trainable=sum(p.numel() for p in params.values() if p.requires_grad),
+        flops=counter.total_flops,
+        param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        activation_bytes=sum(r.output_bytes for r in rows if r.leaf),
+        peak_memory_bytes=int(peak),
+        peak_memory_measure=(
+            "CUDA max_memory_allocated above what was allocated before"
+            if cuda
+            else "CPU: tensors the forward created, alive at once"
+        ),
+        time_ms=wall,
+        device=str(dev),
+    )
+    ran = {id(c.module) for c in calls}
+    containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    never = [
+        n for n, m in model.named_modules() if id(m) not in ran and not isinstance(m, containers)
+    ]
+    if depth is not None:
+        rows = collapse(rows, depth)
+    return Summary(type(model).__name__, describe_call(inputs, kwargs), rows, totals, cols, never)
+
+
+def _rows(calls: list[_Call]) -> list[SummaryRow]:
+    per_module: dict[int, int] = {}
+    for c in calls:
+        per_module[id(c.module)] = per_module.get(id(c.module), 0) + 1
+    index: dict[int, int] = {}
+    holders: dict[int, list[int]] = {}  # parameter id -> rows that counted it
+    params_of: dict[int, list[nn.Parameter]] = {}
+    rows = []
+    for i, c in enumerate(calls):
+        mid = id(c.module)
+        k = index[mid] = index.get(mid, -1) + 1
+        ps = params_of.get(mid)
+        if ps is None:
+            ps = params_of[mid] = list(c.module.parameters())
+        ancestors = set()
+        a = c.parent
+        while a >= 0:
+            ancestors.add(a)
+            a = calls[a].parent
+        shared = 0
+        for p in ps:
+            hs = holders.setdefault(id(p), [])
+            if any(h not in ancestors for h in hs):
+                shared += p.numel()
+            hs.append(i)
+        rows.append(
+            SummaryRow(
+                name=c.name,
+                type=type(c.module).__name__,
+                depth=c.depth,
+                call=k,
+                calls=per_module[mid],
+                input_shapes=c.shapes,
+                output_shapes=c.out_shapes,
+                params=sum(p.numel() for p in ps),
+                trainable=sum(p.numel() for p in ps if p.requires_grad),
+                shared_params=shared,
+                flops=c.flops,
+                time_ms=c.time,
+                output_bytes=c.out_bytes,
+                leaf=c.children == 0,
+            )
+        )
+    return rows
+
+
+def collapse(rows: list[SummaryRow], depth: int) -> list[SummaryRow]:
+    """Fold rows deeper than ``depth`` into their ancestor at ``depth`` (FLOPs added to it)."""
+    out: list[SummaryRow] = []
+    keeper: SummaryRow | None = None
+    for r in rows:
+        if r.depth <= depth:
+            keeper = SummaryRow(**{**r.__dict__})
+            if r.depth == depth:
+                keeper.leaf = True
+            out.append(keeper)
+        elif keeper is not None:
+            keeper.flops += r.flops
+    return out

@@ -1,0 +1,402 @@
+"""hs.summary against independent references: hand counts, FlopCounterMode, real outputs."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import hookscope as hs
+from hookscope._flops import EXTRA_FLOP_FORMULAS
+from hookscope._modelspec import load_model
+
+GOLDEN = Path(__file__).parent / "golden" / "summary"
+
+
+def reference_flops(model: nn.Module, *args, extra: bool = True, **kwargs) -> FlopCounterMode:
+    """FlopCounterMode over the same forward summary runs (no_grad, MHA fast path off)."""
+    fast = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with (
+            torch.no_grad(),
+            FlopCounterMode(
+                display=False, custom_mapping=EXTRA_FLOP_FORMULAS if extra else None
+            ) as fc,
+        ):
+            model(*args, **kwargs)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast)
+    return fc
+
+
+def unique_params(model: nn.Module) -> tuple[int, int]:
+    ps = {id(p): p for m in model.modules() for p in m._parameters.values() if p is not None}
+    return sum(p.numel() for p in ps.values()), sum(
+        p.numel() for p in ps.values() if p.requires_grad
+    )
+
+
+def by_label(s: hs.Summary) -> dict[str, hs.SummaryRow]:
+    return {r.label: r for r in s.rows}
+
+
+def test_mlp_hand_counts(seed):
+    net = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 8)
+    s = hs.summary(net, x)
+    assert [(r.label, r.depth, r.type) for r in s.rows] == [
+        ("<root>", 0, "Sequential"),
+        ("0", 1, "Linear"),
+        ("1", 1, "ReLU"),
+        ("2", 1, "Linear"),
+    ]
+    rows = by_label(s)
+    assert (
+        rows["0"].params == 8 * 4 + 4
+        and rows["2"].params == 4 * 2 + 2
+        and rows["<root>"].params == 46
+    )
+    assert (
+        rows["0"].flops == 2 * 3 * 8 * 4
+        and rows["2"].flops == 2 * 3 * 4 * 2
+        and rows["1"].flops == 0
+    )
+    assert s.totals.params == s.totals.trainable == 46
+    assert (
+        s.totals.flops == 2 * 3 * 8 * 4 + 2 * 3 * 4 * 2 == reference_flops(net, x).get_total_flops()
+    )
+    assert s.totals.param_bytes == 46 * 4
+    assert rows["0"].output_shapes == {"": [3, 4]} and rows["0"].input_shapes == {"0": [3, 8]}
+    assert rows["0"].output_bytes == 3 * 4 * 4
+    assert s.totals.activation_bytes == (3 * 4 + 3 * 4 + 3 * 2) * 4  # leaf outputs
+    assert s.totals.peak_memory_bytes >= 3 * 2 * 4
+    assert all(r.time_ms >= 0 for r in s.rows) and rows["<root>"].time_ms >= rows["0"].time_ms
+
+
+def test_tied_embedding_and_output_counted_once():
+    lm = load_model(f"{GOLDEN / 'net.py'}:TiedLM")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    s = hs.summary(lm, ids)
+    rows = by_label(s)
+    assert s.totals.params == 50 * 16 + (16 * 16 + 16) == unique_params(lm)[0]
+    assert rows["embed"].params == 800 and rows["embed"].shared_params == 0
+    assert (
+        rows["lm_head"].params == 800 and rows["lm_head"].shared_params == 800
+    )  # the tied weight repeats
+    assert rows["<root>"].params == s.totals.params and rows["<root>"].shared_params == 0
+    assert rows["lm_head"].flops == 2 * 4 * 16 * 50
+    text = s.to_text(ascii=True)
+    assert "800*" in text and "earlier row" in text
+    lm.lm_head.weight.requires_grad_(False)  # frozen tied weight: frozen for both users
+    assert hs.summary(lm, ids).totals.trainable == 16 * 16 + 16
+
+
+class Reuse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.lin(self.act(self.lin(x))))
+
+
+def test_reused_modules_row_per_call(seed):
+    net = Reuse()
+    x = torch.randn(2, 4)
+    s = hs.summary(net, x)
+    assert [r.label for r in s.rows] == ["<root>", "lin#1", "act#1", "lin#2", "act#2"]
+    rows = by_label(s)
+    assert rows["lin#1"].calls == 2 and rows["lin#2"].call == 1
+    assert rows["lin#1"].shared_params == 0 and rows["lin#2"].shared_params == 20  # counted once
+    assert rows["lin#1"].flops == rows["lin#2"].flops == 2 * 2 * 4 * 4
+    assert (
+        s.totals.params == 20 and s.totals.flops == reference_flops(net, x).get_total_flops() == 128
+    )
+    assert "#n: the n-th call" in str(s)
+
+
+def test_resnet50_totals_shapes_and_conv_flops():
+    import torchvision
+
+    model = torchvision.models.resnet50()
+    x = torch.randn(1, 3, 64, 64)
+    s = hs.summary(model, x)
+    ref = reference_flops(model, x, extra=False)  # plain FlopCounterMode: no attention here
+    assert s.totals.flops == ref.get_total_flops() == sum(r.flops for r in s.rows)
+    assert (s.totals.params, s.totals.trainable) == unique_params(model) == (25_557_032, 25_557_032)
+    rows = by_label(s)
+    assert rows["conv1"].flops == 2 * 64 * 3 * 7 * 7 * 32 * 32
+    assert rows["fc"].flops == 2 * 2048 * 1000
+    with hs.capture(model, ["layer1.0.conv1", "layer4", "fc"]) as cap, torch.no_grad():
+        out = model(x)
+    assert rows["<root>"].output_shapes == {"": list(out.shape)}
+    for name in ["layer1.0.conv1", "layer4", "fc"]:
+        assert rows[name].output_shapes == {"": list(cap[name].shape)}
+        assert rows[name].output_bytes == cap[name].numel() * 4
+    # every module ran once, except each Bottleneck's ReLU: 3 calls, 3 rows
+    assert len(s.rows) == len(list(model.modules())) + 16 * 2
+    assert [r.label for r in s.rows if r.name == "layer2.1.relu"] == [
+        "layer2.1.relu#1",
+        "layer2.1.relu#2",
+        "layer2.1.relu#3",
+    ]
+
+
+def test_vit_b_16_attention_flops_counted():
+    import torchvision
+
+    vit = torchvision.models.vit_b_16(image_size=32).eval()  # same architecture, 5 tokens
+    x = torch.randn(1, 3, 32, 32)
+    s = hs.summary(vit, x)
+    tokens, dim = 5, 768
+    attn = 4 * tokens * tokens * dim  # QK^T and AV, multiply-add = 2
+    proj = (
+        2 * tokens * dim * 3 * dim + 2 * tokens * dim * dim
+    )  # in_proj + out_proj (run inside MHA)
+    rows = by_label(s)
+    for i in range(12):
+        assert rows[f"encoder.layers.encoder_layer_{i}.self_attention"].flops == attn + proj
+    assert (
+        s.totals.flops == reference_flops(vit, x).get_total_flops() == sum(r.flops for r in s.rows)
+    )
+    # plain FlopCounterMode misses the CPU SDPA kernel: exactly the attention part
+    assert s.totals.flops - reference_flops(vit, x, extra=False).get_total_flops() == 12 * attn
+    assert "encoder.layers.encoder_layer_0.self_attention.out_proj" in s.never_called
+    assert torch.backends.mha.get_fastpath_enabled()  # restored
+
+
+@pytest.mark.slow
+def test_vit_b_16_at_224():
+    import torchvision
+
+    vit = torchvision.models.vit_b_16().eval()
+    x = torch.randn(1, 3, 224, 224)
+    s = hs.summary(vit, x)
+    assert s.totals.flops == reference_flops(vit, x).get_total_flops()
+    attn = 4 * 197 * 197 * 768
+    assert s.totals.flops - reference_flops(vit, x, extra=False).get_total_flops() == 12 * attn
+
+
+@pytest.fixture(scope="module")
+def bert():
+    import transformers
+
+    cfg = transformers.BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    return transformers.BertModel(cfg).eval()
+
+
+def test_bert_keyword_inputs_model_output_and_attention(bert):
+    ids = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(1, 8, dtype=torch.long)
+    s = hs.summary(bert, input_ids=ids, attention_mask=mask)
+    rows = by_label(s)
+    root = rows["<root>"]
+    assert root.input_shapes == {"input_ids": [1, 8], "attention_mask": [1, 8]}
+    with torch.no_grad():
+        out = bert(input_ids=ids, attention_mask=mask)
+    assert root.output_shapes == {k: list(v.shape) for k, v in out.items()}
+    assert list(root.output_shapes) == ["last_hidden_state", "pooler_output"]
+    for i in range(2):
+        assert rows[f"encoder.layer.{i}.attention.self"].flops == 4 * 8 * 8 * 32  # SDPA itself
+        assert rows[f"encoder.layer.{i}.attention.self.query"].flops == 2 * 8 * 32 * 32
+    assert (
+        s.totals.flops
+        == reference_flops(bert, input_ids=ids, attention_mask=mask).get_total_flops()
+    )
+    assert s.totals.flops == sum(r.flops for r in s.rows)
+    assert s.totals.params == unique_params(bert)[0]
+
+
+def test_transformer_encoder_layer_sublayers_shown(seed):
+    layer = nn.TransformerEncoderLayer(
+        d_model=16, nhead=2, dim_feedforward=32, batch_first=True
+    ).eval()
+    x = torch.randn(1, 6, 16)
+    s = hs.summary(layer, x)
+    assert [r.label for r in s.rows] == [
+        "<root>",
+        "self_attn",
+        "dropout1",
+        "norm1",
+        "linear1",
+        "dropout",
+        "linear2",
+        "dropout2",
+        "norm2",
+    ]
+    rows = by_label(s)
+    assert rows["linear1"].flops == 2 * 6 * 16 * 32 and rows["linear2"].flops == 2 * 6 * 32 * 16
+    assert rows["self_attn"].flops == 2 * 6 * 16 * 48 + 4 * 6 * 6 * 16 + 2 * 6 * 16 * 16
+    assert s.totals.flops == reference_flops(layer, x).get_total_flops()
+    assert s.never_called == ["self_attn.out_proj"]
+
+
+def test_timm_model():
+    import timm
+
+    model = timm.create_model("test_vit", pretrained=False).eval()
+    x = torch.randn(1, 3, *model.default_cfg["input_size"][1:])
+    s = hs.summary(model, x)
+    assert (
+        s.totals.flops
+        == reference_flops(model, x).get_total_flops()
+        == sum(r.flops for r in s.rows)
+    )
+    assert s.totals.params == unique_params(model)[0]
+    assert any(r.type == "Attention" and r.flops > 0 for r in s.rows)
+    with torch.no_grad():
+        assert s.rows[0].output_shapes == {"": list(model(x).shape)}
+
+
+class DictNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 5)
+        self.b = nn.Linear(2, 5)
+
+    def forward(self, batch: dict, *, scale: torch.Tensor) -> dict:
+        h = self.a(batch["x"]) + self.b(batch["y"])
+        return {"h": h * scale, "pair": (h, batch["y"])}
+
+
+def test_dict_inputs_and_nested_outputs(seed):
+    net = DictNet()
+    batch = {"x": torch.randn(4, 3), "y": torch.randn(4, 2)}
+    s = hs.summary(net, batch, scale=torch.ones(1))
+    root = s.rows[0]
+    assert root.input_shapes == {"0.x": [4, 3], "0.y": [4, 2], "scale": [1]}
+    assert root.output_shapes == {"h": [4, 5], "pair.0": [4, 5], "pair.1": [4, 2]}
+    assert root.output_bytes == (20 + 20 + 8) * 4
+    assert "0.x:[4, 3], 0.y:[4, 2], scale=[1]" in s.to_text(columns=["input"])
+    assert s.totals.flops == 2 * 4 * 3 * 5 + 2 * 4 * 2 * 5
+
+
+def test_model_left_exactly_as_found(seed):
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.Dropout(0.5),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 2),
+    )
+    net[4].eval()  # mixed modes
+    net[0].weight.requires_grad_(False)
+    modes = [m.training for m in net.modules()]
+    grads = [p.requires_grad for p in net.parameters()]
+    buffers = [b.clone() for b in net.buffers()]
+    x = torch.randn(2, 3, 8, 8)
+    rng = torch.get_rng_state()
+    handle = net.register_forward_hook(lambda m, i, o: None)  # a user hook survives
+    try:
+        # BatchNorm in train mode updates its statistics, Dropout draws random numbers: both undone
+        s = hs.summary(net, x)
+        assert list(net._forward_hooks) == [handle.id]
+    finally:
+        handle.remove()
+    assert all(torch.equal(a, b) for a, b in zip(buffers, net.buffers()))
+    assert torch.equal(rng, torch.get_rng_state())
+    assert [m.training for m in net.modules()] == modes and [
+        p.requires_grad for p in net.parameters()
+    ] == grads
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
+    assert all(p.device.type == "cpu" for p in net.parameters())
+    assert s.totals.trainable == s.totals.params - 4 * 3 * 3 * 3
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
+def test_input_size_dtypes_and_errors(seed):
+    emb = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3))
+    rng = torch.get_rng_state()
+    s = hs.summary(emb, input_size=(2, 5), dtypes=[torch.long])
+    assert torch.equal(rng, torch.get_rng_state())  # seeded local generator
+    assert s.rows[0].input_shapes == {"0": [2, 5]} and s.rows[-1].output_shapes == {"": [2, 5, 3]}
+    two = hs.summary(DictNetTwo(), input_size=[(1, 3), (1, 2)])
+    assert two.rows[0].input_shapes == {"0": [1, 3], "1": [1, 2]}
+    with pytest.raises(ValueError, match="not both"):
+        hs.summary(emb, torch.zeros(1, 2, dtype=torch.long), input_size=(1, 2))
+    with pytest.raises(ValueError, match="did you mean 'flops'"):
+        hs.summary(emb, input_size=(1, 2), dtypes=torch.long, columns="flop")
+    with pytest.raises(ValueError, match="positive integers"):
+        hs.summary(emb, input_size=(1, 0))
+    with pytest.raises(ValueError, match="depth"):
+        hs.summary(emb, input_size=(1, 2), dtypes=torch.long, depth=-1)
+    with pytest.raises(ValueError, match="needs an input"):
+        hs.summary(emb)
+
+
+class DictNetTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(y)
+
+
+def test_depth_collapses_rows_totals_unchanged():
+    net = load_model(f"{GOLDEN / 'net.py'}:Net")
+    x = torch.randn(1, 3, 8, 8)
+    full, top = hs.summary(net, x), hs.summary(net, x, depth=1)
+    assert all(r.depth <= 1 for r in top.rows) and len(top.rows) < len(full.rows)
+    assert (
+        top.totals.flops
+        == full.totals.flops
+        == sum(r.flops for r in top.rows)
+        == sum(r.flops for r in full.rows)
+    )
+    assert (
+        top.totals.params == full.totals.params
+        and top.totals.activation_bytes == full.totals.activation_bytes
+    )
+    block = by_label(top)["block"]
+    assert block.flops == 2 * 8 * 8 * 9 * 8 * 8 and block.leaf
+    assert [r.label for r in hs.summary(net, x, depth=0).rows] == ["<root>"]
+
+
+def test_exception_names_the_layer():
+    net = load_model(f"{GOLDEN / 'net.py'}:Broken")
+    fast = torch.backends.mha.get_fastpath_enabled()
+    with pytest.raises(RuntimeError) as info:
+        hs.summary(net, torch.randn(1, 3, 8, 8))
+    assert info.value.hookscope_layer == "head"
+    assert info.value.hookscope_inputs == "(1, 8)"
+    assert any("'head' (Linear)" in n for n in info.value.__notes__)
+    assert torch.backends.mha.get_fastpath_enabled() == fast
+
+
+def test_renderings(bert):
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    s = hs.summary(bert, input_ids=ids, columns="all")
+    for text in (str(s), s.to_text(ascii=True), s.to_text(columns=["input", "output"])):
+        assert max(len(line) for line in text.splitlines()) <= 100
+    assert s.to_text(ascii=True).isascii()
+    assert "encoder.layer.0.attention.self.query" in s.to_text(columns=["flops"])
+    d = json.loads(s.to_json())
+    assert d == s.to_dict() and d["totals"]["flops"] == s.totals.flops
+    assert [r["name"] for r in d["rows"]] == [r.name for r in s.rows]
+    html = s._repr_html_()
+    assert (
+        html.count("<tr>") == len(s.rows) + 1
+        and "<code>encoder.layer.1.output.dense</code>" in html
+    )
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=160, record=True)
+    console.print(s)
+    out = console.export_text()
+    assert "BertSelfAttention" in out and f"{s.totals.params:,}" in out
