@@ -300,14 +300,14 @@ class CAM:
 
     def _gradients(self, run: _Run, out: Any, acts: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
         with torch.enable_grad():
-            score = run.score(out)
+            score = run.score(out).sum()
         if not score.requires_grad:
             raise CAMError(
                 f"the target score does not depend on layer(s) {', '.join(map(repr, acts))} through autograd "
                 "(is the layer on the path to the output? does the model run the later part under no_grad?)"
             )
         srcs = list(acts.values())
-        grads = torch.autograd.grad(score.sum(), srcs, allow_unused=True)
+        grads = torch.autograd.grad(score, srcs, allow_unused=True)
         for name, g in zip(acts, grads):
             if g is None:
                 raise CAMError(f"the target score does not depend on layer {name!r}: no gradient reaches it")
