@@ -29,7 +29,7 @@ def test_stop_ends_the_forward_after_the_last_layer():
     x = torch.randn(2, 3)
     with hs.capture(net, ["0", "2"], stop=True) as cap:
         out = net(x)
-        pytest.fail("unreachable: the forward pass stops inside net(x)")  # noqa
+        pytest.fail("unreachable: the forward pass stops inside net(x)")
     assert net[3].calls == 0
     assert torch.allclose(cap["2"], net[2](torch.relu(net[0](x))))
     assert "out" not in locals()

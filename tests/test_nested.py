@@ -52,7 +52,7 @@ class LSTMNet(nn.Module):
         self.head = nn.Linear(4, 1)
 
     def forward(self, x):
-        out, (h, c) = self.lstm(x)
+        out, (_h, c) = self.lstm(x)
         return self.head(out[:, -1]) + c.sum()
 
 
@@ -62,8 +62,8 @@ def test_capture_lstm_tuple_output_with_grads():
     x = torch.randn(2, 5, 3)
     with hs.capture(m, "lstm", grads=True) as cap:
         m(x).sum().backward()
-    out, (h, c) = cap["lstm"]
-    ref_out, (ref_h, ref_c) = m.lstm(x)
+    out, (_h, c) = cap["lstm"]
+    ref_out, (_ref_h, ref_c) = m.lstm(x)
     assert torch.equal(out, ref_out) and torch.equal(c, ref_c)
     g_out, (g_h, g_c) = cap.grads["lstm"]
     r_out, r_c = torch.autograd.grad(m.head(ref_out[:, -1]).sum() + 2 * ref_c.sum(), [ref_out, ref_c])

@@ -49,7 +49,7 @@ class FeatureExtractor(nn.Module):
                 f"FeatureExtractor: layer(s) {', '.join(map(repr, missing))} of {type(self.model).__name__} "
                 "never ran during this forward pass (called via .forward() directly, or not on this input's path)"
             )
-        return {name: rec.calls[name][-1]._output for name in self.layers}
+        return {name: rec.materialize(name)[-1]._output for name in self.layers}
 
     def extra_repr(self) -> str:
         return f"layers={self.layers}, stop={self.stop}"

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError
 from ._nested import describe_call
 
-__all__ = ["HookScope", "check_model", "in_backward", "note_exception"]
+__all__ = ["HookScope", "check_model", "graph_task_id", "in_backward", "note_exception"]
 
 _scope_ids = itertools.count(1)
 
@@ -47,7 +47,10 @@ class _InertHook:
 
 
 class _Hook:
-    """The callable hookscope registers with PyTorch. Holds the function, not the module."""
+    """The callable hookscope registers with PyTorch. Holds the function, not the module.
+
+    Hot paths subclass it and override ``__call__`` to skip the indirection through ``fn``.
+    """
 
     __slots__ = ("fn", "kind", "layer", "owner", "scope_id")
 
@@ -84,6 +87,8 @@ def check_model(model: nn.Module) -> None:
 
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+graph_task_id: Callable[[], int] = _graph_task_id if _graph_task_id is not None else (lambda: -1)
+"""The running backward pass's id, -1 outside backward (a C function: cheap in hot hooks)."""
 
 
 def in_backward() -> bool:
@@ -154,6 +159,9 @@ class HookScope:
     def _wrap(self, fn: Callable[..., Any], kind: str, layer: str) -> _Hook:
         if not self.active:
             raise RuntimeError(f"{self!r} was removed; create a new scope to add hooks")
+        if isinstance(fn, _Hook):  # a feature's own hook class (a hot path without indirection)
+            fn.owner, fn.kind, fn.layer, fn.scope_id = self.owner, kind, layer, self.id
+            return fn
         return _Hook(fn, self.owner, kind, layer, self.id)
 
     def _keep(self, handle: RemovableHandle) -> RemovableHandle:

@@ -17,7 +17,7 @@ from ._errors import LayerNotFoundError
 
 __all__ = ["Selector", "find", "resolve", "suggest"]
 
-Selector = Union[str, type, nn.Module, Callable[[str, nn.Module], bool]]
+Selector = Union[str, type, nn.Module, Callable[[str, nn.Module], bool]]  # noqa: UP007 (a runtime alias)
 """A layer selector: an exact dotted name (``""`` is the root), a glob (``"layer*.conv2"``), a
 module class (``nn.ReLU``), a module instance, or a predicate ``(name, module) -> bool``."""
 

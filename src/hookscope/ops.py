@@ -57,7 +57,7 @@ class _Add(Op):
 
 
 class _Clamp(Op):
-    def __init__(self, min: float | None = None, max: float | None = None) -> None:  # noqa: A002
+    def __init__(self, min: float | None = None, max: float | None = None) -> None:
         if min is None and max is None:
             raise ValueError("clamp needs min, max or both")
         if min is not None and max is not None and min > max:
@@ -135,7 +135,7 @@ def add(v: float | torch.Tensor) -> Op:
     return _Add(v)
 
 
-def clamp(min: float | None = None, max: float | None = None) -> Op:  # noqa: A002
+def clamp(min: float | None = None, max: float | None = None) -> Op:
     """Clamp into ``[min, max]`` (either may be omitted)."""
     return _Clamp(min, max)
 

@@ -1,0 +1,30 @@
+"""Shared helpers for the benchmarks: interleaved timing, medians, table printing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def interleaved(contenders: dict[str, Callable[[], object]], rounds: int, inner: int = 1, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each contender, timed A, B, C, A, B, C, ... in one run."""
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / inner)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    """A GitHub-flavoured Markdown table."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, cells)])

@@ -1,0 +1,185 @@
+"""Overhead per hooked call: raw forward hooks vs hookscope ``capture`` vs TorchLens, and
+``FeatureExtractor`` vs torchvision's FX feature extractor. Interleaved in one run.
+
+    .venv/bin/python benchmarks/bench_core.py [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import warnings
+
+import torch
+import torch.nn as nn
+import torchvision
+from torchvision.models.feature_extraction import create_feature_extractor
+
+sys.path.insert(0, os.path.dirname(__file__))
+import hookscope as hs
+from _timing import interleaved, table
+
+
+def deep_mlp(depth: int = 100, width: int = 16) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+class RawHooks:
+    """The tutorial pattern: a dict filled by forward hooks (``acts[name] = out.detach()``)."""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
+        self.acts: dict[str, torch.Tensor] = {}
+        mods = dict(model.named_modules())
+        self.handles = []
+        for n in names:
+
+            def hook(m, i, o, n=n, acts=self.acts):
+                acts[n] = o.detach()
+
+            self.handles.append(mods[n].register_forward_hook(hook))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def torchlens_run(model: nn.Module, x: torch.Tensor):
+    import torchlens as tl
+    from torchlens.options import CaptureOptions
+
+    # TorchLens logs every tensor operation (its default saves them all); it has no per-module
+    # selection by a list of names, so this is its natural "capture everything" mode. Torch
+    # functions are unwrapped after each call so the other contenders run on plain torch.
+    return tl.trace(model, x, capture=CaptureOptions(unwrap_when_done=True))
+
+
+def overhead_table(rounds: int) -> tuple[str, list[float]]:
+    rows, ratios = [], []
+    cases = [
+        ("deep narrow MLP (100×Linear(16,16)+ReLU), batch 1", deep_mlp(), torch.randn(1, 16), 20),
+        ("resnet50, 1×3×64×64", torchvision.models.resnet50(weights=None).eval(), torch.randn(1, 3, 64, 64), 3),
+    ]
+    try:
+        import torchlens  # noqa: F401
+
+        have_tl = True
+    except Exception:
+        have_tl = False
+    for label, model, x, inner in cases:
+        names = list(hs.find(model, leaves=True))
+        with hs.trace(model, names, quiet=True) as tr, torch.no_grad():
+            model(x)
+        n_calls = len(tr.events)
+        raw = RawHooks(model, names)
+        raw.remove()
+        cap = hs.capture(model, names, keep="last")
+        cap.remove()
+
+        def with_raw(m=model, x=x, n=names, inner=inner):
+            h = RawHooks(m, n)
+            try:
+                for _ in range(inner):
+                    m(x)
+            finally:
+                h.remove()
+
+        def with_hookscope(m=model, x=x, n=names, inner=inner):
+            with hs.capture(m, n, keep="last"):
+                for _ in range(inner):
+                    m(x)
+
+        def bare(m=model, x=x, inner=inner):
+            for _ in range(inner):
+                m(x)
+
+        contenders = {"bare": bare, "raw hooks": with_raw, "hookscope capture": with_hookscope}
+        if have_tl:
+            contenders["TorchLens"] = lambda m=model, x=x: [torchlens_run(m, x) for _ in range(1)]
+        with torch.no_grad():
+            t = interleaved(contenders, rounds=rounds)
+        per_fwd = {k: v / (1 if k == "TorchLens" else inner) for k, v in t.items()}
+        per = {k: (v - per_fwd["bare"]) / n_calls * 1e6 for k, v in per_fwd.items() if k != "bare"}
+        ratio = per["hookscope capture"] / per["raw hooks"]
+        ratios.append(ratio)
+        rows.append(
+            [
+                label,
+                n_calls,
+                f"{per_fwd['bare'] * 1e3:.2f}",
+                f"{per['raw hooks']:.2f}",
+                f"{per['hookscope capture']:.2f}",
+                f"{per['TorchLens']:.0f}" if "TorchLens" in per else "n/a",
+                f"{ratio:.2f}×",
+            ]
+        )
+    head = ["model", "hooked calls/fwd", "bare fwd (ms)", "raw hooks µs/call", "hookscope µs/call", "TorchLens µs/call", "hookscope / raw"]
+    return table(head, rows), ratios
+
+
+def registration_table(rounds: int) -> str:
+    """Cost of setting up and tearing down the hooks (once per scope)."""
+    model = torchvision.models.resnet50(weights=None)
+    names = list(hs.find(model, leaves=True))
+
+    def raw():
+        RawHooks(model, names).remove()
+
+    def ours():
+        hs.capture(model, names).remove()
+
+    t = interleaved({"raw": raw, "hookscope": ours}, rounds=rounds, inner=10)
+    return table(
+        ["resnet50, 126 leaf layers", "raw register+remove (ms)", "hookscope capture open+close (ms)", "ratio"],
+        [["setup + teardown", f"{t['raw'] * 1e3:.2f}", f"{t['hookscope'] * 1e3:.2f}", f"{t['hookscope'] / t['raw']:.2f}×"]],
+    )
+
+
+def extractor_table(rounds: int) -> str:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(weights=None).eval()
+    x = torch.randn(8, 3, 128, 128)
+    rows = []
+    for layers in (["layer2"], ["layer4", "avgpool"]):
+        ours = hs.FeatureExtractor(model, layers)
+        fx = create_feature_extractor(model, return_nodes=layers)
+        with torch.no_grad():
+            t = interleaved(
+                {"full forward": lambda: model(x), "hookscope": lambda o=ours: o(x), "FX": lambda f=fx: f(x)},
+                rounds=rounds,
+            )
+        rows.append(
+            [
+                "+".join(layers),
+                f"{t['full forward'] * 1e3:.1f}",
+                f"{t['hookscope'] * 1e3:.1f}",
+                f"{t['FX'] * 1e3:.1f}",
+                f"{t['hookscope'] / t['FX']:.2f}×",
+            ]
+        )
+    return table(["layers (resnet50, 8×3×128×128)", "full fwd (ms)", "FeatureExtractor (ms)", "FX extractor (ms)", "hookscope / FX"], rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")  # TorchLens prints deprecation/teaching warnings
+    print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread, medians of {args.rounds} interleaved rounds\n")
+    text, _ = overhead_table(args.rounds)
+    print("Steady-state overhead per hooked call, (forward with hooks − bare forward) / hooked calls;")
+    print("hooks registered once per round, then several forwards (TorchLens: one traced forward):\n")
+    print(text)
+    print("\nScope setup and teardown (hookscope also resolves the layer selection):\n")
+    print(registration_table(args.rounds))
+    print("\nFeatureExtractor vs torchvision FX feature extractor (both stop after the last requested layer):\n")
+    print(extractor_table(max(5, args.rounds // 2)))
+
+
+if __name__ == "__main__":
+    main()
