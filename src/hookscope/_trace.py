@@ -40,10 +40,10 @@ class TraceEvent:
     device: str
     ms: float
 
-    def format(self, width: int = 28) -> str:
+    def format(self, width: int = 28, type_width: int = 16) -> str:
         name = ("  " * self.depth + (self.layer or "<root>")).ljust(width)
         return (
-            f"{name} #{self.index:<2d} {self.type:<16s} {self.input_shapes} -> {self.output_shapes}"
+            f"{name} #{self.index:<2d} {self.type:<{type_width}s} {self.input_shapes} -> {self.output_shapes}"
             f"  {self.dtype} {self.device}  {self.ms:.3f} ms"
         )
 
@@ -90,6 +90,7 @@ def trace(
         depth_of = {k: v - shallow for k, v in depth_of.items()}
     counts: dict[str, int] = {}
     width = min(40, max((len(n) + 2 * depth_of[n] for n in named), default=10) + 2)
+    type_width = min(24, max((len(type(m).__name__) for m in named.values()), default=8))
 
     for name, module in named.items():
         starts: list[float] = []
@@ -126,7 +127,7 @@ def trace(
             )
             scope.events.append(ev)
             if not quiet:
-                print(ev.format(width), file=stream if stream is not None else sys.stdout, flush=True)
+                print(ev.format(width, type_width), file=stream if stream is not None else sys.stdout, flush=True)
 
         scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
         scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
