@@ -259,3 +259,26 @@ def test_progress_line_shows_rate_and_eta():
     silent.update(10)
     silent.close()
     assert silent.stream.getvalue() == ""
+
+
+def test_refuses_torchrun_without_process_group(net, data, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(hs.ExtractError, match="init_process_group"):
+        hs.extract(net, data, "conv", tmp_path, progress=False)
+
+
+def test_every_row_of_a_skipped_only_batch_and_mixed_dtypes(net, data, tmp_path):
+    class Gaps(Dataset):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int):
+            if i in (2, 3):  # a whole batch of 2 fails
+                raise OSError("unreadable")
+            return data[i][0]
+
+    feats = hs.extract(net, Gaps(), ["conv", "head"], tmp_path, batch_size=2, pool="avg", on_error="skip", progress=False)
+    assert feats.valid.tolist() == [True, True, False, False, True, True]
+    assert np.isnan(feats["head"][2:4]).all()
+    ref = reference(net, data.tensors[0][[0, 1, 4, 5]])["head"].numpy()
+    np.testing.assert_allclose(feats["head"][feats.valid], ref, rtol=1e-5, atol=1e-6)

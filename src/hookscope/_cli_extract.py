@@ -4,6 +4,7 @@ of images to disk, resumable; under ``torchrun`` the images are split across the
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 
@@ -50,7 +51,8 @@ def _init_distributed(device: str) -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available() or dist.is_initialized():
         return False
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend=backend)
+    # generous timeout: the final barrier waits for the slowest shard of a long run
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(hours=12))
     return True
 
 

@@ -345,10 +345,12 @@ def _fingerprint(model: nn.Module, names: list[str], pool: str, dtype: torch.dty
     h = hashlib.sha256()
     for k, v in model.state_dict().items():
         h.update(f"{k}:{tuple(v.shape)}:{v.dtype}:".encode())
-        if v.is_floating_point() or v.is_complex():
-            h.update(repr(float(v.detach().double().abs().sum())).encode() if v.numel() else b"0")
+        if v.numel() and v.dtype != torch.bfloat16:
+            # ~64 exact values per tensor: tells different weights apart, device-independent, cheap
+            sample = v.detach().reshape(-1)[:: max(1, v.numel() // 64)].cpu().contiguous()
+            h.update(sample.numpy().tobytes())
         elif v.numel():
-            h.update(repr(int(v.detach().long().sum())).encode())
+            h.update(v.detach().reshape(-1)[:: max(1, v.numel() // 64)].float().cpu().numpy().tobytes())
     desc = {
         "model": _model_name(model),
         "weights": h.hexdigest(),
@@ -477,6 +479,12 @@ def extract(
     index = _index(dataset)
     out = Path(out)
     rank, world = _dist()
+    if world == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ExtractError(
+            f"this process runs under torchrun (WORLD_SIZE={os.environ['WORLD_SIZE']}) but torch.distributed is "
+            "not initialized, so every process would extract everything into the same files: call "
+            "torch.distributed.init_process_group('gloo') first (the hookscope CLI does)"
+        )
     dev = torch.device(device) if device is not None else None
     fingerprint = _fingerprint(model, names, pool_name, dtype, n, batch_size, index)
 
@@ -547,7 +555,8 @@ def _prepare(
             )
         return
     (out / MANIFEST).unlink(missing_ok=True)
-    probed = _probe(runner, dataset, collate, index, on_error)
+    with torch.inference_mode():
+        probed = _probe(runner, dataset, collate, index, on_error)
     dtypes = {k: (dtype if dtype is not None else (torch.float32 if d == torch.bfloat16 else d)) for k, (_, d) in probed.items()}
     run = {
         "fingerprint": fingerprint,

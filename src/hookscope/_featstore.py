@@ -354,7 +354,7 @@ class Features(Mapping[str, np.ndarray]):
         >>> d = tempfile.mkdtemp()
         >>> _ = hs.extract(net, data, ["0"], d, batch_size=4, progress=False)
         >>> feats = hs.load_features(d)
-        >>> feats["0"].shape, feats.index[:3].tolist(), feats.valid.all()
+        >>> feats["0"].shape, feats.index[:3].tolist(), bool(feats.valid.all())
         ((10, 3), [0, 1, 2], True)
     """
 
