@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal, NamedTuple
@@ -157,7 +158,9 @@ class _Recorder:
         # per layer: Call objects, or (index, tensor, version) tuples from the fast path, turned
         # into Calls when read (see materialize)
         self.calls: dict[str, list[Any]] = {}
-        self.counts: dict[str, int] = {}
+        # itertools.count: next() is atomic, so DataParallel replicas running the shared hooks in
+        # threads get unique call indices (PITFALL 17); list.append is atomic too
+        self.counts: dict[str, itertools.count[int]] = {}
         self.hooks: list[_OutputHook] = []
         self.warned: set[str] = set()
         self.simple = detach and not clone and to is None and not grads
@@ -181,7 +184,7 @@ class _Recorder:
             entries.clear()
         self.counts.clear()
         for h in self.hooks:
-            h.count = 0
+            h.counter = itertools.count()
 
     def store(self, value: Any, versions: list[tuple[torch.Tensor, int]] | None) -> Any:
         detach, clone, to = self.detach, self.clone, self.to
@@ -202,9 +205,10 @@ class _Recorder:
         return map_tensors(one, value)
 
     def new_call(self, name: str) -> Call:
-        index = self.counts.get(name, 0)
-        self.counts[name] = index + 1
-        call = Call(name, index)
+        counter = self.counts.get(name)
+        if counter is None:
+            counter = self.counts.setdefault(name, itertools.count())
+        call = Call(name, next(counter))
         entries = self.calls.setdefault(name, [])
         if self.keep == "last" and entries:
             entries[0] = call
@@ -235,13 +239,13 @@ class _OutputHook(_Hook):
     gradient) takes a lean path: one detach, one tuple, one append (the benchmark goal is <= 1.3x
     the cost of a hand-written ``acts[name] = out.detach()`` hook)."""
 
-    __slots__ = ("count", "entries", "finish", "last", "name", "rec", "scope_", "track")
+    __slots__ = ("counter", "entries", "finish", "last", "name", "rec", "scope_", "track")
 
     def __init__(self, rec: _Recorder, scope: HookScope, name: str, finish: Any) -> None:
         super().__init__(None, "", "", "", 0)  # type: ignore[arg-type]
         self.rec, self.scope_, self.name, self.finish = rec, scope, name, finish
         self.entries: list[Any] = rec.calls.setdefault(name, [])
-        self.count = 0
+        self.counter = itertools.count()
         self.last = rec.keep == "last"
         self.track = not rec.clone and rec.detach
         rec.hooks.append(self)
@@ -250,8 +254,7 @@ class _OutputHook(_Hook):
         if graph_task_id() != -1:  # activation checkpointing re-running forward (PITFALL 27)
             return None
         rec = self.rec
-        index = self.count
-        self.count = index + 1
+        index = next(self.counter)
         entry: Any
         if output.__class__ is torch.Tensor and rec.simple:
             t = output.detach()
