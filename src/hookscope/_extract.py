@@ -18,7 +18,7 @@ import platform
 import shutil
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -173,6 +173,21 @@ class _SafeCollate:
         failed = [(i, s.reason) for i, s in items if isinstance(s, _Failed)]
         data = self.collate([items[k][1] for k in good]) if good else None
         return _Batch([i for i, _ in items], good, data, failed)
+
+
+class _Batches:
+    """Batch sampler over global batches ``start .. stop``: batch ``k`` is rows ``[k*B, (k+1)*B)``."""
+
+    def __init__(self, start: int, stop: int, batch_size: int, n: int) -> None:
+        self.start, self.stop, self.batch_size, self.n = start, stop, batch_size, n
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b = self.batch_size
+        for k in range(self.start, self.stop):
+            yield list(range(k * b, min(self.n, (k + 1) * b)))
 
 
 def _as_dataset(data: Any, batch_size: int, num_workers: int) -> tuple[Any, int, int, Callable[..., Any], dict[str, Any]]:
@@ -592,7 +607,7 @@ def _run_shard(
         out, arrays, journal, key, done=done, skipped=skipped, fill=fill,
         total=rows_stop - rows_first, rows_done=rows_done,
     )
-    batches = [list(range(k * batch_size, min(n, (k + 1) * batch_size))) for k in range(first + done, stop)]
+    batches = _Batches(first + done, stop, batch_size, n)
     kw = dict(loader_kw)
     if runner.device.type == "cuda" and "pin_memory" not in kw:
         kw["pin_memory"] = True
