@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from ._cli import CLIError, _one_line, add_model_arguments, load, make_inputs
-from ._summary import _columns, summary
+from ._summary import summary
+from ._summary_format import parse_columns
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.depth is not None and args.depth < 0:
         raise CLIError(f"--depth must be >= 0; got {args.depth}")
-    columns = _columns(args.columns)  # fail on a typo before building the model
+    columns = parse_columns(args.columns)  # fail on a typo before building the model
     model = load(args)
     inputs = make_inputs(args, model)
     try:

@@ -127,16 +127,26 @@ class OpCounter(TorchDispatchMode):
                     self._add(o)
 
     def _add(self, t: torch.Tensor) -> None:
+        if t._base is not None:  # a view: no new memory
+            return
         st = _storage(t)
         if st is None:
             return
         key = st._cdata
-        if key in self._live or key in self._known:
-            return
         live = self._live
-        for k in [k for k, (ref, _) in live.items() if ref.expired()]:
-            self.live_bytes -= live.pop(k)[1]
+        if key in self._known:
+            return
+        hit = live.get(key)
+        if hit is not None:
+            if not hit[0].expired():
+                return
+            self.live_bytes -= live.pop(key)[1]  # a freed storage's address, reused
         n = st.nbytes()
+        if self.live_bytes + n > self.peak_bytes:
+            # Could be a new peak: drop what was freed since the last look, so the peak is exact.
+            # (Sweeping only here keeps the cost off most allocations.)
+            for k in [k for k, (ref, _) in live.items() if ref.expired()]:
+                self.live_bytes -= live.pop(k)[1]
         live[key] = (StorageWeakRef(st), n)
         self.live_bytes += n
         if self.live_bytes > self.peak_bytes:

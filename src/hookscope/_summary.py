@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -15,39 +14,11 @@ import torch.nn as nn
 from ._flops import OpCounter
 from ._nested import describe_call, iter_tensors
 from ._scope import HookScope, check_model, in_backward, note_exception
-from ._summary_table import COLUMNS, DEFAULT_COLUMNS, Summary, SummaryRow, SummaryTotals
+from ._summary_format import parse_columns
+from ._summary_rows import CallRecord, SummaryRow, SummaryTotals, build_rows, collapse
+from ._summary_table import Summary
 
 __all__ = ["Summary", "SummaryRow", "SummaryTotals", "summary"]
-
-
-class _Call:
-    """A module call being recorded (becomes a :class:`SummaryRow`)."""
-
-    __slots__ = (
-        "children",
-        "depth",
-        "ev",
-        "flops",
-        "module",
-        "name",
-        "out_bytes",
-        "out_shapes",
-        "parent",
-        "shapes",
-        "t0",
-        "time",
-    )
-
-    def __init__(self, name: str, module: nn.Module, depth: int, parent: int) -> None:
-        self.name, self.module, self.depth, self.parent = name, module, depth, parent
-        self.flops = 0
-        self.children = 0
-        self.time = 0.0
-        self.t0 = 0.0
-        self.ev: Any = None
-        self.shapes: dict[str, list[int]] = {}
-        self.out_shapes: dict[str, list[int]] = {}
-        self.out_bytes = 0
 
 
 def _key(path: tuple[Any, ...]) -> str:
@@ -64,23 +35,6 @@ def _shapes(args: Any, kwargs: Any) -> dict[str, list[int]]:
         }
     )
     return out
-
-
-def _columns(columns: str | Sequence[str] | None) -> tuple[str, ...]:
-    if columns is None:
-        return DEFAULT_COLUMNS
-    if isinstance(columns, str):
-        if columns == "all":
-            return COLUMNS
-        columns = [c.strip() for c in columns.split(",") if c.strip()]
-    for c in columns:
-        if c not in COLUMNS:
-            close = difflib.get_close_matches(str(c), COLUMNS, n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ValueError(
-                f"unknown summary column {c!r}; {hint}valid columns: {', '.join(COLUMNS)} (or 'all')"
-            )
-    return tuple(columns)
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -194,7 +148,7 @@ def summary(
     check_model(model)
     if depth is not None and (not isinstance(depth, int) or depth < 0):
         raise ValueError(f"depth must be a non-negative int or None; got {depth!r}")
-    cols = _columns(columns)
+    cols = parse_columns(columns)
     device = _model_device(model)
     if input_size is not None:
         if inputs:
@@ -207,8 +161,8 @@ def summary(
             "summary needs an input: summary(model, x), summary(model, input_ids=ids) or input_size=(1, 3, 224, 224)"
         )
 
-    calls: list[_Call] = []
-    stack: list[_Call] = []
+    calls: list[CallRecord] = []
+    stack: list[CallRecord] = []
     known = [*model.parameters(), *model.buffers(), *(t for _, t in iter_tensors((inputs, kwargs)))]
     counter = OpCounter(known)
     outside = counter.sink
@@ -221,7 +175,7 @@ def summary(
         if in_backward():
             return
         parent = stack[-1] if stack else None
-        c = _Call(name, module, len(stack), parent_index[-1] if parent_index else -1)
+        c = CallRecord(name, module, len(stack), parent_index[-1] if parent_index else -1)
         c.shapes = _shapes(args, kw)
         if parent is not None:
             parent.children += 1
@@ -288,7 +242,7 @@ def summary(
                 c.time = c.ev[0].elapsed_time(c.ev[1])
     if calls:
         calls[0].flops += outside.flops  # ops run by other hooks before/after the root call
-    rows = _rows(calls)
+    rows = build_rows(calls)
     params = {id(p): p for p in model.parameters()}
     totals = SummaryTotals(
         params=sum(p.numel() for p in params.values()),
@@ -314,64 +268,3 @@ def summary(
     if depth is not None:
         rows = collapse(rows, depth)
     return Summary(type(model).__name__, describe_call(inputs, kwargs), rows, totals, cols, never)
-
-
-def _rows(calls: list[_Call]) -> list[SummaryRow]:
-    per_module: dict[int, int] = {}
-    for c in calls:
-        per_module[id(c.module)] = per_module.get(id(c.module), 0) + 1
-    index: dict[int, int] = {}
-    holders: dict[int, list[int]] = {}  # parameter id -> rows that counted it
-    params_of: dict[int, list[nn.Parameter]] = {}
-    rows = []
-    for i, c in enumerate(calls):
-        mid = id(c.module)
-        k = index[mid] = index.get(mid, -1) + 1
-        ps = params_of.get(mid)
-        if ps is None:
-            ps = params_of[mid] = list(c.module.parameters())
-        ancestors = set()
-        a = c.parent
-        while a >= 0:
-            ancestors.add(a)
-            a = calls[a].parent
-        shared = 0
-        for p in ps:
-            hs = holders.setdefault(id(p), [])
-            if any(h not in ancestors for h in hs):
-                shared += p.numel()
-            hs.append(i)
-        rows.append(
-            SummaryRow(
-                name=c.name,
-                type=type(c.module).__name__,
-                depth=c.depth,
-                call=k,
-                calls=per_module[mid],
-                input_shapes=c.shapes,
-                output_shapes=c.out_shapes,
-                params=sum(p.numel() for p in ps),
-                trainable=sum(p.numel() for p in ps if p.requires_grad),
-                shared_params=shared,
-                flops=c.flops,
-                time_ms=c.time,
-                output_bytes=c.out_bytes,
-                leaf=c.children == 0,
-            )
-        )
-    return rows
-
-
-def collapse(rows: list[SummaryRow], depth: int) -> list[SummaryRow]:
-    """Fold rows deeper than ``depth`` into their ancestor at ``depth`` (FLOPs added to it)."""
-    out: list[SummaryRow] = []
-    keeper: SummaryRow | None = None
-    for r in rows:
-        if r.depth <= depth:
-            keeper = SummaryRow(**{**r.__dict__})
-            if r.depth == depth:
-                keeper.leaf = True
-            out.append(keeper)
-        elif keeper is not None:
-            keeper.flops += r.flops
-    return out

@@ -1,0 +1,157 @@
+"""The rows of a model summary: :class:`SummaryRow`, :class:`SummaryTotals`, and how the calls
+recorded during the forward become rows (shared parameters, call indices, depth folding)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["CallRecord", "SummaryRow", "SummaryTotals", "build_rows", "collapse"]
+
+
+@dataclass
+class SummaryRow:
+    """One call of one module, in call order (a module called 3 times has 3 rows).
+
+    ``input_shapes`` keys are positional paths (``"0"``, ``"1.h"``) and keyword names
+    (``"attention_mask"``); ``output_shapes`` keys are paths into the output (``""`` for a bare
+    tensor, ``"0"``, ``"last_hidden_state"``). ``params``/``trainable`` count the module's own and
+    its children's parameters; ``shared_params`` of those were already counted by an earlier row
+    that is not an ancestor (tied weights, a repeated call): totals count them once. ``flops`` are
+    the FLOPs of operators run by this call itself, not inside a child row (so rows sum to the
+    total); ``time_ms`` is inclusive of children.
+    """
+
+    name: str
+    type: str
+    depth: int
+    call: int
+    calls: int
+    input_shapes: dict[str, list[int]]
+    output_shapes: dict[str, list[int]]
+    params: int
+    trainable: int
+    shared_params: int
+    flops: int
+    time_ms: float
+    output_bytes: int
+    leaf: bool
+
+    @property
+    def label(self) -> str:
+        """The name as shown: ``<root>`` for the model, ``relu#2`` for a module's second call."""
+        base = self.name or "<root>"
+        return f"{base}#{self.call + 1}" if self.calls > 1 else base
+
+
+@dataclass
+class SummaryTotals:
+    """Totals of a summary. Parameters are counted once each, however many modules share them.
+
+    ``activation_bytes`` sums the outputs of innermost rows; ``peak_memory_bytes`` is the extra
+    memory the forward needed at its peak (``peak_memory_measure`` says how it was measured).
+    """
+
+    params: int
+    trainable: int
+    flops: int
+    param_bytes: int
+    buffer_bytes: int
+    activation_bytes: int
+    peak_memory_bytes: int
+    peak_memory_measure: str
+    time_ms: float
+    device: str
+
+
+class CallRecord:
+    """A module call being recorded (becomes a :class:`SummaryRow`)."""
+
+    __slots__ = (
+        "children",
+        "depth",
+        "ev",
+        "flops",
+        "module",
+        "name",
+        "out_bytes",
+        "out_shapes",
+        "parent",
+        "shapes",
+        "t0",
+        "time",
+    )
+
+    def __init__(self, name: str, module: nn.Module, depth: int, parent: int) -> None:
+        self.name, self.module, self.depth, self.parent = name, module, depth, parent
+        self.flops = 0
+        self.children = 0
+        self.time = 0.0
+        self.t0 = 0.0
+        self.ev: Any = None
+        self.shapes: dict[str, list[int]] = {}
+        self.out_shapes: dict[str, list[int]] = {}
+        self.out_bytes = 0
+
+
+def build_rows(calls: list[CallRecord]) -> list[SummaryRow]:
+    per_module: dict[int, int] = {}
+    for c in calls:
+        per_module[id(c.module)] = per_module.get(id(c.module), 0) + 1
+    index: dict[int, int] = {}
+    holders: dict[int, list[int]] = {}  # parameter id -> rows that counted it
+    params_of: dict[int, list[nn.Parameter]] = {}
+    rows = []
+    for i, c in enumerate(calls):
+        mid = id(c.module)
+        k = index[mid] = index.get(mid, -1) + 1
+        ps = params_of.get(mid)
+        if ps is None:
+            ps = params_of[mid] = list(c.module.parameters())
+        ancestors = set()
+        a = c.parent
+        while a >= 0:
+            ancestors.add(a)
+            a = calls[a].parent
+        shared = 0
+        for p in ps:
+            hs = holders.setdefault(id(p), [])
+            if any(h not in ancestors for h in hs):
+                shared += p.numel()
+            hs.append(i)
+        rows.append(
+            SummaryRow(
+                name=c.name,
+                type=type(c.module).__name__,
+                depth=c.depth,
+                call=k,
+                calls=per_module[mid],
+                input_shapes=c.shapes,
+                output_shapes=c.out_shapes,
+                params=sum(p.numel() for p in ps),
+                trainable=sum(p.numel() for p in ps if p.requires_grad),
+                shared_params=shared,
+                flops=c.flops,
+                time_ms=c.time,
+                output_bytes=c.out_bytes,
+                leaf=c.children == 0,
+            )
+        )
+    return rows
+
+
+def collapse(rows: list[SummaryRow], depth: int) -> list[SummaryRow]:
+    """Fold rows deeper than ``depth`` into their ancestor at ``depth`` (FLOPs added to it)."""
+    out: list[SummaryRow] = []
+    keeper: SummaryRow | None = None
+    for r in rows:
+        if r.depth <= depth:
+            keeper = SummaryRow(**{**r.__dict__})
+            if r.depth == depth:
+                keeper.leaf = True
+            out.append(keeper)
+        elif keeper is not None:
+            keeper.flops += r.flops
+    return out
