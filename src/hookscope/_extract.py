@@ -17,19 +17,25 @@ import os
 import platform
 import shutil
 import sys
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSampler
-from torch.utils.data._utils.collate import default_collate
-from torch.utils.data._utils.pin_memory import pin_memory as _pin
+from torch.utils.data import DataLoader
 
-from ._errors import HookscopeWarning, LayerNotRunError
+from ._extract_data import (
+    Batches,
+    SafeCollate,
+    SafeDataset,
+    as_dataset,
+    reason,
+    sample_error,
+    sample_index,
+)
+from ._extract_forward import Pool, Prepared, Runner, host, np_dtype, pool_fn
 from ._featstore import (
     FORMAT,
     FORMAT_VERSION,
@@ -50,284 +56,11 @@ from ._featstore import (
     save_index,
     state_dir,
 )
-from ._imagefolder import ImageFolder
-from ._nested import describe, first_tensor
 from ._progress import Progress
-from ._scope import HookScope, check_model
+from ._scope import check_model
 from ._select import resolve
-from ._transfer import move
 
-__all__ = ["Pool", "extract"]
-
-Pool = Literal["avg", "max", "flatten", "cls"] | Callable[[torch.Tensor], torch.Tensor] | None
-"""How a layer's output ``(B, ...)`` becomes the saved row: ``None`` keeps it whole; ``"avg"`` /
-``"max"`` reduce the spatial dims of ``(B, C, *spatial)`` (or the tokens of ``(B, T, D)``);
-``"flatten"`` gives ``(B, -1)``; ``"cls"`` keeps the first token of ``(B, T, D)``; a callable
-``fn(output) -> (B, ...)`` does anything else."""
-
-_POOLS = ("avg", "max", "flatten", "cls")
-
-
-# -- pooling ------------------------------------------------------------------------------------------
-def _reduce_dims(t: torch.Tensor) -> tuple[int, ...]:
-    if t.dim() >= 4:
-        return tuple(range(2, t.dim()))
-    if t.dim() == 3:
-        return (1,)
-    return ()
-
-
-def _pool_fn(pool: Pool) -> tuple[Callable[[torch.Tensor, str], torch.Tensor], str]:
-    """``(fn(output, layer) -> rows, name)`` for a ``pool`` argument."""
-    if pool is None:
-        return (lambda t, layer: t), "none"
-    if isinstance(pool, str):
-        if pool == "avg":
-            return (lambda t, layer: t.mean(dim=_reduce_dims(t)) if t.dim() >= 3 else t), "avg"
-        if pool == "max":
-            return (lambda t, layer: t.amax(dim=_reduce_dims(t)) if t.dim() >= 3 else t), "max"
-        if pool == "flatten":
-            return (lambda t, layer: t.flatten(1) if t.dim() > 1 else t), "flatten"
-        if pool == "cls":
-
-            def cls(t: torch.Tensor, layer: str) -> torch.Tensor:
-                if t.dim() < 3:
-                    raise ExtractError(
-                        f'pool="cls" keeps the first token of a (batch, tokens, dim) output, but layer '
-                        f"{layer!r} gives shape {tuple(t.shape)}; use pool=None, 'flatten' or a callable"
-                    )
-                return t[:, 0]
-
-            return cls, "cls"
-        raise ValueError(f"pool must be None, one of {', '.join(map(repr, _POOLS))} or a callable; got {pool!r}")
-    if callable(pool):
-
-        def custom(t: torch.Tensor, layer: str) -> torch.Tensor:
-            r = pool(t)
-            if not isinstance(r, torch.Tensor) or r.dim() == 0 or r.shape[0] != t.shape[0]:
-                got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
-                raise ExtractError(
-                    f"pool callable {getattr(pool, '__name__', pool)!r} must return a (batch, ...) tensor; "
-                    f"for layer {layer!r} output {tuple(t.shape)} it returned {got}"
-                )
-            return r
-
-        return custom, f"callable:{getattr(pool, '__module__', '?')}.{getattr(pool, '__qualname__', type(pool).__name__)}"
-    raise ValueError(f"pool must be None, one of {', '.join(map(repr, _POOLS))} or a callable; got {pool!r}")
-
-
-def _np_dtype(dtype: torch.dtype) -> np.dtype:
-    if dtype == torch.bfloat16:
-        raise ExtractError("numpy has no bfloat16: save features as torch.float16 or torch.float32")
-    return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
-
-
-# -- loading batches, catching bad samples ----------------------------------------------------------
-class _Failed:
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def _reason(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
-
-
-class _SafeDataset(Dataset):
-    """``(i, sample)``, or ``(i, _Failed(reason))`` when ``dataset[i]`` raises."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> tuple[int, Any]:
-        try:
-            return i, self.dataset[i]
-        except Exception as e:
-            return i, _Failed(_reason(e))
-
-
-class _Batch:
-    __slots__ = ("data", "failed", "good", "indices")
-
-    def __init__(self, indices: list[int], good: list[int], data: Any, failed: list[tuple[int, str]]) -> None:
-        self.indices, self.good, self.data, self.failed = indices, good, data, failed
-
-    def pin_memory(self) -> _Batch:
-        self.data = _pin(self.data)
-        return self
-
-
-class _SafeCollate:
-    """Collate the samples that loaded with the user's ``collate_fn``; keep the failures aside."""
-
-    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
-        self.collate = collate
-
-    def __call__(self, items: list[tuple[int, Any]]) -> _Batch:
-        good = [k for k, (_, s) in enumerate(items) if not isinstance(s, _Failed)]
-        failed = [(i, s.reason) for i, s in items if isinstance(s, _Failed)]
-        data = self.collate([items[k][1] for k in good]) if good else None
-        return _Batch([i for i, _ in items], good, data, failed)
-
-
-class _Batches:
-    """Batch sampler over global batches ``start .. stop``: batch ``k`` is rows ``[k*B, (k+1)*B)``."""
-
-    def __init__(self, start: int, stop: int, batch_size: int, n: int) -> None:
-        self.start, self.stop, self.batch_size, self.n = start, stop, batch_size, n
-
-    def __len__(self) -> int:
-        return max(0, self.stop - self.start)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        b = self.batch_size
-        for k in range(self.start, self.stop):
-            yield list(range(k * b, min(self.n, (k + 1) * b)))
-
-
-def _as_dataset(data: Any, batch_size: int, num_workers: int) -> tuple[Any, int, int, Callable[..., Any], dict[str, Any]]:
-    """``(dataset, batch_size, num_workers, collate_fn, other DataLoader options)``."""
-    if isinstance(data, (str, os.PathLike)):
-        return ImageFolder(data), batch_size, num_workers, default_collate, {}
-    if isinstance(data, DataLoader):
-        if isinstance(data.dataset, IterableDataset):
-            raise TypeError("extract needs a map-style dataset (len + indexing) so that runs can resume; got an IterableDataset")
-        if data.batch_size is None:
-            raise ValueError("extract needs a DataLoader with a batch_size (not a custom batch_sampler); or pass the dataset")
-        if not isinstance(data.sampler, SequentialSampler):
-            warnings.warn(
-                f"extract ignores the DataLoader's {type(data.sampler).__name__}: rows are saved in dataset "
-                "order so that runs can resume and shard across processes",
-                HookscopeWarning,
-                stacklevel=3,
-            )
-        kw: dict[str, Any] = {"pin_memory": data.pin_memory, "worker_init_fn": data.worker_init_fn, "timeout": data.timeout}
-        if data.num_workers > 0:
-            kw["multiprocessing_context"] = data.multiprocessing_context
-            kw["prefetch_factor"] = data.prefetch_factor
-        return data.dataset, data.batch_size, data.num_workers, data.collate_fn, kw
-    if isinstance(data, IterableDataset):
-        raise TypeError("extract needs a map-style dataset (len + indexing) so that runs can resume; got an IterableDataset")
-    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-        raise TypeError(f"data must be a Dataset (len + indexing), a DataLoader or an image folder path; got {type(data).__name__}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    return data, batch_size, num_workers, default_collate, {}
-
-
-def _index(dataset: Any) -> np.ndarray:
-    """One id per sample: ``sample_id(i)`` or ``samples[i][0]`` (file paths) if known, else ``i``."""
-    n = len(dataset)
-    sid = getattr(dataset, "sample_id", None)
-    if callable(sid):
-        return np.array([str(sid(i)) for i in range(n)], dtype=str)
-    samples = getattr(dataset, "samples", None)
-    if isinstance(samples, list) and len(samples) == n and samples and isinstance(samples[0], tuple) and isinstance(samples[0][0], str):
-        root = getattr(dataset, "root", None)
-        paths = [s[0] for s in samples]
-        if root is not None:
-            paths = [os.path.relpath(p, root) for p in paths]
-        return np.array(paths, dtype=str)
-    return np.arange(n, dtype=np.int64)
-
-
-def _sample_name(index: np.ndarray, i: int) -> str:
-    return f"sample {i}" if index.dtype.kind in "iu" else f"sample {i} ({index[i]})"
-
-
-# -- running the model ------------------------------------------------------------------------------
-class _Runner:
-    """One forward pass per batch with a hook per layer: pool, cast, copy to host, stop early."""
-
-    def __init__(self, model: nn.Module, named: dict[str, nn.Module], pool: Callable[[torch.Tensor, str], torch.Tensor], device: torch.device) -> None:
-        self.model, self.named, self.pool, self.device = model, named, pool, device
-        self.dtypes: dict[str, torch.dtype] = {}
-        self.host = torch.device("cpu")
-
-    def _hook(self, name: str, got: dict[str, Any], pending: set[str], scope: HookScope) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if name in got:  # a module used several times: its first call counts
-                return
-            t = first_tensor(output)
-            if t is None:
-                raise ExtractError(f"layer {name!r} returned {describe(output)}, which holds no tensor to save")
-            f = self.pool(t, name)
-            want = self.dtypes.get(name, torch.float32 if f.dtype == torch.bfloat16 else f.dtype)
-            if f.dtype != want:
-                f = f.to(want)
-            pending.discard(name)
-            if pending and f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
-                f = f.clone()  # the rest of the forward pass may modify the activation in place
-            got[name] = move(f, self.host) if f.device != self.host else f
-            if not pending:
-                raise scope.stop_signal()
-
-        return hook
-
-    def __call__(self, data: Any) -> dict[str, Any]:
-        got: dict[str, Any] = {}
-        pending = set(self.named)
-        with HookScope("extract") as scope:
-            for name, module in self.named.items():
-                scope.add_forward(module, self._hook(name, got, pending, scope), layer=name)
-            self._forward(data)
-        if pending:
-            raise LayerNotRunError(
-                f"extract: layer(s) {', '.join(map(repr, sorted(pending)))} of {type(self.model).__name__} never "
-                "ran during the forward pass (called via .forward() directly, or not on this input's path)"
-            )
-        return got
-
-    def _forward(self, data: Any) -> Any:
-        dev = self.device
-
-        def to(x: Any) -> Any:
-            return x.to(dev, non_blocking=True) if isinstance(x, torch.Tensor) else x
-
-        if isinstance(data, torch.Tensor):
-            return self.model(to(data))
-        if isinstance(data, (tuple, list)):
-            return self.model(to(data[0]))
-        if isinstance(data, Mapping):
-            return self.model(**{k: to(v) for k, v in data.items()})
-        raise TypeError(
-            f"a batch must be a tensor, a (input, ...) tuple/list or a dict of model kwargs; got {type(data).__name__}"
-        )
-
-
-class _Prepared:
-    """Eval mode (and ``device`` if given) for the run; the model's modes and device restored after."""
-
-    def __init__(self, model: nn.Module, device: torch.device | None) -> None:
-        self.model, self.device = model, device
-        self.modes = [(m, m.training) for m in model.modules()]
-        self.orig = _model_device(model)
-
-    def __enter__(self) -> torch.device:
-        self.model.eval()
-        if self.device is not None and self.device != self.orig:
-            self.model.to(self.device)
-            return self.device
-        return self.orig
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.device is not None and self.device != self.orig:
-            self.model.to(self.orig)
-        for m, mode in self.modes:
-            m.training = mode
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device("cpu")
+__all__ = ["extract"]
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -378,34 +111,18 @@ def _fingerprint(model: nn.Module, names: list[str], pool: str, dtype: torch.dty
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:24]
 
-
-def _probe(runner: _Runner, dataset: Any, collate: Callable[..., Any], index: np.ndarray, on_error: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _probe(runner: Runner, dataset: Any, collate: Callable[..., Any], index: np.ndarray, on_error: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of every layer's rows, from the first sample that loads."""
     for i in range(len(dataset)):
         try:
             sample = dataset[i]
         except Exception as e:
             if on_error == "raise":
-                raise _sample_error(index, i, _reason(e)) from e
+                raise sample_error(index, i, reason(e)) from e
             continue
         feats = runner(collate([sample]))
-        return {k: (tuple(v.shape[1:]), v.dtype) for k, v in ((k, _host(v)) for k, v in feats.items())}
+        return {k: (tuple(v.shape[1:]), v.dtype) for k, v in ((k, host(v)) for k, v in feats.items())}
     raise ExtractError(f"none of the {len(dataset)} samples could be loaded; nothing to extract")
-
-
-def _host(value: Any) -> torch.Tensor:
-    from ._transfer import ready
-
-    return ready(value)
-
-
-def _sample_error(index: np.ndarray, i: int, reason: str) -> ExtractError:
-    err = ExtractError(
-        f"{_sample_name(index, i)} could not be loaded: {reason}; fix or remove it, or use on_error='skip' "
-        "(CLI: --on-error skip) to record it in the manifest and go on"
-    )
-    err.sample = i  # type: ignore[attr-defined]
-    return err
 
 
 def extract(
@@ -479,19 +196,19 @@ def extract(
     """
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    pool_fn, pool_name = _pool_fn(pool)
+    pooling, pool_name = pool_fn(pool)
     if dtype is not None:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype such as torch.float16, got {dtype!r}")
-        _np_dtype(dtype)
+        np_dtype(dtype)
     check_model(model)
     named = resolve(model, layers)
     names = list(named)
-    dataset, batch_size, num_workers, collate, loader_kw = _as_dataset(data, batch_size, num_workers)
+    dataset, batch_size, num_workers, collate, loader_kw = as_dataset(data, batch_size, num_workers)
     n = len(dataset)
     if n == 0:
         raise ExtractError("the dataset is empty: nothing to extract")
-    index = _index(dataset)
+    index = sample_index(dataset)
     out = Path(out)
     rank, world = _dist()
     if world == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -518,8 +235,8 @@ def extract(
 
     nb = -(-n // batch_size)
     first, stop = rank * nb // world, (rank + 1) * nb // world
-    with _Prepared(model, dev) as run_dev:
-        runner = _Runner(model, named, pool_fn, run_dev)
+    with Prepared(model, dev) as run_dev:
+        runner = Runner(model, named, pooling, run_dev)
         if rank == 0:
             _prepare(out, runner, dataset, collate, index, fingerprint, names, dtype, n, batch_size, world, resume, on_error)
         _barrier(world)
@@ -547,7 +264,7 @@ def extract(
 
 
 def _prepare(
-    out: Path, runner: _Runner, dataset: Any, collate: Callable[..., Any], index: np.ndarray, fingerprint: str,
+    out: Path, runner: Runner, dataset: Any, collate: Callable[..., Any], index: np.ndarray, fingerprint: str,
     names: list[str], dtype: torch.dtype | None, n: int, batch_size: int, world: int, resume: bool, on_error: str,
 ) -> None:
     """Rank 0: validate an unfinished run in ``out``, or create the arrays of a new one."""
@@ -580,12 +297,12 @@ def _prepare(
         "files": layer_files(names),
         "shapes": {k: list(probed[k][0]) for k in names},
         "dtypes": {k: str(dtypes[k]).removeprefix("torch.") for k in names},
-        "dtype": str(_np_dtype(dtypes[names[0]])) if len({dtypes[k] for k in names}) == 1 else None,
+        "dtype": str(np_dtype(dtypes[names[0]])) if len({dtypes[k] for k in names}) == 1 else None,
         "count": n,
         "batch_size": batch_size,
         "world_size": world,
     }
-    run["np_dtypes"] = {k: str(_np_dtype(dtypes[k])) for k in names}
+    run["np_dtypes"] = {k: str(np_dtype(dtypes[k])) for k in names}
     try:
         create_arrays(out, run)
     except OSError as e:
@@ -593,7 +310,7 @@ def _prepare(
 
 
 def _run_shard(
-    out: Path, run: dict[str, Any], runner: _Runner, dataset: Any, collate: Callable[..., Any],
+    out: Path, run: dict[str, Any], runner: Runner, dataset: Any, collate: Callable[..., Any],
     loader_kw: dict[str, Any], index: np.ndarray, journal: Journal, key: dict[str, Any], done: int,
     skipped: list[dict[str, Any]], *, batch_size: int, num_workers: int, first: int, stop: int, n: int,
     rows_done: int, progress: bool, on_error: str,
@@ -607,11 +324,11 @@ def _run_shard(
         out, arrays, journal, key, done=done, skipped=skipped, fill=fill,
         total=rows_stop - rows_first, rows_done=rows_done,
     )
-    batches = _Batches(first + done, stop, batch_size, n)
+    batches = Batches(first + done, stop, batch_size, n)
     kw = dict(loader_kw)
     if runner.device.type == "cuda" and "pin_memory" not in kw:
         kw["pin_memory"] = True
-    loader = DataLoader(_SafeDataset(dataset), batch_sampler=batches, collate_fn=_SafeCollate(collate), num_workers=num_workers, **kw)
+    loader = DataLoader(SafeDataset(dataset), batch_sampler=batches, collate_fn=SafeCollate(collate), num_workers=num_workers, **kw)
     bar = Progress(rows_stop - rows_first, done=rows_done, enabled=progress)
     try:
         with torch.inference_mode():
@@ -620,8 +337,8 @@ def _run_shard(
                 if batch.failed:
                     if on_error == "raise":
                         writer.close()  # what came before is durable
-                        i, reason = batch.failed[0]
-                        raise _sample_error(index, i, reason)
+                        i, why = batch.failed[0]
+                        raise sample_error(index, i, why)
                     now_skipped = [{"row": i, "id": index[i].item(), "reason": r} for i, r in batch.failed]
                 feats = runner(batch.data) if batch.good else {}
                 good = None if not batch.failed else batch.good
