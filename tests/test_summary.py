@@ -400,3 +400,26 @@ def test_renderings(bert):
     console.print(s)
     out = console.export_text()
     assert "BertSelfAttention" in out and f"{s.totals.params:,}" in out
+
+
+def test_hf_gpt2_tied_lm_head_counted_once():
+    import transformers
+
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    torch.manual_seed(0)
+    gpt = transformers.GPT2LMHeadModel(cfg).eval()
+    assert gpt.lm_head.weight is gpt.transformer.wte.weight
+    ids = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(0))
+    s = hs.summary(gpt, input_ids=ids)
+    rows = by_label(s)
+    assert s.totals.params == unique_params(gpt)[0] == sum(p.numel() for p in gpt.parameters())
+    assert rows["lm_head"].params == rows["lm_head"].shared_params == 64 * 32
+    assert rows["lm_head"].flops == 2 * 6 * 32 * 64
+    assert (
+        s.totals.flops
+        == reference_flops(gpt, input_ids=ids).get_total_flops()
+        == sum(r.flops for r in s.rows)
+    )
+    with torch.no_grad():
+        logits = gpt(input_ids=ids).logits
+    assert rows["<root>"].output_shapes["logits"] == list(logits.shape)

@@ -6,6 +6,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ def _key(path: tuple[Any, ...]) -> str:
 
 
 def _shapes(args: Any, kwargs: Any) -> dict[str, list[int]]:
+    if not kwargs and len(args) == 1 and args[0].__class__ is torch.Tensor:  # the common case
+        return {"0": list(args[0].shape)}
     out = {_key((i, *p)): list(t.shape) for i, a in enumerate(args) for p, t in iter_tensors(a)}
     out.update(
         {
@@ -134,7 +137,8 @@ def summary(
     params, trainable, flops, time, bytes``). The model is left as found: mode, device,
     ``requires_grad``, buffers, RNG state, no hooks. The MHA fast path is off during the run so
     attention sub-layers are shown and counted. An exception inside the model is re-raised with a
-    note naming the layer and the shapes it got.
+    note naming the layer and the shapes it got. (``input_size``, ``dtypes``, ``depth`` and
+    ``columns`` are summary's own keywords; every other keyword goes to the model.)
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -190,7 +194,7 @@ def summary(
 
     def post(module: nn.Module, args: Any, kw: Any, output: Any, name: str) -> None:
         t1 = perf()
-        if not stack or stack[-1].name != name or stack[-1].module is not module:
+        if not stack or in_backward() or stack[-1].name != name or stack[-1].module is not module:
             return
         c = stack.pop()
         parent_index.pop()
@@ -200,7 +204,11 @@ def summary(
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             c.ev = (c.ev, end)
-        if sys.exc_info()[1] is not None and output is None:
+        if output.__class__ is torch.Tensor:  # the common case
+            c.out_shapes[""] = list(output.shape)
+            c.out_bytes = output.numel() * output.element_size()
+            return
+        if output is None and sys.exc_info()[1] is not None:
             note_exception(name, module, args, kw)
             return
         seen: set[int] = set()
@@ -213,12 +221,10 @@ def summary(
     parent_index: list[int] = []
     with scope:
         for name, module in model.named_modules():
-            scope.add_forward_pre(
-                module, lambda m, a, k, name=name: pre(m, a, k, name), layer=name, with_kwargs=True
-            )
+            scope.add_forward_pre(module, partial(pre, name=name), layer=name, with_kwargs=True)
             scope.add_forward(
                 module,
-                lambda m, a, k, o, name=name: post(m, a, k, o, name),
+                partial(post, name=name),
                 layer=name,
                 with_kwargs=True,
                 always_call=True,
