@@ -151,7 +151,7 @@ def test_sigkill_then_resume_is_byte_identical(folder, tmp_path):
     assert in_process(cli(tmp_path, folder, ref, "--on-error", "skip", "--no-progress")) == 0
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "hookscope", "extract", *cli(tmp_path, folder, out, "--on-error", "skip")]
-    proc = subprocess.Popen(cmd, env=env(HOOKSCOPE_TEST_SLOW_FORWARD="0.4"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(cmd, env=env(HOOKSCOPE_TEST_SLOW_FORWARD="0.5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     journal = out / STATE_DIR / "journal-0.json"
     deadline = time.monotonic() + 60
     done = 0

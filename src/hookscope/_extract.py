@@ -161,7 +161,8 @@ def extract(
             ``(image, label)``) or a dict of model keyword arguments; a ``DataLoader`` (its
             dataset, batch size, workers and ``collate_fn`` are used, its sampler is not: rows are
             in dataset order); or the path of an image folder (:class:`ImageFolder`, 224 px).
-        layers: layer selectors (names, globs, types, see :func:`find`).
+        layers: layer selectors (names, globs, types, see :func:`find`). A layer called several
+            times in one forward pass contributes its first call.
         out: output directory (created if needed).
         batch_size, num_workers: for the ``DataLoader`` built over ``data`` (unless one is given).
         pool: ``None``, ``"avg"``, ``"max"``, ``"flatten"``, ``"cls"`` or ``fn(output) -> (B, ...)``
