@@ -15,6 +15,7 @@ from . import ops
 from ._cam import CAM, CAMError, cam_methods, get_cam
 from ._cam_methods import EigenCAM, GradCAM, GradCAMPlusPlus, HiResCAM, LayerCAM, ScoreCAM, XGradCAM
 from ._capture import Call, Capture, Inputs, capture
+from ._diagnose import Alert, MonitorWarning, NonFiniteWarning, Thresholds
 from ._edit import clip_grads, edit, edit_grads
 from ._errors import (
     HookConflictError,
@@ -29,11 +30,15 @@ from ._errors import (
 from ._extract import extract
 from ._extractor import FeatureExtractor
 from ._featstore import ExtractError, Features, IncompleteExtractionError, load_features
+from ._flowplot import plot_grad_flow
 from ._imagefolder import ImageFolder
 from ._inventory import HookInfo, hooks_on, remove_hooks
+from ._monitor import Monitor, MonitorRecord
+from ._nonfinite import NonFiniteOrigin, find_nonfinite
 from ._observe import TensorGrads, observe, tensor_grads
 from ._scope import HookScope
 from ._select import Selector, find
+from ._sinks import JsonlSink, TensorBoardSink
 from ._summary import Summary, SummaryRow, SummaryTotals, summary
 from ._tokens import ReshapeError
 from ._trace import Trace, TraceEvent, trace
@@ -42,6 +47,7 @@ from ._viz import feature_maps, overlay
 __version__ = "0.1.0"
 
 __all__ = [
+    "Alert",
     "CAM",
     "CAMError",
     "Call",
@@ -62,17 +68,25 @@ __all__ = [
     "InPlaceModifiedWarning",
     "IncompleteExtractionError",
     "Inputs",
+    "JsonlSink",
     "LayerCAM",
     "LayerNotFoundError",
     "LayerNotRunError",
+    "Monitor",
+    "MonitorRecord",
+    "MonitorWarning",
     "NoGradientError",
+    "NonFiniteOrigin",
+    "NonFiniteWarning",
     "ReshapeError",
     "ScoreCAM",
     "Selector",
     "Summary",
     "SummaryRow",
     "SummaryTotals",
+    "TensorBoardSink",
     "TensorGrads",
+    "Thresholds",
     "Trace",
     "TraceEvent",
     "UnsupportedModelError",
@@ -86,12 +100,14 @@ __all__ = [
     "extract",
     "feature_maps",
     "find",
+    "find_nonfinite",
     "get_cam",
     "hooks_on",
     "load_features",
     "observe",
     "ops",
     "overlay",
+    "plot_grad_flow",
     "remove_hooks",
     "summary",
     "tensor_grads",
