@@ -282,3 +282,35 @@ def test_every_row_of_a_skipped_only_batch_and_mixed_dtypes(net, data, tmp_path)
     assert np.isnan(feats["head"][2:4]).all()
     ref = reference(net, data.tensors[0][[0, 1, 4, 5]])["head"].numpy()
     np.testing.assert_allclose(feats["head"][feats.valid], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_model_error_propagates_and_leaves_the_model_as_found(net, data, tmp_path):
+    class Boom(Dataset):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int):
+            x = data[i][0]
+            return x if i < 4 else x[:2]  # batch 2 has 2 channels: conv raises inside forward
+
+    net.train()
+    with pytest.raises(RuntimeError, match="channels"):
+        hs.extract(net, Boom(), "proj", tmp_path, batch_size=2, progress=False)
+    assert net.training  # and the autouse fixture checks that no hook was left behind
+    journal = json.loads((tmp_path / _featstore.STATE_DIR / "journal-0.json").read_text())
+    assert journal["done"] == 2  # the batches before the failure are kept
+
+
+def test_resume_checks_the_unfinished_run(net, data, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        hs.extract(net, Interrupting(data, 5), "conv", tmp_path, batch_size=2, progress=False)
+    run_file = tmp_path / _featstore.STATE_DIR / _featstore.RUN
+    run = json.loads(run_file.read_text())
+    with pytest.raises(hs.ExtractError, match="unfinished extraction of another run"):
+        hs.extract(net, data, "head", tmp_path, batch_size=2, progress=False)
+    run["world_size"] = 2
+    run_file.write_text(json.dumps(run))
+    with pytest.raises(hs.ExtractError, match="started with 2 process"):
+        hs.extract(net, data, "conv", tmp_path, batch_size=2, progress=False)
+    feats = hs.extract(net, data, "conv", tmp_path, batch_size=2, progress=False, resume=False)
+    np.testing.assert_allclose(feats["conv"], reference(net, data.tensors[0])["conv"].numpy(), rtol=1e-5, atol=1e-6)
