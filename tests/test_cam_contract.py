@@ -186,3 +186,13 @@ def test_memory_bound_scorecam_batches(x):
         calls = [c.output.shape[0] for c in cap.calls("conv1")]
     # one forward to read the activation (stopped early), then 8 channels in batches of 3
     assert calls == [1, 3, 3, 2]
+
+
+@pytest.mark.parametrize("module", ["hookscope._cam", "hookscope._cam_methods", "hookscope._tokens", "hookscope._viz"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    pytest.importorskip("matplotlib")
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
