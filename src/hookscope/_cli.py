@@ -65,11 +65,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (HookscopeError, FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as e:
         print(f"hookscope: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    except (RuntimeError, TypeError, IndexError) as e:
+    except Exception as e:
+        # an exception raised inside the user's model (located by `load`'s error locator) is bad
+        # input: one line, exit 2. Anything else is a bug in hookscope: let the traceback show.
         if getattr(e, "hookscope_layer", None) is not None:
             print(f"hookscope: error: {_one_line(e)}", file=sys.stderr)
             return 2
         raise
+    finally:
+        while _LOCATORS:
+            _LOCATORS.pop().remove()
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, inputs: bool = True) -> None:
@@ -114,13 +119,19 @@ def make_inputs(args: argparse.Namespace, model: Any) -> list[Any]:
     return out
 
 
+_LOCATORS: list[Any] = []
+
+
 def load(args: argparse.Namespace) -> Any:
-    """Load MODEL (eval mode, on --device)."""
+    """Load MODEL (eval mode, on --device), with an error locator attached until :func:`main`
+    returns, so an exception inside the model is reported as one line naming the layer."""
     import torch
 
     from ._modelspec import load_model
+    from ._scope import locate_errors
 
     model = load_model(args.model)
+    _LOCATORS.append(locate_errors(model))
     try:
         model = model.to(torch.device(getattr(args, "device", "cpu")))
     except RuntimeError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib
 import importlib.util
 import re
@@ -70,7 +71,8 @@ def load_model(spec: str) -> nn.Module:
         path = Path(where)
         if not path.is_file():
             raise ModelSpecError(f"model file {where!r} does not exist")
-        mod_name = f"_hookscope_user_{abs(hash(str(path.resolve())))}"
+        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+        mod_name = f"_hookscope_user_{path.stem}_{digest}"  # stable across processes
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
         if module_spec is None or module_spec.loader is None:
             raise ModelSpecError(f"cannot import {where!r} as a Python file")

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError
 from ._nested import describe_call
 
-__all__ = ["HookScope", "check_model", "graph_task_id", "in_backward", "note_exception"]
+__all__ = ["HookScope", "check_model", "graph_task_id", "in_backward", "locate_errors", "note_exception"]
 
 _scope_ids = itertools.count(1)
 
@@ -272,6 +272,24 @@ class HookScope:
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return f"<{type(self).__name__} {self.owner!r} #{self.id} {state}, {len(self._handles)} hooks>"
+
+
+def locate_errors(model: nn.Module) -> HookScope:
+    """Name the innermost layer (and its input shapes) in any exception the model raises.
+
+    Adds one ``always_call`` forward hook per module that calls :func:`note_exception`; the
+    command line wraps every model it runs in this scope, so a failing model is reported as one
+    line naming the layer.
+    """
+    scope = HookScope("locate_errors")
+    for name, module in model.named_modules():
+
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+            if output is None and sys.exc_info()[1] is not None:
+                note_exception(name, module, args, kwargs)
+
+        scope.add_forward(module, hook, layer=name, with_kwargs=True, always_call=True)
+    return scope
 
 
 def warn_once(store: set[str], key: str, message: str) -> None:
