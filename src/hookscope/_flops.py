@@ -57,6 +57,11 @@ def flop_registry() -> dict[Any, Any]:
     return reg
 
 
+# op -> "decompose it to count FLOPs?". Shared by all counters: a decomposition that ran no counted
+# operator once never does (batch_norm's Python decomposition is slow, so it is skipped afterwards).
+_COMPOSITE: dict[Any, bool] = {}
+
+
 class _Sink:
     __slots__ = ("flops",)
 
@@ -81,7 +86,8 @@ class OpCounter(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self._known: set[int] = set()
         self._keep_known: list[Any] = []  # strong refs so known keys stay valid during the run
-        self._composite: dict[Any, bool] = {}
+        self._composite = _COMPOSITE
+        self._inside = 0  # > 0 while running a decomposition
         for t in known:
             st = _storage(t)
             if st is not None:
@@ -95,19 +101,28 @@ class OpCounter(TorchDispatchMode):
         if formula is None and self._has_composite(func):
             # Same rule as FlopCounterMode: count what it decomposes into. A decomposition that
             # ran no counted operator is remembered and skipped afterwards (batch_norm's is slow).
+            # Memory: only the op's outputs are tracked, as for an op that runs natively, so the
+            # peak does not depend on whether this op was decomposed.
             before = self.total_flops
-            with self:
-                r = func.decompose(*args, **kwargs)
+            self._inside += 1
+            try:
+                with self:
+                    r = func.decompose(*args, **kwargs)
+            finally:
+                self._inside -= 1
             if r is not NotImplemented:
                 if self.total_flops == before:
                     self._composite[func] = False
+                if not self._inside:
+                    self._track(r)
                 return r
         out = func(*args, **kwargs)
         if formula is not None:
             n = int(formula(*args, **kwargs, out_val=out))
             self.sink.flops += n
             self.total_flops += n
-        self._track(out)
+        if not self._inside:
+            self._track(out)
         return out
 
     def _has_composite(self, func: Any) -> bool:
