@@ -1,9 +1,11 @@
 """Cost per training step of torchvision resnet18 with the training monitor, interleaved.
 
 Contenders, run in rounds (A, B, C, D, E, A, B, ...) so machine noise hits each alike:
-bare step; ``Monitor`` logging every step; every 10 steps; sentinel mode (NaN/Inf origin on
-every step, no statistics); ``torch.autograd.detect_anomaly``. One block = ``--steps`` training
-steps (SGD, cross-entropy); the table reports the median time per step over the rounds.
+bare step; ``Monitor`` logging every step (``mon.step()``, and ``mon.step(opt)``, which adds
+update-to-weight ratios); every 10 steps; sentinel mode (NaN/Inf origin on every step, no
+statistics); ``torch.autograd.detect_anomaly``. One block = ``--steps`` training steps (SGD,
+cross-entropy). Both the process CPU time and the wall time are reported: with one thread, CPU
+time is what the step costs and is far less disturbed by other processes on a shared machine.
 
     .venv/bin/python benchmarks/bench_monitor.py [--size 64] [--batch 16] [--rounds 7] [--steps 10]
 """
@@ -41,59 +43,67 @@ def main() -> None:
     x = torch.randn(args.batch, 3, args.size, args.size, device=dev)
     y = torch.randint(0, 10, (args.batch,), device=dev)
 
-    def train(steps: int, mon: hs.Monitor | None) -> None:
+    def train(steps: int, mon: hs.Monitor | None, with_opt: bool) -> None:
         for _ in range(steps):
             loss = loss_fn(model(x), y)
             loss.backward()
             opt.step()
             if mon is not None:
-                mon.step(opt)
+                mon.step(opt if with_opt else None)
             opt.zero_grad(set_to_none=True)
 
     def sync() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def block(kind: str) -> float:
+    def block(kind: str) -> tuple[float, float]:
         mon = None
-        ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if kind == "every step":
-            mon = hs.Monitor(model, every=1, alerts="off")
-        elif kind == "every 10 steps":
-            mon = hs.Monitor(model, every=10, alerts="off")
-        elif kind == "sentinel":
-            mon = hs.Monitor(model, every=10**9, stats=(), sentinel=True, alerts="off")
-        elif kind == "detect_anomaly":
-            ctx = torch.autograd.detect_anomaly(check_nan=True)
-        try:
-            with ctx, warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # detect_anomaly announces itself every time
-                sync()
-                t0 = time.perf_counter()
-                train(args.steps, mon)
-                sync()
-                return (time.perf_counter() - t0) / args.steps
-        finally:
-            if mon is not None:
-                mon.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # detect_anomaly announces itself every time
+            ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if kind.startswith("every step"):
+                mon = hs.Monitor(model, every=1, alerts="off")
+            elif kind == "every 10 steps":
+                mon = hs.Monitor(model, every=10, alerts="off")
+            elif kind == "sentinel":
+                mon = hs.Monitor(model, every=10**9, stats=(), sentinel=True, alerts="off")
+            elif kind == "detect_anomaly":
+                ctx = torch.autograd.detect_anomaly(check_nan=True)
+            try:
+                with ctx:
+                    sync()
+                    w0, c0 = time.perf_counter(), time.process_time()
+                    train(args.steps, mon, with_opt=kind != "every step")
+                    sync()
+                    return (time.perf_counter() - w0) / args.steps, (time.process_time() - c0) / args.steps
+            finally:
+                if mon is not None:
+                    mon.close()
 
-    kinds = ["bare", "every step", "every 10 steps", "sentinel", "detect_anomaly"]
+    kinds = ["bare", "every step", "every step + optimizer", "every 10 steps", "sentinel", "detect_anomaly"]
     for k in kinds:  # warm-up
         block(k)
-    times: dict[str, list[float]] = {k: [] for k in kinds}
+    wall: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(args.rounds):
         for k in kinds:
-            times[k].append(block(k))
-    base = statistics.median(times["bare"])
+            w, c = block(k)
+            wall[k].append(w)
+            cpu[k].append(c)
     print(
-        f"resnet18, batch {args.batch}, {args.size}x{args.size}, {dev.type}, {args.threads} threads, "
-        f"torch {torch.__version__}; {args.rounds} rounds x {args.steps} steps, median per step"
+        f"resnet18, batch {args.batch}, {args.size}x{args.size}, {dev.type}, {args.threads} thread(s), "
+        f"torch {torch.__version__}; {args.rounds} rounds x {args.steps} steps"
     )
-    print("| contender | ms / step | ratio to bare | min–max ms |")
-    print("|---|---:|---:|---:|")
+    print("ratio = median over rounds of (contender / bare of the same round)")
+    print("| contender | CPU ms / step | ratio (CPU time) | wall ms / step | ratio (wall) |")
+    print("|---|---:|---:|---:|---:|")
     for k in kinds:
-        med = statistics.median(times[k])
-        print(f"| {k} | {med * 1e3:.1f} | {med / base:.3f}× | {min(times[k]) * 1e3:.1f}–{max(times[k]) * 1e3:.1f} |")
+        rc = statistics.median(a / b for a, b in zip(cpu[k], cpu["bare"]))
+        rw = statistics.median(a / b for a, b in zip(wall[k], wall["bare"]))
+        print(
+            f"| {k} | {statistics.median(cpu[k]) * 1e3:.0f} | {rc:.3f}× | "
+            f"{statistics.median(wall[k]) * 1e3:.0f} | {rw:.3f}× |"
+        )
 
 
 if __name__ == "__main__":

@@ -88,8 +88,10 @@ def diagnose(
     params: Mapping[str, Mapping[str, float]],
     previous: tuple[Mapping[str, Mapping[str, float]], Mapping[str, Mapping[str, float]]] | None,
     th: Thresholds,
+    allowed: frozenset[str] | set[str] = frozenset(),
 ) -> list[Alert]:
-    """Alerts for one record. ``layers``/``params`` map names (in model order) to statistics."""
+    """Alerts for one record. ``layers``/``params`` map names (in model order) to statistics;
+    layers in ``allowed`` may hold non-finite values on purpose (e.g. ``-inf`` masks)."""
     alerts: list[Alert] = []
 
     def add(kind: str, layer: str, message: str, **values: Any) -> None:
@@ -97,7 +99,7 @@ def diagnose(
 
     for name, s in layers.items():
         n = s.get("nonfinite", 0.0)
-        if n > 0:
+        if n > 0 and name.partition("#")[0] not in allowed:
             add("nonfinite", name, f"layer {name!r} output has {int(n)} non-finite values", nonfinite=n)
         z = s.get("zeros", 0.0)
         if z >= th.dead:

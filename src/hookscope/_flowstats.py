@@ -120,7 +120,7 @@ def _act_stats_cpu(x: torch.Tensor, n: int, scratch: Scratch) -> torch.Tensor:
         if n > _EXACT_F32:
             nonzero = float(torch.count_nonzero(x))
         else:
-            buf = torch.sign(x, out=scratch.like(x))
+            buf = torch.sign(x, out=scratch.like(x))  # sum |sign(x)| = nonzero count
             nonzero = float(buf.abs_().sum(dtype=torch.float32))
         std = math.nan
         if n > 1:

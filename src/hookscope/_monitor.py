@@ -55,7 +55,8 @@ class MonitorRecord:
             appears as ``"layer#1"``, ``"layer#2"``. Stats: ``mean``, ``std``, ``absmax``,
             ``zeros`` (fraction exactly zero), ``nonfinite`` (count), ``saturated`` (fraction, for
             Tanh/Sigmoid-like layers), ``grad_norm`` and ``grad_absmax`` (gradient w.r.t. the
-            output, unscaled when a ``GradScaler`` is given).
+            output, unscaled when a ``GradScaler`` is given; under torch.distributed, of the mean
+            of the ranks' losses, as DDP averages gradients).
         params: ``{parameter: {stat: value}}``: ``grad_norm`` (absent when the parameter got
             no gradient; the averaged gradient under DDP), ``weight_norm`` and, with an optimizer,
             ``update_ratio`` = ``|w_after - w_before| / |w_before|``.
@@ -198,6 +199,9 @@ class Monitor:
         self._scratch = Scratch()
         self._want_updates = True
         self._prev: tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]] | None = None
+        allow = [allow] if isinstance(allow, (str, type)) else list(allow)
+        sel = [a for a in allow if a != NonFiniteOrigin.INPUT]
+        self._allowed = set(find(inner, *sel)) if sel else set()
         self._tracker = _Tracker(inner, allow, skip_safe=True, owner="monitor.sentinel") if sentinel else None
         self._attach()
 
@@ -360,8 +364,12 @@ class Monitor:
                 a, counts = vs[0][2], vals(ranks[0], kh)
                 edges = [a * (-1 + 2 * (j + 1) / len(counts)) for j in range(len(counts))]
                 hists[f"activations/{key}"] = (edges, counts)
+        # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
+        # rank's output gradient is divided by the world size: the same values as one process
+        # running the combined batch.
+        gscale = scale * len(ranks)
         for key, k in layout_g:
-            layers.setdefault(key, {}).update(combine_grads([vals(r, k) for r in ranks], scale))
+            layers.setdefault(key, {}).update(combine_grads([vals(r, k) for r in ranks], gscale))
         params: dict[str, dict[str, float]] = {}
         if pidx >= 0:
             pscale = scale if self._scaled(optimizer) else 1.0
@@ -376,7 +384,7 @@ class Monitor:
                     d["update_ratio"] = un / bn if bn > 0 else (0.0 if un == 0 else math.inf)
                 params[pname] = d
         rec = MonitorRecord(step, layers, params, histograms=hists)
-        rec.alerts = diagnose(step, layers, params, self._prev, self.thresholds)
+        rec.alerts = diagnose(step, layers, params, self._prev, self.thresholds, self._allowed)
         self._prev = (layers, params)
         return rec
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
@@ -41,13 +41,17 @@ class NonFiniteOrigin:
     """Where a NaN/Inf was first produced.
 
     Attributes:
-        layer: dotted layer path (``""`` is the model itself), :data:`INPUT` or :data:`LOSS`.
+        layer: dotted layer path (``""`` is the model itself), ``NonFiniteOrigin.INPUT``
+            (``"<input>"``) or ``NonFiniteOrigin.LOSS`` (``"<loss>"``).
         phase: ``"forward"`` or ``"backward"``.
         call: the layer's call index in that pass (0 for its first call).
         kind: ``"nan"`` or ``"inf"``.
         module_type: class name of the layer (``""`` for the input or the loss).
         stats: the offending numbers, e.g. ``{"input_absmax": 2.0, "output_absmax": nan}``.
     """
+
+    INPUT: ClassVar[str] = "<input>"
+    LOSS: ClassVar[str] = "<loss>"
 
     layer: str
     phase: str
