@@ -25,6 +25,10 @@ MODEL = textwrap.dedent(
             nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(6, 8, 3, padding=1),
             nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5),
         )
+
+    def TinyGray():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(1, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
     """
 )
 
@@ -65,6 +69,15 @@ def test_cam_methods_and_preprocessing_flags(files, capsys):
         assert main([*argv, "--resize", "0", "--crop", "0", "--mean", "0.5", "--std", "0.5"]) == 0
         with PIL_Image.open(out) as im:
             assert im.size == (40, 30)
+    capsys.readouterr()
+
+
+def test_gray_input(files, capsys):
+    out = files / "gray.png"
+    argv = ["cam", f"{files}/tiny.py:TinyGray", "--image", str(files / "img.png"), "--layer", "0", "--out", str(out)]
+    assert main([*argv, "--gray", "--crop", "24"]) == 0
+    with PIL_Image.open(out) as im:
+        assert im.size == (24, 24) and im.mode == "RGB"
     capsys.readouterr()
 
 

@@ -14,6 +14,7 @@ gradient is the one of the out-of-place model (PITFALL 3).
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -123,7 +124,7 @@ class _Run:
             if idx.numel() == 1:
                 idx = idx.expand(b)
         else:
-            vals = [int(t)] * b if isinstance(t, int) else [int(v) for v in t]
+            vals = [int(t)] * b if isinstance(t, numbers.Integral) else [int(v) for v in t]
             bad = [v for v in vals if not 0 <= v < k]
             if len(vals) != b or bad:
                 why = f"{len(vals)} targets for a batch of {b}" if len(vals) != b else f"class {bad[0]} out of range"
@@ -169,6 +170,16 @@ class CAM:
             layers must then share a resolution) instead of ``(B, H, W)`` in ``[0, 1]``.
 
     Calling it returns a float32 tensor on ``x``'s device. See :data:`Target` for ``target``.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1),
+        ...                     nn.Flatten(), nn.Linear(4, 3)).eval()
+        >>> x = torch.randn(2, 3, 10, 10)
+        >>> hs.LayerCAM(net, "0", raw=True)(x, target=lambda out: out[:, 0]).shape
+        torch.Size([2, 8, 8])
+        >>> hs.get_cam("eigencam")(net, "0")(x).shape
+        torch.Size([2, 10, 10])
     """
 
     name: ClassVar[str] = ""
@@ -243,7 +254,7 @@ class CAM:
             idx = target.to(device=run.x.device, dtype=torch.long).reshape(-1)
             run.index = idx.expand(b) if idx.numel() == 1 else idx
         else:
-            vals = [int(target)] * b if isinstance(target, int) else [int(v) for v in target]  # type: ignore[union-attr, arg-type]
+            vals = [int(target)] * b if isinstance(target, numbers.Integral) else [int(v) for v in target]  # type: ignore[union-attr, arg-type]
             if len(vals) != b:
                 raise CAMError(f"target: {len(vals)} targets for a batch of {b}")
             run.index = torch.tensor(vals, dtype=torch.long).to(run.x.device, non_blocking=True)

@@ -96,6 +96,10 @@ def load_image(args: argparse.Namespace) -> tuple[Any, Any]:
         x = (0.299 * x[0] + 0.587 * x[1] + 0.114 * x[2])[None]
     c = x.shape[0]
     mean, std = tuple(args.mean), tuple(args.std)
+    if c == 1 and len(mean) == 3:  # --gray with RGB statistics: their average
+        mean = (sum(mean) / 3,)
+    if c == 1 and len(std) == 3:
+        std = (sum(std) / 3,)
     if len(mean) == 1:
         mean = mean * c
     if len(std) == 1:
