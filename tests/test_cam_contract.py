@@ -44,6 +44,7 @@ def test_registry_has_the_seven_methods():
     assert METHODS == ["eigencam", "gradcam", "gradcam++", "hirescam", "layercam", "scorecam", "xgradcam"]
     assert hs.get_cam("GradCAM") is hs.GradCAM
     assert hs.get_cam("grad_cam_pp") is hs.GradCAMPlusPlus
+    assert hs.get_cam("GradCAMPlusPlus") is hs.GradCAMPlusPlus
     assert all(issubclass(c, hs.CAM) for c in hs.cam_methods().values())
 
 
@@ -99,6 +100,15 @@ def test_nested_outputs(kind, method, x):
         torch.testing.assert_close(hs.get_cam(method)(net, "conv2")(x, target=3), plain)
     fn = (lambda out: out[0][:, 3]) if kind == "tuple" else (lambda out: out["logits"][:, 3])
     torch.testing.assert_close(hs.get_cam(method)(net, "conv2")(x, target=fn), plain, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("method", ["gradcam", "layercam"])
+def test_frozen_model_still_gets_gradients(method, x):
+    net = Net().eval()
+    ref = hs.get_cam(method)(net, "conv2")(x, target=2)
+    net.requires_grad_(False)  # e.g. a fine-tuning setup: only the layer output needs a gradient
+    torch.testing.assert_close(hs.get_cam(method)(net, "conv2")(x, target=2), ref)
+    assert not any(p.requires_grad for p in net.parameters())
 
 
 def test_inplace_model_equals_out_of_place(x):

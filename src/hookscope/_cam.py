@@ -65,6 +65,7 @@ def get_cam(name: str) -> type[CAM]:
         'GradCAMPlusPlus'
     """
     by_key = {_key(n): cls for n, cls in _REGISTRY.items()}
+    by_key.update({_key(a): cls for cls in _REGISTRY.values() for a in cls.aliases})
     cls = by_key.get(_key(name))
     if cls is None:
         close = difflib.get_close_matches(name.lower(), list(_REGISTRY), n=3, cutoff=0.5)
@@ -153,7 +154,7 @@ class _Run:
 class CAM:
     """Base of every class-activation-map method. ``cam = Method(model, layer); cam(x, target)``.
 
-    Subclasses set ``name`` (registry key), ``uses_gradients``, and override
+    Subclasses set ``name`` (registry key; ``aliases`` for :func:`get_cam`), ``uses_gradients``, and override
     :meth:`channel_weights` (``(B, C)`` weights for ``sum_c w_c A_c``) or :meth:`layer_map`.
 
     Args:
@@ -183,6 +184,7 @@ class CAM:
     """
 
     name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
     uses_gradients: ClassVar[bool] = True
     needs_target: ClassVar[bool] = True
 

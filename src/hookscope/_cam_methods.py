@@ -45,6 +45,7 @@ class GradCAMPlusPlus(CAM):
     """Grad-CAM++ (Chattopadhay et al. 2018, eq. 19): higher-order gradient weighting."""
 
     name = "gradcam++"
+    aliases = ("gradcamplusplus",)
 
     def channel_weights(self, a: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
         assert g is not None
