@@ -15,7 +15,7 @@ from ._errors import HookscopeError
 __all__ = ["CLIError", "main"]
 
 # Subcommand modules, in the order they are listed by --help.
-COMMANDS = ["_cli_trace", "_cli_summary", "_cli_extract", "_cli_cam"]
+COMMANDS = ["_cli_trace", "_cli_summary", "_cli_extract", "_cli_cam", "_cli_demo"]
 
 
 class CLIError(HookscopeError):
