@@ -292,3 +292,22 @@ def test_no_host_sync_on_cuda(method):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert out.device == x.device
+
+
+def test_autograd_graph_freed_after_the_call():
+    """Nothing of the call's graph survives it (freed by reference counting, no gc needed)."""
+    import weakref
+
+    model = small_cnn(inplace=True)
+    refs: list[weakref.ref] = []
+    state = [id(t) for t in model.state_dict(keep_vars=True).values()]  # weights, BN statistics
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in state:
+            refs.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cam = hs.GradCAM(model, "2")(torch.randn(2, 3, 16, 16), target=1)
+    assert refs and all(r() is None for r in refs)
+    assert cam.grad_fn is None and not cam.requires_grad
