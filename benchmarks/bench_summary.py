@@ -27,7 +27,12 @@ def main() -> None:
     )
     ap.add_argument("--size", type=int, default=224, help="input image size (default 224)")
     ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="intra-op threads (default 1: steadier on a shared machine)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = getattr(torchvision.models, args.model)().eval()

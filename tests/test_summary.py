@@ -423,3 +423,19 @@ def test_hf_gpt2_tied_lm_head_counted_once():
     with torch.no_grad():
         logits = gpt(input_ids=ids).logits
     assert rows["<root>"].output_shapes["logits"] == list(logits.shape)
+
+
+def test_table_fits_with_huge_numbers():
+    row = hs.SummaryRow(
+        name="model.layers.31.self_attn.q_proj", type="Linear", depth=4, call=0, calls=1,
+        input_shapes={"0": [1, 4096, 4096]}, output_shapes={"": [1, 4096, 4096]},
+        params=6_738_415_616, trainable=6_738_415_616, shared_params=0, flops=10**14,
+        time_ms=12345.678, output_bytes=2**40, leaf=True,
+    )  # fmt: skip
+    totals = hs.SummaryTotals(6_738_415_616, 0, 10**14, 2**35, 0, 2**40, 2**40, "CPU", 1.0, "cpu")
+    s = hs.Summary(
+        "LlamaForCausalLM", "(1, 4096)", [row], totals, columns=tuple(hs._summary_format.COLUMNS)
+    )
+    text = s.to_text(ascii=True)
+    assert max(map(len, text.splitlines())) <= 100
+    assert "6,738,415,616" in text and "100T" in text and "1024.00 GiB" in text

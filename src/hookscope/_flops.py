@@ -118,7 +118,17 @@ class OpCounter(TorchDispatchMode):
                 return r
         out = func(*args, **kwargs)
         if formula is not None:
-            n = int(formula(*args, **kwargs, out_val=out))
+            raw = getattr(formula, "__wrapped__", None) if formula.__code__ is _SHAPE_CODE else None
+            if raw is not None:  # what shape_wrapper does, without pytree's cost
+                n = int(
+                    raw(
+                        *map(_shape_of, args),
+                        out_shape=_shape_of(out),
+                        **{k: _shape_of(v) for k, v in kwargs.items()},
+                    )
+                )
+            else:
+                n = int(formula(*args, **kwargs, out_val=out))
             self.sink.flops += n
             self.total_flops += n
         if not self._inside:
@@ -166,6 +176,21 @@ class OpCounter(TorchDispatchMode):
         self.live_bytes += n
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
+
+
+_SHAPE_CODE = flop_counter.shape_wrapper(lambda: 0).__code__
+
+
+def _shape_of(a: Any) -> Any:
+    """Tensors (also inside lists, tuples, dicts) replaced by their shapes, like shape_wrapper."""
+    if isinstance(a, torch.Tensor):
+        return a.shape
+    if isinstance(a, (list, tuple)) and a:
+        vals = [_shape_of(x) for x in a]
+        return type(a)(*vals) if hasattr(type(a), "_fields") else type(a)(vals)
+    if isinstance(a, dict):
+        return {k: _shape_of(v) for k, v in a.items()}
+    return a
 
 
 def _storage(t: torch.Tensor) -> Any:

@@ -125,6 +125,10 @@ def shrink(widths: list[int], cols: list[str], budget: int) -> None:
         ("output", 10),
         ("type", 8),
         ("name", 12),
+        ("input", 6),
+        ("output", 6),
+        ("type", 6),
+        ("name", 8),
     ]
     for col, floor in stages:
         if col not in cols:

@@ -96,20 +96,34 @@ class CallRecord:
         self.out_bytes = 0
 
 
+def _params(module: nn.Module, memo: dict[int, list[nn.Parameter]]) -> list[nn.Parameter]:
+    """``list(module.parameters())`` (each once), memoised over the tree: O(params x depth)."""
+    got = memo.get(id(module))
+    if got is None:
+        seen = {id(p): p for p in module._parameters.values() if p is not None}
+        for child in module._modules.values():
+            if child is not None:
+                for p in _params(child, memo):
+                    seen.setdefault(id(p), p)
+        got = memo[id(module)] = list(seen.values())
+    return got
+
+
 def build_rows(calls: list[CallRecord]) -> list[SummaryRow]:
     per_module: dict[int, int] = {}
     for c in calls:
         per_module[id(c.module)] = per_module.get(id(c.module), 0) + 1
     index: dict[int, int] = {}
     holders: dict[int, list[int]] = {}  # parameter id -> rows that counted it
-    params_of: dict[int, list[nn.Parameter]] = {}
+    memo: dict[int, list[nn.Parameter]] = {}
+    sizes: dict[int, tuple[int, int]] = {}
     rows = []
     for i, c in enumerate(calls):
         mid = id(c.module)
         k = index[mid] = index.get(mid, -1) + 1
-        ps = params_of.get(mid)
-        if ps is None:
-            ps = params_of[mid] = list(c.module.parameters())
+        ps = _params(c.module, memo)
+        if mid not in sizes:
+            sizes[mid] = (sum(p.numel() for p in ps), sum(p.numel() for p in ps if p.requires_grad))
         ancestors = set()
         a = c.parent
         while a >= 0:
@@ -130,8 +144,8 @@ def build_rows(calls: list[CallRecord]) -> list[SummaryRow]:
                 calls=per_module[mid],
                 input_shapes=c.shapes,
                 output_shapes=c.out_shapes,
-                params=sum(p.numel() for p in ps),
-                trainable=sum(p.numel() for p in ps if p.requires_grad),
+                params=sizes[mid][0],
+                trainable=sizes[mid][1],
                 shared_params=shared,
                 flops=c.flops,
                 time_ms=c.time,
