@@ -171,12 +171,11 @@ def feature_maps(
     figure = _need("matplotlib.figure")
     cols = math.ceil(math.sqrt(k))
     rows = math.ceil(k / cols)
-    fig = figure.Figure(figsize=(1.6 * cols, 1.75 * rows))
+    fig = figure.Figure(figsize=(1.6 * cols, 1.75 * rows), layout="constrained")  # room for a suptitle
     for j in range(rows * cols):
         ax = fig.add_subplot(rows, cols, j + 1)
         ax.set_axis_off()
         if j < k:
             ax.imshow(maps[j].numpy(), cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
             ax.set_title(str(int(idx[j])), fontsize=8)
-    fig.tight_layout()
     return fig
