@@ -194,8 +194,15 @@ def test_memory_bound_scorecam_batches(x):
     with hs.capture(net, "conv1", clone=True) as cap:
         hs.ScoreCAM(net, "conv2", batch_size=3)(x[:1], target=0)
         calls = [c.output.shape[0] for c in cap.calls("conv1")]
-    # one forward to read the activation (stopped early), then 8 channels in batches of 3
+    # one forward to read the activation and check the target, then 8 channels in batches of 3
     assert calls == [1, 3, 3, 2]
+    with hs.capture(net, "conv1", clone=True) as cap:
+        hs.ScoreCAM(net, "conv2", batch_size=3)(x[:1], target=lambda out: out[:, 0])
+    assert [c.output.shape[0] for c in cap.calls("conv1")] == [1, 3, 3, 2]
+    with pytest.raises(hs.CAMError, match="one score per row"):
+        hs.ScoreCAM(net, "conv2", batch_size=3)(x[:1], target=lambda out: out[:, 0].sum())
+    with pytest.raises(hs.CAMError, match="class 9 out of range"):
+        hs.ScoreCAM(net, "conv2")(x, target=9)
 
 
 @pytest.mark.parametrize("module", ["hookscope._cam", "hookscope._cam_methods", "hookscope._tokens", "hookscope._viz"])

@@ -106,7 +106,7 @@ class _Run:
         self.index: torch.Tensor | None = None  # (B,) class per sample, on x's device
 
     def resolve_target(self, out: Any) -> None:
-        """Turn ``target`` into per-sample class indices (no host sync)."""
+        """Turn ``target`` into per-sample class indices on the output's device (no host sync)."""
         t, b = self.target, self.x.shape[0]
         if callable(t):
             return
@@ -119,17 +119,16 @@ class _Run:
                 )
             self.index = logits.detach().argmax(dim=1)
             return
-        k = logits.shape[1] if logits.ndim >= 2 else 0
         if isinstance(t, torch.Tensor):
             idx = t.to(device=logits.device, dtype=torch.long).reshape(-1)
             if idx.numel() == 1:
                 idx = idx.expand(b)
         else:
-            vals = [int(t)] * b if isinstance(t, numbers.Integral) else [int(v) for v in t]
+            vals = [int(t)] * b if isinstance(t, numbers.Integral) else [int(v) for v in t]  # type: ignore[union-attr]
+            k = logits.shape[1] if logits.ndim >= 2 else 0
             bad = [v for v in vals if not 0 <= v < k]
-            if len(vals) != b or bad:
-                why = f"{len(vals)} targets for a batch of {b}" if len(vals) != b else f"class {bad[0]} out of range"
-                raise CAMError(f"target: {why}; the model gives {describe(out)} ({k} classes)")
+            if bad:
+                raise CAMError(f"target: class {bad[0]} out of range; the model gives {describe(out)} ({k} classes)")
             idx = torch.tensor(vals, dtype=torch.long).to(logits.device, non_blocking=True)
         if idx.shape[0] != b:
             raise CAMError(f"target: {idx.shape[0]} targets for a batch of {b}")
@@ -229,12 +228,11 @@ class CAM:
         if self.uses_gradients and torch.is_inference_mode_enabled():
             raise CAMError(f"{type(self).__name__} needs gradients, which torch.inference_mode() forbids; call it outside")
         run = _Run(self, x, target)
-        need_output = self.uses_gradients or (self.needs_target and target is None)
+        # the output is needed for gradients and for class targets (predicted, or range-checked)
+        need_output = self.uses_gradients or (self.needs_target and not callable(target))
         acts, out = self._forward(x, grad=self.uses_gradients, full=need_output)
         if need_output:
             run.resolve_target(out)
-        elif self.needs_target and not callable(target):
-            self._index_without_output(run, target)
         grads: list[torch.Tensor | None] = [None] * len(acts)
         if self.uses_gradients:
             grads = self._gradients(run, out, acts)
@@ -248,18 +246,6 @@ class CAM:
                 maps.append(self.layer_map(a, g, run))
         with torch.no_grad():
             return self._finish(maps, x)
-
-    def _index_without_output(self, run: _Run, target: Target) -> None:
-        # class indices given explicitly: no need for the model's output to check them
-        b = run.x.shape[0]
-        if isinstance(target, torch.Tensor):
-            idx = target.to(device=run.x.device, dtype=torch.long).reshape(-1)
-            run.index = idx.expand(b) if idx.numel() == 1 else idx
-        else:
-            vals = [int(target)] * b if isinstance(target, numbers.Integral) else [int(v) for v in target]  # type: ignore[union-attr, arg-type]
-            if len(vals) != b:
-                raise CAMError(f"target: {len(vals)} targets for a batch of {b}")
-            run.index = torch.tensor(vals, dtype=torch.long).to(run.x.device, non_blocking=True)
 
     def _forward(self, x: torch.Tensor, *, grad: bool, full: bool) -> tuple[dict[str, torch.Tensor], Any]:
         """Run the model; return ``{layer: activation}`` (grad leaves if ``grad``) and the output.

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._cam import CAM, _Run
+from ._cam import CAM, CAMError, _Run
 from ._tokens import Reshape
 
 __all__ = ["EigenCAM", "GradCAM", "GradCAMPlusPlus", "HiResCAM", "LayerCAM", "ScoreCAM", "XGradCAM"]
@@ -160,6 +160,12 @@ class ScoreCAM(CAM):
                     masked = x[i : i + 1] * masks.to(x.dtype)  # (n, C_in, *spatial)
                     out = run.model(masked)
                     r = None if rows is None else rows.expand(masked.shape[0])
-                    scores[i, c0 : c0 + masked.shape[0]] = run.score(out, r).float()
+                    s = run.score(out, r)
+                    if s.shape != (masked.shape[0],):
+                        raise CAMError(
+                            f"ScoreCAM scores {masked.shape[0]} masked copies of a sample at a time: the target "
+                            f"function must return one score per row, shape ({masked.shape[0]},); got {tuple(s.shape)}"
+                        )
+                    scores[i, c0 : c0 + masked.shape[0]] = s.float()
         w = scores.softmax(dim=1)
         return (w.view(b, c, *([1] * (a.ndim - 2))) * a).sum(dim=1)
