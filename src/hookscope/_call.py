@@ -1,0 +1,129 @@
+"""Call records: what :func:`capture` keeps for each call of a layer (output, inputs, gradients)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+
+from ._errors import InPlaceModifiedWarning, LayerNotRunError, NoGradientError
+from ._nested import map_tensors
+from ._transfer import move, ready
+
+__all__ = ["Call", "Inputs"]
+
+
+class Inputs(NamedTuple):
+    """Positional and keyword inputs of one call."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+def _nograd_reason() -> str:
+    if torch.is_inference_mode_enabled():
+        return "the forward pass ran under torch.inference_mode()"
+    if not torch.is_grad_enabled():
+        return "the forward pass ran under torch.no_grad()"
+    return "no tensor in it required grad (no input or parameter upstream requires grad)"
+
+
+class _GradSlots:
+    """Gradients for the tensor leaves of one captured value (accumulated over backward passes)."""
+
+    __slots__ = ("grads", "n", "reason")
+
+    def __init__(self, n: int, reason: str | None) -> None:
+        self.n, self.reason = n, reason
+        self.grads: list[torch.Tensor | None] = [None] * n
+
+    def hook(self, i: int, to: torch.device | None) -> Any:
+        def record(grad: torch.Tensor) -> None:
+            g = grad.detach()
+            g = ready(move(g, to)) if to is not None else g
+            prev = self.grads[i]
+            self.grads[i] = g if prev is None else prev + g
+            return None
+
+        return record
+
+    def build(self, like: Any, what: str) -> Any:
+        if all(g is None for g in self.grads):
+            reason = self.reason or "backward() has not reached it yet, or it does not contribute to the loss"
+            raise NoGradientError(f"no gradient for {what}: {reason}")
+        it = iter(self.grads)
+        return map_tensors(lambda _t: next(it), like, other=lambda _x: None)
+
+
+class Call:
+    """One call of a captured layer.
+
+    Attributes:
+        layer: the layer's dotted name.
+        index: 0 for the layer's first call in the scope, 1 for the second, ...
+        output: the output (nested structure kept), detached unless ``detach=False``.
+        inputs: :class:`Inputs` when captured with ``inputs=True``, else ``None``.
+    """
+
+    __slots__ = ("_grad", "_in_grad", "_output", "_versions", "index", "inputs", "layer")
+
+    def __init__(self, layer: str, index: int) -> None:
+        self.layer, self.index = layer, index
+        self._output: Any = _UNSET
+        self.inputs: Inputs | None = None
+        self._grad: _GradSlots | None = None
+        self._in_grad: _GradSlots | None = None
+        self._versions: list[tuple[torch.Tensor, int]] | None = None
+
+    @property
+    def output(self) -> Any:
+        if self._output is _UNSET:
+            raise LayerNotRunError(f"layer {self.layer!r} call {self.index} raised before returning an output")
+        if self._versions:
+            for t, v in self._versions:
+                if t._version != v:
+                    warnings.warn(
+                        f"the output of {self.layer!r} (call {self.index}) was modified in place after it "
+                        "was captured (e.g. by a later ReLU(inplace=True) or +=); you see the modified "
+                        "values. Capture with clone=True to keep the values the layer produced",
+                        InPlaceModifiedWarning,
+                        stacklevel=3,
+                    )
+                    break
+        return map_tensors(ready, self._output) if self._output.__class__ is not torch.Tensor else self._output
+
+    @property
+    def grad(self) -> Any:
+        """Gradient of the loss w.r.t. this call's output (same structure, ``None`` for leaves without one)."""
+        if self._grad is None:
+            raise NoGradientError(f"gradients of {self.layer!r} were not captured; use capture(..., grads=True)")
+        return self._grad.build(self._output, f"the output of {self.layer!r} (call {self.index})")
+
+    @property
+    def input_grad(self) -> Inputs:
+        """Gradient w.r.t. this call's inputs (through this layer only), as :class:`Inputs`."""
+        if self._in_grad is None or self.inputs is None:
+            raise NoGradientError(
+                f"input gradients of {self.layer!r} were not captured; use capture(..., inputs=True, grads=True)"
+            )
+        g = self._in_grad.build((self._raw_inputs_structure()), f"the inputs of {self.layer!r} (call {self.index})")
+        return Inputs(tuple(g[0]), dict(g[1]))
+
+    def _raw_inputs_structure(self) -> tuple[Any, Any]:
+        assert self.inputs is not None
+        return (self.inputs.args, self.inputs.kwargs)
+
+    def __repr__(self) -> str:
+        from ._nested import describe
+
+        out = "?" if self._output is _UNSET else describe(self._output)
+        return f"Call({self.layer!r}, index={self.index}, output={out})"
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
