@@ -439,3 +439,39 @@ def test_table_fits_with_huge_numbers():
     text = s.to_text(ascii=True)
     assert max(map(len, text.splitlines())) <= 100
     assert "6,738,415,616" in text and "100T" in text and "1024.00 GiB" in text
+
+
+def test_summary_keeps_no_reference_to_the_model():
+    import gc
+    import weakref
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    s = hs.summary(net, torch.zeros(1, 2))
+    ref = weakref.ref(net)
+    del net
+    gc.collect()
+    assert ref() is None and s.totals.params == 6
+
+
+def test_refuses_scripted_and_compiled_models():
+    import warnings
+
+    net = nn.Sequential(nn.Linear(2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated in recent torch
+        scripted = torch.jit.script(net)
+    with pytest.raises(hs.UnsupportedModelError, match="TorchScript"):
+        hs.summary(scripted, torch.zeros(1, 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_memory_and_event_timing():
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()
+    before = torch.cuda.memory_allocated()
+    s = hs.summary(net, torch.randn(32, 64, device="cuda"))
+    assert s.totals.device.startswith("cuda") and s.totals.peak_memory_bytes >= 32 * 256 * 4
+    assert all(r.time_ms > 0 for r in s.rows) and by_label(s)["0"].flops == 2 * 32 * 64 * 256
+    assert (
+        all(p.is_cuda for p in net.parameters())
+        and torch.cuda.memory_allocated() <= before + 32 * 64 * 4
+    )
