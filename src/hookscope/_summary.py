@@ -111,6 +111,69 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
                     b.copy_(saved)
 
 
+class _Recorder:
+    """The hooks of one summary run: a stack of the module calls in progress, each recorded as a
+    :class:`CallRecord`; the FLOP counter's sink follows the innermost one."""
+
+    def __init__(self, counter: OpCounter, cuda: torch.device | None) -> None:
+        self.counter, self.cuda = counter, cuda
+        self.outside = counter.sink  # FLOPs of ops run outside any module call (other hooks)
+        self.calls: list[CallRecord] = []
+        self.stack: list[tuple[CallRecord, int]] = []
+
+    def pre(self, module: nn.Module, args: Any, kw: Any, name: str) -> None:
+        if in_backward():
+            return
+        stack = self.stack
+        parent = stack[-1] if stack else None
+        c = CallRecord(name, module, len(stack), parent[1] if parent else -1)
+        c.shapes = _shapes(args, kw)
+        if parent is not None:
+            parent[0].children += 1
+        stack.append((c, len(self.calls)))
+        self.calls.append(c)
+        self.counter.sink = c
+        if self.cuda:
+            c.ev = torch.cuda.Event(enable_timing=True)
+            c.ev.record()
+        c.t0 = time.perf_counter()
+
+    def post(self, module: nn.Module, args: Any, kw: Any, output: Any, name: str) -> None:
+        t1 = time.perf_counter()
+        stack = self.stack
+        if not stack or in_backward() or stack[-1][0].module is not module:
+            return
+        c = stack.pop()[0]
+        self.counter.sink = stack[-1][0] if stack else self.outside
+        c.time = (t1 - c.t0) * 1e3
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            c.ev = (c.ev, end)
+        if output.__class__ is torch.Tensor:  # the common case
+            c.out_shapes[""] = list(output.shape)
+            c.out_bytes = output.numel() * output.element_size()
+            return
+        if output is None and sys.exc_info()[1] is not None:
+            note_exception(name, module, args, kw)  # name the failing layer in the error
+            return
+        seen: set[int] = set()
+        for p, t in iter_tensors(output):
+            c.out_shapes[_key(p)] = list(t.shape)
+            if id(t) not in seen:
+                seen.add(id(t))
+                c.out_bytes += t.numel() * t.element_size()
+
+    def finish(self) -> list[CallRecord]:
+        """The calls, with GPU times read from their events (after the final synchronize)."""
+        for c in self.calls:
+            if isinstance(c.ev, tuple):
+                c.time = c.ev[0].elapsed_time(c.ev[1])
+        if self.calls:
+            self.calls[0].flops += self.outside.flops
+        return self.calls
+
+
 def summary(
     model: nn.Module,
     *inputs: Any,
@@ -165,102 +228,46 @@ def summary(
             "summary needs an input: summary(model, x), summary(model, input_ids=ids) or input_size=(1, 3, 224, 224)"
         )
 
-    calls: list[CallRecord] = []
-    stack: list[CallRecord] = []
     known = [*model.parameters(), *model.buffers(), *(t for _, t in iter_tensors((inputs, kwargs)))]
-    counter = OpCounter(known)
-    outside = counter.sink
-    cuda = any(t.is_cuda for t in known)
-    dev = next((t.device for t in known if t.is_cuda), device)
-    scope = HookScope("summary")
-    perf = time.perf_counter
-
-    def pre(module: nn.Module, args: Any, kw: Any, name: str) -> None:
-        if in_backward():
-            return
-        parent = stack[-1] if stack else None
-        c = CallRecord(name, module, len(stack), parent_index[-1] if parent_index else -1)
-        c.shapes = _shapes(args, kw)
-        if parent is not None:
-            parent.children += 1
-        parent_index.append(len(calls))
-        calls.append(c)
-        stack.append(c)
-        counter.sink = c
-        if cuda:
-            c.ev = torch.cuda.Event(enable_timing=True)
-            c.ev.record()
-        c.t0 = perf()
-
-    def post(module: nn.Module, args: Any, kw: Any, output: Any, name: str) -> None:
-        t1 = perf()
-        if not stack or in_backward() or stack[-1].name != name or stack[-1].module is not module:
-            return
-        c = stack.pop()
-        parent_index.pop()
-        counter.sink = stack[-1] if stack else outside
-        c.time = (t1 - c.t0) * 1e3
-        if cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            c.ev = (c.ev, end)
-        if output.__class__ is torch.Tensor:  # the common case
-            c.out_shapes[""] = list(output.shape)
-            c.out_bytes = output.numel() * output.element_size()
-            return
-        if output is None and sys.exc_info()[1] is not None:
-            note_exception(name, module, args, kw)
-            return
-        seen: set[int] = set()
-        for p, t in iter_tensors(output):
-            c.out_shapes[_key(p)] = list(t.shape)
-            if id(t) not in seen:
-                seen.add(id(t))
-                c.out_bytes += t.numel() * t.element_size()
-
-    parent_index: list[int] = []
-    with scope:
+    rec = _Recorder(OpCounter(known), next((t.device for t in known if t.is_cuda), None))
+    dev = rec.cuda or device
+    with HookScope("summary") as scope:
         for name, module in model.named_modules():
-            scope.add_forward_pre(module, partial(pre, name=name), layer=name, with_kwargs=True)
+            scope.add_forward_pre(module, partial(rec.pre, name=name), layer=name, with_kwargs=True)
             scope.add_forward(
-                module,
-                partial(post, name=name),
-                layer=name,
-                with_kwargs=True,
-                always_call=True,
+                module, partial(rec.post, name=name), layer=name, with_kwargs=True, always_call=True
             )
         with _state_kept(model), torch.no_grad():
             before = 0
-            if cuda:
+            if rec.cuda:
                 torch.cuda.synchronize(dev)
                 before = torch.cuda.memory_allocated(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-            t0 = perf()
-            with counter:
+            t0 = time.perf_counter()
+            with rec.counter:
                 model(*inputs, **kwargs)
-            if cuda:
+            if rec.cuda:
                 torch.cuda.synchronize(dev)
-            wall = (perf() - t0) * 1e3
-            peak = torch.cuda.max_memory_allocated(dev) - before if cuda else counter.peak_bytes
-    if cuda:
-        for c in calls:
-            if isinstance(c.ev, tuple):
-                c.time = c.ev[0].elapsed_time(c.ev[1])
-    if calls:
-        calls[0].flops += outside.flops  # ops run by other hooks before/after the root call
+            wall = (time.perf_counter() - t0) * 1e3
+            peak = (
+                torch.cuda.max_memory_allocated(dev) - before
+                if rec.cuda
+                else rec.counter.peak_bytes
+            )
+    calls = rec.finish()
     rows = build_rows(calls)
     params = {id(p): p for p in model.parameters()}
     totals = SummaryTotals(
         params=sum(p.numel() for p in params.values()),
         trainable=sum(p.numel() for p in params.values() if p.requires_grad),
-        flops=counter.total_flops,
+        flops=rec.counter.total_flops,
         param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         activation_bytes=sum(r.output_bytes for r in rows if r.leaf),
         peak_memory_bytes=int(peak),
         peak_memory_measure=(
             "CUDA max_memory_allocated above what was allocated before"
-            if cuda
+            if rec.cuda
             else "CPU: tensors the forward created, alive at once"
         ),
         time_ms=wall,
