@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import io
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 import hookscope as hs
@@ -475,3 +478,28 @@ def test_cuda_peak_memory_and_event_timing():
         all(p.is_cuda for p in net.parameters())
         and torch.cuda.memory_allocated() <= before + 32 * 64 * 4
     )
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    widths=st.lists(st.integers(1, 12), min_size=2, max_size=5),
+    batch=st.integers(1, 3),
+    reuse=st.booleans(),
+)
+def test_random_mlps_match_hand_counts_and_flopcountermode(widths, batch, reuse):
+    layers: list[nn.Module] = []
+    for a, b in pairwise(widths):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    net = nn.Sequential(*layers)
+    x = torch.ones(batch, widths[0])
+    s = hs.summary(net, x) if not reuse else hs.summary(nn.Sequential(net, net[-1]), x)
+    mm = sum(2 * batch * a * b for a, b in pairwise(widths))
+    assert (
+        s.totals.flops
+        == mm
+        == sum(r.flops for r in s.rows)
+        == reference_flops(net, x).get_total_flops()
+    )
+    assert s.totals.params == sum(a * b + b for a, b in pairwise(widths))
+    assert s.rows[-1].output_shapes == {"": [batch, widths[-1]]}
+    assert sum(r.calls > 1 for r in s.rows) == (2 if reuse else 0)
