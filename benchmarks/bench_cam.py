@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
             contenders[n]()
             times[n].append(time.perf_counter() - t0)
             cpu[n].append(time.process_time() - c0)
-        print(f"round {r + 1}/{args.reps}: " + ", ".join(f"{n.split()[0]} {times[n][-1]:.2f}s" for n in names), file=sys.stderr)
+        print(
+            f"round {r + 1}/{args.reps}: "
+            + ", ".join(f"{n.split()[0]} {times[n][-1]:.2f}s" for n in names),
+            file=sys.stderr,
+        )
 
     base = statistics.median(times[names[0]])
     hs_med = statistics.median(times["hookscope GradCAM"])
@@ -108,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.threads} threads, torch {torch.__version__}, {args.reps} interleaved rounds after a warm-up\n"
     )
     cpu_base = statistics.median(cpu[names[0]])
-    print("| contender | median wall (s) | min wall (s) | × bare forward | hookscope faster by | median CPU (s) | CPU × bare |")
+    print(
+        "| contender | median wall (s) | min wall (s) | × bare forward | hookscope faster by | median CPU (s) | CPU × bare |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for n in names:
         med, cmed = statistics.median(times[n]), statistics.median(cpu[n])

@@ -61,7 +61,9 @@ def _out_of_place(model: nn.Module) -> nn.Module:
     return twin
 
 
-def reference_cam(name: str, model: nn.Module, layers: list[nn.Module], x: torch.Tensor, targets, **kw) -> torch.Tensor:
+def reference_cam(
+    name: str, model: nn.Module, layers: list[nn.Module], x: torch.Tensor, targets, **kw
+) -> torch.Tensor:
     """Run pytorch-grad-cam (on a copy, since it calls model.eval() and fills .grad) and release its hooks."""
     model = copy.deepcopy(model)
     with REFERENCE[name](model, layers(model), **kw) as ref:
@@ -119,7 +121,9 @@ def test_inplace_cnn_equals_pytorch_grad_cam_on_out_of_place_twin(method, eigen_
         ref = reference_cam(method, twin, lambda m, layer=layer: [m[int(layer)]], x, [0, 2, 5])
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
         # and equal to hookscope on the out-of-place model
-        torch.testing.assert_close(ours, hs.get_cam(method)(twin, layer)(x, target=[0, 2, 5]), atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            ours, hs.get_cam(method)(twin, layer)(x, target=[0, 2, 5]), atol=1e-6, rtol=0
+        )
 
 
 def test_several_layers_average_like_pytorch_grad_cam(resnet18, image64):
@@ -154,7 +158,9 @@ def test_upsampled_gradcam_equals_captum_interpolate(resnet18, image64):
     model = copy.deepcopy(resnet18)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module="captum")
-        ref = captum_attr.LayerGradCam(model, model.layer4).attribute(image64, target=[4, 9], relu_attributions=True)
+        ref = captum_attr.LayerGradCam(model, model.layer4).attribute(
+            image64, target=[4, 9], relu_attributions=True
+        )
         up = captum_attr.LayerAttribution.interpolate(ref, (48, 48), interpolate_mode="bilinear")
     torch.testing.assert_close(raw, ref[:, 0], atol=1e-5, rtol=1e-5)
     ours = hs.GradCAM(resnet18, "layer4")(image64, target=[4, 9])
@@ -189,7 +195,9 @@ def test_hand_computed_map_on_tiny_conv_net():
     # HiResCAM: sum_c g_c * A_c with the same g -> the same map here
     assert torch.equal(hs.HiResCAM(net, "0", raw=True)(x, target=0), expected)
     # LayerCAM: relu(g) * A: only channel 0 (positive weight) contributes -> 0.5 * A_0
-    assert torch.equal(hs.LayerCAM(net, "0", raw=True)(x, target=0), torch.tensor([[[2.5, 3.0], [4.5, 5.0]]]))
+    assert torch.equal(
+        hs.LayerCAM(net, "0", raw=True)(x, target=0), torch.tensor([[[2.5, 3.0], [4.5, 5.0]]])
+    )
 
 
 def test_scorecam_equals_pytorch_grad_cam_on_small_cnn(capsys):
@@ -202,7 +210,9 @@ def test_scorecam_equals_pytorch_grad_cam_on_small_cnn(capsys):
     del ref
     torch.testing.assert_close(ours, torch.from_numpy(out), atol=1e-4, rtol=0)
     # the batch size only bounds memory
-    torch.testing.assert_close(ours, hs.ScoreCAM(model, "5", batch_size=64)(x, target=[1, 4]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        ours, hs.ScoreCAM(model, "5", batch_size=64)(x, target=[1, 4]), atol=1e-6, rtol=0
+    )
 
 
 def test_eigencam_projection_is_the_first_principal_component(resnet18, image64):
@@ -277,8 +287,12 @@ def test_outputs_are_comparable_numbers(resnet18, image64):
     assert cam.dtype == torch.float32
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (not verified on CPU-only machines)")
-@pytest.mark.parametrize("method", ["gradcam", "gradcam++", "xgradcam", "hirescam", "layercam", "scorecam"])
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (not verified on CPU-only machines)"
+)
+@pytest.mark.parametrize(
+    "method", ["gradcam", "gradcam++", "xgradcam", "hirescam", "layercam", "scorecam"]
+)
 def test_no_host_sync_on_cuda(method):
     model = small_cnn(inplace=True).cuda()
     x = torch.randn(3, 3, 16, 16, device="cuda")

@@ -37,14 +37,25 @@ MODEL = textwrap.dedent(
 def files(tmp_path):
     (tmp_path / "tiny.py").write_text(MODEL)
     rng = np.random.default_rng(0)
-    PIL_Image.fromarray(rng.integers(0, 255, (30, 40, 3), dtype=np.uint8)).save(tmp_path / "img.png")
+    PIL_Image.fromarray(rng.integers(0, 255, (30, 40, 3), dtype=np.uint8)).save(
+        tmp_path / "img.png"
+    )
     (tmp_path / "bad.png").write_text("not an image")
     return tmp_path
 
 
 def test_cam_writes_the_api_overlay(files, capsys):
     out = files / "cam.png"
-    argv = ["cam", f"{files}/tiny.py:Tiny", "--image", str(files / "img.png"), "--layer", "2", "--out", str(out)]
+    argv = [
+        "cam",
+        f"{files}/tiny.py:Tiny",
+        "--image",
+        str(files / "img.png"),
+        "--layer",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main([*argv, "--resize", "24", "--crop", "20", "--target", "3"]) == 0
     assert "gradcam on '2', class 3" in capsys.readouterr().out
     # the same through the API: resize the shorter side to 24, center-crop 20, ImageNet mean/std
@@ -52,7 +63,9 @@ def test_cam_writes_the_api_overlay(files, capsys):
         im = im.convert("RGB").resize((32, 24), PIL_Image.BILINEAR).crop((6, 2, 26, 22))
     shown = np.asarray(im, dtype=np.float32) / 255
     mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
-    x = ((torch.from_numpy(shown).permute(2, 0, 1) - mean[:, None, None]) / std[:, None, None])[None]
+    x = ((torch.from_numpy(shown).permute(2, 0, 1) - mean[:, None, None]) / std[:, None, None])[
+        None
+    ]
     from hookscope._modelspec import load_model
 
     model = load_model(f"{files}/tiny.py:Tiny").eval()
@@ -65,7 +78,18 @@ def test_cam_methods_and_preprocessing_flags(files, capsys):
     img = str(files / "img.png")
     for method in ("gradcam++", "eigencam", "scorecam"):
         out = files / f"{method}.png"
-        argv = ["cam", f"{files}/tiny.py:Tiny", "--image", img, "--layer", "2", "--out", str(out), "--method", method]
+        argv = [
+            "cam",
+            f"{files}/tiny.py:Tiny",
+            "--image",
+            img,
+            "--layer",
+            "2",
+            "--out",
+            str(out),
+            "--method",
+            method,
+        ]
         assert main([*argv, "--resize", "0", "--crop", "0", "--mean", "0.5", "--std", "0.5"]) == 0
         with PIL_Image.open(out) as im:
             assert im.size == (40, 30)
@@ -74,7 +98,16 @@ def test_cam_methods_and_preprocessing_flags(files, capsys):
 
 def test_gray_input(files, capsys):
     out = files / "gray.png"
-    argv = ["cam", f"{files}/tiny.py:TinyGray", "--image", str(files / "img.png"), "--layer", "0", "--out", str(out)]
+    argv = [
+        "cam",
+        f"{files}/tiny.py:TinyGray",
+        "--image",
+        str(files / "img.png"),
+        "--layer",
+        "0",
+        "--out",
+        str(out),
+    ]
     assert main([*argv, "--gray", "--crop", "24"]) == 0
     with PIL_Image.open(out) as im:
         assert im.size == (24, 24) and im.mode == "RGB"
@@ -83,7 +116,16 @@ def test_gray_input(files, capsys):
 
 def test_maps_writes_a_png(files, capsys):
     out = files / "maps.png"
-    argv = ["maps", f"{files}/tiny.py:Tiny", "--image", str(files / "img.png"), "--layer", "0", "--out", str(out)]
+    argv = [
+        "maps",
+        f"{files}/tiny.py:Tiny",
+        "--image",
+        str(files / "img.png"),
+        "--layer",
+        "0",
+        "--out",
+        str(out),
+    ]
     assert main([*argv, "--crop", "32", "--max-channels", "4", "--order", "index"]) == 0
     assert "4 of 6 channels of '0'" in capsys.readouterr().out
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -41,7 +41,15 @@ def x():
 
 
 def test_registry_has_the_seven_methods():
-    assert METHODS == ["eigencam", "gradcam", "gradcam++", "hirescam", "layercam", "scorecam", "xgradcam"]
+    assert METHODS == [
+        "eigencam",
+        "gradcam",
+        "gradcam++",
+        "hirescam",
+        "layercam",
+        "scorecam",
+        "xgradcam",
+    ]
     assert hs.get_cam("GradCAM") is hs.GradCAM
     assert hs.get_cam("grad_cam_pp") is hs.GradCAMPlusPlus
     assert hs.get_cam("GradCAMPlusPlus") is hs.GradCAMPlusPlus
@@ -88,7 +96,9 @@ def test_target_forms_agree(method, x):
     torch.testing.assert_close(by_none, cam(x, target=pred.tolist()))
     torch.testing.assert_close(by_none, cam(x, target=pred))
     torch.testing.assert_close(cam(x, target=2), cam(x, target=[2, 2, 2]))
-    torch.testing.assert_close(cam(x, target=2), cam(x, target=lambda out: out[:, 2]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        cam(x, target=2), cam(x, target=lambda out: out[:, 2]), atol=1e-6, rtol=0
+    )
 
 
 @pytest.mark.parametrize("kind", ["tuple", "dict"])
@@ -99,7 +109,9 @@ def test_nested_outputs(kind, method, x):
     if kind == "dict":  # the "logits" entry is found by name
         torch.testing.assert_close(hs.get_cam(method)(net, "conv2")(x, target=3), plain)
     fn = (lambda out: out[0][:, 3]) if kind == "tuple" else (lambda out: out["logits"][:, 3])
-    torch.testing.assert_close(hs.get_cam(method)(net, "conv2")(x, target=fn), plain, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        hs.get_cam(method)(net, "conv2")(x, target=fn), plain, atol=1e-6, rtol=0
+    )
 
 
 @pytest.mark.parametrize("method", ["gradcam", "layercam"])
@@ -134,14 +146,18 @@ def test_several_layers_mean_and_raw_sizes(x):
     ups = []
     for layer in ("conv1", "conv2"):  # each layer: normalise at its resolution, upsample; then mean
         raw = minmax(hs.GradCAM(net, layer, raw=True)(x, target=1))
-        ups.append(torch.nn.functional.interpolate(raw[:, None], size=(12, 16), mode="bilinear")[:, 0])
+        ups.append(
+            torch.nn.functional.interpolate(raw[:, None], size=(12, 16), mode="bilinear")[:, 0]
+        )
     torch.testing.assert_close(both, minmax((ups[0] + ups[1]) / 2), atol=1e-6, rtol=0)
     with pytest.raises(hs.CAMError, match="equal map sizes"):
         hs.GradCAM(net, ["conv1", "conv2"], raw=True)(x, target=1)
 
 
 def test_segmentation_output_and_target_errors(x):
-    seg = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(4, 3, 1)).eval()
+    seg = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(4, 3, 1)
+    ).eval()
     a = hs.GradCAM(seg, "0")(x, target=2)  # class 2 summed over the pixels
     b = hs.GradCAM(seg, "0")(x, target=lambda out: out[:, 2].sum(dim=(1, 2)))
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
@@ -205,7 +221,9 @@ def test_memory_bound_scorecam_batches(x):
         hs.ScoreCAM(net, "conv2")(x, target=9)
 
 
-@pytest.mark.parametrize("module", ["hookscope._cam", "hookscope._cam_methods", "hookscope._tokens", "hookscope._viz"])
+@pytest.mark.parametrize(
+    "module", ["hookscope._cam", "hookscope._cam_methods", "hookscope._tokens", "hookscope._viz"]
+)
 def test_docstring_examples_run(module):
     import doctest
     import importlib

@@ -38,8 +38,18 @@ def test_to_grid_rules():
     assert g.shape == (2, 3, 4, 4)
     assert torch.equal(g, tokens_to_grid(4, 4, 1)(t))  # class token dropped, row-major patches
     assert to_grid(torch.zeros(2, 16, 3), image_hw=(64, 64)).shape == (2, 3, 4, 4)
-    assert to_grid(torch.zeros(2, 1 + 2 * 4, 3), image_hw=(32, 64)).shape == (2, 3, 2, 4)  # aspect ratio
-    assert to_grid(torch.zeros(2, 7, 7, 96), image_hw=(224, 224)).shape == (2, 96, 7, 7)  # channels-last
+    assert to_grid(torch.zeros(2, 1 + 2 * 4, 3), image_hw=(32, 64)).shape == (
+        2,
+        3,
+        2,
+        4,
+    )  # aspect ratio
+    assert to_grid(torch.zeros(2, 7, 7, 96), image_hw=(224, 224)).shape == (
+        2,
+        96,
+        7,
+        7,
+    )  # channels-last
     assert to_grid(torch.zeros(2, 96, 7, 7), image_hw=(224, 224)).shape == (2, 96, 7, 7)
     assert to_grid(torch.zeros(2, 21, 3), (4, 4)).shape == (2, 3, 4, 4)
     with pytest.raises(hs.ReshapeError, match=r"reshape=\(h, w\)"):
@@ -55,7 +65,9 @@ def test_to_grid_rules():
 def timm_vit():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10, depth=3).eval()
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10, depth=3
+    ).eval()
 
 
 def test_timm_vit_without_reshape_equals_reference(timm_vit):
@@ -71,10 +83,18 @@ def test_timm_vit_variants():
     timm = pytest.importorskip("timm")
     x = torch.randn(1, 3, 64, 64)
     no_cls = timm.create_model(
-        "vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10, class_token=False, global_pool="avg", depth=2
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=64,
+        num_classes=10,
+        class_token=False,
+        global_pool="avg",
+        depth=2,
     ).eval()
     assert hs.GradCAM(no_cls, "blocks.1.norm1")(x).shape == (1, 64, 64)
-    regs = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10, reg_tokens=4, depth=2).eval()
+    regs = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=64, num_classes=10, reg_tokens=4, depth=2
+    ).eval()
     with pytest.raises(hs.ReshapeError, match="21 tokens"):
         hs.GradCAM(regs, "blocks.1.norm1")(x)
     assert hs.GradCAM(regs, "blocks.1.norm1", reshape=(4, 4))(x).shape == (1, 64, 64)
@@ -84,8 +104,14 @@ def test_timm_swin_channels_last():
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     swin = timm.create_model(
-        "swin_tiny_patch4_window7_224", pretrained=False, num_classes=10, img_size=64, window_size=4,
-        embed_dim=24, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
+        "swin_tiny_patch4_window7_224",
+        pretrained=False,
+        num_classes=10,
+        img_size=64,
+        window_size=4,
+        embed_dim=24,
+        depths=(1, 1, 1, 1),
+        num_heads=(1, 1, 1, 1),
     ).eval()
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     ours = hs.GradCAM(swin, "layers.2")(x, target=[0, 3])
@@ -99,12 +125,20 @@ def test_torchvision_vision_transformer_small():
     tv_vit = pytest.importorskip("torchvision.models.vision_transformer")
     torch.manual_seed(0)
     vit = tv_vit.VisionTransformer(
-        image_size=48, patch_size=16, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=5
+        image_size=48,
+        patch_size=16,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        mlp_dim=32,
+        num_classes=5,
     ).eval()
     nn.init.normal_(vit.heads.head.weight, std=0.5)  # torchvision initialises the head to zeros
     x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(0))
     ours = hs.GradCAM(vit, "encoder.layers.encoder_layer_1.ln_1")(x, target=[2, 4])
-    ref = reference(vit, lambda m: m.encoder.layers.encoder_layer_1.ln_1, x, [2, 4], tokens_to_grid(3, 3, 1))
+    ref = reference(
+        vit, lambda m: m.encoder.layers.encoder_layer_1.ln_1, x, [2, 4], tokens_to_grid(3, 3, 1)
+    )
     assert ours.amax() > 0
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
@@ -118,7 +152,9 @@ def test_torchvision_vit_b_16():
     x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     layer = "encoder.layers.encoder_layer_11.ln_1"
     ours = hs.GradCAM(vit, layer)(x, target=[2])
-    ref = reference(vit, lambda m: m.encoder.layers.encoder_layer_11.ln_1, x, [2], tokens_to_grid(4, 4, 1))
+    ref = reference(
+        vit, lambda m: m.encoder.layers.encoder_layer_11.ln_1, x, [2], tokens_to_grid(4, 4, 1)
+    )
     assert ours.amax() > 0
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
 
@@ -128,16 +164,27 @@ def test_huggingface_vit_from_config():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.ViTConfig(
-        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, num_labels=5,
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        num_labels=5,
     )
     model = transformers.ViTForImageClassification(cfg).eval()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    layer = "vit.layers.1.layernorm_before" if hasattr(model.vit, "layers") else "vit.encoder.layer.1.layernorm_before"
+    layer = (
+        "vit.layers.1.layernorm_before"
+        if hasattr(model.vit, "layers")
+        else "vit.encoder.layer.1.layernorm_before"
+    )
     ours = hs.GradCAM(model, layer)(x)  # ModelOutput: the logits are found by name
     pred = model(x).logits.argmax(1).tolist()
     assert ours.shape == (2, 32, 32)
-    torch.testing.assert_close(ours, hs.GradCAM(model, layer)(x, target=lambda out: out.logits[:, pred].diagonal()))
+    torch.testing.assert_close(
+        ours, hs.GradCAM(model, layer)(x, target=lambda out: out.logits[:, pred].diagonal())
+    )
     for method in ("gradcam++", "layercam", "eigencam"):
         assert hs.get_cam(method)(model, layer)(x).shape == (2, 32, 32)
 
@@ -145,7 +192,9 @@ def test_huggingface_vit_from_config():
 def test_huggingface_convnext_from_config():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4, image_size=32)
+    cfg = transformers.ConvNextConfig(
+        num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=4, image_size=32
+    )
     model = transformers.ConvNextForImageClassification(cfg).eval()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     stage = next(n for n, _ in model.named_modules() if n.endswith("stages.1"))

@@ -68,7 +68,9 @@ def test_feature_maps_order_titles_and_png():
 
 @pytest.mark.parametrize("normalize", ["channel", "global"])
 def test_feature_maps_normalisation(normalize):
-    act = torch.stack([torch.zeros(2, 2), torch.full((2, 2), 2.0), torch.tensor([[0.0, 4.0], [0.0, 4.0]])])
+    act = torch.stack(
+        [torch.zeros(2, 2), torch.full((2, 2), 2.0), torch.tensor([[0.0, 4.0], [0.0, 4.0]])]
+    )
     fig = hs.feature_maps(act, order="index", normalize=normalize)
     shown = [ax.images[0].get_array() for ax in fig.axes if ax.images]
     if normalize == "channel":

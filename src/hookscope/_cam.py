@@ -70,7 +70,9 @@ def get_cam(name: str) -> type[CAM]:
     if cls is None:
         close = difflib.get_close_matches(name.lower(), list(_REGISTRY), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
-        raise CAMError(f"unknown CAM method {name!r}{hint} Available: {', '.join(sorted(_REGISTRY))}")
+        raise CAMError(
+            f"unknown CAM method {name!r}{hint} Available: {', '.join(sorted(_REGISTRY))}"
+        )
     return cls
 
 
@@ -84,7 +86,9 @@ def _logits(out: Any) -> torch.Tensor:
         return lg
     t = first_tensor(out)
     if t is None:
-        raise CAMError(f"the model returned no tensor ({type(out).__name__}); pass target=fn(output) -> scores")
+        raise CAMError(
+            f"the model returned no tensor ({type(out).__name__}); pass target=fn(output) -> scores"
+        )
     return t
 
 
@@ -128,7 +132,9 @@ class _Run:
             k = logits.shape[1] if logits.ndim >= 2 else 0
             bad = [v for v in vals if not 0 <= v < k]
             if bad:
-                raise CAMError(f"target: class {bad[0]} out of range; the model gives {describe(out)} ({k} classes)")
+                raise CAMError(
+                    f"target: class {bad[0]} out of range; the model gives {describe(out)} ({k} classes)"
+                )
             idx = torch.tensor(vals, dtype=torch.long).to(logits.device, non_blocking=True)
         if idx.shape[0] != b:
             raise CAMError(f"target: {idx.shape[0]} targets for a batch of {b}")
@@ -139,13 +145,17 @@ class _Run:
         if callable(self.target):
             s = self.target(out)
             if not isinstance(s, torch.Tensor):
-                raise CAMError(f"target function returned {type(s).__name__}; it must return a tensor of scores")
+                raise CAMError(
+                    f"target function returned {type(s).__name__}; it must return a tensor of scores"
+                )
             return s
         logits = _logits(out)
         idx = self.index if rows is None else rows
         assert idx is not None
         if logits.ndim < 2:
-            raise CAMError(f"class-index targets need (B, num_classes, ...) outputs; got {describe(out)}")
+            raise CAMError(
+                f"class-index targets need (B, num_classes, ...) outputs; got {describe(out)}"
+            )
         picked = logits.flatten(2) if logits.ndim > 2 else logits.unsqueeze(2)
         return picked.gather(1, idx.view(-1, 1, 1).expand(-1, 1, picked.shape[2])).sum(dim=(1, 2))
 
@@ -224,9 +234,13 @@ class CAM:
     # -- the template -----------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, target: Target = None) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{type(self).__name__} expects an input tensor (B, C, H, W), got {type(x).__name__}")
+            raise TypeError(
+                f"{type(self).__name__} expects an input tensor (B, C, H, W), got {type(x).__name__}"
+            )
         if self.uses_gradients and torch.is_inference_mode_enabled():
-            raise CAMError(f"{type(self).__name__} needs gradients, which torch.inference_mode() forbids; call it outside")
+            raise CAMError(
+                f"{type(self).__name__} needs gradients, which torch.inference_mode() forbids; call it outside"
+            )
         run = _Run(self, x, target)
         # the output is needed for gradients and for class targets (predicted, or range-checked)
         need_output = self.uses_gradients or (self.needs_target and not callable(target))
@@ -247,7 +261,9 @@ class CAM:
         with torch.no_grad():
             return self._finish(maps, x)
 
-    def _forward(self, x: torch.Tensor, *, grad: bool, full: bool) -> tuple[dict[str, torch.Tensor], Any]:
+    def _forward(
+        self, x: torch.Tensor, *, grad: bool, full: bool
+    ) -> tuple[dict[str, torch.Tensor], Any]:
         """Run the model; return ``{layer: activation}`` (grad leaves if ``grad``) and the output.
 
         Without ``full`` the forward pass stops once every layer has run.
@@ -262,7 +278,9 @@ class CAM:
                     return None
                 t = first_tensor(output)
                 if t is None:
-                    raise CAMError(f"layer {name!r} returned no tensor ({describe(output)}); pick a layer with a tensor output")
+                    raise CAMError(
+                        f"layer {name!r} returned no tensor ({describe(output)}); pick a layer with a tensor output"
+                    )
                 if not full:
                     acts[name] = t.detach()
                     if len(acts) == wanted:
@@ -297,7 +315,9 @@ class CAM:
             )
         return acts, out
 
-    def _gradients(self, run: _Run, out: Any, acts: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+    def _gradients(
+        self, run: _Run, out: Any, acts: dict[str, torch.Tensor]
+    ) -> list[torch.Tensor | None]:
         with torch.enable_grad():
             score = run.score(out).sum()
         if not score.requires_grad:
@@ -309,7 +329,9 @@ class CAM:
         grads = torch.autograd.grad(score, srcs, allow_unused=True)
         for name, g in zip(acts, grads):
             if g is None:
-                raise CAMError(f"the target score does not depend on layer {name!r}: no gradient reaches it")
+                raise CAMError(
+                    f"the target score does not depend on layer {name!r}: no gradient reaches it"
+                )
         return list(grads)
 
     def _finish(self, maps: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -318,7 +340,9 @@ class CAM:
         if self.raw:
             shapes = {tuple(m.shape) for m in maps}
             if len(shapes) > 1:
-                raise CAMError(f"raw=True with several layers needs equal map sizes; got {sorted(shapes)}")
+                raise CAMError(
+                    f"raw=True with several layers needs equal map sizes; got {sorted(shapes)}"
+                )
             return maps[0] if len(maps) == 1 else torch.stack(maps).mean(dim=0)
         spatial = maps[0].ndim - 1
         if x.ndim - 2 != spatial:
@@ -330,7 +354,9 @@ class CAM:
         for m in maps:
             m = _minmax(m)
             if tuple(m.shape[1:]) != size:
-                m = F.interpolate(m.unsqueeze(1), size=size, mode=_MODES[spatial], align_corners=False).squeeze(1)
+                m = F.interpolate(
+                    m.unsqueeze(1), size=size, mode=_MODES[spatial], align_corners=False
+                ).squeeze(1)
             ups.append(m)
         cam = ups[0] if len(ups) == 1 else torch.stack(ups).clamp_min(0).mean(dim=0)
         return _minmax(cam)

@@ -139,7 +139,9 @@ class ScoreCAM(CAM):
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
 
-    def channel_weights(self, a: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:  # pragma: no cover
+    def channel_weights(
+        self, a: torch.Tensor, g: torch.Tensor | None
+    ) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError("ScoreCAM needs the model: see layer_map")
 
     def layer_map(self, a: torch.Tensor, g: torch.Tensor | None, run: _Run) -> torch.Tensor:

@@ -25,7 +25,9 @@ def _floats(text: str) -> tuple[float, ...]:
     try:
         vals = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
     if not vals:
         raise argparse.ArgumentTypeError("expected at least one number")
     return vals
@@ -36,29 +38,83 @@ def _add_image_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layer", required=True, metavar="L", help="layer name or glob (e.g. layer4)")
     p.add_argument("--out", required=True, metavar="PNG", help="output PNG path")
     g = p.add_argument_group("preprocessing (default: ImageNet)")
-    g.add_argument("--resize", type=int, default=256, metavar="N", help="resize the shorter side to N (0: keep); default 256")
-    g.add_argument("--crop", type=int, default=224, metavar="N", help="center-crop N x N (0: none); default 224")
-    g.add_argument("--mean", type=_floats, default=IMAGENET_MEAN, metavar="M", help="per-channel mean, e.g. 0.5,0.5,0.5")
-    g.add_argument("--std", type=_floats, default=IMAGENET_STD, metavar="S", help="per-channel std, e.g. 0.5,0.5,0.5")
+    g.add_argument(
+        "--resize",
+        type=int,
+        default=256,
+        metavar="N",
+        help="resize the shorter side to N (0: keep); default 256",
+    )
+    g.add_argument(
+        "--crop",
+        type=int,
+        default=224,
+        metavar="N",
+        help="center-crop N x N (0: none); default 224",
+    )
+    g.add_argument(
+        "--mean",
+        type=_floats,
+        default=IMAGENET_MEAN,
+        metavar="M",
+        help="per-channel mean, e.g. 0.5,0.5,0.5",
+    )
+    g.add_argument(
+        "--std",
+        type=_floats,
+        default=IMAGENET_STD,
+        metavar="S",
+        help="per-channel std, e.g. 0.5,0.5,0.5",
+    )
     g.add_argument("--gray", action="store_true", help="feed a 1-channel (grayscale) image")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cam", help="Grad-CAM (or another CAM method) of one image, as a PNG overlay")
+    p = sub.add_parser(
+        "cam", help="Grad-CAM (or another CAM method) of one image, as a PNG overlay"
+    )
     add_model_arguments(p, inputs=False)
     _add_image_arguments(p)
-    p.add_argument("--target", type=int, default=None, metavar="K", help="class index (default: the predicted class)")
-    p.add_argument("--method", default="gradcam", help="gradcam (default), gradcam++, xgradcam, hirescam, layercam, eigencam, scorecam")
-    p.add_argument("--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1]; default 0.5")
+    p.add_argument(
+        "--target",
+        type=int,
+        default=None,
+        metavar="K",
+        help="class index (default: the predicted class)",
+    )
+    p.add_argument(
+        "--method",
+        default="gradcam",
+        help="gradcam (default), gradcam++, xgradcam, hirescam, layercam, eigencam, scorecam",
+    )
+    p.add_argument(
+        "--alpha", type=float, default=0.5, help="heatmap opacity in [0, 1]; default 0.5"
+    )
     p.add_argument("--colormap", default="jet", help="matplotlib colormap; default jet")
     p.set_defaults(func=run_cam)
 
     p = sub.add_parser("maps", help="a grid of one layer's feature maps for one image, as a PNG")
     add_model_arguments(p, inputs=False)
     _add_image_arguments(p)
-    p.add_argument("--max-channels", type=int, default=64, metavar="N", help="show at most N channels; default 64")
-    p.add_argument("--order", choices=["energy", "index"], default="energy", help="strongest channels first, or by index")
-    p.add_argument("--normalize", choices=["channel", "global"], default="channel", help="per-channel or one global scale")
+    p.add_argument(
+        "--max-channels",
+        type=int,
+        default=64,
+        metavar="N",
+        help="show at most N channels; default 64",
+    )
+    p.add_argument(
+        "--order",
+        choices=["energy", "index"],
+        default="energy",
+        help="strongest channels first, or by index",
+    )
+    p.add_argument(
+        "--normalize",
+        choices=["channel", "global"],
+        default="channel",
+        help="per-channel or one global scale",
+    )
     p.set_defaults(func=run_maps)
 
 
@@ -72,7 +128,11 @@ def load_image(args: argparse.Namespace) -> tuple[Any, Any]:
     image_mod = _need("PIL.Image")
     path = Path(args.image)
     if not path.is_file():
-        raise CLIError(f"image {args.image!r} does not exist" if not path.exists() else f"image {args.image!r} is not a file")
+        raise CLIError(
+            f"image {args.image!r} does not exist"
+            if not path.exists()
+            else f"image {args.image!r} is not a file"
+        )
     try:
         with image_mod.open(path) as im:
             im = im.convert("RGB")
@@ -87,7 +147,9 @@ def load_image(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.crop:
         w, h = im.size
         if args.crop > min(w, h):
-            raise CLIError(f"--crop {args.crop} is larger than the image ({w}x{h}); lower it or raise --resize")
+            raise CLIError(
+                f"--crop {args.crop} is larger than the image ({w}x{h}); lower it or raise --resize"
+            )
         left, top = (w - args.crop) // 2, (h - args.crop) // 2
         im = im.crop((left, top, left + args.crop, top + args.crop))
     shown = np.asarray(im, dtype=np.float32) / 255.0
@@ -124,7 +186,9 @@ def _check_out(out: str) -> Path:
 
 def write_atomic(path: Path, write: Callable[[str], None]) -> None:
     """Call ``write(tmp_path)``, then rename the temporary file to ``path``; no partial file on failure."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else "."
+    )
     os.close(fd)
     try:
         write(tmp)
@@ -205,7 +269,9 @@ def run_maps(args: argparse.Namespace) -> int:
     model = load(args)
     named = resolve(model, args.layer)
     if len(named) != 1:
-        raise CLIError(f"--layer {args.layer!r} matches {len(named)} layers ({', '.join(list(named)[:4])}, ...); name one")
+        raise CLIError(
+            f"--layer {args.layer!r} matches {len(named)} layers ({', '.join(list(named)[:4])}, ...); name one"
+        )
     name = next(iter(named))
     x = x.to(next(iter(model.parameters()), x).device)
     with torch.no_grad(), capture(model, named, stop=True, clone=True) as cap:
@@ -215,9 +281,15 @@ def run_maps(args: argparse.Namespace) -> int:
         raise HookscopeError(f"layer {name!r} returned no tensor")
     grid = to_grid(act, image_hw=tuple(x.shape[-2:]), layer=name)
     if grid.ndim != 4:
-        raise CLIError(f"layer {name!r} gives {tuple(act.shape)}; feature maps need a 2-D grid (B, C, H, W)")
-    fig = feature_maps(grid[0], max_channels=args.max_channels, order=args.order, normalize=args.normalize)
+        raise CLIError(
+            f"layer {name!r} gives {tuple(act.shape)}; feature maps need a 2-D grid (B, C, H, W)"
+        )
+    fig = feature_maps(
+        grid[0], max_channels=args.max_channels, order=args.order, normalize=args.normalize
+    )
     fig.suptitle(f"{name}: {grid.shape[1]} channels, {args.order} order", fontsize=9)
     write_atomic(out, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-    print(f"wrote {args.out} ({min(args.max_channels, grid.shape[1])} of {grid.shape[1]} channels of {name!r})")
+    print(
+        f"wrote {args.out} ({min(args.max_channels, grid.shape[1])} of {grid.shape[1]} channels of {name!r})"
+    )
     return 0

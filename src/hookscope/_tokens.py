@@ -61,7 +61,13 @@ def _token_grids(n: int, hw: tuple[int, int] | None) -> list[tuple[int, int, int
     return found
 
 
-def to_grid(t: torch.Tensor, reshape: Reshape = None, *, image_hw: tuple[int, int] | None = None, layer: str = "") -> torch.Tensor:
+def to_grid(
+    t: torch.Tensor,
+    reshape: Reshape = None,
+    *,
+    image_hw: tuple[int, int] | None = None,
+    layer: str = "",
+) -> torch.Tensor:
     """Return ``t`` as ``(B, C, *spatial)``; see the module docstring for the rules.
 
     Example:

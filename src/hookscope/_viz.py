@@ -39,16 +39,24 @@ def _colormap_lut(colormap: str) -> np.ndarray:
         import difflib
 
         close = difflib.get_close_matches(colormap, list(mpl.colormaps), n=3)
-        raise ValueError(f"unknown colormap {colormap!r}; did you mean {', '.join(close) or 'jet, viridis, inferno'}?") from None
+        raise ValueError(
+            f"unknown colormap {colormap!r}; did you mean {', '.join(close) or 'jet, viridis, inferno'}?"
+        ) from None
     return np.asarray(cmap(np.linspace(0.0, 1.0, 256))[:, :3], dtype=np.float32)
 
 
 def _as_map(cam: Any) -> torch.Tensor:
-    t = torch.as_tensor(np.asarray(cam) if not isinstance(cam, torch.Tensor) else cam).detach().float()
+    t = (
+        torch.as_tensor(np.asarray(cam) if not isinstance(cam, torch.Tensor) else cam)
+        .detach()
+        .float()
+    )
     while t.ndim > 2 and t.shape[0] == 1:
         t = t[0]
     if t.ndim != 2:
-        raise HookscopeError(f"overlay: cam must be one map (H, W), got shape {tuple(t.shape)}; pick a sample: cam[i]")
+        raise HookscopeError(
+            f"overlay: cam must be one map (H, W), got shape {tuple(t.shape)}; pick a sample: cam[i]"
+        )
     return t
 
 
@@ -76,11 +84,21 @@ def overlay(image: Any, cam: Any, alpha: float = 0.5, colormap: str = "jet") -> 
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"overlay: alpha must be in [0, 1], got {alpha}")
-    kind = "tensor" if isinstance(image, torch.Tensor) else "array" if isinstance(image, np.ndarray) else "pil"
+    kind = (
+        "tensor"
+        if isinstance(image, torch.Tensor)
+        else "array"
+        if isinstance(image, np.ndarray)
+        else "pil"
+    )
     if kind == "pil":
         if not hasattr(image, "convert"):
-            raise TypeError(f"overlay: image must be a PIL image, numpy array or tensor, got {type(image).__name__}")
-        img = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0).permute(2, 0, 1)
+            raise TypeError(
+                f"overlay: image must be a PIL image, numpy array or tensor, got {type(image).__name__}"
+            )
+        img = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0).permute(
+            2, 0, 1
+        )
     elif kind == "array":
         arr = np.asarray(image)
         if arr.ndim == 2:
@@ -97,7 +115,9 @@ def overlay(image: Any, cam: Any, alpha: float = 0.5, colormap: str = "jet") -> 
         if img.ndim == 2:
             img = img[None]
         if img.ndim != 3 or img.shape[0] not in (1, 3):
-            raise HookscopeError(f"overlay: a tensor image must be (3, H, W), got shape {tuple(image.shape)}")
+            raise HookscopeError(
+                f"overlay: a tensor image must be (3, H, W), got shape {tuple(image.shape)}"
+            )
     if img.shape[0] == 1:
         img = img.expand(3, -1, -1)
     m = _as_map(cam).to(img.device)
@@ -143,10 +163,16 @@ def feature_maps(
     if order not in ("energy", "index"):
         raise ValueError(f"feature_maps: order must be 'energy' or 'index', got {order!r}")
     if normalize not in ("channel", "global"):
-        raise ValueError(f"feature_maps: normalize must be 'channel' or 'global', got {normalize!r}")
+        raise ValueError(
+            f"feature_maps: normalize must be 'channel' or 'global', got {normalize!r}"
+        )
     if max_channels < 1:
         raise ValueError(f"feature_maps: max_channels must be >= 1, got {max_channels}")
-    a = activation.detach() if isinstance(activation, torch.Tensor) else torch.as_tensor(np.asarray(activation))
+    a = (
+        activation.detach()
+        if isinstance(activation, torch.Tensor)
+        else torch.as_tensor(np.asarray(activation))
+    )
     a = a.float().cpu()
     if a.ndim == 4 and a.shape[0] == 1:
         a = a[0]
@@ -171,7 +197,9 @@ def feature_maps(
     figure = _need("matplotlib.figure")
     cols = math.ceil(math.sqrt(k))
     rows = math.ceil(k / cols)
-    fig = figure.Figure(figsize=(1.6 * cols, 1.75 * rows), layout="constrained")  # room for a suptitle
+    fig = figure.Figure(
+        figsize=(1.6 * cols, 1.75 * rows), layout="constrained"
+    )  # room for a suptitle
     for j in range(rows * cols):
         ax = fig.add_subplot(rows, cols, j + 1)
         ax.set_axis_off()
