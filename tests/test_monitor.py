@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -273,3 +274,19 @@ def test_grad_flow_plot_png(tmp_path):
     assert len(fig2.axes[0].patches) == 2 * 5
     with pytest.raises(ValueError, match="no finite"):
         hs.plot_grad_flow([hs.MonitorRecord(0)])
+
+
+def test_close_is_idempotent_and_nothing_keeps_the_model_alive():
+    net = mlp()
+    mon = hs.Monitor(net, sentinel=True, alerts="off")
+    net(torch.randn(2, 4)).sum().backward()
+    assert mon.step() is not None
+    alive = weakref.ref(net)
+    mon.close()
+    mon.close()
+    assert mon.step() is None
+    assert all(not hs.hooks_on(m) for m in net.modules())
+    mon2 = hs.Monitor(net, alerts="off")  # left attached: dropping monitor and model frees both
+    net(torch.randn(2, 4)).sum().backward()
+    del mon, mon2, net
+    assert alive() is None  # no gc.collect(): no reference cycle through the hooks

@@ -90,3 +90,14 @@ def test_thresholds_validation_and_alert_modes():
     with pytest.raises(ValueError, match="alerts must be"):
         hs.Monitor(nn.Linear(2, 2), alerts="loud")  # type: ignore[arg-type]
     assert hs.Thresholds.make(None) == hs.Thresholds()
+
+
+@pytest.mark.parametrize("name", ["_monitor", "_nonfinite", "_sinks", "_flowplot", "_diagnose"])
+def test_docstring_examples_run(name):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(f"hookscope.{name}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 or name == "_diagnose"
+    assert result.failed == 0

@@ -173,3 +173,13 @@ def test_sentinel_allow_list_and_first_layer_parameter_fallback():
         rec = train_step(net, torch.rand(2, 3), mon)  # x does not require grad
     assert (rec.nonfinite.layer, rec.nonfinite.phase) == ("0", "backward")
     assert rec.nonfinite.stats["param_grad_absmax"] == float("inf")
+
+
+def test_find_nonfinite_leaves_batchnorm_statistics_as_found():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), Sqrt())
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    o = hs.find_nonfinite(net, torch.randn(6, 3))
+    assert o is not None and o.layer == "2"  # sqrt of negative normalised values
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert net.training

@@ -197,6 +197,7 @@ class Monitor:
         self._before: list[torch.Tensor] | None = None
         self._buf: list[torch.Tensor] | None = None
         self._scratch = Scratch()
+        self._closed = False
         self._want_updates = True
         self._prev: tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]] | None = None
         allow = [allow] if isinstance(allow, (str, type)) else list(allow)
@@ -222,7 +223,7 @@ class Monitor:
 
     # -- hooks (only for logged steps) ---------------------------------------------------------
     def _attach(self) -> None:
-        if not self._logged(self._step):
+        if self._closed or not self._logged(self._step):
             return
         self._state = state = _StepState()
         if self._params and self._want_updates:
@@ -284,12 +285,15 @@ class Monitor:
 
     # -- the step --------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> MonitorRecord | None:
-        """Close the current training step; returns its record when the step is logged.
+        """Close the current training step; returns its record when the step is logged (or the
+        sentinel found a NaN/Inf in it), else ``None``.
 
         Call it after ``optimizer.step()`` (with a ``GradScaler``: after ``scaler.step(opt)``,
         before or after ``scaler.update()``) and before ``optimizer.zero_grad()``. Passing the
         optimizer adds each parameter's update-to-weight ratio.
         """
+        if self._closed:
+            return None
         step, logged = self._step, self._logged(self._step)
         origin = self._sentinel_check() if self._tracker is not None else None
         record = None
@@ -305,7 +309,7 @@ class Monitor:
         self._before = None
         self._step += 1
         self._attach()
-        return record if logged else None
+        return record
 
     def _scaled(self, optimizer: Any) -> bool:
         """Are the ``.grad`` still multiplied by the scaler's scale?"""
@@ -419,13 +423,13 @@ class Monitor:
 
     # -- output ----------------------------------------------------------------------------------
     def _emit(self, record: MonitorRecord, *, write: bool) -> None:
-        if _rank() != 0:
-            if write:
-                self.records.append(record)
-            return
-        messages = [(MonitorWarning, a.message) for a in record.alerts]
+        rank = _rank()
+        # statistics are reduced across ranks, so only rank 0 reports them; a NaN origin is
+        # local to the rank that saw it, so every rank reports its own
+        messages = [(MonitorWarning, a.message) for a in record.alerts] if rank == 0 else []
         if record.nonfinite is not None:
-            messages.insert(0, (NonFiniteWarning, f"step {record.step}: {record.nonfinite}"))
+            where = f" (rank {rank})" if dist.is_available() and dist.is_initialized() else ""
+            messages.insert(0, (NonFiniteWarning, f"step {record.step}{where}: {record.nonfinite}"))
         for cls, msg in messages:
             if self.alerts in ("warn", "both"):
                 warnings.warn(msg, cls, stacklevel=3)
@@ -433,8 +437,9 @@ class Monitor:
                 log.warning(msg)
         if write:
             self.records.append(record)
-            for sink in self.sinks:
-                sink(record)
+            if rank == 0:
+                for sink in self.sinks:
+                    sink(record)
 
     def plot(self, path: Any = None, **kwargs: Any) -> Any:
         """Gradient-flow plot of the records (see :func:`plot_grad_flow`); saved when ``path``."""
@@ -444,6 +449,7 @@ class Monitor:
 
     def close(self) -> None:
         """Remove every hook and close the sinks. Safe to call several times."""
+        self._closed = True
         self._detach()
         if self._tracker is not None:
             self._tracker.scope.remove()
@@ -454,6 +460,12 @@ class Monitor:
         self.sinks = []
 
     remove = close
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def __enter__(self) -> Monitor:
         return self

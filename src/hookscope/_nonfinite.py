@@ -308,8 +308,10 @@ def find_nonfinite(
     was produced, or ``None`` if every value stayed finite.
 
     The backward pass differentiates ``loss_fn(output)`` (default: the sum of the first output
-    tensor) with :func:`torch.autograd.grad`, so no ``.grad`` of the model is changed; floating
-    inputs are given ``requires_grad`` (on a detached copy) so the first layer is checked too.
+    tensor) with :func:`torch.autograd.grad`, so no ``.grad`` of the model is changed, and buffers
+    (BatchNorm running statistics) are restored afterwards; floating inputs are given
+    ``requires_grad`` (on a detached copy) so the first layer is checked too. The model runs in
+    the mode it is in (train/eval), as when the NaN appeared.
 
     Args:
         model: any ``nn.Module``; every module in it is checked, parents included.
@@ -332,6 +334,7 @@ def find_nonfinite(
         ('1', 'forward', 'nan')
     """
     check_model(model)
+    saved = [(b, b.detach().clone()) for b in model.buffers()]  # e.g. BatchNorm running stats
     tracker = _Tracker(model, allow, detail=True, owner="find_nonfinite")
     try:
         with tracker.scope:
@@ -360,3 +363,6 @@ def find_nonfinite(
             return origin
     finally:
         tracker.scope.remove()
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)

@@ -20,7 +20,8 @@ class JsonlSink:
         >>> sink = hs.JsonlSink(path)
         >>> sink(hs.MonitorRecord(step=3, layers={"fc": {"mean": 0.5}}))
         >>> sink.close()
-        >>> json.loads(open(path).readline())["layers"]
+        >>> with open(path) as f:
+        ...     json.loads(f.readline())["layers"]
         {'fc': {'mean': 0.5}}
     """
 
