@@ -3,6 +3,7 @@ recorded during the forward become rows (shared parameters, call indices, depth 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,8 @@ def _params(module: nn.Module, memo: dict[int, list[nn.Parameter]]) -> list[nn.P
 
 
 def build_rows(calls: list[CallRecord]) -> list[SummaryRow]:
+    """One row per recorded call: call index among the module's calls, parameter counts, and the
+    parameters already counted by an earlier row that is not an ancestor (tied, shared, reused)."""
     per_module: dict[int, int] = {}
     for c in calls:
         per_module[id(c.module)] = per_module.get(id(c.module), 0) + 1
@@ -162,9 +165,7 @@ def collapse(rows: list[SummaryRow], depth: int) -> list[SummaryRow]:
     keeper: SummaryRow | None = None
     for r in rows:
         if r.depth <= depth:
-            keeper = SummaryRow(**{**r.__dict__})
-            if r.depth == depth:
-                keeper.leaf = True
+            keeper = dataclasses.replace(r, leaf=r.leaf or r.depth == depth)
             out.append(keeper)
         elif keeper is not None:
             keeper.flops += r.flops
