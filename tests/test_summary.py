@@ -503,3 +503,13 @@ def test_random_mlps_match_hand_counts_and_flopcountermode(widths, batch, reuse)
     assert s.totals.params == sum(a * b + b for a, b in pairwise(widths))
     assert s.rows[-1].output_shapes == {"": [batch, widths[-1]]}
     assert sum(r.calls > 1 for r in s.rows) == (2 if reuse else 0)
+
+
+def test_cpu_peak_memory_counts_tensors_alive_at_once():
+    net = nn.Sequential(nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 100), nn.ReLU(inplace=True))
+    s = hs.summary(net, torch.randn(50, 100))
+    one = 50 * 100 * 4
+    # Linear output + ReLU output alive together (Sequential drops the older one afterwards);
+    # the in-place ReLU allocates nothing; the input and the weights are not counted.
+    assert s.totals.peak_memory_bytes == 2 * one
+    assert s.totals.activation_bytes == 4 * one
