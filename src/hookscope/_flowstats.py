@@ -110,33 +110,33 @@ def act_stats(
 
 
 def _act_stats_cpu(x: torch.Tensor, n: int, scratch: Scratch) -> torch.Tensor:
-    s = float(x.sum(dtype=torch.float32))
-    q = float(torch.linalg.vector_norm(x, dtype=torch.float32))
+    x = x if x.dtype == torch.float32 else x.float()
+    s = float(x.sum())  # cascade summation: as precise as torch.mean
     mn, mx = (float(v) for v in torch.aminmax(x))
     absmax = max(abs(mn), abs(mx)) if not (math.isnan(mn) or math.isnan(mx)) else math.nan
-    if math.isfinite(s) and math.isfinite(q) and math.isfinite(absmax):
-        finite = float(n)
-        mean = s / n
-        if n > _EXACT_F32:
-            nonzero = float(torch.count_nonzero(x))
-        else:
-            buf = torch.sign(x, out=scratch.like(x))  # sum |sign(x)| = nonzero count
-            nonzero = float(buf.abs_().sum(dtype=torch.float32))
-        std = math.nan
-        if n > 1:
-            var = (q * q - n * mean * mean) / (n - 1)
-            if var > 0 and q * q <= 100.0 * n * var:  # little cancellation: one pass is exact enough
-                std = math.sqrt(var)
-            else:  # mean large against the spread: exact two-pass
-                d = torch.sub(x, mean, out=scratch.like(x)) if x.dtype == torch.float32 else x.float() - mean
-                std = float(torch.linalg.vector_norm(d, dtype=torch.float32)) / math.sqrt(n - 1)
-    else:  # non-finite values: the exact (slower) reductions, rarely taken
-        x32 = x.float()
-        mean = float(x32.mean())
-        std = float(x32.std()) if n > 1 else math.nan
-        nonzero = float(torch.count_nonzero(x32))
-        finite = float(torch.count_nonzero(torch.isfinite(x32)))
-    return torch.tensor([mean, std, absmax, nonzero, finite], dtype=torch.float64)
+    if not (math.isfinite(s) and math.isfinite(absmax)):  # non-finite values: exact, slower path
+        mean = float(x.mean())
+        std = float(x.std()) if n > 1 else math.nan
+        nonzero = float(torch.count_nonzero(x))
+        finite = float(torch.count_nonzero(torch.isfinite(x)))
+        return torch.tensor([mean, std, absmax, nonzero, finite], dtype=torch.float64)
+    mean = s / n
+    std = math.nan
+    if n > 1:
+        # sums use cascade summation (as torch.mean/std do, ~1e-8 relative; BLAS dot and the
+        # fp32 2-norm lose ~1e-6). One pass, sum(x*x), when the mean is small against the
+        # spread (cancellation below 1e-7), else two passes: sum((x - mean)^2).
+        q = float(torch.mul(x, x, out=scratch.like(x)).sum())
+        var = (q - n * mean * mean) / (n - 1)
+        if not (var > 0 and q <= 4.0 * n * var):
+            var = float(torch.sub(x, mean, out=scratch.like(x)).square_().sum()) / (n - 1)
+        std = math.sqrt(var)
+    if n > _EXACT_F32:
+        nonzero = float(torch.count_nonzero(x))
+    else:
+        buf = torch.sign(x, out=scratch.like(x))  # sum |sign(x)| = nonzero count
+        nonzero = float(buf.abs_().sum())
+    return torch.tensor([mean, std, absmax, nonzero, float(n)], dtype=torch.float64)
 
 
 def grad_stats(g: torch.Tensor) -> torch.Tensor:
