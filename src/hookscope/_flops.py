@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["EXTRA_FLOP_FORMULAS", "OpCounter", "flop_registry"]
+__all__ = ["EXTRA_FLOP_FORMULAS", "OpCounter", "flop_registry", "warm_up"]
 
 aten = torch.ops.aten
 
@@ -197,6 +197,19 @@ def _shape_of(a: Any) -> Any:
     if isinstance(a, dict):
         return {k: _shape_of(v) for k, v in a.items()}
     return a
+
+
+_warm = False
+
+
+def warm_up() -> None:
+    """Pay the one-time cost of the first dispatch mode in this process (torch imports its
+    compiler machinery then, ~3 s) before anything is timed."""
+    global _warm
+    if not _warm:
+        with OpCounter():
+            torch.zeros(1).add(1)
+        _warm = True
 
 
 def _storage(t: torch.Tensor) -> Any:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._flops import OpCounter
+from ._flops import OpCounter, warm_up
 from ._nested import describe_call, iter_tensors
 from ._scope import HookScope, check_model, in_backward, note_exception
 from ._summary_format import parse_columns
@@ -228,6 +228,7 @@ def summary(
             "summary needs an input: summary(model, x), summary(model, input_ids=ids) or input_size=(1, 3, 224, 224)"
         )
 
+    warm_up()
     known = [*model.parameters(), *model.buffers(), *(t for _, t in iter_tensors((inputs, kwargs)))]
     rec = _Recorder(OpCounter(known), next((t.device for t in known if t.is_cuda), None))
     dev = rec.cuda or device
