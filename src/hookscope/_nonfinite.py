@@ -15,6 +15,7 @@ layers that may produce infinities on purpose (``-inf`` attention masks); a NaN 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -147,8 +148,10 @@ class _Tracker:
         self.fwd: list[tuple[str, int, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
         self.bwd: list[tuple[str, int, list[list[Any]], torch.Tensor, torch.Tensor | None]] = []
         self.root_gout: list[list[Any]] = []
-        self._seen: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
-        self._cells: dict[int, tuple[torch.Tensor, list[Any]]] = {}
+        # keyed by id(); the weak reference tells a live tensor from a new one at a reused id,
+        # without keeping activations alive past their use
+        self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor | None]] = {}
+        self._cells: dict[int, tuple[weakref.ref[torch.Tensor], list[Any]]] = {}
 
     def _in_absmax(self, args: Any, kwargs: Any) -> torch.Tensor | None:
         vals = []
@@ -156,7 +159,7 @@ class _Tracker:
             if not t.is_floating_point() or t.numel() == 0:
                 continue
             hit = self._seen.get(id(t))
-            if hit is not None and hit[0] is t and hit[1] == t._version:
+            if hit is not None and hit[0]() is t and hit[1] == t._version:
                 v = hit[2]
             else:
                 v = _absmax(t)
@@ -214,7 +217,7 @@ class _Tracker:
                 return
             t = first_tensor(output)
             if t is not None:
-                tracker._seen[id(t)] = (t, t._version, vout)
+                tracker._seen[id(t)] = (weakref.ref(t), t._version, vout)
             tracker.fwd.append((name, call, vin, vout, _counts(output) if detail else None))
             if not check_grads:
                 return
@@ -222,11 +225,11 @@ class _Tracker:
                 if not (o.requires_grad and o.is_floating_point()):
                     continue
                 known = tracker._cells.get(id(o))
-                if known is not None and known[0] is o:  # a parent returning its child's output
+                if known is not None and known[0]() is o:  # a parent returning its child's output
                     cell = known[1]
                 else:
                     cell = [None]
-                    tracker._cells[id(o)] = (o, cell)
+                    tracker._cells[id(o)] = (weakref.ref(o), cell)
 
                     def on_grad_out(g: torch.Tensor, cell: list[Any] = cell) -> None:
                         cell[0] = _absmax(g)
