@@ -51,6 +51,8 @@ def _print_summary(facts: Any, path: Path, seconds: float) -> None:
         lines.append(f"Grad-CAM ({facts.cam_layer}) peak inside the shape's box: {facts.cam_in_box}/{facts.correct}")
     elif facts.cam_layer:
         lines.append(f"Grad-CAM layer: {facts.cam_layer}")
+        if facts.predictions:
+            lines.append(f"prediction: {', '.join(facts.predictions[:4])}")
     if "gradient flow" in facts.seconds and "gradient flow" not in facts.unavailable:
         alerts = "; ".join(facts.flow_alerts[:3]) if facts.flow_alerts else "none"
         lines.append(f"monitor alerts over the short training run: {alerts}")
