@@ -1,19 +1,21 @@
 """Cost per training step of torchvision resnet18 with the training monitor, interleaved.
 
-Contenders, run in rounds (A, B, C, D, E, A, B, ...) so machine noise hits each alike:
+Contenders, each training its own replica of the model, take single steps in turn
+(A, B, C, D, E, F, A, B, ...) so that machine noise hits each alike:
 bare step; ``Monitor`` logging every step (``mon.step()``, and ``mon.step(opt)``, which adds
 update-to-weight ratios); every 10 steps; sentinel mode (NaN/Inf origin on every step, no
-statistics); ``torch.autograd.detect_anomaly``. One block = ``--steps`` training steps (SGD,
-cross-entropy). Both the process CPU time and the wall time are reported: with one thread, CPU
-time is what the step costs and is far less disturbed by other processes on a shared machine.
+statistics); ``torch.autograd.detect_anomaly``. Training steps are SGD with momentum and
+cross-entropy. Both the process CPU time and the wall time are reported; the "every 10 steps"
+contender is averaged over whole cycles of 10 steps (one logged).
 
-    .venv/bin/python benchmarks/bench_monitor.py [--size 64] [--batch 16] [--rounds 7] [--steps 10]
+    .venv/bin/python benchmarks/bench_monitor.py [--size 64] [--batch 16] [--groups 4]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import statistics
 import time
 import warnings
@@ -29,80 +31,90 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=64, help="image side (224 is slow on 2 CPU cores)")
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=10, help="training steps per block")
+    ap.add_argument("--groups", type=int, default=4, help="groups of 10 steps per contender")
     ap.add_argument("--threads", type=int, default=1, help="1: on a shared 2-core machine 2 threads thrash")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
     dev = torch.device(args.device)
-    model = torchvision.models.resnet18(num_classes=10).to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    loss_fn = nn.CrossEntropyLoss()
+    torch.manual_seed(0)
+    base = torchvision.models.resnet18(num_classes=10).to(dev)
     x = torch.randn(args.batch, 3, args.size, args.size, device=dev)
     y = torch.randint(0, 10, (args.batch,), device=dev)
+    loss_fn = nn.CrossEntropyLoss()
+    kinds = ["bare", "every step", "every step + optimizer", "every 10 steps", "sentinel", "detect_anomaly"]
 
-    def train(steps: int, mon: hs.Monitor | None, with_opt: bool) -> None:
-        for _ in range(steps):
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            opt.step()
-            if mon is not None:
-                mon.step(opt if with_opt else None)
-            opt.zero_grad(set_to_none=True)
+    # Each contender trains its own replica (hooks on one never touch another), in steady state,
+    # and the contenders take single steps in turn: A B C D E F A B C ... so that the load of the
+    # shared machine, which changes from second to second, hits them alike.
+    class Contender:
+        def __init__(self, kind: str) -> None:
+            self.kind = kind
+            self.model = copy.deepcopy(base)
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3, momentum=0.9)
+            self.mon = None
+            if kind.startswith("every step"):
+                self.mon = hs.Monitor(self.model, every=1, alerts="off")
+            elif kind == "every 10 steps":
+                self.mon = hs.Monitor(self.model, every=10, alerts="off")
+            elif kind == "sentinel":
+                self.mon = hs.Monitor(self.model, every=10**9, stats=(), sentinel=True, alerts="off")
+            self.cpu: list[float] = []
+            self.wall: list[float] = []
+
+        def step(self) -> None:
+            ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+            if self.kind == "detect_anomaly":
+                ctx = torch.autograd.detect_anomaly(check_nan=True)
+            with ctx:
+                sync()
+                w0, c0 = time.perf_counter(), time.process_time()
+                loss_fn(self.model(x), y).backward()
+                self.opt.step()
+                if self.mon is not None:
+                    self.mon.step(None if self.kind == "every step" else self.opt)
+                self.opt.zero_grad(set_to_none=True)
+                sync()
+                self.cpu.append(time.process_time() - c0)
+                self.wall.append(time.perf_counter() - w0)
 
     def sync() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
 
-    def block(kind: str) -> tuple[float, float]:
-        mon = None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # detect_anomaly announces itself every time
-            ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
-            if kind.startswith("every step"):
-                mon = hs.Monitor(model, every=1, alerts="off")
-            elif kind == "every 10 steps":
-                mon = hs.Monitor(model, every=10, alerts="off")
-            elif kind == "sentinel":
-                mon = hs.Monitor(model, every=10**9, stats=(), sentinel=True, alerts="off")
-            elif kind == "detect_anomaly":
-                ctx = torch.autograd.detect_anomaly(check_nan=True)
-            try:
-                with ctx:
-                    sync()
-                    w0, c0 = time.perf_counter(), time.process_time()
-                    train(args.steps, mon, with_opt=kind != "every step")
-                    sync()
-                    return (time.perf_counter() - w0) / args.steps, (time.process_time() - c0) / args.steps
-            finally:
-                if mon is not None:
-                    mon.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # detect_anomaly announces itself every time
+        cs = [Contender(k) for k in kinds]
+        for _ in range(10):  # warm-up: one full every-10 cycle
+            for c in cs:
+                c.step()
+        for c in cs:
+            c.cpu.clear()
+            c.wall.clear()
+        for _ in range(10 * args.groups):
+            for c in cs:
+                c.step()
+        for c in cs:
+            if c.mon is not None:
+                c.mon.close()
 
-    kinds = ["bare", "every step", "every step + optimizer", "every 10 steps", "sentinel", "detect_anomaly"]
-    for k in kinds:  # warm-up
-        block(k)
-    wall: dict[str, list[float]] = {k: [] for k in kinds}
-    cpu: dict[str, list[float]] = {k: [] for k in kinds}
-    for _ in range(args.rounds):
-        for k in kinds:
-            w, c = block(k)
-            wall[k].append(w)
-            cpu[k].append(c)
+    def per_group(v: list[float]) -> list[float]:
+        return [sum(v[i : i + 10]) / 10 for i in range(0, len(v), 10)]
+
+    bare = cs[0]
     print(
         f"resnet18, batch {args.batch}, {args.size}x{args.size}, {dev.type}, {args.threads} thread(s), "
-        f"torch {torch.__version__}; {args.rounds} rounds x {args.steps} steps"
+        f"torch {torch.__version__}; {args.groups} groups x 10 steps per contender, steps interleaved"
     )
-    print("ratio = median over rounds of (contender / bare of the same round)")
+    print("ratio = median over groups of 10 steps of (contender mean / bare mean of the same group)")
     print("| contender | CPU ms / step | ratio (CPU time) | wall ms / step | ratio (wall) |")
     print("|---|---:|---:|---:|---:|")
-    for k in kinds:
-        rc = statistics.median(a / b for a, b in zip(cpu[k], cpu["bare"]))
-        rw = statistics.median(a / b for a, b in zip(wall[k], wall["bare"]))
+    for c in cs:
+        rc = statistics.median(a / b for a, b in zip(per_group(c.cpu), per_group(bare.cpu)))
+        rw = statistics.median(a / b for a, b in zip(per_group(c.wall), per_group(bare.wall)))
         print(
-            f"| {k} | {statistics.median(cpu[k]) * 1e3:.0f} | {rc:.3f}× | "
-            f"{statistics.median(wall[k]) * 1e3:.0f} | {rw:.3f}× |"
+            f"| {c.kind} | {statistics.median(c.cpu) * 1e3:.0f} | {rc:.3f}× | "
+            f"{statistics.median(c.wall) * 1e3:.0f} | {rw:.3f}× |"
         )
 
 
