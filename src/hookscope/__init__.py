@@ -15,6 +15,8 @@ from . import ops
 from ._cam import CAM, CAMError, cam_methods, get_cam
 from ._cam_methods import EigenCAM, GradCAM, GradCAMPlusPlus, HiResCAM, LayerCAM, ScoreCAM, XGradCAM
 from ._capture import Call, Capture, Inputs, capture
+from ._demo import DemoNet, load_demo_model
+from ._demo_data import DemoDataset, make_demo_dataset
 from ._diagnose import Alert, MonitorWarning, NonFiniteWarning, Thresholds
 from ._edit import clip_grads, edit, edit_grads
 from ._errors import (
@@ -52,6 +54,8 @@ __all__ = [
     "CAMError",
     "Call",
     "Capture",
+    "DemoDataset",
+    "DemoNet",
     "EigenCAM",
     "ExtractError",
     "FeatureExtractor",
@@ -103,7 +107,9 @@ __all__ = [
     "find_nonfinite",
     "get_cam",
     "hooks_on",
+    "load_demo_model",
     "load_features",
+    "make_demo_dataset",
     "observe",
     "ops",
     "overlay",
