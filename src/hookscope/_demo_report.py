@@ -251,7 +251,7 @@ def flow_section(report: Report, facts: ReportFacts, *, steps: int = 20, batch: 
                 losses.append(float(loss.detach()))
             records = list(mon.records)
             fig = mon.plot()
-        s.figures([Figure(fig, f"parameter gradient norms over {len(records)} monitored steps", width=1000)], columns=1)
+        s.figures([Figure(fig, f"parameter gradient norms over {len(records)} monitored steps", width=820)], columns=1)
         alerts = [a for r in records for a in r.alerts]
         seen: dict[tuple[str, str], Any] = {}
         for a in alerts:
