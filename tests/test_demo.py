@@ -34,8 +34,16 @@ def test_set() -> hs.DemoDataset:
 
 # -- the generator --------------------------------------------------------------------------------
 def test_same_seed_same_data_other_seed_other_data():
-    a, b, c = hs.make_demo_dataset(24, seed=5), hs.make_demo_dataset(24, seed=5), hs.make_demo_dataset(24, seed=6)
-    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels) and torch.equal(a.boxes, b.boxes)
+    a, b, c = (
+        hs.make_demo_dataset(24, seed=5),
+        hs.make_demo_dataset(24, seed=5),
+        hs.make_demo_dataset(24, seed=6),
+    )
+    assert (
+        torch.equal(a.images, b.images)
+        and torch.equal(a.labels, b.labels)
+        and torch.equal(a.boxes, b.boxes)
+    )
     assert not torch.equal(a.images, c.images)
     assert a.images.dtype == torch.float32 and a.images.shape == (24, 3, 64, 64)
     assert float(a.images.min()) >= 0.0 and float(a.images.max()) <= 1.0
@@ -83,7 +91,10 @@ def test_weights_ship_small_and_load_with_weights_only(model):
     assert any(isinstance(m, nn.ReLU) and m.inplace for m in model.modules())
     assert [n for n, _ in model.named_children()] == ["stage1", "stage2", "stage3", "head"]
     spec_model = load_model("demo")
-    assert all(torch.equal(a, b) for a, b in zip(spec_model.state_dict().values(), model.state_dict().values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(spec_model.state_dict().values(), model.state_dict().values())
+    )
 
 
 def test_a_file_that_is_not_demo_weights_is_refused(tmp_path):
@@ -128,7 +139,9 @@ def test_gradcam_maximum_falls_inside_the_shape_for_90_percent(model, test_set):
     correct = pred == labels
     rate = float(inside[correct].float().mean())
     assert int(correct.sum()) >= 0.95 * n
-    assert rate >= 0.90, f"Grad-CAM peak inside the box for {rate:.3f} of {int(correct.sum())} correct images"
+    assert rate >= 0.90, (
+        f"Grad-CAM peak inside the box for {rate:.3f} of {int(correct.sum())} correct images"
+    )
 
 
 def test_training_is_deterministic_and_round_trips_through_the_weights_file(tmp_path):

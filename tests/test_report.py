@@ -23,7 +23,9 @@ import hookscope as hs
 from hookscope._cli import main
 from hookscope._report import Figure, Report
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+CHROMIUM = (
+    shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+)
 SECTIONS = ["Summary", "Feature maps", "Grad-CAM", "Gradient flow", "NaN origin"]
 
 
@@ -59,7 +61,9 @@ def check_self_contained(page: str) -> list[Image.Image]:
         for key in ("src", "href"):
             v = attrs.get(key)
             if v is not None:
-                assert v.startswith(("data:image/png;base64,", "#")), f"<{tag} {key}={v[:40]!r}> is not inline"
+                assert v.startswith(("data:image/png;base64,", "#")), (
+                    f"<{tag} {key}={v[:40]!r}> is not inline"
+                )
         if tag == "img":
             data = base64.b64decode(attrs["src"].split(",", 1)[1], validate=True)
             im = Image.open(io.BytesIO(data))
@@ -84,7 +88,10 @@ def test_demo_writes_a_report_and_prints_a_summary(demo):
     assert f"report: {path.resolve()}" in stdout
     assert "not available" not in stdout
     assert re.search(r"test images classified right: \d/6", stdout)
-    assert "NaN origin: NAN first produced in the forward pass by layer 'stage2.4' (BatchNorm2d)" in stdout
+    assert (
+        "NaN origin: NAN first produced in the forward pass by layer 'stage2.4' (BatchNorm2d)"
+        in stdout
+    )
     page = path.read_text(encoding="utf-8")
     for title in SECTIONS:
         assert f"<h2>{title}</h2>" in page
@@ -108,7 +115,9 @@ def test_demo_report_numbers_match_the_model(demo):
     assert f"test images classified right: {right}/6" in stdout
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs Debian's chromium)")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="chromium is not installed (.ci/run installs Debian's chromium)"
+)
 def test_report_renders_in_headless_chromium(demo, tmp_path):
     _, _, _, path = demo
     flags = [
@@ -125,8 +134,16 @@ def test_report_renders_in_headless_chromium(demo, tmp_path):
     ]
     shot = tmp_path / "shot.png"
     proc = subprocess.run(
-        [CHROMIUM, *flags, f"--user-data-dir={tmp_path / 'p1'}", f"--screenshot={shot}", path.resolve().as_uri()],
-        capture_output=True, text=True, timeout=180,
+        [
+            CHROMIUM,
+            *flags,
+            f"--user-data-dir={tmp_path / 'p1'}",
+            f"--screenshot={shot}",
+            path.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert shot.is_file(), proc.stderr[-2000:]
     with Image.open(shot) as im:
@@ -149,8 +166,17 @@ def test_report_renders_in_headless_chromium(demo, tmp_path):
     probe = tmp_path / "probe.html"
     probe.write_text(page.replace("</body>", check + "</body>"), encoding="utf-8")
     proc = subprocess.run(
-        [CHROMIUM, *flags, f"--user-data-dir={tmp_path / 'p2'}", "--virtual-time-budget=10000", "--dump-dom", probe.resolve().as_uri()],
-        capture_output=True, text=True, timeout=180,
+        [
+            CHROMIUM,
+            *flags,
+            f"--user-data-dir={tmp_path / 'p2'}",
+            "--virtual-time-budget=10000",
+            "--dump-dom",
+            probe.resolve().as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     m = re.search(r'<pre id="imgcheck">(.*?)</pre>', proc.stdout)
     assert m, proc.stderr[-2000:]
@@ -179,7 +205,7 @@ def test_report_on_the_demo_model_with_one_image(tmp_path):
     assert "every activation and gradient stayed finite" in page
 
 
-MODEL_FILE = '''
+MODEL_FILE = """
 import torch.nn as nn
 
 class Net(nn.Module):
@@ -194,7 +220,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc(self.pool(self.act(self.features(x))).flatten(1))
-'''
+"""
 
 
 def test_report_on_a_user_model_escapes_text_and_omits_what_does_not_apply(tmp_path):
@@ -204,8 +230,22 @@ def test_report_on_a_user_model_escapes_text_and_omits_what_does_not_apply(tmp_p
     Image.fromarray(rng.integers(0, 255, (30, 40, 3), dtype=np.uint8)).save(img)
     torch.manual_seed(0)
     rc, stdout, stderr = _run(
-        ["report", f"{tmp_path / 'net.py'}:Net", "--image", str(img), "--out", str(tmp_path / "r"),
-         "--resize", "24", "--crop", "24", "--mean", "0.5", "--std", "0.5"]
+        [
+            "report",
+            f"{tmp_path / 'net.py'}:Net",
+            "--image",
+            str(img),
+            "--out",
+            str(tmp_path / "r"),
+            "--resize",
+            "24",
+            "--crop",
+            "24",
+            "--mean",
+            "0.5",
+            "--std",
+            "0.5",
+        ]
     )
     assert rc == 0, stderr
     page = (tmp_path / "r" / "report.html").read_text(encoding="utf-8")
@@ -222,10 +262,14 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
     f.write_text("x")
     rc, _, err = _run(["demo", "--out", str(f)])
     assert rc == 2 and "is a file" in err and err.count("\n") == 1
-    rc, _, err = _run(["report", "demo", "--image", str(tmp_path / "missing.png"), "--out", str(tmp_path / "r")])
+    rc, _, err = _run(
+        ["report", "demo", "--image", str(tmp_path / "missing.png"), "--out", str(tmp_path / "r")]
+    )
     assert rc == 2 and "does not exist" in err and err.count("\n") == 1
     img = _save_png(hs.make_demo_dataset(1).images[0], tmp_path / "s.png")
-    rc, _, err = _run(["report", "demo", "--image", str(img), "--layer", "stage9", "--out", str(tmp_path / "r")])
+    rc, _, err = _run(
+        ["report", "demo", "--image", str(img), "--layer", "stage9", "--out", str(tmp_path / "r")]
+    )
     assert rc == 2 and "stage3" in err and err.count("\n") == 1  # the closest valid names
     assert not (tmp_path / "r" / "report.html").exists()
 
@@ -239,7 +283,18 @@ def test_report_template_escapes_everything():
     s.figures([Figure(picture, "cap <tion>", tone="bad")])
     page = r.to_html()
     assert "<script>" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
-    for raw in ("<1>", "<label>", "T<i>tle", "intro <b>", "note <u>", "text <p>", "code <x>", "<h>", "<c>", "cap <tion>"):
+    for raw in (
+        "<1>",
+        "<label>",
+        "T<i>tle",
+        "intro <b>",
+        "note <u>",
+        "text <p>",
+        "code <x>",
+        "<h>",
+        "<c>",
+        "cap <tion>",
+    ):
         assert raw not in page
     (im,) = check_self_contained(page)
     assert np.array_equal(np.asarray(im), picture)
@@ -250,7 +305,9 @@ def test_hookscope_demo_console_script_with_defaults(tmp_path):
     """What `make demo` runs (8 images, 20 monitored steps), as a separate process."""
     exe = Path(sys.executable).with_name("hookscope")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "hookscope"]
-    proc = subprocess.run([*cmd, "demo", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*cmd, "demo", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "report:" in proc.stdout and "not available" not in proc.stdout
     page = (tmp_path / "report.html").read_text(encoding="utf-8")

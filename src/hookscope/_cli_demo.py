@@ -12,20 +12,55 @@ from ._cli import CLIError, add_model_arguments, load
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="write an HTML report of what hookscope sees inside the built-in demo CNN")
-    p.add_argument("--out", default="hookscope-demo", metavar="DIR", help="directory for report.html (default: ./hookscope-demo)")
-    p.add_argument("--images", type=int, default=8, metavar="N", help="test images shown with Grad-CAM (default 8)")
-    p.add_argument("--steps", type=int, default=20, metavar="N", help="monitored training steps (default 20)")
+    p = sub.add_parser(
+        "demo", help="write an HTML report of what hookscope sees inside the built-in demo CNN"
+    )
+    p.add_argument(
+        "--out",
+        default="hookscope-demo",
+        metavar="DIR",
+        help="directory for report.html (default: ./hookscope-demo)",
+    )
+    p.add_argument(
+        "--images",
+        type=int,
+        default=8,
+        metavar="N",
+        help="test images shown with Grad-CAM (default 8)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=20, metavar="N", help="monitored training steps (default 20)"
+    )
     p.set_defaults(func=run_demo)
 
     p = sub.add_parser("report", help="write the same HTML report for your model and one image")
     add_model_arguments(p, inputs=False)
     p.add_argument("--image", required=True, metavar="PATH", help="image file (PNG, JPEG, ...)")
-    p.add_argument("--layer", default=None, metavar="L", help="Grad-CAM layer (default: the last top-level layer with a spatial output)")
-    p.add_argument("--out", default="hookscope-report", metavar="DIR", help="directory for report.html (default: ./hookscope-report)")
-    g = p.add_argument_group("preprocessing (default: ImageNet; the demo model: 64×64, no normalisation)")
-    g.add_argument("--resize", type=int, default=None, metavar="N", help="resize the shorter side to N (0: keep)")
-    g.add_argument("--crop", type=int, default=None, metavar="N", help="center-crop N x N (0: none)")
+    p.add_argument(
+        "--layer",
+        default=None,
+        metavar="L",
+        help="Grad-CAM layer (default: the last top-level layer with a spatial output)",
+    )
+    p.add_argument(
+        "--out",
+        default="hookscope-report",
+        metavar="DIR",
+        help="directory for report.html (default: ./hookscope-report)",
+    )
+    g = p.add_argument_group(
+        "preprocessing (default: ImageNet; the demo model: 64×64, no normalisation)"
+    )
+    g.add_argument(
+        "--resize",
+        type=int,
+        default=None,
+        metavar="N",
+        help="resize the shorter side to N (0: keep)",
+    )
+    g.add_argument(
+        "--crop", type=int, default=None, metavar="N", help="center-crop N x N (0: none)"
+    )
     g.add_argument("--mean", default=None, metavar="M", help="per-channel mean, e.g. 0.5,0.5,0.5")
     g.add_argument("--std", default=None, metavar="S", help="per-channel std, e.g. 0.5,0.5,0.5")
     g.add_argument("--gray", action="store_true", help="feed a 1-channel (grayscale) image")
@@ -35,7 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _out_dir(out: str) -> Path:
     path = Path(out)
     if path.exists() and not path.is_dir():
-        raise CLIError(f"--out {out!r} is a file; give a directory (the report is written as DIR/report.html)")
+        raise CLIError(
+            f"--out {out!r} is a file; give a directory (the report is written as DIR/report.html)"
+        )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -44,11 +81,16 @@ def _out_dir(out: str) -> Path:
 
 
 def _print_summary(facts: Any, path: Path, seconds: float) -> None:
-    lines = [f"model: {facts.model}" + (f" ({facts.params:,} parameters)" if facts.params is not None else "")]
+    lines = [
+        f"model: {facts.model}"
+        + (f" ({facts.params:,} parameters)" if facts.params is not None else "")
+    ]
     if facts.correct is not None:
         lines.append(f"test images classified right: {facts.correct}/{facts.shown}")
     if facts.cam_in_box is not None:
-        lines.append(f"Grad-CAM ({facts.cam_layer}) peak inside the shape's box: {facts.cam_in_box}/{facts.correct}")
+        lines.append(
+            f"Grad-CAM ({facts.cam_layer}) peak inside the shape's box: {facts.cam_in_box}/{facts.correct}"
+        )
     elif facts.cam_layer:
         lines.append(f"Grad-CAM layer: {facts.cam_layer}")
         if facts.predictions:

@@ -32,7 +32,11 @@ TEST_SEED = 7
 
 
 def _conv(cin: int, cout: int) -> list[nn.Module]:
-    return [nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)]
+    return [
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(inplace=True),
+    ]
 
 
 class DemoNet(nn.Module):
@@ -61,7 +65,9 @@ class DemoNet(nn.Module):
         self.stage1 = nn.Sequential(nn.InstanceNorm2d(3), *_conv(3, w), nn.MaxPool2d(2))
         self.stage2 = nn.Sequential(*_conv(w, 2 * w), *_conv(2 * w, 2 * w), nn.MaxPool2d(2))
         self.stage3 = nn.Sequential(*_conv(2 * w, 4 * w), *_conv(4 * w, 4 * w))
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, len(self.classes)))
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, len(self.classes))
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.stage3(self.stage2(self.stage1(x))))
@@ -79,7 +85,9 @@ def load_demo_model(weights: str | Path | None = None) -> DemoNet:
     """
     path = Path(weights) if weights is not None else WEIGHTS_PATH
     if not path.is_file():
-        raise FileNotFoundError(f"demo weights {str(path)!r} are missing; run 'python -m hookscope._demo train'")
+        raise FileNotFoundError(
+            f"demo weights {str(path)!r} are missing; run 'python -m hookscope._demo train'"
+        )
     blob = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(blob, dict) or blob.get("format") != _FORMAT:
         raise ValueError(f"{str(path)!r} is not a hookscope demo weights file (format {_FORMAT})")
@@ -142,8 +150,10 @@ def train_demo_model(
             total += float(loss.detach())
         if log:
             acc = f"  val acc {evaluate_demo_model(model, val):.4f}" if val is not None else ""
-            log(f"epoch {epoch + 1}/{epochs}: loss {total / (per_epoch // batch_size):.4f}{acc}  "
-                f"({time.perf_counter() - t0:.1f}s)")
+            log(
+                f"epoch {epoch + 1}/{epochs}: loss {total / (per_epoch // batch_size):.4f}{acc}  "
+                f"({time.perf_counter() - t0:.1f}s)"
+            )
     return model.eval()
 
 
@@ -162,7 +172,9 @@ def save_demo_weights(model: DemoNet, path: str | Path = WEIGHTS_PATH) -> Path:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hookscope._demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m hookscope._demo", description=__doc__.splitlines()[0]
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train the demo model and write its weights")
     t.add_argument("--out", default=str(WEIGHTS_PATH), help="weights file to write")
@@ -175,7 +187,9 @@ def _main(argv: list[str] | None = None) -> int:
     torch.use_deterministic_algorithms(True)
     model = train_demo_model(epochs=args.epochs, per_epoch=args.per_epoch, seed=args.seed)
     test = make_demo_dataset(2000, seed=TEST_SEED)
-    print(f"test accuracy ({len(test)} fresh images, seed {TEST_SEED}): {evaluate_demo_model(model, test):.4f}")
+    print(
+        f"test accuracy ({len(test)} fresh images, seed {TEST_SEED}): {evaluate_demo_model(model, test):.4f}"
+    )
     out = save_demo_weights(model, args.out)
     print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KiB)")
     return 0

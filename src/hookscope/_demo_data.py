@@ -72,7 +72,9 @@ def _shape_mask(kind: int, cx: float, cy: float, r: float, angle: float) -> np.n
         return (v >= -r / 2) & (v <= r - root3 * u) & (v <= r + root3 * u)
     if kind == 3:  # cross (plus sign)
         long, short = 0.85 * r, 0.28 * r
-        return ((np.abs(u) <= long) & (np.abs(v) <= short)) | ((np.abs(u) <= short) & (np.abs(v) <= long))
+        return ((np.abs(u) <= long) & (np.abs(v) <= short)) | (
+            (np.abs(u) <= short) & (np.abs(v) <= long)
+        )
     raise ValueError(f"unknown shape kind {kind}; expected 0..{len(DEMO_CLASSES) - 1}")
 
 

@@ -82,7 +82,11 @@ def spatial_children(model: nn.Module, x: torch.Tensor) -> list[str]:
         model(x)
         missing = set(cap.missing)
     ran = [n for n in names if n not in missing]
-    return [n for n in ran if isinstance(cap[n], torch.Tensor) and cap[n].ndim == 4 and cap[n].shape[-2:].numel() > 1]
+    return [
+        n
+        for n in ran
+        if isinstance(cap[n], torch.Tensor) and cap[n].ndim == 4 and cap[n].shape[-2:].numel() > 1
+    ]
 
 
 # -- sections -----------------------------------------------------------------------------------
@@ -104,7 +108,12 @@ def summary_section(report: Report, facts: ReportFacts, model: nn.Module, x1: to
 
 
 def maps_section(
-    report: Report, facts: ReportFacts, model: nn.Module, x1: torch.Tensor, shown: Any, layers: list[str]
+    report: Report,
+    facts: ReportFacts,
+    model: nn.Module,
+    x1: torch.Tensor,
+    shown: Any,
+    layers: list[str],
 ) -> None:
     s = report.section(
         "Feature maps",
@@ -120,11 +129,15 @@ def maps_section(
             return
         with torch.no_grad(), capture(model, layers) as cap:
             model(x1)
-        figs = [Figure(shown, "input image", scale=max(1, 192 // max(1, shown.shape[0])), width=240)]
+        figs = [
+            Figure(shown, "input image", scale=max(1, 192 // max(1, shown.shape[0])), width=240)
+        ]
         for name in layers:
             a = cap[name]
             fig = feature_maps(a[0], max_channels=16)
-            figs.append(Figure(fig, f"{name}: {a.shape[1]} channels, {a.shape[2]}×{a.shape[3]}", width=300))
+            figs.append(
+                Figure(fig, f"{name}: {a.shape[1]} channels, {a.shape[2]}×{a.shape[3]}", width=300)
+            )
         s.figures(figs, columns=min(len(figs), 4))
 
     _guard(facts, s, "feature maps", run)
@@ -135,7 +148,11 @@ def _draw_box(img: Any, box: list[int], scale: int, peak: tuple[int, int] | None
 
     d = ImageDraw.Draw(img)
     x0, y0, x1, y1 = box
-    d.rectangle([x0 * scale, y0 * scale, (x1 + 1) * scale - 1, (y1 + 1) * scale - 1], outline=(255, 255, 255), width=2)
+    d.rectangle(
+        [x0 * scale, y0 * scale, (x1 + 1) * scale - 1, (y1 + 1) * scale - 1],
+        outline=(255, 255, 255),
+        width=2,
+    )
     if peak is not None:
         px, py = (peak[0] + 0.5) * scale, (peak[1] + 0.5) * scale
         d.line([px - 6, py, px + 6, py], fill=(255, 255, 255), width=2)
@@ -160,7 +177,9 @@ def cam_section(
         "(red = strong evidence; hs.GradCAM + hs.overlay)."
     )
     if boxes is not None:
-        intro += " The white box is the shape's true bounding box; the cross marks the map's maximum."
+        intro += (
+            " The white box is the shape's true bounding box; the cross marks the map's maximum."
+        )
     s = report.section("Grad-CAM", intro)
 
     def run() -> None:
@@ -199,7 +218,9 @@ def cam_section(
             if boxes is not None:
                 b = [int(v) for v in boxes[i]]
                 hit = b[0] <= peak[0] <= b[2] and b[1] <= peak[1] <= b[3]
-                inside += hit and (labels is None or preds is None or int(preds[i]) == int(labels[i]))
+                inside += hit and (
+                    labels is None or preds is None or int(preds[i]) == int(labels[i])
+                )
                 pil = _draw_box(pil, b, scale, peak)
                 cap.append("peak inside the box" if hit else "peak OUTSIDE the box")
                 if not hit:
@@ -215,7 +236,9 @@ def cam_section(
     _guard(facts, s, "grad-cam", run)
 
 
-def flow_section(report: Report, facts: ReportFacts, *, steps: int = 20, batch: int = 16, seed: int = 0) -> None:
+def flow_section(
+    report: Report, facts: ReportFacts, *, steps: int = 20, batch: int = 16, seed: int = 0
+) -> None:
     from ._demo import DemoNet
     from ._demo_data import make_demo_dataset
 
@@ -251,7 +274,14 @@ def flow_section(report: Report, facts: ReportFacts, *, steps: int = 20, batch: 
                 losses.append(float(loss.detach()))
             records = list(mon.records)
             fig = mon.plot()
-        s.figures([Figure(fig, f"parameter gradient norms over {len(records)} monitored steps", width=820)], columns=1)
+        s.figures(
+            [
+                Figure(
+                    fig, f"parameter gradient norms over {len(records)} monitored steps", width=820
+                )
+            ],
+            columns=1,
+        )
         alerts = [a for r in records for a in r.alerts]
         seen: dict[tuple[str, str], Any] = {}
         for a in alerts:
@@ -259,9 +289,15 @@ def flow_section(report: Report, facts: ReportFacts, *, steps: int = 20, batch: 
         facts.flow_alerts = [f"{k}: {a.message}" for (k, _), a in seen.items()]
         s.text(f"Loss went from {losses[0]:.3f} to {losses[-1]:.3f} in {steps} steps.")
         if seen:
-            s.table(["alert", "layer", "first step", "message"], [[a.kind, a.layer, a.step, a.message] for a in list(seen.values())[:12]])
+            s.table(
+                ["alert", "layer", "first step", "message"],
+                [[a.kind, a.layer, a.step, a.message] for a in list(seen.values())[:12]],
+            )
         else:
-            s.text("The monitor raised no alert: no vanishing, exploding, dead or saturated layer.", kind="ok")
+            s.text(
+                "The monitor raised no alert: no vanishing, exploding, dead or saturated layer.",
+                kind="ok",
+            )
 
     _guard(facts, s, "gradient flow", run)
 
@@ -272,11 +308,19 @@ def break_demo_model(model: nn.Module) -> tuple[nn.Module, str]:
     bn = broken.stage2[4]  # the second BatchNorm2d of stage2
     with torch.no_grad():
         bn.running_var[5] = -1.0
-    return broken, "broken = copy.deepcopy(model)\nbroken.stage2[4].running_var[5] = -1.0   # a corrupted statistic"
+    return (
+        broken,
+        "broken = copy.deepcopy(model)\nbroken.stage2[4].running_var[5] = -1.0   # a corrupted statistic",
+    )
 
 
 def nonfinite_section(
-    report: Report, facts: ReportFacts, model: nn.Module, x1: torch.Tensor, *, broken: tuple[nn.Module, str] | None = None
+    report: Report,
+    facts: ReportFacts,
+    model: nn.Module,
+    x1: torch.Tensor,
+    *,
+    broken: tuple[nn.Module, str] | None = None,
 ) -> None:
     intro = (
         "hs.find_nonfinite runs one forward and one backward pass with every module watched and names "
@@ -289,7 +333,9 @@ def nonfinite_section(
 
         intact = find_nonfinite(model, x1)
         if intact is None:
-            s.text("This model: every activation and gradient stayed finite on the input.", kind="ok")
+            s.text(
+                "This model: every activation and gradient stayed finite on the input.", kind="ok"
+            )
         else:
             s.text(f"This model: {intact}", kind="finding")
             facts.nonfinite = str(intact)
@@ -306,16 +352,29 @@ def nonfinite_section(
                 s.text(str(origin), kind="finding")
                 s.table(
                     ["layer", "type", "pass", "call", "kind", *origin.stats],
-                    [[origin.layer, origin.module_type, origin.phase, origin.call, origin.kind, *(f"{v:.4g}" for v in origin.stats.values())]],
+                    [
+                        [
+                            origin.layer,
+                            origin.module_type,
+                            origin.phase,
+                            origin.call,
+                            origin.kind,
+                            *(f"{v:.4g}" for v in origin.stats.values()),
+                        ]
+                    ],
                 )
                 facts.nonfinite = str(origin)
-                facts.nonfinite_layer = f"{origin.layer} ({origin.module_type})" if origin.module_type else origin.layer
+                facts.nonfinite_layer = (
+                    f"{origin.layer} ({origin.module_type})" if origin.module_type else origin.layer
+                )
 
     _guard(facts, s, "nan origin", run)
 
 
 # -- whole reports ------------------------------------------------------------------------------
-def build_demo_report(*, n_images: int = 8, steps: int = 20, seed: int | None = None) -> tuple[Report, ReportFacts]:
+def build_demo_report(
+    *, n_images: int = 8, steps: int = 20, seed: int | None = None
+) -> tuple[Report, ReportFacts]:
     """The report of ``hookscope demo``: the built-in model on fresh test images."""
     from ._demo import TEST_SEED, load_demo_model
     from ._demo_data import make_demo_dataset
@@ -330,8 +389,25 @@ def build_demo_report(*, n_images: int = 8, steps: int = 20, seed: int | None = 
         "everything below was measured through PyTorch hooks, without changing the model's code.",
     )
     summary_section(report, facts, model, x[:1])
-    maps_section(report, facts, model, x[:1], shown[0].permute(1, 2, 0).numpy(), ["stage1", "stage2", "stage3"])
-    cam_section(report, facts, model, "stage3", x, shown, classes=model.classes, labels=data.labels, boxes=data.boxes)
+    maps_section(
+        report,
+        facts,
+        model,
+        x[:1],
+        shown[0].permute(1, 2, 0).numpy(),
+        ["stage1", "stage2", "stage3"],
+    )
+    cam_section(
+        report,
+        facts,
+        model,
+        "stage3",
+        x,
+        shown,
+        classes=model.classes,
+        labels=data.labels,
+        boxes=data.boxes,
+    )
     flow_section(report, facts, steps=steps)
     nonfinite_section(report, facts, model, x[:1], broken=break_demo_model(model))
     _kpis(report, facts)
@@ -358,9 +434,13 @@ def build_model_report(
     cam_layer = layer or (spatial[-1] if spatial else None)
     shown_t = torch.as_tensor(shown).permute(2, 0, 1)[None].float()
     if cam_layer is None:
-        report.section("Grad-CAM", note="no layer with a (B, C, H, W) output found; give one with --layer")
+        report.section(
+            "Grad-CAM", note="no layer with a (B, C, H, W) output found; give one with --layer"
+        )
     else:
-        cam_section(report, facts, model, cam_layer, x, shown_t, classes=getattr(model, "classes", None))
+        cam_section(
+            report, facts, model, cam_layer, x, shown_t, classes=getattr(model, "classes", None)
+        )
     report.section(
         "Gradient flow",
         note="omitted: it needs a training loop with labelled data. In yours: mon = hs.Monitor(model); "

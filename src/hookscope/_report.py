@@ -209,7 +209,9 @@ class Report:
             return f"<div class='scroll'>{payload.markup}</div>"
         if kind == "table":
             head = "".join(f"<th>{e(str(h))}</th>" for h in opt)
-            body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in payload)
+            body = "".join(
+                "<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in row) + "</tr>" for row in payload
+            )
             return f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
         if kind == "figures":
             items = []
@@ -244,7 +246,9 @@ class Report:
                 body.append(f"<p class='note'>{e(s.note)}</p>")
             body += [self._block(b) for b in s.blocks]
             parts.append(f"<section id='{anchor}'>{''.join(body)}</section>")
-        kpis = "".join(f"<div class='kpi'><b>{e(v)}</b><span>{e(label)}</span></div>" for v, label in self.kpis)
+        kpis = "".join(
+            f"<div class='kpi'><b>{e(v)}</b><span>{e(label)}</span></div>" for v, label in self.kpis
+        )
         kpi_html = f"<section><div class='kpis'>{kpis}</div></section>" if kpis else ""
         from . import __version__
 
