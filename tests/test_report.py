@@ -214,7 +214,7 @@ class Net(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1))
-        self.act = nn.ReLU()
+        self.act = nn.ReLU(inplace=True)  # modifies the output of `features` in place
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(8, 2)
 
@@ -253,6 +253,7 @@ def test_report_on_a_user_model_escapes_text_and_omits_what_does_not_apply(tmp_p
     assert "<b>cat</b>" not in page and ("&lt;b&gt;cat&lt;/b&gt;" in page or "dog &amp; co" in page)
     assert "Grad-CAM layer: act" in stdout  # the last top-level layer with a (B, C, H, W) output
     assert "omitted: it needs a training loop" in page
+    assert "not available" not in page and "InPlaceModified" not in stdout + stderr
     for title in SECTIONS:
         assert f"<h2>{title}</h2>" in page
 
