@@ -9,8 +9,6 @@ Example:
     torch.Size([5, 4])
 """
 
-from __future__ import annotations
-
 from . import ops
 from ._cam import CAM, CAMError, cam_methods, get_cam
 from ._cam_methods import EigenCAM, GradCAM, GradCAMPlusPlus, HiResCAM, LayerCAM, ScoreCAM, XGradCAM
