@@ -33,9 +33,10 @@ from ._featstore import ExtractError, Features, IncompleteExtractionError, load_
 from ._flowplot import plot_grad_flow
 from ._imagefolder import ImageFolder
 from ._inventory import HookInfo, hooks_on, remove_hooks
-from ._monitor import Monitor, MonitorRecord
+from ._monitor import Monitor
 from ._nonfinite import NonFiniteOrigin, find_nonfinite
 from ._observe import TensorGrads, observe, tensor_grads
+from ._record import MonitorRecord
 from ._scope import HookScope
 from ._select import Selector, find
 from ._sinks import JsonlSink, TensorBoardSink

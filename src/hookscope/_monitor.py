@@ -15,14 +15,13 @@ import math
 import warnings
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ._diagnose import Alert, MonitorWarning, NonFiniteWarning, Thresholds, diagnose
+from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
 from ._flowstats import (
     Scratch,
     act_stats,
@@ -34,69 +33,16 @@ from ._flowstats import (
 )
 from ._nested import iter_tensors
 from ._nonfinite import NonFiniteOrigin, _Tracker
+from ._record import MonitorRecord
 from ._scope import HookScope, check_model, in_backward
 from ._select import find, resolve
 from ._sinks import as_sink
 
-__all__ = ["Monitor", "MonitorRecord"]
+__all__ = ["Monitor"]
 
 log = logging.getLogger("hookscope.monitor")
 
 _GROUPS = ("activations", "gradients", "parameters")
-
-
-@dataclass
-class MonitorRecord:
-    """What one logged step recorded.
-
-    Attributes:
-        step: the step index (0 for the first ``step()``).
-        layers: ``{layer: {stat: value}}`` in call order; a layer called again in the same step
-            appears as ``"layer#1"``, ``"layer#2"``. Stats: ``mean``, ``std``, ``absmax``,
-            ``zeros`` (fraction exactly zero), ``nonfinite`` (count), ``saturated`` (fraction, for
-            Tanh/Sigmoid-like layers), ``grad_norm`` and ``grad_absmax`` (gradient w.r.t. the
-            output, unscaled when a ``GradScaler`` is given; under torch.distributed, of the mean
-            of the ranks' losses, as DDP averages gradients).
-        params: ``{parameter: {stat: value}}``: ``grad_norm`` (absent when the parameter got
-            no gradient; the averaged gradient under DDP), ``weight_norm`` and, with an optimizer,
-            ``update_ratio`` = ``|w_after - w_before| / |w_before|``.
-        alerts: diagnoses of this step (:class:`Alert`).
-        nonfinite: where the first NaN/Inf came from (sentinel mode), or ``None``.
-        histograms: ``{tag: (bucket_limits, counts)}`` when histograms were requested.
-    """
-
-    step: int
-    layers: dict[str, dict[str, float]] = field(default_factory=dict)
-    params: dict[str, dict[str, float]] = field(default_factory=dict)
-    alerts: list[Alert] = field(default_factory=list)
-    nonfinite: NonFiniteOrigin | None = None
-    histograms: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``)."""
-
-        def clean(v: Any) -> Any:
-            if isinstance(v, float) and not math.isfinite(v):
-                return str(v)
-            if isinstance(v, dict):
-                return {k: clean(x) for k, x in v.items()}
-            if isinstance(v, (list, tuple)):
-                return [clean(x) for x in v]
-            return v
-
-        nf = None
-        if self.nonfinite is not None:
-            o = self.nonfinite
-            nf = {"layer": o.layer, "phase": o.phase, "call": o.call, "kind": o.kind, "module_type": o.module_type, "stats": o.stats}
-        return clean(
-            {
-                "step": self.step,
-                "layers": self.layers,
-                "params": self.params,
-                "alerts": [a.to_dict() for a in self.alerts],
-                "nonfinite": nf,
-            }
-        )
 
 
 class _StepState:
