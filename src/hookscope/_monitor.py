@@ -74,7 +74,9 @@ class Monitor:
         thresholds: :class:`Thresholds` or a dict of the thresholds to change.
         sentinel: also hook every module on every step and report the first layer that produced
             a NaN/Inf (forward or backward) in ``record.nonfinite`` and as a
-            :class:`NonFiniteWarning`; ``monitor.nonfinite`` keeps the first one found.
+            :class:`NonFiniteWarning`; ``monitor.nonfinite`` keeps the first one found. To stay
+            cheap it skips the gradient checks of modules whose backward cannot create a NaN/Inf
+            (Conv, Linear, normalisations, ReLU, pooling); :func:`find_nonfinite` checks all.
         allow: layers allowed to produce infinities (e.g. a ``-inf`` attention mask); NaN is
             always reported. ``"<input>"`` allows an infinite model input.
         scaler: the ``torch.amp.GradScaler`` in use, so gradients are reported unscaled.
