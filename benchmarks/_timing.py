@@ -7,19 +7,29 @@ import time
 from collections.abc import Callable
 
 
-def interleaved(contenders: dict[str, Callable[[], object]], rounds: int, inner: int = 1, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each contender, timed A, B, C, A, B, C, ... in one run."""
+def interleaved(
+    contenders: dict[str, Callable[[], object]],
+    rounds: int,
+    inner: int = 1,
+    warmup: int = 2,
+    stat: str = "median",
+) -> dict[str, float]:
+    """Seconds per call of each contender (median, or min over rounds: noise only ever adds time),
+    timed A, B, C, B, C, A, C, A, B, ... in one run (interleaved, order rotated each round)."""
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
+    names = list(contenders)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no fixed neighbour
+            fn = contenders[name]
             t0 = time.perf_counter()
             for _ in range(inner):
                 fn()
             samples[name].append((time.perf_counter() - t0) / inner)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    pick = statistics.median if stat == "median" else min
+    return {k: pick(v) for k, v in samples.items()}
 
 
 def table(headers: list[str], rows: list[list[object]]) -> str:
@@ -27,4 +37,6 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     cells = [[str(c) for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
-    return "\n".join([line(headers), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, cells)])
+    return "\n".join(
+        [line(headers), "| " + " | ".join("-" * w for w in widths) + " |", *map(line, cells)]
+    )

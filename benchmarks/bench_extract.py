@@ -35,7 +35,10 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = torchvision.models.resnet50().eval()
-    data = TensorDataset(torch.randn(args.images, 3, args.size, args.size), torch.zeros(args.images, dtype=torch.long))
+    data = TensorDataset(
+        torch.randn(args.images, 3, args.size, args.size),
+        torch.zeros(args.images, dtype=torch.long),
+    )
     loader = DataLoader(data, batch_size=args.batch, num_workers=0)
     tmp = tempfile.mkdtemp(prefix="bench_extract_")
 
@@ -66,16 +69,23 @@ def main() -> None:
             cpu[name].append(time.process_time() - c0)
     shutil.rmtree(tmp, ignore_errors=True)
     bare_name = names[0]
-    print(f"resnet50, {args.images} images {args.size}x{args.size}, batch {args.batch}, {torch.get_num_threads()} threads, "
-          f"{args.reps} interleaved reps (order rotated), medians; ratio = median over reps of bare time / contender time")
-    print("| contender | images/s (wall) | vs bare loop (wall) | CPU ms/image | vs bare loop (CPU) |")
+    print(
+        f"resnet50, {args.images} images {args.size}x{args.size}, batch {args.batch}, {torch.get_num_threads()} threads, "
+        f"{args.reps} interleaved reps (order rotated), medians; ratio = median over reps of bare time / contender time"
+    )
+    print(
+        "| contender | images/s (wall) | vs bare loop (wall) | CPU ms/image | vs bare loop (CPU) |"
+    )
     print("|---|---:|---:|---:|---:|")
     for name in names:
         w = statistics.median(wall[name])
         c = statistics.median(cpu[name])
         rw = statistics.median(b / t for b, t in zip(wall[bare_name], wall[name]))
         rc = statistics.median(b / t for b, t in zip(cpu[bare_name], cpu[name]))
-        print(f"| {name} | {args.images / w:.1f} | {rw:.2f}x | {1000 * c / args.images:.0f} | {rc:.2f}x |")
+        print(
+            f"| {name} | {args.images / w:.1f} | {rw:.2f}x | {1000 * c / args.images:.0f} | {rc:.2f}x |"
+        )
+
 
 if __name__ == "__main__":
     main()

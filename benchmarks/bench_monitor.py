@@ -32,7 +32,9 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=64, help="image side (224 is slow on 2 CPU cores)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--groups", type=int, default=4, help="groups of 10 steps per contender")
-    ap.add_argument("--threads", type=int, default=1, help="1: on a shared 2-core machine 2 threads thrash")
+    ap.add_argument(
+        "--threads", type=int, default=1, help="1: on a shared 2-core machine 2 threads thrash"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -42,7 +44,14 @@ def main() -> None:
     x = torch.randn(args.batch, 3, args.size, args.size, device=dev)
     y = torch.randint(0, 10, (args.batch,), device=dev)
     loss_fn = nn.CrossEntropyLoss()
-    kinds = ["bare", "every step", "every step + optimizer", "every 10 steps", "sentinel", "detect_anomaly"]
+    kinds = [
+        "bare",
+        "every step",
+        "every step + optimizer",
+        "every 10 steps",
+        "sentinel",
+        "detect_anomaly",
+    ]
 
     # Each contender trains its own replica (hooks on one never touch another), in steady state,
     # and the contenders take single steps in turn: A B C D E F, B C D E F A, ... so that the load
@@ -58,7 +67,9 @@ def main() -> None:
             elif kind == "every 10 steps":
                 self.mon = hs.Monitor(self.model, every=10, alerts="off")
             elif kind == "sentinel":
-                self.mon = hs.Monitor(self.model, every=10**9, stats=(), sentinel=True, alerts="off")
+                self.mon = hs.Monitor(
+                    self.model, every=10**9, stats=(), sentinel=True, alerts="off"
+                )
             self.cpu: list[float] = []
             self.wall: list[float] = []
 
@@ -112,7 +123,9 @@ def main() -> None:
         "ratio = median over groups of 10 steps of (contender mean / bare mean of the same group); "
         "best = fastest group of the contender / fastest group of bare (least disturbed)"
     )
-    print("| contender | CPU ms / step | ratio (CPU) | best (CPU) | wall ms / step | ratio (wall) |")
+    print(
+        "| contender | CPU ms / step | ratio (CPU) | best (CPU) | wall ms / step | ratio (wall) |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for c in cs:
         gc, gb = per_group(c.cpu), per_group(bare.cpu)

@@ -1,6 +1,6 @@
 """hookscope quick start: the core features on a small CNN, printing what they see.
 
-    .venv/bin/python examples/quickstart.py
+.venv/bin/python examples/quickstart.py
 """
 
 from __future__ import annotations
@@ -44,8 +44,12 @@ def main() -> None:
     with hs.capture(model, ["conv2", "relu", "fc"], grads=True, clone=True) as cap:
         F.cross_entropy(model(x), y).backward()
     for call in cap.calls("relu"):
-        print(f"    relu call {call.index}: output {tuple(call.output.shape)}, grad norm {call.grad.norm():.4f}")
-    print(f"    conv2 output mean {cap['conv2'].mean():+.4f}, grad w.r.t. it {tuple(cap.grads['conv2'].shape)}")
+        print(
+            f"    relu call {call.index}: output {tuple(call.output.shape)}, grad norm {call.grad.norm():.4f}"
+        )
+    print(
+        f"    conv2 output mean {cap['conv2'].mean():+.4f}, grad w.r.t. it {tuple(cap.grads['conv2'].shape)}"
+    )
 
     print("\n4. FeatureExtractor stops after the last layer it needs")
     feats = hs.FeatureExtractor(model, ["conv1", "pool"])(x)

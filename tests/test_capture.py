@@ -38,7 +38,10 @@ def test_stop_ends_the_forward_after_the_last_layer():
 
 def test_stop_with_a_layer_that_never_runs():
     net = _net()
-    with pytest.raises(hs.LayerNotRunError, match=r"'3'.*never ran"), hs.capture(net, ["3"], stop=True):
+    with (
+        pytest.raises(hs.LayerNotRunError, match=r"'3'.*never ran"),
+        hs.capture(net, ["3"], stop=True),
+    ):
         net[:3](torch.randn(1, 3))  # runs only layers 0-2
 
 
@@ -46,7 +49,9 @@ def test_unknown_and_unrun_layer_errors():
     net = _net()
     with hs.capture(net, ["0", "3"]) as cap:
         net[:2](torch.randn(1, 3))
-    with pytest.raises(hs.LayerNotFoundError, match="not a captured layer; the captured layers are '0', '3'"):
+    with pytest.raises(
+        hs.LayerNotFoundError, match="not a captured layer; the captured layers are '0', '3'"
+    ):
         cap["1"]
     with pytest.raises(hs.LayerNotRunError, match="never called"):
         cap["3"]
@@ -95,9 +100,15 @@ def test_inputs_positional_and_keyword_with_input_grads():
     with hs.capture(m, "", inputs=True, grads=True) as cap:
         m(a, b=b, scale=2.0).backward()
     inp = cap.inputs[""]
-    assert torch.equal(inp.args[0], a) and torch.equal(inp.kwargs["b"], b) and inp.kwargs["scale"] == 2.0
+    assert (
+        torch.equal(inp.args[0], a)
+        and torch.equal(inp.kwargs["b"], b)
+        and inp.kwargs["scale"] == 2.0
+    )
     g = cap.last("").input_grad
-    assert torch.allclose(g.args[0], 2 * b.detach()) and torch.allclose(g.kwargs["b"], 2 * a.detach())
+    assert torch.allclose(g.args[0], 2 * b.detach()) and torch.allclose(
+        g.kwargs["b"], 2 * a.detach()
+    )
     assert g.kwargs["scale"] is None
     assert torch.equal(cap.grads[""], torch.tensor(1.0))
 

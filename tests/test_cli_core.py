@@ -9,7 +9,7 @@ import pytest
 
 from hookscope._cli import main
 
-MODEL_FILE = '''
+MODEL_FILE = """
 import torch.nn as nn
 
 class Tiny(nn.Module):
@@ -21,7 +21,7 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
-'''
+"""
 
 
 @pytest.fixture
@@ -46,9 +46,18 @@ def test_trace_prints_every_call(model_file, capsys):
         (["trace", "torchvision.models:resnt18", "--input", "1,3,32,32"], "did you mean resnet18"),
         (["trace", "torchvision.models", "--input", "1,3"], "expected 'package.module:callable'"),
         (["trace", "{file}:Tiny", "--input", "1,x"], "bad shape '1,x'"),
-        (["trace", "{file}:Tiny", "--input", "1,4"], "the model failed in layer 'fc1' (input (1, 4))"),
-        (["trace", "{file}:Tiny", "--input", "1,3", "--layers", "fc3"], "closest valid names: 'fc2', 'fc1'"),
-        (["trace", "{file}:Tiny", "--input", "1,3", "--dtype", "float99"], "unknown --dtype 'float99'"),
+        (
+            ["trace", "{file}:Tiny", "--input", "1,4"],
+            "the model failed in layer 'fc1' (input (1, 4))",
+        ),
+        (
+            ["trace", "{file}:Tiny", "--input", "1,3", "--layers", "fc3"],
+            "closest valid names: 'fc2', 'fc1'",
+        ),
+        (
+            ["trace", "{file}:Tiny", "--input", "1,3", "--dtype", "float99"],
+            "unknown --dtype 'float99'",
+        ),
         (["trace", "{file}:Tiny"], "--input is required"),
         (["trace", "missing.py:Tiny", "--input", "1,3"], "model file 'missing.py' does not exist"),
         (["trace", "{file}:Nope", "--input", "1,3"], "has no attribute 'Nope'"),
@@ -66,10 +75,19 @@ def test_bad_input_is_one_line_exit_2(argv, message, model_file, capsys):
 def test_console_script_and_python_m(model_file):
     r = subprocess.run(
         [sys.executable, "-m", "hookscope", "trace", f"{model_file}:Tiny", "--input", "1,7"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "layer 'fc1'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "hookscope", "trace"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "hookscope", "trace"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "hookscope", "--version"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "hookscope", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.startswith("hookscope ")

@@ -12,7 +12,9 @@ import hookscope as hs
 
 def _cnn():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3), nn.Flatten(), nn.Linear(2 * 4 * 4, 3))
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)
+    )
 
 
 def test_ablate_channels_equals_hand_edited_model():
@@ -33,7 +35,10 @@ def test_ablate_channels_equals_hand_edited_model():
         (hs.ops.add(0.5), lambda h: h + 0.5),
         (hs.ops.clamp(min=0.1, max=0.2), lambda h: h.clamp(0.1, 0.2)),
         (hs.ops.replace(1.5), lambda h: torch.full_like(h, 1.5)),
-        (hs.ops.replace(torch.arange(4.0).view(1, 4, 1, 1)), lambda h: torch.arange(4.0).view(1, 4, 1, 1).expand_as(h)),
+        (
+            hs.ops.replace(torch.arange(4.0).view(1, 4, 1, 1)),
+            lambda h: torch.arange(4.0).view(1, 4, 1, 1).expand_as(h),
+        ),
         (hs.ops.clip_norm(1.0), lambda h: h * min(1.0, 1.0 / (h.norm().item() + 1e-6))),
         (lambda h: h.flip(1), lambda h: h.flip(1)),
     ],
@@ -68,7 +73,10 @@ def test_edit_keyword_input_by_name_and_by_position():
         with hs.edit(net, {"attn": hs.ops.scale(3.0)}, at="input"):
             assert torch.allclose(net(x, mask), 3 * x)
     net = Net(True)
-    with pytest.raises(hs.HookscopeError, match="no input 'bogus'"), hs.edit(net, {"attn": hs.ops.zero()}, at="input", arg="bogus"):
+    with (
+        pytest.raises(hs.HookscopeError, match="no input 'bogus'"),
+        hs.edit(net, {"attn": hs.ops.zero()}, at="input", arg="bogus"),
+    ):
         net(x, mask)
 
 
@@ -85,7 +93,10 @@ def test_edit_errors():
         hs.edit(net, {"0": hs.ops.zero()}, at="outputs")
     with pytest.raises(ValueError, match="does not broadcast"), hs.edit(net, {"0": torch.ones(5)}):
         net(torch.randn(1, 3, 8, 8))
-    with pytest.raises(ValueError, match=r"channel\(s\) \[7\] out of range"), hs.edit(net, {"0": hs.ops.ablate(7)}):
+    with (
+        pytest.raises(ValueError, match=r"channel\(s\) \[7\] out of range"),
+        hs.edit(net, {"0": hs.ops.ablate(7)}),
+    ):
         net(torch.randn(1, 3, 8, 8))
     with pytest.raises(ValueError, match="clamp needs"):
         hs.ops.clamp()

@@ -27,7 +27,19 @@ def test_private_modules_have_explicit_all():
         assert hasattr(mod, "__all__"), f"hookscope.{m.name} has no __all__"
 
 
-CORE = ["_select", "_scope", "_call", "_capture", "_edit", "_observe", "_extractor", "_trace", "_nested", "_inventory", "ops"]
+CORE = [
+    "_select",
+    "_scope",
+    "_call",
+    "_capture",
+    "_edit",
+    "_observe",
+    "_extractor",
+    "_trace",
+    "_nested",
+    "_inventory",
+    "ops",
+]
 
 
 @pytest.mark.parametrize("name", CORE)

@@ -67,7 +67,15 @@ def data() -> TensorDataset:
 
 @pytest.mark.parametrize("pool", [None, "avg", "max", "flatten"])
 def test_features_equal_a_direct_forward(net, data, tmp_path, pool):
-    feats = hs.extract(net, data, ["conv", "relu", "proj", "head"], tmp_path, batch_size=4, pool=pool, progress=False)
+    feats = hs.extract(
+        net,
+        data,
+        ["conv", "relu", "proj", "head"],
+        tmp_path,
+        batch_size=4,
+        pool=pool,
+        progress=False,
+    )
     ref = reference(net, data.tensors[0])
     for name in ["conv", "relu", "proj", "head"]:
         want = POOLS[pool](ref[name]).numpy()
@@ -85,7 +93,9 @@ def test_cls_and_callable_pool(net, data, tmp_path):
     def norms(t: torch.Tensor) -> torch.Tensor:
         return t.flatten(1).norm(dim=1, keepdim=True)
 
-    custom = hs.extract(net, data, ["conv", "head"], tmp_path / "fn", batch_size=4, pool=norms, progress=False)
+    custom = hs.extract(
+        net, data, ["conv", "head"], tmp_path / "fn", batch_size=4, pool=norms, progress=False
+    )
     np.testing.assert_allclose(custom["conv"], norms(ref["conv"]).numpy(), rtol=1e-5)
     np.testing.assert_allclose(custom["head"], norms(ref["head"]).numpy(), rtol=1e-5)
     assert custom.manifest["pool"].endswith("norms")
@@ -101,7 +111,15 @@ def test_torchvision_resnet_matches_reference_and_stops_early(tmp_path):
     calls = []
     handle = model.fc.register_forward_hook(lambda m, i, o: calls.append(1))
     try:
-        feats = hs.extract(model, TensorDataset(x), ["layer2", "avgpool"], tmp_path, batch_size=4, pool="avg", progress=False)
+        feats = hs.extract(
+            model,
+            TensorDataset(x),
+            ["layer2", "avgpool"],
+            tmp_path,
+            batch_size=4,
+            pool="avg",
+            progress=False,
+        )
     finally:
         handle.remove()
     assert calls == []  # the forward pass stopped at avgpool: fc never ran
@@ -116,19 +134,42 @@ def test_torchvision_resnet_matches_reference_and_stops_early(tmp_path):
 def test_model_left_as_found_and_dataloader_settings_used(net, data, tmp_path):
     net.train()
     net.relu.eval()
-    loader = DataLoader(data, batch_size=3, collate_fn=lambda items: torch.stack([x for x, _ in items]))
+    loader = DataLoader(
+        data, batch_size=3, collate_fn=lambda items: torch.stack([x for x, _ in items])
+    )
     feats = hs.extract(net, loader, "head", tmp_path, progress=False)
     assert net.training and not net.relu.training and net.conv.training
     assert feats.manifest["batch_size"] == 3
-    np.testing.assert_allclose(feats["head"], reference(net, data.tensors[0])["head"].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        feats["head"], reference(net, data.tensors[0])["head"].numpy(), rtol=1e-5, atol=1e-6
+    )
     with pytest.warns(hs.HookscopeWarning, match="RandomSampler"):
-        hs.extract(net, DataLoader(data, batch_size=3, shuffle=True), "head", tmp_path / "s", progress=False)
+        hs.extract(
+            net,
+            DataLoader(data, batch_size=3, shuffle=True),
+            "head",
+            tmp_path / "s",
+            progress=False,
+        )
 
 
 def test_readable_with_numpy_alone_and_dtype(net, data, tmp_path):
-    hs.extract(net, data, ["conv", "head"], tmp_path, batch_size=5, pool="avg", dtype=torch.float16, progress=False)
+    hs.extract(
+        net,
+        data,
+        ["conv", "head"],
+        tmp_path,
+        batch_size=5,
+        pool="avg",
+        dtype=torch.float16,
+        progress=False,
+    )
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["layers"] == ["conv", "head"] and manifest["count"] == 11 and manifest["dtype"] == "float16"
+    assert (
+        manifest["layers"] == ["conv", "head"]
+        and manifest["count"] == 11
+        and manifest["dtype"] == "float16"
+    )
     assert manifest["shapes"] == {"conv": [11, 6], "head": [11, 3]}
     assert set(manifest["versions"]) >= {"hookscope", "torch", "numpy"}
     conv = np.load(tmp_path / manifest["files"]["conv"], mmap_mode="r")
@@ -165,13 +206,29 @@ def test_interrupted_run_resumes_to_identical_files(net, data, tmp_path):
     hs.extract(net, data, ["conv", "proj"], full, batch_size=2, pool="avg", progress=False)
     part = tmp_path / "part"
     with pytest.raises(KeyboardInterrupt):
-        hs.extract(net, Interrupting(data, 7), ["conv", "proj"], part, batch_size=2, pool="avg", progress=False)
+        hs.extract(
+            net,
+            Interrupting(data, 7),
+            ["conv", "proj"],
+            part,
+            batch_size=2,
+            pool="avg",
+            progress=False,
+        )
     assert not (part / "manifest.json").exists()
     with pytest.raises(hs.IncompleteExtractionError, match=r"6 of 11 samples on disk"):
         hs.load_features(part)
     journal = json.loads((part / _featstore.STATE_DIR / "journal-0.json").read_text())
     assert journal["done"] == 3
-    hs.extract(net, Interrupting(data, None), ["conv", "proj"], part, batch_size=2, pool="avg", progress=False)
+    hs.extract(
+        net,
+        Interrupting(data, None),
+        ["conv", "proj"],
+        part,
+        batch_size=2,
+        pool="avg",
+        progress=False,
+    )
     assert files_of(part) == files_of(full)
     # finished + resume: returned as is; another run in the same directory is refused
     again = hs.extract(net, data, ["conv", "proj"], part, batch_size=2, pool="avg", progress=False)
@@ -195,7 +252,9 @@ def test_write_error_is_clear_and_work_is_kept(net, data, tmp_path, monkeypatch)
 
     monkeypatch.setattr(_featstore.Journal, "save", failing_save)
     out = tmp_path / "out"
-    with pytest.raises(hs.ExtractError, match=r"no space left on device.*kept.*run the same extraction again"):
+    with pytest.raises(
+        hs.ExtractError, match=r"no space left on device.*kept.*run the same extraction again"
+    ):
         hs.extract(net, data, "conv", out, batch_size=2, progress=False)
     monkeypatch.setattr(_featstore.Journal, "save", real_save)
     resumed = hs.extract(net, data, "conv", out, batch_size=2, progress=False)
@@ -220,9 +279,28 @@ class Flaky(Dataset):
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_bad_samples_raise_or_skip(net, data, tmp_path, workers):
-    with pytest.raises(hs.ExtractError, match=r"sample 3 could not be loaded: ValueError: sample 3 is corrupt"):
-        hs.extract(net, Flaky(data), "head", tmp_path / "r", batch_size=4, num_workers=workers, progress=False)
-    feats = hs.extract(net, Flaky(data), "head", tmp_path / "s", batch_size=4, num_workers=workers, on_error="skip", progress=False)
+    with pytest.raises(
+        hs.ExtractError, match=r"sample 3 could not be loaded: ValueError: sample 3 is corrupt"
+    ):
+        hs.extract(
+            net,
+            Flaky(data),
+            "head",
+            tmp_path / "r",
+            batch_size=4,
+            num_workers=workers,
+            progress=False,
+        )
+    feats = hs.extract(
+        net,
+        Flaky(data),
+        "head",
+        tmp_path / "s",
+        batch_size=4,
+        num_workers=workers,
+        on_error="skip",
+        progress=False,
+    )
     assert [s["row"] for s in feats.skipped] == [3, 8]
     assert feats.skipped[0]["reason"] == "ValueError: sample 3 is corrupt"
     assert feats.manifest["valid"] == 9
@@ -277,7 +355,16 @@ def test_every_row_of_a_skipped_only_batch_and_mixed_dtypes(net, data, tmp_path)
                 raise OSError("unreadable")
             return data[i][0]
 
-    feats = hs.extract(net, Gaps(), ["conv", "head"], tmp_path, batch_size=2, pool="avg", on_error="skip", progress=False)
+    feats = hs.extract(
+        net,
+        Gaps(),
+        ["conv", "head"],
+        tmp_path,
+        batch_size=2,
+        pool="avg",
+        on_error="skip",
+        progress=False,
+    )
     assert feats.valid.tolist() == [True, True, False, False, True, True]
     assert np.isnan(feats["head"][2:4]).all()
     ref = reference(net, data.tensors[0][[0, 1, 4, 5]])["head"].numpy()
@@ -313,4 +400,6 @@ def test_resume_checks_the_unfinished_run(net, data, tmp_path):
     with pytest.raises(hs.ExtractError, match="started with 2 process"):
         hs.extract(net, data, "conv", tmp_path, batch_size=2, progress=False)
     feats = hs.extract(net, data, "conv", tmp_path, batch_size=2, progress=False, resume=False)
-    np.testing.assert_allclose(feats["conv"], reference(net, data.tensors[0])["conv"].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        feats["conv"], reference(net, data.tensors[0])["conv"].numpy(), rtol=1e-5, atol=1e-6
+    )

@@ -20,7 +20,7 @@ from hookscope._cli import main
 from hookscope._featstore import STATE_DIR
 from hookscope._modelspec import load_model
 
-MODEL_PY = '''
+MODEL_PY = """
 import os, time
 import torch, torch.nn as nn
 
@@ -43,7 +43,7 @@ class Net(nn.Module):
 
 def make():
     return Net()
-'''
+"""
 
 SRC = str(Path(hs.__file__).resolve().parents[1])
 
@@ -58,7 +58,9 @@ def folder(tmp_path: Path) -> Path:
     for i in range(11):
         d = root / ("cat" if i % 2 else "dog")
         d.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 255, (18 + i, 20, 3), dtype=np.uint8)).save(d / f"{i:02d}.png")
+        Image.fromarray(rng.integers(0, 255, (18 + i, 20, 3), dtype=np.uint8)).save(
+            d / f"{i:02d}.png"
+        )
     (tmp_path / "model.py").write_text(MODEL_PY)
     return root
 
@@ -69,8 +71,20 @@ def add_corrupt(root: Path) -> None:
 
 def cli(tmp: Path, root: Path, out: Path, *extra: str) -> list[str]:
     return [
-        f"{tmp / 'model.py'}:make", "--data", str(root), "--layers", "conv,pool", "--out", str(out),
-        "--batch-size", "2", "--image-size", "16", "--num-workers", "0", *extra,
+        f"{tmp / 'model.py'}:make",
+        "--data",
+        str(root),
+        "--layers",
+        "conv,pool",
+        "--out",
+        str(out),
+        "--batch-size",
+        "2",
+        "--image-size",
+        "16",
+        "--num-workers",
+        "0",
+        *extra,
     ]
 
 
@@ -85,7 +99,11 @@ def in_process(args: list[str]) -> int:
 
 
 def env(**extra: str) -> dict[str, str]:
-    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     e.update(extra)
     return e
 
@@ -115,8 +133,14 @@ def test_corrupt_image_raise_names_the_file_skip_records_it(folder, tmp_path, ca
     assert in_process(cli(tmp_path, folder, tmp_path / "r", "--no-progress")) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert err.startswith("hookscope: error: sample 5 (cat/bad.png) could not be loaded") and "--on-error skip" in err
-    assert in_process(cli(tmp_path, folder, tmp_path / "s", "--on-error", "skip", "--no-progress")) == 0
+    assert (
+        err.startswith("hookscope: error: sample 5 (cat/bad.png) could not be loaded")
+        and "--on-error skip" in err
+    )
+    assert (
+        in_process(cli(tmp_path, folder, tmp_path / "s", "--on-error", "skip", "--no-progress"))
+        == 0
+    )
     assert "1 skipped" in capsys.readouterr().out
     feats = hs.load_features(tmp_path / "s")
     assert feats.count == 12 and [s["id"] for s in feats.skipped] == ["cat/bad.png"]
@@ -150,8 +174,19 @@ def test_sigkill_then_resume_is_byte_identical(folder, tmp_path):
     ref = tmp_path / "ref"
     assert in_process(cli(tmp_path, folder, ref, "--on-error", "skip", "--no-progress")) == 0
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hookscope", "extract", *cli(tmp_path, folder, out, "--on-error", "skip")]
-    proc = subprocess.Popen(cmd, env=env(HOOKSCOPE_TEST_SLOW_FORWARD="0.5"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cmd = [
+        sys.executable,
+        "-m",
+        "hookscope",
+        "extract",
+        *cli(tmp_path, folder, out, "--on-error", "skip"),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=env(HOOKSCOPE_TEST_SLOW_FORWARD="0.5"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     journal = out / STATE_DIR / "journal-0.json"
     deadline = time.monotonic() + 60
     done = 0
@@ -182,8 +217,16 @@ def test_torchrun_two_processes_equal_one(folder, tmp_path):
     assert in_process(cli(tmp_path, folder, ref, "--on-error", "skip", "--no-progress")) == 0
     out = tmp_path / "dist"
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "hookscope", "extract", *cli(tmp_path, folder, out, "--on-error", "skip", "--no-progress"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "hookscope",
+        "extract",
+        *cli(tmp_path, folder, out, "--on-error", "skip", "--no-progress"),
     ]
     res = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -26,7 +26,9 @@ def mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
 
 
-def direct(net: nn.Sequential, x: torch.Tensor, scale: float = 1.0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def direct(
+    net: nn.Sequential, x: torch.Tensor, scale: float = 1.0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Every layer output and the gradient of ``loss`` w.r.t. it, computed by hand."""
     outs, h = [], x
     for layer in net:
@@ -74,7 +76,9 @@ def test_layer_and_parameter_stats_equal_direct_values():
         got = rec.params[n]
         assert close(got["grad_norm"], grads[n].norm().item())
         assert close(got["weight_norm"], p.detach().norm().item())
-        assert close(got["update_ratio"], ((p.detach() - before[n]).norm() / before[n].norm()).item())
+        assert close(
+            got["update_ratio"], ((p.detach() - before[n]).norm() / before[n].norm()).item()
+        )
 
 
 def test_every_n_attaches_hooks_only_for_logged_steps():
@@ -251,7 +255,9 @@ def test_jsonl_tensorboard_and_callable_sinks(tmp_path):
     assert lines[1]["layers"]["0"]["mean"] == seen[1].layers["0"]["mean"]
     counts = seen[1].histograms["activations/0"][1]
     assert sum(counts) == 8 * 8
-    ea = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "histograms": 0}).Reload()
+    ea = EventAccumulator(
+        str(tmp_path / "tb"), size_guidance={"scalars": 0, "histograms": 0}
+    ).Reload()
     sc = ea.Scalars("grad_norm/2")
     assert [e.step for e in sc] == [0, 1]
     assert math.isclose(sc[1].value, seen[1].layers["2"]["grad_norm"], rel_tol=1e-6)

@@ -27,7 +27,10 @@ def test_dead_units_alert_names_layer_and_fraction():
     net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     with torch.no_grad():
         net[0].bias.fill_(-100.0)
-    with hs.Monitor(net, thresholds={"vanishing": 0.0}) as mon, pytest.warns(hs.MonitorWarning, match=r"layer .1.: 100.0% of its output is exactly zero"):
+    with (
+        hs.Monitor(net, thresholds={"vanishing": 0.0}) as mon,
+        pytest.warns(hs.MonitorWarning, match=r"layer .1.: 100.0% of its output is exactly zero"),
+    ):
         rec = one_step(net, torch.rand(8, 3), mon)
     (a,) = kinds(rec, "dead")
     assert (a.layer, a.values["zeros"], a.step) == ("1", 1.0, 0)
@@ -58,7 +61,9 @@ def test_exploding_absolute_and_growth():
         rec = one_step(net, x, mon, scale=1e8)
     assert {a.layer for a in kinds(rec, "exploding")} >= {"0", "0.weight"}
     assert all(a.values["grad_norm"] > 1e3 for a in kinds(rec, "exploding"))
-    with hs.Monitor(net, alerts="off", thresholds=hs.Thresholds(exploding=1e30, growth=50.0)) as mon:
+    with hs.Monitor(
+        net, alerts="off", thresholds=hs.Thresholds(exploding=1e30, growth=50.0)
+    ) as mon:
         assert not kinds(one_step(net, x, mon), "exploding")
         rec = one_step(net, x, mon, scale=1000.0)
     grown = kinds(rec, "exploding")
@@ -75,7 +80,10 @@ def test_vanishing_gradient_from_last_to_first_layer(caplog):
             lin.weight.copy_(0.01 * torch.eye(8))
         layers += [lin, nn.Tanh()]
     net = nn.Sequential(*layers)
-    with caplog.at_level(logging.WARNING, logger="hookscope.monitor"), hs.Monitor(net, alerts="log") as mon:
+    with (
+        caplog.at_level(logging.WARNING, logger="hookscope.monitor"),
+        hs.Monitor(net, alerts="log") as mon,
+    ):
         rec = one_step(net, torch.randn(4, 8), mon)
     a = next(a for a in rec.alerts if a.kind == "vanishing" and "output gradient" in a.message)
     assert a.layer == "0" and a.values["last_layer"] == "9"

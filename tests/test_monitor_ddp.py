@@ -48,7 +48,12 @@ def _worker(rank: int, port: int, tmp: str) -> None:
     try:
         ddp = nn.parallel.DistributedDataParallel(make_model())
         xs, ys = make_data()
-        train(ddp, xs.chunk(WORLD, dim=1)[rank], ys.chunk(WORLD, dim=1)[rank], os.path.join(tmp, f"rank{rank}.jsonl"))
+        train(
+            ddp,
+            xs.chunk(WORLD, dim=1)[rank],
+            ys.chunk(WORLD, dim=1)[rank],
+            os.path.join(tmp, f"rank{rank}.jsonl"),
+        )
     finally:
         dist.destroy_process_group()
 
@@ -69,7 +74,9 @@ def test_ddp_stats_equal_one_process_on_the_combined_batch(tmp_path):
     # fork: the children need not import torch again (several seconds each on a busy machine);
     # they use one thread, so the parent's thread pool is never needed after the fork
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method=method)
+    mp.start_processes(
+        _worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method=method
+    )
     ref_path = tmp_path / "single.jsonl"
     xs, ys = make_data()
     train(make_model(), xs, ys, str(ref_path))
@@ -82,4 +89,10 @@ def test_ddp_stats_equal_one_process_on_the_combined_batch(tmp_path):
             for name, stats in r[group].items():
                 assert stats.keys() == d[group][name].keys(), (group, name)
                 for k, v in stats.items():
-                    assert math.isclose(d[group][name][k], v, rel_tol=1e-4, abs_tol=1e-7), (group, name, k, d[group][name][k], v)
+                    assert math.isclose(d[group][name][k], v, rel_tol=1e-4, abs_tol=1e-7), (
+                        group,
+                        name,
+                        k,
+                        d[group][name][k],
+                        v,
+                    )

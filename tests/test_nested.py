@@ -26,17 +26,32 @@ def test_iter_and_map_preserve_structure_and_types():
     t = torch.arange(3.0)
     obj = {"a": (t, None, 3), "b": [Pair(t, t * 2)], "c": Out(t, [t, "s"]), "d": OrderedDict(z=t)}
     paths = [p for p, _ in iter_tensors(obj)]
-    assert paths == [("a", 0), ("b", 0, 0), ("b", 0, 1), ("c", "logits"), ("c", "aux", 0), ("d", "z")]
+    assert paths == [
+        ("a", 0),
+        ("b", 0, 0),
+        ("b", 0, 1),
+        ("c", "logits"),
+        ("c", "aux", 0),
+        ("d", "z"),
+    ]
     new = map_tensors(lambda x: x + 1, obj)
-    assert isinstance(new["b"][0], Pair) and isinstance(new["c"], Out) and isinstance(new["d"], OrderedDict)
-    assert new["a"][1] is None and new["a"][2] == 3 and new["c"].note == "x" and new["c"].aux[1] == "s"
+    assert (
+        isinstance(new["b"][0], Pair)
+        and isinstance(new["c"], Out)
+        and isinstance(new["d"], OrderedDict)
+    )
+    assert (
+        new["a"][1] is None and new["a"][2] == 3 and new["c"].note == "x" and new["c"].aux[1] == "s"
+    )
     assert torch.equal(new["b"][0].right, t * 2 + 1)
     assert torch.equal(obj["c"].logits, t)  # the original is untouched
     assert map_tensors(lambda x: x, obj, other=lambda _: None)["a"][2] is None
 
 
 def test_model_output_roundtrip():
-    mo = BaseModelOutputWithPooling(last_hidden_state=torch.ones(1, 2, 3), pooler_output=torch.zeros(1, 3))
+    mo = BaseModelOutputWithPooling(
+        last_hidden_state=torch.ones(1, 2, 3), pooler_output=torch.zeros(1, 3)
+    )
     new = map_tensors(lambda x: x * 2, mo)
     assert type(new) is BaseModelOutputWithPooling
     assert torch.equal(new.last_hidden_state, torch.full((1, 2, 3), 2.0))
@@ -66,7 +81,9 @@ def test_capture_lstm_tuple_output_with_grads():
     ref_out, (_ref_h, ref_c) = m.lstm(x)
     assert torch.equal(out, ref_out) and torch.equal(c, ref_c)
     g_out, (g_h, g_c) = cap.grads["lstm"]
-    r_out, r_c = torch.autograd.grad(m.head(ref_out[:, -1]).sum() + 2 * ref_c.sum(), [ref_out, ref_c])
+    r_out, r_c = torch.autograd.grad(
+        m.head(ref_out[:, -1]).sum() + 2 * ref_c.sum(), [ref_out, ref_c]
+    )
     assert torch.allclose(g_out, r_out) and torch.allclose(g_c, r_c)
     assert g_h is None  # h is not used by the loss: no gradient, not a fake zero
 
@@ -75,7 +92,13 @@ def test_capture_hf_model_output_of_bert():
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32)
+    cfg = BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+    )
     bert = BertModel(cfg).eval()
     ids = torch.randint(0, 50, (2, 7))
     mask = torch.ones(2, 7, dtype=torch.long)

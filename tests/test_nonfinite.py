@@ -44,13 +44,21 @@ def fixed(layer: nn.Linear, w: torch.Tensor, b: float = 0.0) -> nn.Linear:
 def log_net() -> nn.Sequential:
     """Layer 3 takes the log of the negative values made by layer 2."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 3), nn.ReLU(), fixed(nn.Linear(3, 3), -torch.eye(3), -1.0), Log(), nn.Linear(3, 1))
+    return nn.Sequential(
+        nn.Linear(3, 3),
+        nn.ReLU(),
+        fixed(nn.Linear(3, 3), -torch.eye(3), -1.0),
+        Log(),
+        nn.Linear(3, 1),
+    )
 
 
 def sqrt_net() -> nn.Sequential:
     """Layer 2 takes sqrt at exactly 0: finite forward, infinite gradient in backward."""
     torch.manual_seed(0)
-    return nn.Sequential(fixed(nn.Linear(3, 3), -torch.ones(3, 3)), nn.ReLU(), Sqrt(), nn.Linear(3, 1))
+    return nn.Sequential(
+        fixed(nn.Linear(3, 3), -torch.ones(3, 3)), nn.ReLU(), Sqrt(), nn.Linear(3, 1)
+    )
 
 
 def test_forward_log_of_negative_is_found_at_its_layer():

@@ -41,7 +41,10 @@ def test_02_legacy_hook_sticky_flag():
     with pytest.warns(FutureWarning) if _legacy_warns() else _nullcontext():
         h = lin.register_backward_hook(lambda m, gi, go: None)
     h.remove()
-    with hs.HookScope("t") as scope, pytest.raises(hs.HookConflictError, match="legacy register_backward_hook"):
+    with (
+        hs.HookScope("t") as scope,
+        pytest.raises(hs.HookConflictError, match="legacy register_backward_hook"),
+    ):
         scope.add_full_backward(lin, lambda m, gi, go: None, layer="")
     x = torch.randn(4, 3)
     with hs.capture(lin, "", grads=True) as cap:
@@ -115,7 +118,9 @@ def test_04_mha_outputs_and_grads_unchanged():
 
     seen_identity = []
     with hs.capture(mha, "", inputs=True, grads=True) as cap, hs.HookScope("probe") as probe:
-        probe.add_forward_pre(mha, lambda m, a: seen_identity.append(a[0] is a[1] is a[2]), layer="")
+        probe.add_forward_pre(
+            mha, lambda m, a: seen_identity.append(a[0] is a[1] is a[2]), layer=""
+        )
         out, _ = mha(x, x, x)
         (gx,) = torch.autograd.grad(out.sum(), x)
     assert seen_identity == [True]
@@ -154,7 +159,11 @@ def test_05_kwargs_and_dict_outputs_give_every_gradient():
 def test_06_no_gradient_is_reported_not_faked(mode):
     net = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
     ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
-    with hs.capture(net, ["0"], grads=True) as cap, ctx, pytest.warns(hs.HookscopeWarning, match=mode):
+    with (
+        hs.capture(net, ["0"], grads=True) as cap,
+        ctx,
+        pytest.warns(hs.HookscopeWarning, match=mode),
+    ):
         net(torch.randn(2, 3))
     assert cap["0"].shape == (2, 3)
     with pytest.raises(hs.NoGradientError, match=mode):
@@ -195,7 +204,10 @@ def test_08_layers_that_never_fire_are_reported():
     assert list(cap) == [""]
     with pytest.raises(hs.LayerNotRunError, match="never called"):
         cap["out_proj"]
-    with pytest.raises(hs.LayerNotRunError, match="never ran"), hs.capture(mha, ["out_proj"], stop=True):
+    with (
+        pytest.raises(hs.LayerNotRunError, match="never ran"),
+        hs.capture(mha, ["out_proj"], stop=True),
+    ):
         mha(x, x, x)
 
 
@@ -255,7 +267,10 @@ def test_11_observe_ignores_return_values_and_edit_validates():
         out = net(x)
         out.sum().backward()
     assert torch.equal(out, ref) and len(grads) == 1
-    with hs.edit(net, {"0": lambda o: o.register_hook(print)}), pytest.raises(TypeError, match="RemovableHandle"):
+    with (
+        hs.edit(net, {"0": lambda o: o.register_hook(print)}),
+        pytest.raises(TypeError, match="RemovableHandle"),
+    ):
         net(x)
 
 
@@ -281,7 +296,9 @@ def test_12_scope_removed_mid_call():
 # 13. Global hooks run first and belong to others: hookscope sees their effect and leaves them.
 def test_13_global_hooks_coexist():
     net = nn.Sequential(nn.Linear(2, 2))
-    h = nn.modules.module.register_module_forward_hook(lambda m, i, o: o * 0 if isinstance(m, nn.Linear) else None)
+    h = nn.modules.module.register_module_forward_hook(
+        lambda m, i, o: o * 0 if isinstance(m, nn.Linear) else None
+    )
     try:
         with hs.capture(net, "0") as cap:
             out = net(torch.randn(1, 2))
@@ -312,10 +329,18 @@ def test_14_exception_releases_hooks(exc_type):
         def interrupt(call):
             raise KeyboardInterrupt
 
-        with pytest.raises(KeyboardInterrupt), hs.capture(m, ["ok", "bad"]), hs.observe(m, "ok", interrupt):
+        with (
+            pytest.raises(KeyboardInterrupt),
+            hs.capture(m, ["ok", "bad"]),
+            hs.observe(m, "ok", interrupt),
+        ):
             m(torch.randn(2, 4))
     else:
-        with pytest.raises(RuntimeError) as info, hs.capture(m, ["ok", "bad"]), hs.trace(m, file=io.StringIO()):
+        with (
+            pytest.raises(RuntimeError) as info,
+            hs.capture(m, ["ok", "bad"]),
+            hs.trace(m, file=io.StringIO()),
+        ):
             m(torch.randn(2, 4))
         notes = "\n".join(getattr(info.value, "__notes__", []))
         assert "'bad' (Linear)" in notes and "(2, 4)" in notes
@@ -378,7 +403,10 @@ def test_21_model_freed_without_gc():
 # 22. Other libraries' hooks survive hookscope's cleanup; hooks_on lists all of them.
 def test_22_remove_hooks_only_removes_ours():
     net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    theirs = [net[0].register_forward_hook(lambda m, i, o: None), net[1].register_forward_pre_hook(lambda m, i: None)]
+    theirs = [
+        net[0].register_forward_hook(lambda m, i, o: None),
+        net[1].register_forward_pre_hook(lambda m, i: None),
+    ]
     net[0].weight.register_hook(lambda g: None)
     hs.capture(net, ["0", "1"], inputs=True)  # deliberately not closed
     hs.clip_grads(net, value=1.0)
@@ -418,7 +446,13 @@ def test_24_grad_edit_does_not_modify_callers_gradient():
     x = torch.randn(2, 3, requires_grad=True)
     g0 = torch.ones(2, 3)
     keep = g0.clone()
-    for op in (hs.ops.scale(3.0), hs.ops.clamp(max=0.5), hs.ops.zero(), hs.ops.add(1.0), hs.ops.clip_norm(0.1)):
+    for op in (
+        hs.ops.scale(3.0),
+        hs.ops.clamp(max=0.5),
+        hs.ops.zero(),
+        hs.ops.add(1.0),
+        hs.ops.clip_norm(0.1),
+    ):
         with hs.edit_grads(net, {"1": op}):
             net(x).backward(gradient=g0)
         assert torch.equal(g0, keep), op

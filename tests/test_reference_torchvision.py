@@ -16,10 +16,20 @@ CASES = [
     ("resnet18", ["conv1", "layer1", "layer2.1.conv2", "layer3", "layer4", "avgpool", "fc"], 64),
     ("resnet50", ["layer1", "layer2", "layer3.2.conv3", "layer4", "avgpool", "fc"], 64),
     ("vgg11", ["features.2", "features.5", "features.10", "avgpool", "classifier.6"], 64),
-    ("mobilenet_v3_small", ["features.0", "features.3", "features.12", "avgpool", "classifier.3"], 64),
+    (
+        "mobilenet_v3_small",
+        ["features.0", "features.3", "features.12", "avgpool", "classifier.3"],
+        64,
+    ),
     (
         "vit_b_16",
-        ["conv_proj", "encoder.layers.encoder_layer_3", "encoder.layers.encoder_layer_11.mlp", "encoder.ln", "heads.head"],
+        [
+            "conv_proj",
+            "encoder.layers.encoder_layer_3",
+            "encoder.layers.encoder_layer_11.mlp",
+            "encoder.ln",
+            "heads.head",
+        ],
         224,
     ),
 ]
@@ -27,7 +37,11 @@ SLOW = {"vit_b_16", "vgg11", "resnet50"}
 
 
 def _params(name):
-    return [pytest.param(*c, marks=pytest.mark.slow if c[0] in SLOW else ()) for c in CASES if c[0] == name]
+    return [
+        pytest.param(*c, marks=pytest.mark.slow if c[0] in SLOW else ())
+        for c in CASES
+        if c[0] == name
+    ]
 
 
 def _build(name: str) -> torch.nn.Module:
@@ -54,7 +68,9 @@ def test_features_and_gradients_equal_fx_and_autograd(name, layers, size):
 
     for n, g in zip(layers, ref_grads):
         assert torch.equal(cap[n], ref[n].detach()), f"{name}:{n} features differ from FX"
-        torch.testing.assert_close(cap.grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{name}:{n} grads: {m}")
+        torch.testing.assert_close(
+            cap.grads[n], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: f"{name}:{n} grads: {m}"
+        )
     # the model is left as found
     assert not model.training
     assert hs.hooks_on(model) == []

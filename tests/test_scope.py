@@ -44,7 +44,11 @@ def test_remove_is_idempotent_and_scope_rejects_new_hooks():
 @pytest.mark.parametrize("exc", [ValueError("boom"), KeyboardInterrupt()])
 def test_hooks_removed_on_exception_and_interrupt(exc):
     net = _net()
-    with pytest.raises(type(exc)), hs.capture(net, "*", grads=True), hs.edit_grads(net, {"0.weight": hs.ops.zero()}):
+    with (
+        pytest.raises(type(exc)),
+        hs.capture(net, "*", grads=True),
+        hs.edit_grads(net, {"0.weight": hs.ops.zero()}),
+    ):
         net(torch.randn(1, 2)).sum().backward()
         raise exc
     assert hs.hooks_on(net) == []

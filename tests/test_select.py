@@ -25,7 +25,9 @@ def test_exact_glob_type_instance_predicate(resnet):
     assert list(hs.find(resnet, nn.AdaptiveAvgPool2d)) == ["avgpool"]
     assert list(hs.find(resnet, resnet.layer3[1].bn2)) == ["layer3.1.bn2"]
     assert list(hs.find(resnet, lambda n, m: n.endswith("downsample"))) == [
-        "layer2.0.downsample", "layer3.0.downsample", "layer4.0.downsample"
+        "layer2.0.downsample",
+        "layer3.0.downsample",
+        "layer4.0.downsample",
     ]
     # union of selectors, returned in model order, without duplicates
     got = hs.find(resnet, "fc", "conv1", nn.Linear)
@@ -37,7 +39,11 @@ def test_leaves(resnet):
     assert all(next(m.children(), None) is None for m in leaves.values())
     assert "layer1" not in leaves and "layer1.0.conv1" in leaves
     assert list(hs.find(resnet, "layer4.1*", leaves=True)) == [
-        "layer4.1.conv1", "layer4.1.bn1", "layer4.1.relu", "layer4.1.conv2", "layer4.1.bn2"
+        "layer4.1.conv1",
+        "layer4.1.bn1",
+        "layer4.1.relu",
+        "layer4.1.conv2",
+        "layer4.1.bn2",
     ]
 
 
@@ -53,7 +59,9 @@ def test_unknown_name_lists_closest(resnet):
 def test_other_selectors_that_match_nothing(resnet):
     with pytest.raises(hs.LayerNotFoundError, match="pattern 'layer9.*' matched no layer"):
         hs.find(resnet, "layer9.*")
-    with pytest.raises(hs.LayerNotFoundError, match="no layer of type LSTM.*types present: .*Conv2d"):
+    with pytest.raises(
+        hs.LayerNotFoundError, match="no layer of type LSTM.*types present: .*Conv2d"
+    ):
         hs.find(resnet, nn.LSTM)
     with pytest.raises(hs.LayerNotFoundError, match="not a submodule"):
         hs.find(resnet, nn.Linear(1, 1))

@@ -59,7 +59,11 @@ def test_clamp_conv_output_grad_and_zero_fc_bias_grad():
 def test_collect_activations_of_every_non_container_layer():
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Sequential(nn.Conv2d(4, 4, 3), nn.Tanh()), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)
+        nn.Conv2d(3, 4, 3),
+        nn.ReLU(),
+        nn.Sequential(nn.Conv2d(4, 4, 3), nn.Tanh()),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 2),
     )
     x = torch.randn(1, 3, 8, 8)
     leaves = hs.find(net, leaves=True)
@@ -84,10 +88,14 @@ def test_print_every_layer_output_shape_resnet50():
     with torch.no_grad(), hs.trace(model, hs.find(model, leaves=True), file=buf) as tr:
         model(torch.randn(10, 3, 224, 224))
     lines = buf.getvalue().splitlines()
-    assert len(lines) == len(tr.events) == 158  # 126 leaf layers; each bottleneck's ReLU runs 3 times
+    assert (
+        len(lines) == len(tr.events) == 158
+    )  # 126 leaf layers; each bottleneck's ReLU runs 3 times
     assert len({e.layer for e in tr.events}) == len(hs.find(model, leaves=True)) == 126
     assert [e.index for e in tr.events if e.layer == "layer1.0.relu"] == [0, 1, 2]
-    assert re.match(r"\s*conv1\s+#0\s+Conv2d\s+\[10, 3, 224, 224\] -> \[10, 64, 112, 112\]", lines[0])
+    assert re.match(
+        r"\s*conv1\s+#0\s+Conv2d\s+\[10, 3, 224, 224\] -> \[10, 64, 112, 112\]", lines[0]
+    )
     assert re.match(r"\s*fc\s+#0\s+Linear\s+\[10, 2048\] -> \[10, 1000\]", lines[-1])
     shapes = {e.layer: e.output_shapes for e in tr.events}
     assert shapes["layer1.0.conv3"] == "[10, 256, 56, 56]"

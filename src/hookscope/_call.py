@@ -50,7 +50,10 @@ class _GradSlots:
 
     def build(self, like: Any, what: str) -> Any:
         if all(g is None for g in self.grads):
-            reason = self.reason or "backward() has not reached it yet, or it does not contribute to the loss"
+            reason = (
+                self.reason
+                or "backward() has not reached it yet, or it does not contribute to the loss"
+            )
             raise NoGradientError(f"no gradient for {what}: {reason}")
         it = iter(self.grads)
         return map_tensors(lambda _t: next(it), like, other=lambda _x: None)
@@ -79,7 +82,9 @@ class Call:
     @property
     def output(self) -> Any:
         if self._output is _UNSET:
-            raise LayerNotRunError(f"layer {self.layer!r} call {self.index} raised before returning an output")
+            raise LayerNotRunError(
+                f"layer {self.layer!r} call {self.index} raised before returning an output"
+            )
         if self._versions:
             for t, v in self._versions:
                 if t._version != v:
@@ -91,13 +96,19 @@ class Call:
                         stacklevel=3,
                     )
                     break
-        return map_tensors(ready, self._output) if self._output.__class__ is not torch.Tensor else self._output
+        return (
+            map_tensors(ready, self._output)
+            if self._output.__class__ is not torch.Tensor
+            else self._output
+        )
 
     @property
     def grad(self) -> Any:
         """Gradient of the loss w.r.t. this call's output (same structure, ``None`` for leaves without one)."""
         if self._grad is None:
-            raise NoGradientError(f"gradients of {self.layer!r} were not captured; use capture(..., grads=True)")
+            raise NoGradientError(
+                f"gradients of {self.layer!r} were not captured; use capture(..., grads=True)"
+            )
         return self._grad.build(self._output, f"the output of {self.layer!r} (call {self.index})")
 
     @property
@@ -107,7 +118,9 @@ class Call:
             raise NoGradientError(
                 f"input gradients of {self.layer!r} were not captured; use capture(..., inputs=True, grads=True)"
             )
-        g = self._in_grad.build((self._raw_inputs_structure()), f"the inputs of {self.layer!r} (call {self.index})")
+        g = self._in_grad.build(
+            (self._raw_inputs_structure()), f"the inputs of {self.layer!r} (call {self.index})"
+        )
         return Inputs(tuple(g[0]), dict(g[1]))
 
     def _raw_inputs_structure(self) -> tuple[Any, Any]:

@@ -101,7 +101,9 @@ class _Recorder:
             entries.append(call)
         return call
 
-    def attach_grads(self, scope: HookScope, name: str, value: Any, what: str) -> tuple[_GradSlots, Any]:
+    def attach_grads(
+        self, scope: HookScope, name: str, value: Any, what: str
+    ) -> tuple[_GradSlots, Any]:
         """Register gradient hooks on the tensors of ``value``; return the slots."""
         leaves = list(iter_tensors(value))
         needs = [t.requires_grad for _, t in leaves]
@@ -175,7 +177,9 @@ class Capture(Mapping[str, Any]):
         layers: the layers that were selected, in model order.
     """
 
-    def __init__(self, model: nn.Module, named: dict[str, nn.Module], recorder: _Recorder, stop: bool) -> None:
+    def __init__(
+        self, model: nn.Module, named: dict[str, nn.Module], recorder: _Recorder, stop: bool
+    ) -> None:
         self._model_type = type(model).__name__
         self._rec = recorder
         self.layers: list[str] = list(named)
@@ -205,7 +209,11 @@ class Capture(Mapping[str, Any]):
             if rec.want_inputs:
                 self._register_with_inputs(name, module, finish)
             else:
-                scope.add_forward(module, _OutputHook(rec, scope, name, finish if pending is not None else None), layer=name)
+                scope.add_forward(
+                    module,
+                    _OutputHook(rec, scope, name, finish if pending is not None else None),
+                    layer=name,
+                )
 
     def _register_with_inputs(self, name: str, module: nn.Module, finish: Any) -> None:
         rec, scope = self._rec, self._scope
@@ -218,7 +226,11 @@ class Capture(Mapping[str, Any]):
             call = rec.new_call(name)
             stack.append(call)
             replaced = None
-            if rec.want_grads and torch.is_grad_enabled() and any(t.requires_grad for _, t in iter_tensors((args, kwargs))):
+            if (
+                rec.want_grads
+                and torch.is_grad_enabled()
+                and any(t.requires_grad for _, t in iter_tensors((args, kwargs)))
+            ):
                 # Route each input through its own identity view so the gradient we record is the
                 # one flowing through this layer only (a tensor also used elsewhere, e.g. a residual,
                 # gets the rest of its gradient from other paths). Same tensor -> same view, so
@@ -294,7 +306,9 @@ class Capture(Mapping[str, Any]):
         self._check(layer)
         calls = self._rec.materialize(layer)
         if not calls:
-            raise LayerNotRunError(f"layer {layer!r} was selected but nothing was recorded: {_NEVER_RAN_HINT}")
+            raise LayerNotRunError(
+                f"layer {layer!r} was selected but nothing was recorded: {_NEVER_RAN_HINT}"
+            )
         return calls[-1]
 
     def _check(self, layer: str) -> None:
@@ -302,7 +316,9 @@ class Capture(Mapping[str, Any]):
             if len(self.layers) <= 8:
                 listed = "the captured layers are " + ", ".join(repr(x) for x in self.layers)
             else:
-                listed = "closest captured layers: " + ", ".join(repr(x) for x in suggest(layer, self.layers))
+                listed = "closest captured layers: " + ", ".join(
+                    repr(x) for x in suggest(layer, self.layers)
+                )
             raise LayerNotFoundError(f"{layer!r} is not a captured layer; {listed}")
 
     def clear(self) -> None:
@@ -348,8 +364,12 @@ class _InputView(Mapping[str, Inputs]):
     def __getitem__(self, layer: str) -> Inputs:
         call = self._cap.last(layer)
         if call.inputs is None:
-            raise LayerNotRunError(f"inputs of {layer!r} were not captured; use capture(..., inputs=True)")
-        return Inputs(tuple(map_tensors(ready, call.inputs.args)), map_tensors(ready, call.inputs.kwargs))
+            raise LayerNotRunError(
+                f"inputs of {layer!r} were not captured; use capture(..., inputs=True)"
+            )
+        return Inputs(
+            tuple(map_tensors(ready, call.inputs.args)), map_tensors(ready, call.inputs.kwargs)
+        )
 
     def __iter__(self) -> Iterator[str]:
         return (n for n in self._cap if self._cap.last(n).inputs is not None)
@@ -404,6 +424,7 @@ def capture(
     if keep not in ("all", "last"):
         raise ValueError(f"keep must be 'all' or 'last', got {keep!r}")
     device = torch.device(to) if to is not None else None
-    recorder = _Recorder(inputs=inputs, grads=grads, detach=detach, clone=clone, to=device, keep=keep)
+    recorder = _Recorder(
+        inputs=inputs, grads=grads, detach=detach, clone=clone, to=device, keep=keep
+    )
     return Capture(model, named, recorder, stop)
-

@@ -24,7 +24,9 @@ class CLIError(HookscopeError):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line, exit 2 (argparse prints usage + message)
-        self.exit(2, f"hookscope: error: {message} (see 'hookscope {self.prog.split()[-1]} --help')\n")
+        self.exit(
+            2, f"hookscope: error: {message} (see 'hookscope {self.prog.split()[-1]} --help')\n"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,12 +81,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def add_model_arguments(p: argparse.ArgumentParser, *, inputs: bool = True) -> None:
     """The MODEL positional and the --input/--dtype/--device options shared by subcommands."""
-    p.add_argument("model", metavar="MODEL", help="package.module:callable, path/to/file.py:Name, or demo")
+    p.add_argument(
+        "model", metavar="MODEL", help="package.module:callable, path/to/file.py:Name, or demo"
+    )
     if inputs:
         p.add_argument(
-            "--input", action="append", metavar="SHAPE", help="input shape, e.g. 1,3,224,224 (repeat for several inputs)"
+            "--input",
+            action="append",
+            metavar="SHAPE",
+            help="input shape, e.g. 1,3,224,224 (repeat for several inputs)",
         )
-        p.add_argument("--dtype", default="float32", help="input dtype (float32, float16, bfloat16, long, ...)")
+        p.add_argument(
+            "--dtype", default="float32", help="input dtype (float32, float16, bfloat16, long, ...)"
+        )
     p.add_argument("--device", default="cpu", help="device to run on (cpu, cuda, cuda:1)")
 
 
@@ -104,7 +113,9 @@ def make_inputs(args: argparse.Namespace, model: Any) -> list[Any]:
         dtype = getattr(torch, args.dtype)
         assert isinstance(dtype, torch.dtype)
     except (AttributeError, AssertionError):
-        raise CLIError(f"unknown --dtype {args.dtype!r}; try float32, float16, bfloat16 or long") from None
+        raise CLIError(
+            f"unknown --dtype {args.dtype!r}; try float32, float16, bfloat16 or long"
+        ) from None
     try:
         device = torch.device(args.device)
     except RuntimeError:

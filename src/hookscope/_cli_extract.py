@@ -27,19 +27,51 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     add_model_arguments(p, inputs=False)
-    p.add_argument("--data", required=True, metavar="DIR", help="folder of images (sub-folders = classes, or flat)")
-    p.add_argument("--layers", required=True, help="comma-separated layer names or globs, e.g. avgpool,layer3")
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="DIR",
+        help="folder of images (sub-folders = classes, or flat)",
+    )
+    p.add_argument(
+        "--layers", required=True, help="comma-separated layer names or globs, e.g. avgpool,layer3"
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--pool", default="none", choices=_POOLS, help="reduce each output to a vector (default: none)")
-    p.add_argument("--batch-size", type=int, default=64, metavar="N", help="images per batch (default 64)")
-    p.add_argument("--num-workers", type=int, default=min(4, os.cpu_count() or 1), metavar="N",
-                   help="DataLoader worker processes decoding images (default: min(4, CPUs))")
-    p.add_argument("--image-size", type=int, default=224, metavar="PX",
-                   help="resize the shorter side to PX/0.875, centre-crop PX (default 224)")
-    p.add_argument("--dtype", default=None, help="saved dtype: float32 or float16 (default: the layers' own)")
-    p.add_argument("--on-error", default="raise", choices=("raise", "skip"),
-                   help="an image that does not decode: stop (default) or record it in the manifest and go on")
-    p.add_argument("--no-resume", action="store_true", help="start over instead of continuing a run in --out")
+    p.add_argument(
+        "--pool",
+        default="none",
+        choices=_POOLS,
+        help="reduce each output to a vector (default: none)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=64, metavar="N", help="images per batch (default 64)"
+    )
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        metavar="N",
+        help="DataLoader worker processes decoding images (default: min(4, CPUs))",
+    )
+    p.add_argument(
+        "--image-size",
+        type=int,
+        default=224,
+        metavar="PX",
+        help="resize the shorter side to PX/0.875, centre-crop PX (default 224)",
+    )
+    p.add_argument(
+        "--dtype", default=None, help="saved dtype: float32 or float16 (default: the layers' own)"
+    )
+    p.add_argument(
+        "--on-error",
+        default="raise",
+        choices=("raise", "skip"),
+        help="an image that does not decode: stop (default) or record it in the manifest and go on",
+    )
+    p.add_argument(
+        "--no-resume", action="store_true", help="start over instead of continuing a run in --out"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.set_defaults(func=run)
 
@@ -48,7 +80,11 @@ def _init_distributed(device: str) -> bool:
     """Join the torchrun job described by the environment; True if this call started it."""
     import torch.distributed as dist
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available() or dist.is_initialized():
+    if (
+        int(os.environ.get("WORLD_SIZE", "1")) <= 1
+        or not dist.is_available()
+        or dist.is_initialized()
+    ):
         return False
     backend = "nccl" if device.startswith("cuda") else "gloo"
     # generous timeout: the final barrier waits for the slowest shard of a long run
@@ -72,7 +108,11 @@ def run(args: argparse.Namespace) -> int:
     dtype = None
     if args.dtype is not None:
         dtype = getattr(torch, args.dtype, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype == torch.bfloat16:
+        if (
+            not isinstance(dtype, torch.dtype)
+            or not dtype.is_floating_point
+            or dtype == torch.bfloat16
+        ):
             raise CLIError(f"unknown or unsupported --dtype {args.dtype!r}; use float32 or float16")
     if not os.path.isdir(args.data):
         raise CLIError(f"--data {args.data!r} is not a directory")
@@ -81,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise CLIError("reading images needs Pillow: pip install 'hookscope[viz]'") from None
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.device.startswith("cuda") and ":" not in args.device:
+    if (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and args.device.startswith("cuda")
+        and ":" not in args.device
+    ):
         args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
     started = _init_distributed(args.device)
     try:

@@ -11,9 +11,13 @@ from ._trace import trace
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("trace", help="print each layer call (shapes, dtype, device, time) of one forward")
+    p = sub.add_parser(
+        "trace", help="print each layer call (shapes, dtype, device, time) of one forward"
+    )
     add_model_arguments(p)
-    p.add_argument("--layers", default=None, help="comma-separated names or globs to show (default: all)")
+    p.add_argument(
+        "--layers", default=None, help="comma-separated names or globs to show (default: all)"
+    )
     p.set_defaults(func=run)
 
 

@@ -100,35 +100,75 @@ def diagnose(
     for name, s in layers.items():
         n = s.get("nonfinite", 0.0)
         if n > 0 and name.partition("#")[0] not in allowed:
-            add("nonfinite", name, f"layer {name!r} output has {int(n)} non-finite values", nonfinite=n)
+            add(
+                "nonfinite",
+                name,
+                f"layer {name!r} output has {int(n)} non-finite values",
+                nonfinite=n,
+            )
         z = s.get("zeros", 0.0)
         if z >= th.dead:
-            add("dead", name, f"layer {name!r}: {z:.1%} of its output is exactly zero (dead units; threshold {th.dead:.0%})", zeros=z)
+            add(
+                "dead",
+                name,
+                f"layer {name!r}: {z:.1%} of its output is exactly zero (dead units; threshold {th.dead:.0%})",
+                zeros=z,
+            )
         sat = s.get("saturated")
         if sat is not None and sat >= th.saturation:
-            add("saturation", name, f"layer {name!r}: {sat:.1%} of its output is saturated (threshold {th.saturation:.0%})", saturated=sat)
+            add(
+                "saturation",
+                name,
+                f"layer {name!r}: {sat:.1%} of its output is saturated (threshold {th.saturation:.0%})",
+                saturated=sat,
+            )
 
     # exploding: absolute, then growth since the previous logged step
     prev_layers, prev_params = previous if previous is not None else ({}, {})
-    for group, prev, label, key in ((layers, prev_layers, "output gradient", "grad_norm"), (params, prev_params, "gradient", "grad_norm")):
+    for group, prev, label, key in (
+        (layers, prev_layers, "output gradient", "grad_norm"),
+        (params, prev_params, "gradient", "grad_norm"),
+    ):
         for name, s in group.items():
             g = s.get(key)
             if g is None or not math.isfinite(g):
                 continue
             if g > th.exploding:
-                add("exploding", name, f"{label} norm of {name!r} is {_fmt(g)} (> {_fmt(th.exploding)})", grad_norm=g)
+                add(
+                    "exploding",
+                    name,
+                    f"{label} norm of {name!r} is {_fmt(g)} (> {_fmt(th.exploding)})",
+                    grad_norm=g,
+                )
                 continue
             p = prev.get(name, {}).get(key)
             if p is not None and p > 0 and math.isfinite(p) and g / p > th.growth:
-                add("exploding", name, f"{label} norm of {name!r} grew {_fmt(g / p)}x since the last logged step ({_fmt(p)} -> {_fmt(g)})", grad_norm=g, previous=p)
+                add(
+                    "exploding",
+                    name,
+                    f"{label} norm of {name!r} grew {_fmt(g / p)}x since the last logged step ({_fmt(p)} -> {_fmt(g)})",
+                    grad_norm=g,
+                    previous=p,
+                )
 
     # vanishing: first vs last layer (model order) that has a gradient norm
     for group, label in ((layers, "output gradient"), (params, "gradient")):
-        normed = [(n, s["grad_norm"]) for n, s in group.items() if "grad_norm" in s and math.isfinite(s["grad_norm"])]
+        normed = [
+            (n, s["grad_norm"])
+            for n, s in group.items()
+            if "grad_norm" in s and math.isfinite(s["grad_norm"])
+        ]
         if len(normed) < 2:
             continue
         (first, g0), (last, g1) = normed[0], normed[-1]
         if g1 > 0 and g0 / g1 < th.vanishing:
-            add("vanishing", first, f"{label} norm vanishes: {_fmt(g0)} at {first!r} vs {_fmt(g1)} at {last!r} (ratio {_fmt(g0 / g1)} < {_fmt(th.vanishing)})", grad_norm=g0, last_layer=last, last_grad_norm=g1)
+            add(
+                "vanishing",
+                first,
+                f"{label} norm vanishes: {_fmt(g0)} at {first!r} vs {_fmt(g1)} at {last!r} (ratio {_fmt(g0 / g1)} < {_fmt(th.vanishing)})",
+                grad_norm=g0,
+                last_layer=last,
+                last_grad_norm=g1,
+            )
         break  # one vanishing verdict per record: layers when available, else parameters
     return alerts

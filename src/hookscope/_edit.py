@@ -69,7 +69,9 @@ def edit(
             if at == "output":
                 scope.add_forward(module, _output_editor(name, fn), layer=name)
             else:
-                scope.add_forward_pre(module, _input_editor(name, module, fn, arg), layer=name, with_kwargs=True)
+                scope.add_forward_pre(
+                    module, _input_editor(name, module, fn, arg), layer=name, with_kwargs=True
+                )
     except BaseException:
         scope.remove()
         raise
@@ -85,7 +87,9 @@ def _output_editor(name: str, fn: Edit) -> Callable[..., Any]:
     return hook
 
 
-def _input_editor(name: str, module: nn.Module, fn: Edit, arg: int | str | None) -> Callable[..., Any]:
+def _input_editor(
+    name: str, module: nn.Module, fn: Edit, arg: int | str | None
+) -> Callable[..., Any]:
     position = _positional_index(module, arg) if isinstance(arg, str) else arg
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -122,7 +126,9 @@ def _resolve_grad_targets(
     if isinstance(key, torch.Tensor):
         return {}, {f"<tensor {tuple(key.shape)}>": key}
     if model is None:
-        raise ValueError("edit_grads(None, ...) accepts only tensors as keys; pass the model to name layers")
+        raise ValueError(
+            "edit_grads(None, ...) accepts only tensors as keys; pass the model to name layers"
+        )
     params = dict(model.named_parameters())
     if isinstance(key, str):
         if key in params:
@@ -175,7 +181,9 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                 scope.add_forward(module, _output_grad_editor(scope, name, fn), layer=name)
             for name, t in tensors.items():
                 if not t.requires_grad:
-                    raise HookscopeError(f"edit_grads: {name} does not require grad, so it never gets a gradient")
+                    raise HookscopeError(
+                        f"edit_grads: {name} does not require grad, so it never gets a gradient"
+                    )
                 scope.add_tensor_hook(t, _grad_editor(fn, f"the gradient of {name}"), layer=name)
     except BaseException:
         scope.remove()
@@ -237,9 +245,13 @@ def clip_grads(
     named = dict(model.named_parameters())
     if params is not None:
         pats = [params] if isinstance(params, str) else list(params)
-        chosen = {k: p for k, p in named.items() if any(fnmatch.fnmatchcase(k, pat) for pat in pats)}
+        chosen = {
+            k: p for k, p in named.items() if any(fnmatch.fnmatchcase(k, pat) for pat in pats)
+        }
         if not chosen:
-            raise LayerNotFoundError(f"clip_grads: params {pats!r} matched no parameter; closest: {suggest(pats[0], named)}")
+            raise LayerNotFoundError(
+                f"clip_grads: params {pats!r} matched no parameter; closest: {suggest(pats[0], named)}"
+            )
         named = chosen
     scope = HookScope("clip_grads")
     for name, p in named.items():

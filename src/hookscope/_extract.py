@@ -89,7 +89,15 @@ def _model_name(model: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _fingerprint(model: nn.Module, names: list[str], pool: str, dtype: torch.dtype | None, n: int, batch_size: int, index: np.ndarray) -> str:
+def _fingerprint(
+    model: nn.Module,
+    names: list[str],
+    pool: str,
+    dtype: torch.dtype | None,
+    n: int,
+    batch_size: int,
+    index: np.ndarray,
+) -> str:
     h = hashlib.sha256()
     for k, v in model.state_dict().items():
         h.update(f"{k}:{tuple(v.shape)}:{v.dtype}:".encode())
@@ -98,7 +106,9 @@ def _fingerprint(model: nn.Module, names: list[str], pool: str, dtype: torch.dty
             sample = v.detach().reshape(-1)[:: max(1, v.numel() // 64)].cpu().contiguous()
             h.update(sample.numpy().tobytes())
         elif v.numel():
-            h.update(v.detach().reshape(-1)[:: max(1, v.numel() // 64)].float().cpu().numpy().tobytes())
+            h.update(
+                v.detach().reshape(-1)[:: max(1, v.numel() // 64)].float().cpu().numpy().tobytes()
+            )
     desc = {
         "model": _model_name(model),
         "weights": h.hexdigest(),
@@ -111,7 +121,10 @@ def _fingerprint(model: nn.Module, names: list[str], pool: str, dtype: torch.dty
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:24]
 
-def _probe(runner: Runner, dataset: Any, collate: Callable[..., Any], index: np.ndarray, on_error: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+
+def _probe(
+    runner: Runner, dataset: Any, collate: Callable[..., Any], index: np.ndarray, on_error: str
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Shapes and dtypes of every layer's rows, from the first sample that loads."""
     for i in range(len(dataset)):
         try:
@@ -121,7 +134,9 @@ def _probe(runner: Runner, dataset: Any, collate: Callable[..., Any], index: np.
                 raise sample_error(index, i, reason(e)) from e
             continue
         feats = runner(collate([sample]))
-        return {k: (tuple(v.shape[1:]), v.dtype) for k, v in ((k, host(v)) for k, v in feats.items())}
+        return {
+            k: (tuple(v.shape[1:]), v.dtype) for k, v in ((k, host(v)) for k, v in feats.items())
+        }
     raise ExtractError(f"none of the {len(dataset)} samples could be loaded; nothing to extract")
 
 
@@ -239,23 +254,64 @@ def extract(
     with Prepared(model, dev) as run_dev:
         runner = Runner(model, named, pooling, run_dev)
         if rank == 0:
-            _prepare(out, runner, dataset, collate, index, fingerprint, names, dtype, n, batch_size, world, resume, on_error)
+            _prepare(
+                out,
+                runner,
+                dataset,
+                collate,
+                index,
+                fingerprint,
+                names,
+                dtype,
+                n,
+                batch_size,
+                world,
+                resume,
+                on_error,
+            )
         _barrier(world)
         run = read_run(out)
         if run is None or run["fingerprint"] != fingerprint:
-            raise ExtractError(f"{out}: the extraction state written by rank 0 is missing or differs")
+            raise ExtractError(
+                f"{out}: the extraction state written by rank 0 is missing or differs"
+            )
         runner.dtypes = {k: getattr(torch, v) for k, v in run["dtypes"].items()}
-        key = {"fingerprint": fingerprint, "rank": rank, "world_size": world, "first_batch": first, "stop_batch": stop}
+        key = {
+            "fingerprint": fingerprint,
+            "rank": rank,
+            "world_size": world,
+            "first_batch": first,
+            "stop_batch": stop,
+        }
         journal = Journal(out, rank)
         done, skipped = journal.load(key)
         rows_first, rows_stop = first * batch_size, min(n, stop * batch_size)
         rows_done = min(rows_stop, (first + done) * batch_size) - rows_first
         if done and progress and rank == 0:
-            print(f"hookscope extract: resuming {out}: {rows_done} of {rows_stop - rows_first} samples already on disk", file=sys.stderr)
+            print(
+                f"hookscope extract: resuming {out}: {rows_done} of {rows_stop - rows_first} samples already on disk",
+                file=sys.stderr,
+            )
         _run_shard(
-            out, run, runner, dataset, collate, loader_kw, index, journal, key, done, skipped,
-            batch_size=batch_size, num_workers=num_workers, first=first, stop=stop, n=n,
-            rows_done=rows_done, progress=progress and rank == 0, on_error=on_error,
+            out,
+            run,
+            runner,
+            dataset,
+            collate,
+            loader_kw,
+            index,
+            journal,
+            key,
+            done,
+            skipped,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            first=first,
+            stop=stop,
+            n=n,
+            rows_done=rows_done,
+            progress=progress and rank == 0,
+            on_error=on_error,
         )
     _barrier(world)
     if rank == 0:
@@ -265,8 +321,19 @@ def extract(
 
 
 def _prepare(
-    out: Path, runner: Runner, dataset: Any, collate: Callable[..., Any], index: np.ndarray, fingerprint: str,
-    names: list[str], dtype: torch.dtype | None, n: int, batch_size: int, world: int, resume: bool, on_error: str,
+    out: Path,
+    runner: Runner,
+    dataset: Any,
+    collate: Callable[..., Any],
+    index: np.ndarray,
+    fingerprint: str,
+    names: list[str],
+    dtype: torch.dtype | None,
+    n: int,
+    batch_size: int,
+    world: int,
+    resume: bool,
+    on_error: str,
 ) -> None:
     """Rank 0: validate an unfinished run in ``out``, or create the arrays of a new one."""
     try:
@@ -290,7 +357,10 @@ def _prepare(
     (out / MANIFEST).unlink(missing_ok=True)
     with torch.inference_mode():
         probed = _probe(runner, dataset, collate, index, on_error)
-    dtypes = {k: (dtype if dtype is not None else (torch.float32 if d == torch.bfloat16 else d)) for k, (_, d) in probed.items()}
+    dtypes = {
+        k: (dtype if dtype is not None else (torch.float32 if d == torch.bfloat16 else d))
+        for k, (_, d) in probed.items()
+    }
     run = {
         "fingerprint": fingerprint,
         "model": _model_name(runner.model),
@@ -311,10 +381,26 @@ def _prepare(
 
 
 def _run_shard(
-    out: Path, run: dict[str, Any], runner: Runner, dataset: Any, collate: Callable[..., Any],
-    loader_kw: dict[str, Any], index: np.ndarray, journal: Journal, key: dict[str, Any], done: int,
-    skipped: list[dict[str, Any]], *, batch_size: int, num_workers: int, first: int, stop: int, n: int,
-    rows_done: int, progress: bool, on_error: str,
+    out: Path,
+    run: dict[str, Any],
+    runner: Runner,
+    dataset: Any,
+    collate: Callable[..., Any],
+    loader_kw: dict[str, Any],
+    index: np.ndarray,
+    journal: Journal,
+    key: dict[str, Any],
+    done: int,
+    skipped: list[dict[str, Any]],
+    *,
+    batch_size: int,
+    num_workers: int,
+    first: int,
+    stop: int,
+    n: int,
+    rows_done: int,
+    progress: bool,
+    on_error: str,
 ) -> None:
     """Extract batches ``first + done .. stop`` of this process's shard."""
     arrays = open_arrays(out, run)
@@ -322,14 +408,27 @@ def _run_shard(
     fill = {k: (np.nan if d.kind in "fc" else 0) for k, d in np_dtypes.items()}
     rows_first, rows_stop = first * batch_size, min(n, stop * batch_size)
     writer = Writer(
-        out, arrays, journal, key, done=done, skipped=skipped, fill=fill,
-        total=rows_stop - rows_first, rows_done=rows_done,
+        out,
+        arrays,
+        journal,
+        key,
+        done=done,
+        skipped=skipped,
+        fill=fill,
+        total=rows_stop - rows_first,
+        rows_done=rows_done,
     )
     batches = Batches(first + done, stop, batch_size, n)
     kw = dict(loader_kw)
     if runner.device.type == "cuda" and "pin_memory" not in kw:
         kw["pin_memory"] = True
-    loader = DataLoader(SafeDataset(dataset), batch_sampler=batches, collate_fn=SafeCollate(collate), num_workers=num_workers, **kw)
+    loader = DataLoader(
+        SafeDataset(dataset),
+        batch_sampler=batches,
+        collate_fn=SafeCollate(collate),
+        num_workers=num_workers,
+        **kw,
+    )
     bar = Progress(rows_stop - rows_first, done=rows_done, enabled=progress)
     try:
         with torch.inference_mode():
@@ -340,10 +439,14 @@ def _run_shard(
                         writer.close()  # what came before is durable
                         i, why = batch.failed[0]
                         raise sample_error(index, i, why)
-                    now_skipped = [{"row": i, "id": index[i].item(), "reason": r} for i, r in batch.failed]
+                    now_skipped = [
+                        {"row": i, "id": index[i].item(), "reason": r} for i, r in batch.failed
+                    ]
                 feats = runner(batch.data) if batch.good else {}
                 good = None if not batch.failed else batch.good
-                writer.put(WriteItem(batch.indices[0], len(batch.indices), good, feats, now_skipped))
+                writer.put(
+                    WriteItem(batch.indices[0], len(batch.indices), good, feats, now_skipped)
+                )
                 bar.update(len(batch.indices))
         writer.close()
     except BaseException:
@@ -354,17 +457,34 @@ def _run_shard(
         arrays.clear()  # unmap (the writer shares this dict)
 
 
-def _finish(out: Path, run: dict[str, Any], model: nn.Module, index: np.ndarray, pool: str, batch_size: int, world: int, nb: int) -> None:
+def _finish(
+    out: Path,
+    run: dict[str, Any],
+    model: nn.Module,
+    index: np.ndarray,
+    pool: str,
+    batch_size: int,
+    world: int,
+    nb: int,
+) -> None:
     """Rank 0, after every process finished: check the journals, write index and manifest."""
     from . import __version__
 
     skipped: list[dict[str, Any]] = []
     for r in range(world):
         first, stop = r * nb // world, (r + 1) * nb // world
-        key = {"fingerprint": run["fingerprint"], "rank": r, "world_size": world, "first_batch": first, "stop_batch": stop}
+        key = {
+            "fingerprint": run["fingerprint"],
+            "rank": r,
+            "world_size": world,
+            "first_batch": first,
+            "stop_batch": stop,
+        }
         done, sk = Journal(out, r).load(key)
         if done != stop - first:
-            raise ExtractError(f"process {r} did not finish its shard ({done} of {stop - first} batches); run the extraction again")
+            raise ExtractError(
+                f"process {r} did not finish its shard ({done} of {stop - first} batches); run the extraction again"
+            )
         skipped += sk
     skipped.sort(key=lambda s: s["row"])
     save_index(out, index)

@@ -21,7 +21,18 @@ from ._errors import HookscopeWarning
 from ._featstore import ExtractError
 from ._imagefolder import ImageFolder
 
-__all__ = ["Batch", "Batches", "Failed", "SafeCollate", "SafeDataset", "as_dataset", "reason", "sample_error", "sample_index", "sample_name"]
+__all__ = [
+    "Batch",
+    "Batches",
+    "Failed",
+    "SafeCollate",
+    "SafeDataset",
+    "as_dataset",
+    "reason",
+    "sample_error",
+    "sample_index",
+    "sample_name",
+]
 
 
 class Failed:
@@ -55,7 +66,9 @@ class SafeDataset(Dataset):
 class Batch:
     __slots__ = ("data", "failed", "good", "indices")
 
-    def __init__(self, indices: list[int], good: list[int], data: Any, failed: list[tuple[int, str]]) -> None:
+    def __init__(
+        self, indices: list[int], good: list[int], data: Any, failed: list[tuple[int, str]]
+    ) -> None:
         self.indices, self.good, self.data, self.failed = indices, good, data, failed
 
     def pin_memory(self) -> Batch:
@@ -91,15 +104,21 @@ class Batches:
             yield list(range(k * b, min(self.n, (k + 1) * b)))
 
 
-def as_dataset(data: Any, batch_size: int, num_workers: int) -> tuple[Any, int, int, Callable[..., Any], dict[str, Any]]:
+def as_dataset(
+    data: Any, batch_size: int, num_workers: int
+) -> tuple[Any, int, int, Callable[..., Any], dict[str, Any]]:
     """``(dataset, batch_size, num_workers, collate_fn, other DataLoader options)``."""
     if isinstance(data, (str, os.PathLike)):
         return ImageFolder(data), batch_size, num_workers, default_collate, {}
     if isinstance(data, DataLoader):
         if isinstance(data.dataset, IterableDataset):
-            raise TypeError("extract needs a map-style dataset (len + indexing) so that runs can resume; got an IterableDataset")
+            raise TypeError(
+                "extract needs a map-style dataset (len + indexing) so that runs can resume; got an IterableDataset"
+            )
         if data.batch_size is None:
-            raise ValueError("extract needs a DataLoader with a batch_size (not a custom batch_sampler); or pass the dataset")
+            raise ValueError(
+                "extract needs a DataLoader with a batch_size (not a custom batch_sampler); or pass the dataset"
+            )
         if not isinstance(data.sampler, SequentialSampler):
             warnings.warn(
                 f"extract ignores the DataLoader's {type(data.sampler).__name__}: rows are saved in dataset "
@@ -107,15 +126,23 @@ def as_dataset(data: Any, batch_size: int, num_workers: int) -> tuple[Any, int, 
                 HookscopeWarning,
                 stacklevel=3,
             )
-        kw: dict[str, Any] = {"pin_memory": data.pin_memory, "worker_init_fn": data.worker_init_fn, "timeout": data.timeout}
+        kw: dict[str, Any] = {
+            "pin_memory": data.pin_memory,
+            "worker_init_fn": data.worker_init_fn,
+            "timeout": data.timeout,
+        }
         if data.num_workers > 0:
             kw["multiprocessing_context"] = data.multiprocessing_context
             kw["prefetch_factor"] = data.prefetch_factor
         return data.dataset, data.batch_size, data.num_workers, data.collate_fn, kw
     if isinstance(data, IterableDataset):
-        raise TypeError("extract needs a map-style dataset (len + indexing) so that runs can resume; got an IterableDataset")
+        raise TypeError(
+            "extract needs a map-style dataset (len + indexing) so that runs can resume; got an IterableDataset"
+        )
     if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-        raise TypeError(f"data must be a Dataset (len + indexing), a DataLoader or an image folder path; got {type(data).__name__}")
+        raise TypeError(
+            f"data must be a Dataset (len + indexing), a DataLoader or an image folder path; got {type(data).__name__}"
+        )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     return data, batch_size, num_workers, default_collate, {}
@@ -128,7 +155,13 @@ def sample_index(dataset: Any) -> np.ndarray:
     if callable(sid):
         return np.array([str(sid(i)) for i in range(n)], dtype=str)
     samples = getattr(dataset, "samples", None)
-    if isinstance(samples, list) and len(samples) == n and samples and isinstance(samples[0], tuple) and isinstance(samples[0][0], str):
+    if (
+        isinstance(samples, list)
+        and len(samples) == n
+        and samples
+        and isinstance(samples[0], tuple)
+        and isinstance(samples[0][0], str)
+    ):
         root = getattr(dataset, "root", None)
         paths = [s[0] for s in samples]
         if root is not None:

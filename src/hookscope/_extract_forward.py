@@ -58,7 +58,9 @@ def pool_fn(pool: Pool) -> tuple[Callable[[torch.Tensor, str], torch.Tensor], st
                 return t[:, 0]
 
             return cls, "cls"
-        raise ValueError(f"pool must be None, one of {', '.join(map(repr, _POOLS))} or a callable; got {pool!r}")
+        raise ValueError(
+            f"pool must be None, one of {', '.join(map(repr, _POOLS))} or a callable; got {pool!r}"
+        )
     if callable(pool):
 
         def custom(t: torch.Tensor, layer: str) -> torch.Tensor:
@@ -71,8 +73,13 @@ def pool_fn(pool: Pool) -> tuple[Callable[[torch.Tensor, str], torch.Tensor], st
                 )
             return r
 
-        return custom, f"callable:{getattr(pool, '__module__', '?')}.{getattr(pool, '__qualname__', type(pool).__name__)}"
-    raise ValueError(f"pool must be None, one of {', '.join(map(repr, _POOLS))} or a callable; got {pool!r}")
+        return (
+            custom,
+            f"callable:{getattr(pool, '__module__', '?')}.{getattr(pool, '__qualname__', type(pool).__name__)}",
+        )
+    raise ValueError(
+        f"pool must be None, one of {', '.join(map(repr, _POOLS))} or a callable; got {pool!r}"
+    )
 
 
 def np_dtype(dtype: torch.dtype) -> np.dtype:
@@ -84,18 +91,28 @@ def np_dtype(dtype: torch.dtype) -> np.dtype:
 class Runner:
     """One forward pass per batch with a hook per layer: pool, cast, copy to host, stop early."""
 
-    def __init__(self, model: nn.Module, named: dict[str, nn.Module], pool: Callable[[torch.Tensor, str], torch.Tensor], device: torch.device) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        named: dict[str, nn.Module],
+        pool: Callable[[torch.Tensor, str], torch.Tensor],
+        device: torch.device,
+    ) -> None:
         self.model, self.named, self.pool, self.device = model, named, pool, device
         self.dtypes: dict[str, torch.dtype] = {}
         self.host = torch.device("cpu")
 
-    def _hook(self, name: str, got: dict[str, Any], pending: set[str], scope: HookScope) -> Callable[..., None]:
+    def _hook(
+        self, name: str, got: dict[str, Any], pending: set[str], scope: HookScope
+    ) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if name in got:  # a module used several times: its first call counts
                 return
             t = first_tensor(output)
             if t is None:
-                raise ExtractError(f"layer {name!r} returned {describe(output)}, which holds no tensor to save")
+                raise ExtractError(
+                    f"layer {name!r} returned {describe(output)}, which holds no tensor to save"
+                )
             f = self.pool(t, name)
             want = self.dtypes.get(name, torch.float32 if f.dtype == torch.bfloat16 else f.dtype)
             if f.dtype != want:

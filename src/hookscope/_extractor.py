@@ -29,7 +29,9 @@ class FeatureExtractor(nn.Module):
         {'1': (5, 3)}
     """
 
-    def __init__(self, model: nn.Module, layers: Any, *, detach: bool = False, stop: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, layers: Any, *, detach: bool = False, stop: bool = True
+    ) -> None:
         super().__init__()
         check_model(model)
         self.model = model
@@ -39,7 +41,9 @@ class FeatureExtractor(nn.Module):
         self.stop = stop
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        rec = _Recorder(inputs=False, grads=False, detach=self.detach, clone=False, to=None, keep="last")
+        rec = _Recorder(
+            inputs=False, grads=False, detach=self.detach, clone=False, to=None, keep="last"
+        )
         cap = Capture(self.model, self._named, rec, stop=self.stop)
         with cap:
             self.model(*args, **kwargs)

@@ -169,7 +169,9 @@ def open_arrays(out: Path, run: dict[str, Any]) -> dict[str, np.memmap]:
         try:
             arr = open_memmap(path, mode="r+")
         except (OSError, ValueError) as e:
-            raise ExtractError(f"cannot open {path} of the unfinished extraction in {out}: {e}") from None
+            raise ExtractError(
+                f"cannot open {path} of the unfinished extraction in {out}: {e}"
+            ) from None
         want = (run["count"], *run["shapes"][layer])
         if arr.shape != want or arr.dtype != dtype:
             raise ExtractError(
@@ -219,7 +221,14 @@ class WriteItem:
 
     __slots__ = ("feats", "good", "n", "row0", "skipped")
 
-    def __init__(self, row0: int, n: int, good: list[int] | None, feats: dict[str, Any], skipped: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        row0: int,
+        n: int,
+        good: list[int] | None,
+        feats: dict[str, Any],
+        skipped: list[dict[str, Any]],
+    ) -> None:
         self.row0, self.n, self.good, self.feats, self.skipped = row0, n, good, feats, skipped
 
 
@@ -255,7 +264,9 @@ class Writer:
         self.error: BaseException | None = None
         self._durable = done
         self._q: queue.Queue[Any] = queue.Queue(maxsize=maxsize)
-        self._thread = threading.Thread(target=self._run, name="hookscope-extract-writer", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="hookscope-extract-writer", daemon=True
+        )
         self._thread.start()
 
     def put(self, item: WriteItem) -> None:
@@ -371,7 +382,9 @@ class Features(Mapping[str, np.ndarray]):
                 )
             if not self.path.is_dir():
                 raise ExtractError(f"{self.path} does not exist")
-            raise ExtractError(f"{self.path} has no {MANIFEST}: it is not a hookscope feature directory")
+            raise ExtractError(
+                f"{self.path} has no {MANIFEST}: it is not a hookscope feature directory"
+            )
         if manifest.get("format") != FORMAT:
             raise ExtractError(f"{self.path / MANIFEST} is not a hookscope features manifest")
         self.manifest: dict[str, Any] = manifest
@@ -384,8 +397,12 @@ class Features(Mapping[str, np.ndarray]):
         arr = self._arrays.get(layer)
         if arr is None:
             if layer not in self.layers:
-                raise KeyError(f"{layer!r} was not extracted; layers in {self.path}: {', '.join(map(repr, self.layers))}")
-            arr = self._arrays[layer] = np.load(self.path / self.manifest["files"][layer], mmap_mode="r")
+                raise KeyError(
+                    f"{layer!r} was not extracted; layers in {self.path}: {', '.join(map(repr, self.layers))}"
+                )
+            arr = self._arrays[layer] = np.load(
+                self.path / self.manifest["files"][layer], mmap_mode="r"
+            )
         return arr
 
     def __iter__(self) -> Iterator[str]:

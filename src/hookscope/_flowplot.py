@@ -48,7 +48,9 @@ def plot_grad_flow(
                 values[name] = []
             values[name].append(v)
     if not names:
-        raise ValueError(f"no finite {stat!r} in the {len(records)} record(s) given (source={source!r})")
+        raise ValueError(
+            f"no finite {stat!r} in the {len(records)} record(s) given (source={source!r})"
+        )
     floor = 1e-12
     means = [max(sum(values[n]) / len(values[n]), floor) for n in names]
     maxes = [max(max(values[n]), floor) for n in names]

@@ -64,7 +64,11 @@ _EXACT_F32 = 2**24  # counts summed in fp32 are exact below this
 
 
 def act_stats(
-    x: torch.Tensor, bounds: tuple[float, float] | None, margin: float, bins: int, scratch: Scratch | None = None
+    x: torch.Tensor,
+    bounds: tuple[float, float] | None,
+    margin: float,
+    bins: int,
+    scratch: Scratch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Statistics of one activation, as a float64 vector
     ``[mean, std, absmax, nonzero count, finite count(, saturated count)]`` on ``x``'s device, and a
@@ -98,7 +102,11 @@ def act_stats(
     if bounds is not None:
         lo, hi = bounds
         mid, half = (lo + hi) / 2, (hi - lo) / 2
-        sat = torch.count_nonzero((x.float() - mid).abs() >= half * (1 - 2 * margin)).double().reshape(1)
+        sat = (
+            torch.count_nonzero((x.float() - mid).abs() >= half * (1 - 2 * margin))
+            .double()
+            .reshape(1)
+        )
         vec = torch.cat([vec, sat.to(vec.device)])
     hist = None
     if bins > 0:
@@ -143,11 +151,15 @@ def grad_stats(g: torch.Tensor) -> torch.Tensor:
     """``[norm, min, max]`` of a gradient (float64 vector; ``absmax = max(|min|, |max|)``)."""
     g = g.detach()
     mn, mx = torch.aminmax(g)
-    return torch.stack([torch.linalg.vector_norm(g, 2, dtype=torch.float32), mn.float(), mx.float()]).double()
+    return torch.stack(
+        [torch.linalg.vector_norm(g, 2, dtype=torch.float32), mn.float(), mx.float()]
+    ).double()
 
 
 def param_stats(
-    weights: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], before: list[torch.Tensor] | None
+    weights: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    before: list[torch.Tensor] | None,
 ) -> torch.Tensor:
     """Rows ``[grad_norm, weight_norm, update_norm, before_norm]`` per parameter (float64), with
     foreach ops; missing values are NaN (a parameter without a gradient gets no grad statistics,
@@ -161,7 +173,9 @@ def param_stats(
     if have:
         gs = [grads[i].detach() for i in have]  # type: ignore[union-attr]
         idx = torch.tensor(have, device=dev)
-        cols[0] = nan.index_put((idx,), torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)))
+        cols[0] = nan.index_put(
+            (idx,), torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32))
+        )
     if before is not None:
         cols[3] = torch.stack(torch._foreach_norm(before, 2, dtype=torch.float32))
         torch._foreach_sub_(before, w)  # in place: no second parameter-sized allocation

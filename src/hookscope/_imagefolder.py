@@ -17,7 +17,9 @@ import torch
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolder"]
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif"})
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif"}
+)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -54,7 +56,9 @@ class ImageFolder(torch.utils.data.Dataset):
     ) -> None:
         self.root = Path(root).resolve()
         if not self.root.is_dir():
-            raise FileNotFoundError(f"image folder {str(root)!r} does not exist or is not a directory")
+            raise FileNotFoundError(
+                f"image folder {str(root)!r} does not exist or is not a directory"
+            )
         exts = {e.lower() for e in extensions}
         files = sorted(
             p.relative_to(self.root).as_posix()
@@ -86,7 +90,9 @@ class ImageFolder(torch.utils.data.Dataset):
         try:
             from PIL import Image
         except ImportError:  # pragma: no cover - pillow is an optional dependency
-            raise ImportError("reading image folders needs Pillow: pip install 'hookscope[viz]'") from None
+            raise ImportError(
+                "reading image folders needs Pillow: pip install 'hookscope[viz]'"
+            ) from None
         path = self.samples[i][0]
         try:
             with Image.open(path) as im:

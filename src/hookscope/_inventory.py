@@ -30,7 +30,10 @@ _SIDE_TABLES = {
     "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
     "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
 }
-_TENSOR_DICTS = (("_backward_hooks", "tensor"), ("_post_accumulate_grad_hooks", "post_accumulate_grad"))
+_TENSOR_DICTS = (
+    ("_backward_hooks", "tensor"),
+    ("_post_accumulate_grad_hooks", "post_accumulate_grad"),
+)
 _GLOBAL_DICTS = (
     ("_global_forward_pre_hooks", "global_forward_pre"),
     ("_global_forward_hooks", "global_forward"),

@@ -118,9 +118,13 @@ def parse_shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(p) for p in parts)
     except ValueError:
-        raise ModelSpecError(f"bad shape {text!r}: expected comma-separated positive integers like 1,3,224,224") from None
+        raise ModelSpecError(
+            f"bad shape {text!r}: expected comma-separated positive integers like 1,3,224,224"
+        ) from None
     if not shape or any(d <= 0 for d in shape):
-        raise ModelSpecError(f"bad shape {text!r}: expected comma-separated positive integers like 1,3,224,224")
+        raise ModelSpecError(
+            f"bad shape {text!r}: expected comma-separated positive integers like 1,3,224,224"
+        )
     return shape
 
 

@@ -134,7 +134,9 @@ class Monitor:
         self.thresholds = Thresholds.make(thresholds)
         sink_list = [sinks] if callable(sinks) or hasattr(sinks, "write") else list(sinks)
         self.sinks = [as_sink(s) for s in sink_list]
-        self.bins = histograms or (32 if any(getattr(s, "histograms", False) for s in self.sinks) else 0)
+        self.bins = histograms or (
+            32 if any(getattr(s, "histograms", False) for s in self.sinks) else 0
+        )
         self.records: deque[MonitorRecord] = deque(maxlen=keep)
         self.nonfinite: NonFiniteOrigin | None = None
         self._params = self._select_params() if "parameters" in self.stats else []
@@ -151,7 +153,9 @@ class Monitor:
         allow = [allow] if isinstance(allow, (str, type)) else list(allow)
         sel = [a for a in allow if a != NonFiniteOrigin.INPUT]
         self._allowed = set(find(inner, *sel)) if sel else set()
-        self._tracker = _Tracker(inner, allow, skip_safe=True, owner="monitor.sentinel") if sentinel else None
+        self._tracker = (
+            _Tracker(inner, allow, skip_safe=True, owner="monitor.sentinel") if sentinel else None
+        )
         self._attach()
 
     # -- selection -----------------------------------------------------------------------------
@@ -159,7 +163,9 @@ class Monitor:
         ids: set[int] = set()
         for m in self.named.values():
             ids.update(id(p) for p in m.parameters())
-        return [(n, p) for n, p in self.model.named_parameters() if id(p) in ids and p.requires_grad]
+        return [
+            (n, p) for n, p in self.model.named_parameters() if id(p) in ids and p.requires_grad
+        ]
 
     @property
     def step_index(self) -> int:
@@ -176,7 +182,10 @@ class Monitor:
         self._state = state = _StepState()
         if self._params and self._want_updates:
             ws = [p.detach() for _, p in self._params]
-            if self._buf is None or any(b.shape != w.shape or b.dtype != w.dtype or b.device != w.device for b, w in zip(self._buf, ws)):
+            if self._buf is None or any(
+                b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
+                for b, w in zip(self._buf, ws)
+            ):
                 self._buf = [torch.empty_like(w) for w in ws]  # kept: no per-step allocation
             torch._foreach_copy_(self._buf, ws)
             self._before = self._buf
@@ -199,9 +208,13 @@ class Monitor:
                 for name, module in self.named.items():
 
                     def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                        if in_backward():  # activation checkpointing re-running forward (PITFALL 27)
+                        if (
+                            in_backward()
+                        ):  # activation checkpointing re-running forward (PITFALL 27)
                             return
-                        t = next((t for _, t in iter_tensors(output) if t.is_floating_point()), None)
+                        t = next(
+                            (t for _, t in iter_tensors(output) if t.is_floating_point()), None
+                        )
                         if t is None:
                             return
                         call = state.counts.get(name, 0)
@@ -298,7 +311,9 @@ class Monitor:
         if not parts:
             return MonitorRecord(step)
         dev = parts[0].device
-        flat = torch.cat([p.to(dev) for p in parts] + [torch.tensor(hosts, dtype=torch.float64, device=dev)])
+        flat = torch.cat(
+            [p.to(dev) for p in parts] + [torch.tensor(hosts, dtype=torch.float64, device=dev)]
+        )
         ranks = _gather(flat)  # one host transfer (after one all_gather under torch.distributed)
         off = _offsets([p.numel() for p in parts])
         ho = off[-1]
@@ -347,9 +362,19 @@ class Monitor:
         # 2-norms: NaN if any NaN, inf if any inf (the fastest foreach reduction on CPU)
         extra = [torch.stack(torch._foreach_norm([g.detach() for g in grads], 2))] if grads else []
         origin, ext = tracker.locate(extra)
-        if origin is not None and origin.phase == "backward" and origin.kind == "inf" and self.scaler is not None:
+        if (
+            origin is not None
+            and origin.phase == "backward"
+            and origin.kind == "inf"
+            and self.scaler is not None
+        ):
             origin = None  # a GradScaler overflow: the scaler skips this step and lowers its scale
-        if origin is None and ext and self.scaler is None and not all(math.isfinite(v) for v in ext[0]):
+        if (
+            origin is None
+            and ext
+            and self.scaler is None
+            and not all(math.isfinite(v) for v in ext[0])
+        ):
             # nothing in the module graph: the first layer (in backward order) whose own
             # parameter gradient is non-finite, e.g. the first layer of a model whose input
             # does not require grad
@@ -358,8 +383,12 @@ class Monitor:
             pname, v = bad[-1]
             layer = pname.rpartition(".")[0]
             origin = NonFiniteOrigin(
-                layer, "backward", 0, "nan" if math.isnan(v) else "inf",
-                tracker.types.get(layer, ""), {"param_grad_absmax": v},
+                layer,
+                "backward",
+                0,
+                "nan" if math.isnan(v) else "inf",
+                tracker.types.get(layer, ""),
+                {"param_grad_absmax": v},
             )
         tracker.reset()
         if origin is not None and self.nonfinite is None:
@@ -452,4 +481,3 @@ def _gather(flat: torch.Tensor) -> list[list[float]]:
     out = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(out, flat)
     return torch.stack(out).tolist()
-

@@ -44,7 +44,9 @@ def iter_tensors(obj: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor
             yield from iter_tensors(getattr(obj, f.name), (*path, f.name))
 
 
-def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any, other: Callable[[Any], Any] | None = None) -> Any:
+def map_tensors(
+    fn: Callable[[torch.Tensor], Any], obj: Any, other: Callable[[Any], Any] | None = None
+) -> Any:
     """Return ``obj`` rebuilt with ``fn`` applied to every tensor; other leaves are kept as is.
 
     Containers keep their type (namedtuples, ``OrderedDict``, ``ModelOutput``, dataclasses).
@@ -99,6 +101,12 @@ def describe(obj: Any) -> str:
 
 def describe_call(args: Any, kwargs: Any = None) -> str:
     """Shapes of a call's inputs: ``(8, 3, 32, 32)``, or ``(8, 16), mask=(8, 16)`` for several."""
-    parts = [describe(a) for a in args if first_tensor(a) is not None or not isinstance(a, (int, float, type(None)))]
-    parts += [f"{k}={describe(v)}" for k, v in (kwargs or {}).items() if first_tensor(v) is not None]
+    parts = [
+        describe(a)
+        for a in args
+        if first_tensor(a) is not None or not isinstance(a, (int, float, type(None)))
+    ]
+    parts += [
+        f"{k}={describe(v)}" for k, v in (kwargs or {}).items() if first_tensor(v) is not None
+    ]
     return ", ".join(parts) if parts else "no tensor inputs"

@@ -62,7 +62,11 @@ class NonFiniteOrigin:
     stats: dict[str, float] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        where = self.layer if self.layer in (INPUT, LOSS) else f"layer {self.layer or '<root>'!r} ({self.module_type}) call {self.call}"
+        where = (
+            self.layer
+            if self.layer in (INPUT, LOSS)
+            else f"layer {self.layer or '<root>'!r} ({self.module_type}) call {self.call}"
+        )
         nums = ", ".join(f"{k}={v:.4g}" for k, v in self.stats.items())
         return f"{self.kind.upper()} first produced in the {self.phase} pass by {where}: {nums}"
 
@@ -71,7 +75,11 @@ def _absmax(obj: Any) -> torch.Tensor | None:
     """``[min, max, min, max, ...]`` of every floating tensor in ``obj`` (fp32, on the device), or
     None; the host turns it into ``max |x|`` (NaN if any NaN). ``aminmax`` is one pass and among
     the fastest reductions on CPU (``vector_norm(x, inf)`` is ~20x slower there)."""
-    vals = [torch.stack(torch.aminmax(t.detach())).float() for _, t in iter_tensors(obj) if t.is_floating_point() and t.numel() > 0]
+    vals = [
+        torch.stack(torch.aminmax(t.detach())).float()
+        for _, t in iter_tensors(obj)
+        if t.is_floating_point() and t.numel() > 0
+    ]
     if not vals:
         return None
     return vals[0] if len(vals) == 1 else torch.cat(vals)
@@ -125,7 +133,13 @@ class _Tracker:
     """Hooks every module of a model (its own scope) and records ``max |x|`` per call."""
 
     def __init__(
-        self, model: nn.Module, allow: Iterable[Any] = (), *, detail: bool = False, skip_safe: bool = False, owner: str = "nonfinite"
+        self,
+        model: nn.Module,
+        allow: Iterable[Any] = (),
+        *,
+        detail: bool = False,
+        skip_safe: bool = False,
+        owner: str = "nonfinite",
     ) -> None:
         allow = list(allow) if not isinstance(allow, (str, type)) else [allow]
         self.allow_input = INPUT in allow
@@ -243,7 +257,9 @@ class _Tracker:
         scope.add_forward(module, post, layer=name, with_kwargs=True)
 
     # -- reading (one host transfer) -----------------------------------------------------------
-    def locate(self, extra: list[torch.Tensor] | None = None) -> tuple[NonFiniteOrigin | None, list[list[float]]]:
+    def locate(
+        self, extra: list[torch.Tensor] | None = None
+    ) -> tuple[NonFiniteOrigin | None, list[list[float]]]:
         """The first origin (forward first, then the loss, then backward); also the values of
         the ``extra`` tensors, read in the same host transfer."""
         flat: list[torch.Tensor] = []
@@ -258,7 +274,9 @@ class _Tracker:
         inp = put(self.input)
         fwd = [(n, c, put(vi), put(vo), put(d)) for n, c, vi, vo, d in self.fwd]
         root = [put(c[0]) for c in self.root_gout]
-        bwd = [(n, c, [put(cell[0]) for cell in go], put(vi), put(d)) for n, c, go, vi, d in self.bwd]
+        bwd = [
+            (n, c, [put(cell[0]) for cell in go], put(vi), put(d)) for n, c, go, vi, d in self.bwd
+        ]
         ext = [put(v) for v in (extra or [])]
         if not flat:
             return None, []
@@ -278,24 +296,32 @@ class _Tracker:
         if inp >= 0:
             s = _state(val(inp))
             if s == 2 or (s == 1 and not self.allow_input):
-                return NonFiniteOrigin(INPUT, "forward", 0, _KIND[s], "", {"input_absmax": val(inp)}), extra_vals
+                return NonFiniteOrigin(
+                    INPUT, "forward", 0, _KIND[s], "", {"input_absmax": val(inp)}
+                ), extra_vals
         for name, call, vi, vo, d in fwd:
             si, so = _state(val(vi)), _state(val(vo))
             if so > si and not (so == 1 and name in self.allowed):
                 stats = {"input_absmax": val(vi), "output_absmax": val(vo)}
                 stats.update({f"output_{k}": v for k, v in cnt(d).items()})
-                return NonFiniteOrigin(name, "forward", call, _KIND[so], self.types.get(name, ""), stats), extra_vals
+                return NonFiniteOrigin(
+                    name, "forward", call, _KIND[so], self.types.get(name, ""), stats
+                ), extra_vals
         for i in root:
             s = _state(val(i))
             if s:
-                return NonFiniteOrigin(LOSS, "backward", 0, _KIND[s], "", {"grad_output_absmax": val(i)}), extra_vals
+                return NonFiniteOrigin(
+                    LOSS, "backward", 0, _KIND[s], "", {"grad_output_absmax": val(i)}
+                ), extra_vals
         for name, call, go, vi, d in bwd:
             gmax = max((val(i) for i in go), key=lambda v: (_state(v), v), default=0.0)
             so, si = _state(gmax), _state(val(vi))
             if si > so and not (si == 1 and name in self.allowed):
                 stats = {"grad_output_absmax": gmax, "grad_input_absmax": val(vi)}
                 stats.update({f"grad_input_{k}": v for k, v in cnt(d).items()})
-                return NonFiniteOrigin(name, "backward", call, _KIND[si], self.types.get(name, ""), stats), extra_vals
+                return NonFiniteOrigin(
+                    name, "backward", call, _KIND[si], self.types.get(name, ""), stats
+                ), extra_vals
         return None, extra_vals
 
 
@@ -341,8 +367,14 @@ def find_nonfinite(
     tracker = _Tracker(model, allow, detail=True, owner="find_nonfinite")
     try:
         with tracker.scope:
-            args = map_tensors(lambda t: t.detach().requires_grad_() if backward and t.is_floating_point() else t, inputs)
-            kw = map_tensors(lambda t: t.detach().requires_grad_() if backward and t.is_floating_point() else t, kwargs)
+            args = map_tensors(
+                lambda t: t.detach().requires_grad_() if backward and t.is_floating_point() else t,
+                inputs,
+            )
+            kw = map_tensors(
+                lambda t: t.detach().requires_grad_() if backward and t.is_floating_point() else t,
+                kwargs,
+            )
             with torch.enable_grad() if backward else torch.no_grad():
                 out = model(*args, **kw)
                 loss = loss_fn(out) if loss_fn is not None else None
@@ -356,7 +388,14 @@ def find_nonfinite(
                 lt = _absmax(loss)
                 lv = _absmax_host(lt.tolist()) if lt is not None else 0.0
                 if not math.isfinite(lv):
-                    return NonFiniteOrigin(LOSS, "forward", 0, "nan" if math.isnan(lv) else "inf", "", {"loss_absmax": lv})
+                    return NonFiniteOrigin(
+                        LOSS,
+                        "forward",
+                        0,
+                        "nan" if math.isnan(lv) else "inf",
+                        "",
+                        {"loss_absmax": lv},
+                    )
             if loss is None or not loss.requires_grad:
                 return None
             leaves = [p for p in model.parameters() if p.requires_grad]

@@ -61,7 +61,9 @@ class TensorGrads(Sequence[torch.Tensor]):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tensor_grads takes tensors; argument {i} is {type(t).__name__}")
             if not t.requires_grad:
-                raise HookscopeError(f"tensor_grads: argument {i} does not require grad, so it never gets a gradient")
+                raise HookscopeError(
+                    f"tensor_grads: argument {i} does not require grad, so it never gets a gradient"
+                )
             self._scope.add_activation_grad_hook(t, self._recorder(i), layer=f"<tensor {i}>")
 
     def _recorder(self, i: int) -> Callable[[torch.Tensor], None]:
@@ -75,7 +77,9 @@ class TensorGrads(Sequence[torch.Tensor]):
     def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
         g = self._grads[i]
         if g is None:
-            raise NoGradientError(f"no gradient reached tensor {i}: backward() has not run, or it is not part of the loss")
+            raise NoGradientError(
+                f"no gradient reached tensor {i}: backward() has not run, or it is not part of the loss"
+            )
         return g
 
     def __len__(self) -> int:

@@ -60,7 +60,9 @@ class Progress:
     def update(self, n: int) -> None:
         """Count ``n`` more items; redraw at most every ``min_interval`` seconds."""
         self.done += n
-        if self.enabled and (time.monotonic() - self._last >= self.min_interval or self.done >= self.total):
+        if self.enabled and (
+            time.monotonic() - self._last >= self.min_interval or self.done >= self.total
+        ):
             self._draw()
 
     def _draw(self) -> None:

@@ -54,7 +54,14 @@ class MonitorRecord:
         nf = None
         if self.nonfinite is not None:
             o = self.nonfinite
-            nf = {"layer": o.layer, "phase": o.phase, "call": o.call, "kind": o.kind, "module_type": o.module_type, "stats": o.stats}
+            nf = {
+                "layer": o.layer,
+                "phase": o.phase,
+                "call": o.call,
+                "kind": o.kind,
+                "module_type": o.module_type,
+                "stats": o.stats,
+            }
         return clean(
             {
                 "step": self.step,

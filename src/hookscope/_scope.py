@@ -26,7 +26,14 @@ from torch.utils.hooks import RemovableHandle
 from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError
 from ._nested import describe_call
 
-__all__ = ["HookScope", "check_model", "graph_task_id", "in_backward", "locate_errors", "note_exception"]
+__all__ = [
+    "HookScope",
+    "check_model",
+    "graph_task_id",
+    "in_backward",
+    "locate_errors",
+    "note_exception",
+]
 
 _scope_ids = itertools.count(1)
 
@@ -54,7 +61,9 @@ class _Hook:
 
     __slots__ = ("fn", "kind", "layer", "owner", "scope_id")
 
-    def __init__(self, fn: Callable[..., Any], owner: str, kind: str, layer: str, scope_id: int) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], owner: str, kind: str, layer: str, scope_id: int
+    ) -> None:
         self.fn, self.owner, self.kind, self.layer, self.scope_id = fn, owner, kind, layer, scope_id
 
     def __call__(self, *args: Any) -> Any:
@@ -181,17 +190,29 @@ class HookScope:
         """``fn(module, args, output)`` (or ``fn(module, args, kwargs, output)``) after forward."""
         hook = self._wrap(fn, "forward", layer)
         return self._keep(
-            module.register_forward_hook(hook, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call)
+            module.register_forward_hook(
+                hook, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call
+            )
         )
 
     def add_forward_pre(
-        self, module: nn.Module, fn: Callable[..., Any], *, layer: str, with_kwargs: bool = False, prepend: bool = False
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        layer: str,
+        with_kwargs: bool = False,
+        prepend: bool = False,
     ) -> RemovableHandle:
         """``fn(module, args)`` (or ``fn(module, args, kwargs)``) before forward."""
         hook = self._wrap(fn, "forward_pre", layer)
-        return self._keep(module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=with_kwargs))
+        return self._keep(
+            module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=with_kwargs)
+        )
 
-    def add_full_backward(self, module: nn.Module, fn: Callable[..., Any], *, layer: str) -> RemovableHandle:
+    def add_full_backward(
+        self, module: nn.Module, fn: Callable[..., Any], *, layer: str
+    ) -> RemovableHandle:
         """``fn(module, grad_input, grad_output)``: a full backward hook, for callers that need one.
 
         hookscope's own features never use it (tensor hooks are in-place safe, PITFALLS 3-5), and
@@ -206,7 +227,9 @@ class HookScope:
         hook = self._wrap(fn, "backward", layer)
         return self._keep(module.register_full_backward_hook(hook))
 
-    def add_tensor_hook(self, tensor: torch.Tensor, fn: Callable[[torch.Tensor], Any], *, layer: str) -> RemovableHandle:
+    def add_tensor_hook(
+        self, tensor: torch.Tensor, fn: Callable[[torch.Tensor], Any], *, layer: str
+    ) -> RemovableHandle:
         """``fn(grad) -> new_grad | None`` on a tensor, kept and removed with the scope (parameters).
 
         For activations use :meth:`add_activation_grad_hook`, which does not keep a handle.
@@ -214,7 +237,9 @@ class HookScope:
         hook = self._wrap(fn, "tensor", layer)
         return self._keep(tensor.register_hook(hook))
 
-    def add_activation_grad_hook(self, tensor: torch.Tensor, fn: Callable[[torch.Tensor], Any], *, layer: str) -> None:
+    def add_activation_grad_hook(
+        self, tensor: torch.Tensor, fn: Callable[[torch.Tensor], Any], *, layer: str
+    ) -> None:
         """A gradient hook on an activation: lives as long as the autograd graph, inert once removed.
 
         Keeping a handle per activation would grow without bound in a training loop; instead the
@@ -229,7 +254,9 @@ class HookScope:
 
         tensor.register_hook(_Hook(guarded, self.owner, "tensor", layer, self.id))
 
-    def add_post_accumulate_grad(self, param: torch.Tensor, fn: Callable[[torch.Tensor], None], *, layer: str) -> RemovableHandle:
+    def add_post_accumulate_grad(
+        self, param: torch.Tensor, fn: Callable[[torch.Tensor], None], *, layer: str
+    ) -> RemovableHandle:
         """``fn(param)`` after ``param.grad`` was accumulated (PITFALLS 7 and 19)."""
         hook = self._wrap(fn, "post_accumulate_grad", layer)
         return self._keep(param.register_post_accumulate_grad_hook(hook))
@@ -271,7 +298,9 @@ class HookScope:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
-        return f"<{type(self).__name__} {self.owner!r} #{self.id} {state}, {len(self._handles)} hooks>"
+        return (
+            f"<{type(self).__name__} {self.owner!r} #{self.id} {state}, {len(self._handles)} hooks>"
+        )
 
 
 def locate_errors(model: nn.Module) -> HookScope:

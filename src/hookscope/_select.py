@@ -39,7 +39,11 @@ def suggest(name: str, names: Iterable[str], n: int = 5) -> list[str]:
             prefix = ".".join(parts[:k])
             sib = [x for x in names if (x.startswith(prefix + ".") if prefix else "." not in x)]
             if sib:
-                close += [x for x in difflib.get_close_matches(name, sib, n=n, cutoff=0.0) if x not in close]
+                close += [
+                    x
+                    for x in difflib.get_close_matches(name, sib, n=n, cutoff=0.0)
+                    if x not in close
+                ]
                 break
     return close[:n]
 
@@ -50,7 +54,11 @@ def _not_found(what: str, names: list[str], query: str | None) -> LayerNotFoundE
         tail = "closest valid names: " + ", ".join(repr(h) for h in hint)
     else:
         sample = [x for x in names if x][:8]
-        tail = "some valid names: " + ", ".join(repr(h) for h in sample) + (" ..." if len(names) > 9 else "")
+        tail = (
+            "some valid names: "
+            + ", ".join(repr(h) for h in sample)
+            + (" ..." if len(names) > 9 else "")
+        )
     return LayerNotFoundError(f"{what}; {tail}")
 
 
@@ -61,7 +69,11 @@ def _match(model_name: str, all_modules: dict[str, nn.Module], sel: Any) -> dict
         if _GLOB_CHARS & set(sel):
             hit = {k: m for k, m in all_modules.items() if k and fnmatch.fnmatchcase(k, sel)}
             if not hit:
-                raise _not_found(f"pattern {sel!r} matched no layer of {model_name}", list(all_modules), sel.replace("*", "").replace("?", ""))
+                raise _not_found(
+                    f"pattern {sel!r} matched no layer of {model_name}",
+                    list(all_modules),
+                    sel.replace("*", "").replace("?", ""),
+                )
             return hit
         raise _not_found(f"no layer named {sel!r} in {model_name}", list(all_modules), sel)
     if isinstance(sel, type) and issubclass(sel, nn.Module):
@@ -76,11 +88,15 @@ def _match(model_name: str, all_modules: dict[str, nn.Module], sel: Any) -> dict
         for k, m in all_modules.items():
             if m is sel:
                 return {k: m}
-        raise LayerNotFoundError(f"the {type(sel).__name__} instance given is not a submodule of {model_name}")
+        raise LayerNotFoundError(
+            f"the {type(sel).__name__} instance given is not a submodule of {model_name}"
+        )
     if callable(sel):
         hit = {k: m for k, m in all_modules.items() if sel(k, m)}
         if not hit:
-            raise LayerNotFoundError(f"predicate {getattr(sel, '__name__', sel)!r} matched no layer of {model_name}")
+            raise LayerNotFoundError(
+                f"predicate {getattr(sel, '__name__', sel)!r} matched no layer of {model_name}"
+            )
         return hit
     raise TypeError(
         f"a layer selector must be a name, glob, module class, module or predicate (name, module) -> bool; "
@@ -127,9 +143,13 @@ def resolve(model: nn.Module, layers: Any) -> dict[str, nn.Module]:
         return find(model)
     if isinstance(layers, Mapping):
         return find(model, *layers.keys())
-    if isinstance(layers, (str, type, nn.Module)) or (callable(layers) and not isinstance(layers, Iterable)):
+    if isinstance(layers, (str, type, nn.Module)) or (
+        callable(layers) and not isinstance(layers, Iterable)
+    ):
         return find(model, layers)
     layers = list(layers)
     if not layers:
-        raise ValueError("layers is empty: name at least one layer (a name, glob, type or predicate)")
+        raise ValueError(
+            "layers is empty: name at least one layer (a name, glob, type or predicate)"
+        )
     return find(model, *layers)

@@ -107,4 +107,6 @@ def as_sink(obj: Any) -> Callable[[Any], None]:
     write = getattr(obj, "write", None)
     if callable(write):
         return write  # type: ignore[no-any-return]
-    raise TypeError(f"a monitor sink must be callable as fn(record) or have .write(record); got {type(obj).__name__}")
+    raise TypeError(
+        f"a monitor sink must be callable as fn(record) or have .write(record); got {type(obj).__name__}"
+    )

@@ -101,7 +101,14 @@ def trace(
                 torch.cuda.synchronize(t.device)
             starts.append(time.perf_counter())
 
-        def post(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name, starts: list[float] = starts) -> None:
+        def post(
+            module: nn.Module,
+            args: Any,
+            kwargs: Any,
+            output: Any,
+            name: str = name,
+            starts: list[float] = starts,
+        ) -> None:
             if not starts:
                 return
             start = starts.pop()
@@ -127,7 +134,11 @@ def trace(
             )
             scope.events.append(ev)
             if not quiet:
-                print(ev.format(width, type_width), file=stream if stream is not None else sys.stdout, flush=True)
+                print(
+                    ev.format(width, type_width),
+                    file=stream if stream is not None else sys.stdout,
+                    flush=True,
+                )
 
         scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
         scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)

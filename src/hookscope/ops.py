@@ -76,7 +76,10 @@ class _Replace(Op):
         v = self.value
         if not isinstance(v, torch.Tensor):
             return torch.full_like(t, v)
-        v = v.to(device=t.device, dtype=t.dtype if t.is_floating_point() and v.is_floating_point() else v.dtype)
+        v = v.to(
+            device=t.device,
+            dtype=t.dtype if t.is_floating_point() and v.is_floating_point() else v.dtype,
+        )
         if v.shape != t.shape:
             try:
                 v = torch.broadcast_to(v, t.shape)
@@ -90,20 +93,28 @@ class _Replace(Op):
 
 class _Ablate(Op):
     def __init__(self, channels: int | Sequence[int] | torch.Tensor, dim: int = 1) -> None:
-        idx = torch.as_tensor([channels] if isinstance(channels, int) else channels, dtype=torch.long)
+        idx = torch.as_tensor(
+            [channels] if isinstance(channels, int) else channels, dtype=torch.long
+        )
         if idx.ndim != 1:
-            raise ValueError(f"ablate: channels must be an int or a 1-D list of ints, got shape {tuple(idx.shape)}")
+            raise ValueError(
+                f"ablate: channels must be an int or a 1-D list of ints, got shape {tuple(idx.shape)}"
+            )
         self.channels, self.dim = idx.tolist(), dim
         self._idx = idx
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         dim = self.dim if self.dim >= 0 else t.ndim + self.dim
         if not 0 <= dim < t.ndim:
-            raise ValueError(f"ablate: dim={self.dim} is out of range for a tensor of shape {tuple(t.shape)}")
+            raise ValueError(
+                f"ablate: dim={self.dim} is out of range for a tensor of shape {tuple(t.shape)}"
+            )
         size = t.shape[dim]
         bad = [c for c in self.channels if not -size <= c < size]
         if bad:
-            raise ValueError(f"ablate: channel(s) {bad} out of range for size {size} along dim {dim}")
+            raise ValueError(
+                f"ablate: channel(s) {bad} out of range for size {size} along dim {dim}"
+            )
         idx = self._idx.to(t.device) % size
         return t.index_fill(dim, idx, 0)
 
@@ -164,7 +175,9 @@ def apply(fn: Any, value: Any, what: str) -> Any:
     if isinstance(fn, Op):
         return fn(value) if isinstance(value, torch.Tensor) else map_tensors(fn, value)
     if not callable(fn):
-        raise TypeError(f"the edit for {what} must be a hs.ops op, a tensor or a callable; got {type(fn).__name__}")
+        raise TypeError(
+            f"the edit for {what} must be a hs.ops op, a tensor or a callable; got {type(fn).__name__}"
+        )
     new = fn(value)
     if new is None:
         return value
