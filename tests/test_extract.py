@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -239,15 +240,31 @@ def test_interrupted_run_resumes_to_identical_files(net, data, tmp_path):
     assert redo.layers == ["head"]
 
 
+class Paced(Dataset):
+    """Yields like ``base``, a little slowly, so the writer drains (and syncs) after each batch."""
+
+    def __init__(self, base: Dataset, delay: float = 0.02) -> None:
+        self.base, self.delay = base, delay
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, i: int):
+        time.sleep(self.delay)
+        return self.base[i]
+
+
 def test_write_error_is_clear_and_work_is_kept(net, data, tmp_path, monkeypatch):
     full = hs.extract(net, data, "conv", tmp_path / "full", batch_size=2, progress=False)
     real_save = _featstore.Journal.save
-    calls = []
+    durable = []
 
     def failing_save(self, key, done, skipped):
-        calls.append(done)
-        if len(calls) > 2:
+        # fail once 3 batches are written (by batch count, not by number of syncs, which
+        # depends on how fast the writer drains its queue)
+        if done >= 3:
             raise OSError(errno.ENOSPC, "No space left on device")
+        durable.append(done)
         real_save(self, key, done, skipped)
 
     monkeypatch.setattr(_featstore.Journal, "save", failing_save)
@@ -255,7 +272,8 @@ def test_write_error_is_clear_and_work_is_kept(net, data, tmp_path, monkeypatch)
     with pytest.raises(
         hs.ExtractError, match=r"no space left on device.*kept.*run the same extraction again"
     ):
-        hs.extract(net, data, "conv", out, batch_size=2, progress=False)
+        hs.extract(net, Paced(data), "conv", out, batch_size=2, progress=False)
+    assert durable and durable[-1] < 3  # some work was made durable before the failure
     monkeypatch.setattr(_featstore.Journal, "save", real_save)
     resumed = hs.extract(net, data, "conv", out, batch_size=2, progress=False)
     assert files_of(out) == files_of(full.path)
