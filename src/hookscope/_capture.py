@@ -12,7 +12,15 @@ import torch.nn as nn
 from ._call import Call, Inputs, _GradSlots, _nograd_reason
 from ._errors import LayerNotFoundError, LayerNotRunError
 from ._nested import iter_tensors, map_tensors
-from ._scope import HookScope, _Hook, check_model, graph_task_id, in_backward, warn_once
+from ._scope import (
+    HookScope,
+    _Hook,
+    check_model,
+    graph_task_id,
+    identity_views,
+    in_backward,
+    warn_once,
+)
 from ._select import resolve, suggest
 from ._transfer import move, ready
 
@@ -231,21 +239,8 @@ class Capture(Mapping[str, Any]):
                 and torch.is_grad_enabled()
                 and any(t.requires_grad for _, t in iter_tensors((args, kwargs)))
             ):
-                # Route each input through its own identity view so the gradient we record is the
-                # one flowing through this layer only (a tensor also used elsewhere, e.g. a residual,
-                # gets the rest of its gradient from other paths). Same tensor -> same view, so
-                # identity checks such as `query is key` keep their path (PITFALL 4).
-                views: dict[int, torch.Tensor] = {}
-
-                def alias(t: torch.Tensor) -> torch.Tensor:
-                    if not t.requires_grad:
-                        return t
-                    v = views.get(id(t))
-                    if v is None:
-                        v = views[id(t)] = t.view_as(t)
-                    return v
-
-                replaced = (map_tensors(alias, args), map_tensors(alias, kwargs))
+                # gradients through this layer only; identity checks keep their path (PITFALL 4)
+                replaced = identity_views(args, kwargs)
                 call._in_grad, _ = rec.attach_grads(scope, name, replaced, f"inputs of {name!r}")
             versions: list[tuple[torch.Tensor, int]] | None = [] if track_versions else None
             a, k = replaced if replaced is not None else (args, kwargs)

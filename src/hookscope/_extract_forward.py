@@ -13,10 +13,10 @@ import torch.nn as nn
 from ._errors import LayerNotRunError
 from ._featstore import ExtractError
 from ._nested import describe, first_tensor
-from ._scope import HookScope
+from ._scope import HookScope, model_device
 from ._transfer import move, ready
 
-__all__ = ["Pool", "Prepared", "Runner", "host", "model_device", "np_dtype", "pool_fn"]
+__all__ = ["Pool", "Prepared", "Runner", "host", "np_dtype", "pool_fn"]
 
 Pool = Literal["avg", "max", "flatten", "cls"] | Callable[[torch.Tensor], torch.Tensor] | None
 """How a layer's output ``(B, ...)`` becomes the saved row: ``None`` keeps it whole; ``"avg"`` /
@@ -177,14 +177,6 @@ class Prepared:
             self.model.to(self.orig)
         for m, mode in self.modes:
             m.training = mode
-
-
-def model_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device("cpu")
 
 
 def host(value: Any) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from ._nested import first_tensor, iter_tensors, map_tensors
-from ._scope import HookScope, check_model, in_backward
+from ._scope import HookScope, check_model, identity_views, in_backward
 from ._select import find
 
 __all__ = ["INPUT", "LOSS", "NonFiniteOrigin", "find_nonfinite"]
@@ -204,23 +204,14 @@ class _Tracker:
                 return None
             if not any(t.requires_grad for _, t in iter_tensors((args, kwargs))):
                 return None
-            views: dict[int, torch.Tensor] = {}
 
-            def alias(t: torch.Tensor) -> torch.Tensor:
-                if not t.requires_grad:
-                    return t
-                v = views.get(id(t))
-                if v is None:
-                    v = views[id(t)] = t.view_as(t)
+            def on_grad_in(g: torch.Tensor, call: int = call) -> None:
+                d = _counts(g) if detail else None
+                tracker.bwd.append((name, call, list(gouts), _absmax(g), d))  # type: ignore[arg-type]
 
-                    def on_grad_in(g: torch.Tensor, call: int = call) -> None:
-                        d = _counts(g) if detail else None
-                        tracker.bwd.append((name, call, list(gouts), _absmax(g), d))  # type: ignore[arg-type]
-
-                    scope.add_activation_grad_hook(v, on_grad_in, layer=name)
-                return v
-
-            return map_tensors(alias, args), map_tensors(alias, kwargs)
+            return identity_views(
+                args, kwargs, lambda v: scope.add_activation_grad_hook(v, on_grad_in, layer=name)
+            )
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if in_backward() or not stack:

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError
-from ._nested import describe_call
+from ._nested import describe_call, map_tensors
 
 __all__ = [
     "HookScope",
@@ -93,6 +93,41 @@ def check_model(model: nn.Module) -> None:
             "ignored by the compiled graph (pytorch#117758). Attach hookscope to the uncompiled "
             "model (model._orig_mod), or before calling torch.compile"
         )
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (or buffer); CPU for a model with neither."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+def identity_views(
+    args: Any, kwargs: Any, on_view: Callable[[torch.Tensor], None] | None = None
+) -> tuple[Any, Any]:
+    """Route each input tensor that requires grad through its own identity view.
+
+    A gradient hook on the view sees the gradient flowing through *this* layer only (a tensor also
+    used elsewhere, e.g. by a residual, gets the rest of its gradient from other paths). The same
+    tensor gets the same view, so identity checks such as ``query is key`` keep their path
+    (PITFALL 4). ``on_view(view)`` is called once per new view. Returns ``(args, kwargs)`` for a
+    ``with_kwargs`` forward pre-hook to return.
+    """
+    views: dict[int, torch.Tensor] = {}
+
+    def alias(t: torch.Tensor) -> torch.Tensor:
+        if not t.requires_grad:
+            return t
+        v = views.get(id(t))
+        if v is None:
+            v = views[id(t)] = t.view_as(t)
+            if on_view is not None:
+                on_view(v)
+        return v
+
+    return map_tensors(alias, args), map_tensors(alias, kwargs)
 
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ._flops import OpCounter, warm_up
 from ._nested import describe_call, iter_tensors
-from ._scope import HookScope, check_model, in_backward, note_exception
+from ._scope import HookScope, check_model, in_backward, model_device, note_exception
 from ._summary_format import parse_columns
 from ._summary_rows import CallRecord, SummaryRow, SummaryTotals, build_rows, collapse
 from ._summary_table import Summary
@@ -38,14 +38,6 @@ def _shapes(args: Any, kwargs: Any) -> dict[str, list[int]]:
         }
     )
     return out
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device("cpu")
 
 
 def make_inputs(input_size: Any, dtypes: Any, device: torch.device) -> list[torch.Tensor]:
@@ -216,7 +208,7 @@ def summary(
     if depth is not None and (not isinstance(depth, int) or depth < 0):
         raise ValueError(f"depth must be a non-negative int or None; got {depth!r}")
     cols = parse_columns(columns)
-    device = _model_device(model)
+    device = model_device(model)
     if input_size is not None:
         if inputs:
             raise ValueError("give the inputs or input_size, not both")
