@@ -1,0 +1,39 @@
+"""The README's quick start runs as written and does what its comments say."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+import hookscope as hs
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _quick_start() -> str:
+    text = README.read_text()
+    start = text.index("```python", text.index("## Quick start")) + len("```python")
+    return text[start : text.index("```", start)]
+
+
+def test_readme_quick_start_runs_and_its_comments_hold(capsys):
+    ns: dict = {}
+    exec(compile(_quick_start(), "README.md#quick-start", "exec"), ns)
+    model, cap, x = ns["model"], ns["cap"], ns["x"]
+    # "output of the last call", "gradient w.r.t. that output", "every call, in order"
+    ref = model.layer4(
+        model.layer3(
+            model.layer2(model.layer1(model.maxpool(model.relu(model.bn1(model.conv1(x))))))
+        )
+    )
+    assert torch.allclose(cap["layer4"], ref, atol=1e-5)
+    assert cap.grads["layer4"].shape == ref.shape and cap.grads["layer4"].abs().sum() > 0
+    assert [c.index for c in cap.calls("layer1.0.relu")] == [0, 1]
+    assert list(ns["feats"]) == ["layer4", "avgpool"]
+    assert torch.allclose(ns["feats"]["avgpool"], model.avgpool(ref), atol=1e-5)
+    # the trace printed every call; clip_grads' handle is the only hookscope hook left
+    assert "fc" in capsys.readouterr().out
+    assert {i.feature for i in hs.hooks_on(model)} == {"clip_grads"}
+    ns["handle"].remove()
+    assert hs.hooks_on(model) == []
