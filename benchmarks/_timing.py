@@ -16,10 +16,21 @@ def interleaved(
 ) -> dict[str, float]:
     """Seconds per call of each contender (median, or min over rounds: noise only ever adds time),
     timed A, B, C, B, C, A, C, A, B, ... in one run (interleaved, order rotated each round)."""
+    pick = statistics.median if stat == "median" else min
+    return {k: pick(v) for k, v in samples(contenders, rounds, inner, warmup).items()}
+
+
+def samples(
+    contenders: dict[str, Callable[[], object]],
+    rounds: int,
+    inner: int = 1,
+    warmup: int = 2,
+) -> dict[str, list[float]]:
+    """Every round's seconds per call, per contender, timed as :func:`interleaved` times them."""
     for fn in contenders.values():
         for _ in range(warmup):
             fn()
-    samples: dict[str, list[float]] = {k: [] for k in contenders}
+    out: dict[str, list[float]] = {k: [] for k in contenders}
     names = list(contenders)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate: no fixed neighbour
@@ -27,9 +38,8 @@ def interleaved(
             t0 = time.perf_counter()
             for _ in range(inner):
                 fn()
-            samples[name].append((time.perf_counter() - t0) / inner)
-    pick = statistics.median if stat == "median" else min
-    return {k: pick(v) for k, v in samples.items()}
+            out[name].append((time.perf_counter() - t0) / inner)
+    return out
 
 
 def table(headers: list[str], rows: list[list[object]]) -> str:

@@ -1,32 +1,68 @@
 """hs.summary wall time vs one bare forward and vs torchinfo.summary, interleaved in one run.
 
-Each round runs, in turn: a bare ``model(x)`` under ``torch.no_grad()``; ``hs.summary(model, x)``
-(one forward with hooks on every module, per-layer timing, dispatcher FLOP counting and memory
-tracking); ``torchinfo.summary(model, input_data=x, verbose=0)``. Medians over the rounds, and
-ratios to the bare forward. The interleaving spreads the noise of a shared machine over all three.
+Each round runs, in an order rotated every round: a bare ``model(x)`` under ``torch.no_grad()``;
+``hs.summary(model, x)`` (one forward with hooks on every module, per-layer timing, dispatcher FLOP
+counting and memory tracking); ``torchinfo.summary(model, input_data=x, verbose=0)``. Medians (and
+minima) over the rounds, ratios to the bare forward, and hs.summary / torchinfo per model. The
+interleaving spreads the noise of a shared machine over all three.
 
-    .venv/bin/python benchmarks/bench_summary.py [--model resnet50] [--size 224] [--rounds 9]
+    .venv/bin/python benchmarks/bench_summary.py [--models resnet50,vit_b_16] [--rounds 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torchvision
 
 import hookscope as hs
+from _timing import samples, table
+
+
+def bench(name: str, size: int, rounds: int) -> list[list[object]]:
+    model = getattr(torchvision.models, name)().eval()
+    x = torch.randn(1, 3, size, size)
+
+    def bare() -> None:
+        with torch.no_grad():
+            model(x)
+
+    contenders = {"bare forward": bare, "hs.summary": lambda: hs.summary(model, x)}
+    try:
+        import torchinfo
+
+        contenders["torchinfo.summary"] = lambda: torchinfo.summary(model, input_data=x, verbose=0)
+    except ImportError:
+        print("torchinfo not installed: skipped")
+    got = samples(contenders, rounds, warmup=2)
+    med = {k: statistics.median(v) for k, v in got.items()}
+    rows: list[list[object]] = []
+    for k, v in got.items():
+        vs_ti = f"{med[k] / med['torchinfo.summary']:.2f}" if "torchinfo.summary" in med else "-"
+        rows.append(
+            [
+                name,
+                k,
+                f"{med[k] * 1e3:.1f}",
+                f"{min(v) * 1e3:.1f}",
+                f"{med[k] / med['bare forward']:.2f}",
+                vs_ti,
+            ]
+        )
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--model", default="resnet50", help="a torchvision.models builder (default resnet50)"
+        "--models",
+        default="resnet50,resnet18,mobilenet_v3_large,vit_b_16",
+        help="comma-separated torchvision.models builders (the issue's goal is on resnet50)",
     )
     ap.add_argument("--size", type=int, default=224, help="input image size (default 224)")
-    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument(
         "--threads",
         type=int,
@@ -35,48 +71,14 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = getattr(torchvision.models, args.model)().eval()
-    x = torch.randn(1, 3, args.size, args.size)
-
-    def bare() -> None:
-        with torch.no_grad():
-            model(x)
-
-    def summary() -> None:
-        hs.summary(model, x)
-
-    contenders = {"bare forward": bare, "hs.summary": summary}
-    try:
-        import torchinfo
-
-        contenders["torchinfo.summary"] = lambda: torchinfo.summary(model, input_data=x, verbose=0)
-    except ImportError:
-        print("torchinfo not installed: skipped")
-
-    for fn in contenders.values():  # warm-up: allocator, oneDNN primitives, imports
-        fn()
-    times: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(args.rounds):
-        for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-
-    base = statistics.median(times["bare forward"])
+    rows = [r for name in args.models.split(",") for r in bench(name, args.size, args.rounds)]
     print(
-        f"{args.model}, input (1, 3, {args.size}, {args.size}), eval, CPU, {args.threads} threads, "
-        f"torch {torch.__version__}, {args.rounds} interleaved rounds\n"
+        f"input (1, 3, {args.size}, {args.size}), eval, CPU, {args.threads} thread(s), "
+        f"torch {torch.__version__}, {args.rounds} interleaved rounds (order rotated)\n"
     )
-    print("| contender | median ms | min ms | × bare forward |")
-    print("|---|---:|---:|---:|")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {name} | {med * 1e3:.1f} | {min(ts) * 1e3:.1f} | {med / base:.2f} |")
-    if "torchinfo.summary" in times:
-        ratio = statistics.median(times["hs.summary"]) / statistics.median(
-            times["torchinfo.summary"]
-        )
-        print(f"\nhs.summary / torchinfo.summary: {ratio:.2f}")
+    print(
+        table(["model", "contender", "median ms", "min ms", "× bare (median)", "× torchinfo"], rows)
+    )
 
 
 if __name__ == "__main__":

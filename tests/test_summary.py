@@ -513,3 +513,197 @@ def test_cpu_peak_memory_counts_tensors_alive_at_once():
     # the in-place ReLU allocates nothing; the input and the weights are not counted.
     assert s.totals.peak_memory_bytes == 2 * one
     assert s.totals.activation_bytes == 4 * one
+
+
+# Leaf layers of known built-in types run with the dispatch mode off and are counted from shapes
+# (benchmark: batch_norm under a dispatch mode costs ~40 us a call). Each rule against the
+# dispatcher's count, over the configurations that change which aten operators run.
+NATIVE_CASES = [
+    (nn.Conv1d(4, 6, 3), (2, 4, 9)),
+    (nn.Conv1d(4, 6, 3), (4, 9)),  # unbatched
+    (nn.Conv2d(4, 8, 3, stride=2, padding=1, dilation=1, groups=2), (2, 4, 9, 9)),
+    (nn.Conv2d(4, 8, 3, padding="same", dilation=2, bias=False), (1, 4, 7, 7)),
+    (nn.Conv2d(4, 8, 3, padding=1, padding_mode="reflect"), (1, 4, 7, 7)),
+    (nn.Conv2d(4, 6, 3), (4, 7, 7)),  # unbatched
+    (nn.Conv3d(2, 3, (1, 2, 3), stride=(1, 2, 1)), (2, 2, 4, 5, 6)),
+    (nn.ConvTranspose1d(4, 2, 3, stride=2, output_padding=1), (2, 4, 5)),
+    (nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2, output_padding=1), (2, 4, 5, 5)),
+    (nn.ConvTranspose2d(4, 6, 3, stride=2), (4, 5, 5)),  # unbatched
+    (nn.ConvTranspose3d(2, 2, 2, stride=2), (1, 2, 3, 3, 3)),
+    (nn.Linear(5, 7), (5,)),
+    (nn.Linear(5, 7), (3, 5)),
+    (nn.Linear(5, 7, bias=False), (2, 3, 5)),
+    (nn.Linear(5, 7), (2, 3, 4, 5)),
+    (nn.Linear(5, 7), (0, 5)),
+    (nn.BatchNorm2d(4), (2, 4, 3, 3)),
+    (nn.LayerNorm(6), (2, 3, 6)),
+    (nn.GroupNorm(2, 4), (2, 4, 3)),
+    (nn.GELU(), (2, 3)),
+    (nn.Softmax(-1), (2, 3)),
+    (nn.MaxPool2d(2, return_indices=True), (1, 2, 4, 4)),
+    (nn.AdaptiveAvgPool2d(1), (1, 2, 4, 4)),
+    (nn.Embedding(10, 4), None),
+]
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape"), NATIVE_CASES, ids=[f"{type(m).__name__}-{s}" for m, s in NATIVE_CASES]
+)
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_native_leaf_rules_equal_the_dispatcher(layer, shape, train, monkeypatch):
+    from hookscope import _flops
+
+    assert _flops.native_rule(layer) is not None
+    layer.train(train)
+    x = torch.randint(0, 10, (2, 3)) if shape is None else torch.randn(shape)
+    net = nn.Sequential(layer)
+    ref = reference_flops(net, x).get_total_flops()
+    _flops.warm_up()  # its first call runs two operators under a mode, once per process
+    seen = []  # operators the dispatch mode saw: none, the layer ran natively
+    dispatch = _flops.OpCounter.__torch_dispatch__
+    monkeypatch.setattr(
+        _flops.OpCounter,
+        "__torch_dispatch__",
+        lambda self, func, *a, **k: seen.append(func) or dispatch(self, func, *a, **k),
+    )
+    s = hs.summary(net, x)
+    assert seen == []
+    assert s.totals.flops == ref
+    assert s.rows[1].flops == ref
+    with torch.no_grad():
+        out = net(x)
+    key, out = ("0", out[0]) if isinstance(out, tuple) else ("", out)
+    assert s.rows[1].output_shapes[key] == list(out.shape)
+    if isinstance(layer, (nn.Conv2d, nn.Linear)) and x.numel():
+        assert ref > 0  # the comparison is not 0 == 0
+
+
+def test_layers_that_may_run_other_operators_are_counted_at_the_dispatcher(seed):
+    """A built-in type with a hook of someone else's, or a subclass with its own forward, runs
+    with the dispatch mode on: the matmuls its hook or forward adds are counted."""
+    from hookscope import _flops
+
+    class Wider(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) @ torch.ones(self.out_features, 9)
+
+    hooked = nn.Linear(4, 4)
+    a = torch.randn(4, 4)
+    h = hooked.register_forward_pre_hook(lambda m, args: (args[0] @ a,))
+    try:
+        net = nn.Sequential(hooked, Wider(4, 5))
+        assert _flops.native_rule(hooked) is None and _flops.native_rule(net[1]) is None
+        x = torch.randn(3, 4)
+        ref = reference_flops(net, x).get_total_flops()
+        s = hs.summary(net, x)
+        assert s.totals.flops == ref == 2 * 3 * 4 * 4 * 2 + 2 * 3 * 4 * 5 + 2 * 3 * 5 * 9
+        # the user's pre-hook runs before summary's records the call: its matmul goes to the parent
+        assert [r.flops for r in s.rows] == [
+            2 * 3 * 4 * 4,
+            2 * 3 * 4 * 4,
+            2 * 3 * 4 * 5 + 2 * 3 * 5 * 9,
+        ]
+    finally:
+        h.remove()
+
+
+def test_dispatch_mode_back_on_after_a_native_layer_raises(seed):
+    """A native layer that raises must not leave the dispatch mode off for the next summary."""
+    bad = nn.Sequential(nn.Linear(4, 3), nn.Linear(5, 2))
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):
+        hs.summary(bad, torch.randn(2, 4))
+    att = nn.Sequential(nn.Linear(4, 8))
+    x = torch.randn(2, 4)
+
+    class MatmulOnly(nn.Module):
+        def forward(self, x):
+            return x @ x.T
+
+    net = nn.Sequential(att, MatmulOnly())
+    s = hs.summary(net, x)
+    assert (
+        s.totals.flops == reference_flops(net, x).get_total_flops() == 2 * 2 * 4 * 8 + 2 * 2 * 8 * 2
+    )
+
+
+MHA_CASES = [
+    # (module kwargs, L, S, call kwargs, batched)
+    ({}, 5, 5, {}, True),
+    ({"batch_first": True}, 5, 5, {"need_weights": False}, True),
+    ({}, 4, 6, {}, True),  # cross-attention: L != S
+    ({"kdim": 3, "vdim": 5}, 4, 6, {}, True),
+    ({"add_bias_kv": True, "add_zero_attn": True}, 5, 5, {}, True),
+    ({"add_bias_kv": True}, 5, 5, {"need_weights": False}, True),
+    ({"dropout": 0.5}, 5, 5, {"need_weights": False}, True),
+    ({}, 5, 5, {"attn_mask": "causal", "need_weights": False}, True),
+    ({}, 5, 5, {"attn_mask": "causal"}, True),
+    ({"batch_first": True}, 5, 5, {"key_padding_mask": True, "average_attn_weights": False}, True),
+    ({"bias": False}, 5, 5, {}, False),  # unbatched (L, E)
+]
+
+
+@pytest.mark.parametrize("case", MHA_CASES, ids=[str(i) for i in range(len(MHA_CASES))])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_native_multihead_attention_equals_the_dispatcher(case, train, seed, monkeypatch):
+    from hookscope import _flops
+
+    mkw, lq, s, ckw, batched = case
+    e, n = 8, 3
+    mha = nn.MultiheadAttention(e, 2, **mkw).train(train)
+    assert _flops.native_rule(mha) is _flops._MHA
+    kdim, vdim = mha.kdim, mha.vdim
+
+    def shape(length: int, width: int) -> tuple[int, ...]:
+        if not batched:
+            return (length, width)
+        return (n, length, width) if mha.batch_first else (length, n, width)
+
+    q = torch.randn(shape(lq, e))
+    k = q if (lq == s and kdim == e) else torch.randn(shape(s, kdim))
+    v = q if (lq == s and vdim == e) else torch.randn(shape(s, vdim))
+    ckw = dict(ckw)
+    if ckw.get("attn_mask") == "causal":
+        ckw["attn_mask"] = torch.triu(torch.full((lq, s), float("-inf")), 1)
+    if ckw.get("key_padding_mask"):
+        ckw["key_padding_mask"] = torch.zeros(n, s, dtype=torch.bool)
+
+    class Block(nn.Module):  # calls the attention with keywords, as transformers code does
+        def __init__(self):
+            super().__init__()
+            self.attn = mha
+
+        def forward(self, q, k, v):
+            return self.attn(q, key=k, value=v, **ckw)[0]
+
+    net = Block()
+    ref = reference_flops(net, q, k, v).get_total_flops()
+    _flops.warm_up()
+    seen = []
+    dispatch = _flops.OpCounter.__torch_dispatch__
+    monkeypatch.setattr(
+        _flops.OpCounter,
+        "__torch_dispatch__",
+        lambda self, func, *a, **k: seen.append(func) or dispatch(self, func, *a, **k),
+    )
+    sm = hs.summary(net, q, k, v)
+    assert seen == []  # the attention ran natively
+    assert ref > 0 and sm.totals.flops == ref and by_label(sm)["attn"].flops == ref
+
+
+def test_unshared_fast_path_counts_as_the_exact_path(monkeypatch):
+    """Rows of a model with nothing shared take a bottom-up count; the exact per-row path (used
+    when a parameter or module is reachable twice) must give the same rows."""
+    import torchvision
+
+    from hookscope import _summary_rows
+
+    net = torchvision.models.resnet18().eval()
+    net.fc.weight.requires_grad_(False)
+    x = torch.randn(1, 3, 32, 32)
+    fast = hs.summary(net, x)
+    monkeypatch.setattr(_summary_rows, "_tree_sizes", lambda modules: None)
+    exact = hs.summary(net, x)
+    key = lambda s: [(r.label, r.params, r.trainable, r.shared_params) for r in s.rows]  # noqa: E731
+    assert key(fast) == key(exact)
+    assert fast.rows[0].params == sum(p.numel() for p in net.parameters())
+    assert fast.rows[0].trainable == fast.rows[0].params - net.fc.weight.numel()

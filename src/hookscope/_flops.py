@@ -13,15 +13,26 @@ peak: the CPU measure of the forward's peak memory (parameters, buffers and inpu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["EXTRA_FLOP_FORMULAS", "OpCounter", "flop_registry", "warm_up"]
+from ._scope import _Hook
+
+__all__ = [
+    "EXTRA_FLOP_FORMULAS",
+    "OpCounter",
+    "flop_registry",
+    "native_rule",
+    "no_dispatch",
+    "warm_up",
+]
 
 aten = torch.ops.aten
 
@@ -78,13 +89,7 @@ class OpCounter(TorchDispatchMode):
 
     def __init__(self, known: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
-        self.registry = flop_registry()
-        # formulas wrapped by shape_wrapper: called on shapes directly (pytree costs ~30 us a call)
-        self._raw = {
-            k: v.__wrapped__
-            for k, v in self.registry.items()
-            if getattr(v, "__code__", None) is _SHAPE_CODE and hasattr(v, "__wrapped__")
-        }
+        self.registry, self._raw = _registries()
         self.sink: Any = _Sink()
         self.total_flops = 0
         self.live_bytes = 0
@@ -187,6 +192,24 @@ class OpCounter(TorchDispatchMode):
 _SHAPE_CODE = flop_counter.shape_wrapper(lambda: 0).__code__
 
 
+def _registries() -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """The formula registry, and its formulas wrapped by shape_wrapper unwrapped: those are called
+    on shapes directly (pytree costs ~30 us a call). Rebuilt when a formula has been registered
+    since (``register_flop_formula`` adds to torch's registry)."""
+    return _registries_for(len(flop_counter.flop_registry))
+
+
+@functools.lru_cache(maxsize=1)
+def _registries_for(size: int) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    registry = flop_registry()
+    raw = {
+        k: v.__wrapped__
+        for k, v in registry.items()
+        if getattr(v, "__code__", None) is _SHAPE_CODE and hasattr(v, "__wrapped__")
+    }
+    return registry, raw
+
+
 def _shape_of(a: Any) -> Any:
     """Tensors (also inside lists, tuples, dicts) replaced by their shapes, like shape_wrapper."""
     if isinstance(a, torch.Tensor):
@@ -217,3 +240,167 @@ def _storage(t: torch.Tensor) -> Any:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, meta wrappers...
         return None
+
+
+# --- Leaf layers run natively ---------------------------------------------------------------------
+# A dispatch mode costs every operator a trip through Python (batch_norm, with its 5 tensor
+# arguments, ~40 us). For leaf layers of these exact built-in types the operators they run, and so
+# FlopCounterMode's count, are known: the summary runs them with the dispatch mode off and counts
+# with the same formula from the shapes. tests/test_summary.py checks each rule against
+# FlopCounterMode.
+
+
+def _one_tensor(args: tuple[Any, ...], kw: dict[str, Any]) -> bool:
+    return not kw and len(args) == 1 and args[0].__class__ is torch.Tensor
+
+
+def _conv_flops(module: nn.Module, args: Any, kw: Any, out: torch.Tensor) -> int:
+    x, w = args[0], module.weight
+    xs, os_ = x.shape, out.shape
+    if x.dim() == w.dim() - 1:  # unbatched input: aten.convolution sees a batch of one
+        xs, os_ = (1, *xs), (1, *os_)
+    transposed = isinstance(module, nn.modules.conv._ConvTransposeNd)
+    return int(flop_counter.conv_flop_count(xs, w.shape, os_, transposed=transposed))
+
+
+def _linear_flops(module: nn.Module, args: Any, kw: Any, out: torch.Tensor) -> int:
+    # aten: addmm / mm / matmul-as-mm on the flattened rows, whatever the input's rank or layout
+    n_in = module.in_features
+    return 2 * (args[0].numel() // n_in if n_in else 0) * n_in * module.out_features
+
+
+def _no_flops(module: nn.Module, args: Any, kw: Any, out: Any) -> int:
+    return 0
+
+
+_MHA_ARGS = ("query", "key", "value")
+
+
+def _mha_accepts(args: tuple[Any, ...], kw: dict[str, Any]) -> bool:
+    qkv = [*args[:3], *(kw.get(n) for n in _MHA_ARGS[len(args) :])]
+    return (
+        len(qkv) == 3
+        and all(t.__class__ is torch.Tensor for t in qkv)
+        and all(  # masks too: a tensor subclass has its own __torch_dispatch__
+            v.__class__ is torch.Tensor
+            for v in (*args[3:], *kw.values())
+            if isinstance(v, torch.Tensor)
+        )
+    )
+
+
+def _mha_flops(module: nn.Module, args: Any, kw: Any, out: Any) -> int:
+    """``F.multi_head_attention_forward``'s FLOPs as the dispatcher counts them: the in-projections
+    (packed or not: the same total), q @ k^T and weights @ v (bmm/baddbmm, or one SDPA whose formula
+    is those two), the out-projection. ``bias_k`` and ``add_zero_attn`` each add a key."""
+    q, k = (*args[:3], *(kw.get(n) for n in _MHA_ARGS[len(args) :]))[:2]
+    e, kdim, vdim = module.embed_dim, module.kdim, module.vdim
+    if q.dim() == 2:  # unbatched: (L, E)
+        n, lq, s = 1, q.shape[0], k.shape[0]
+    elif module.batch_first:  # (N, L, E)
+        n, lq, s = q.shape[0], q.shape[1], k.shape[1]
+    else:  # (L, N, E)
+        n, lq, s = q.shape[1], q.shape[0], k.shape[0]
+    keys = s + (module.bias_k is not None) + bool(module.add_zero_attn)
+    proj = 2 * n * (lq * e * e + s * kdim * e + s * vdim * e) + 2 * n * lq * e * e
+    return proj + 4 * n * lq * keys * e
+
+
+class _Rule:
+    """How a leaf layer is counted natively: ``flops(module, args, kwargs, output)``, for calls
+    ``accepts(args, kwargs)`` (the inputs it was checked on). ``fastpath``: the layer may take
+    PyTorch's MHA fast path, when the user has it on (the count does not depend on the kernel)."""
+
+    __slots__ = ("accepts", "fastpath", "flops")
+
+    def __init__(self, flops: Any, accepts: Any = _one_tensor, fastpath: bool = False) -> None:
+        self.flops, self.accepts, self.fastpath = flops, accepts, fastpath
+
+
+_conv = nn.modules.conv
+_CONV, _LINEAR, _ZERO = _Rule(_conv_flops), _Rule(_linear_flops), _Rule(_no_flops)
+_MHA = _Rule(_mha_flops, _mha_accepts, fastpath=True)
+_NATIVE: dict[type, _Rule] = {
+    **dict.fromkeys(
+        (
+            _conv.Conv1d,
+            _conv.Conv2d,
+            _conv.Conv3d,
+            _conv.ConvTranspose1d,
+            _conv.ConvTranspose2d,
+            _conv.ConvTranspose3d,
+        ),
+        _CONV,
+    ),
+    nn.Linear: _LINEAR,
+    # calls no module of its own: out_proj's weight is used by F.multi_head_attention_forward
+    nn.MultiheadAttention: _MHA,
+    # No operator of these has a FlopCounterMode formula, nor decomposes into one that has.
+    **dict.fromkeys(
+        (
+            nn.BatchNorm1d,
+            nn.BatchNorm2d,
+            nn.BatchNorm3d,
+            nn.LayerNorm,
+            nn.GroupNorm,
+            nn.ReLU,
+            nn.ReLU6,
+            nn.LeakyReLU,
+            nn.GELU,
+            nn.SiLU,
+            nn.Sigmoid,
+            nn.Tanh,
+            nn.Hardswish,
+            nn.Hardsigmoid,
+            nn.ELU,
+            nn.Softmax,
+            nn.Dropout,
+            nn.Identity,
+            nn.Flatten,
+            nn.MaxPool1d,
+            nn.MaxPool2d,
+            nn.MaxPool3d,
+            nn.AvgPool1d,
+            nn.AvgPool2d,
+            nn.AvgPool3d,
+            nn.AdaptiveAvgPool1d,
+            nn.AdaptiveAvgPool2d,
+            nn.AdaptiveAvgPool3d,
+            nn.Embedding,
+        ),
+        _ZERO,
+    ),
+}
+
+
+def native_rule(module: nn.Module) -> _Rule | None:
+    """How ``module`` is counted when it runs with the dispatch mode off, or None if it must run
+    with it on: it must be an exact built-in type from the table above, with no forward of its own
+    set on the instance, no children it calls, no hooks (a hook could run other operators), and
+    plain tensors for parameters and buffers (a subclass has its own ``__torch_dispatch__``)."""
+    rule = _NATIVE.get(type(module))
+    if rule is None or "forward" in module.__dict__ or (module._modules and rule is not _MHA):
+        return None
+    inner = list(module.modules()) if module._modules else [module]
+    plain = (nn.Parameter, torch.Tensor, getattr(nn, "Buffer", torch.Tensor))
+    for m in inner:
+        if (
+            not all(_runs_no_ops(h) for h in m._forward_hooks.values())
+            or m._forward_pre_hooks
+            or getattr(m, "_backward_hooks", None)
+            or getattr(m, "_backward_pre_hooks", None)
+        ):
+            return None
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None and type(t) not in plain:
+                return None
+    return rule
+
+
+def _runs_no_ops(hook: Any) -> bool:
+    """A hook known to run no operator: the command line's error locator."""
+    return isinstance(hook, _Hook) and hook.owner == "locate_errors"
+
+
+no_dispatch = torch._C._DisableTorchDispatch
+"""A guard object: while it is alive, no dispatch mode sees the operators run (C++, ~0.2 us)."""

@@ -6,15 +6,14 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from functools import partial
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ._flops import OpCounter, warm_up
+from ._flops import OpCounter, native_rule, no_dispatch, warm_up
 from ._nested import describe_call, iter_tensors
-from ._scope import HookScope, check_model, in_backward, model_device, note_exception
+from ._scope import HookScope, _Hook, check_model, in_backward, model_device, note_exception
 from ._summary_format import parse_columns
 from ._summary_rows import CallRecord, SummaryRow, SummaryTotals, build_rows, collapse
 from ._summary_table import Summary
@@ -76,6 +75,20 @@ def make_inputs(input_size: Any, dtypes: Any, device: torch.device) -> list[torc
     return out
 
 
+def _global_hooks() -> bool:
+    """Whether global module hooks are set (they run inside every layer: no layer runs natively)."""
+    mm = nn.modules.module
+    return any(
+        getattr(mm, n, None)
+        for n in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    )
+
+
 @contextlib.contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
     """Restore what one forward can change: buffers (BatchNorm statistics in train mode), the RNG,
@@ -103,6 +116,28 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
                     b.copy_(saved)
 
 
+class _PreHook(_Hook):
+    __slots__ = ("name", "rule")
+
+    def __init__(self, fn: Any, name: str, rule: Any) -> None:
+        super().__init__(fn, "", "", "", 0)
+        self.name, self.rule = name, rule
+
+    def __call__(self, module: nn.Module, args: Any, kw: Any) -> None:
+        self.fn(module, args, kw, self.name, self.rule)
+
+
+class _PostHook(_Hook):
+    __slots__ = ("name",)
+
+    def __init__(self, fn: Any, name: str) -> None:
+        super().__init__(fn, "", "", "", 0)
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: Any, kw: Any, output: Any) -> None:
+        self.fn(module, args, kw, output, self.name)
+
+
 class _Recorder:
     """The hooks of one summary run: a stack of the module calls in progress, each recorded as a
     :class:`CallRecord`; the FLOP counter's sink follows the innermost one."""
@@ -112,8 +147,13 @@ class _Recorder:
         self.outside = counter.sink  # FLOPs of ops run outside any module call (other hooks)
         self.calls: list[CallRecord] = []
         self.stack: list[tuple[CallRecord, int]] = []
+        self.guard: Any = None  # no_dispatch() while a leaf layer runs natively
+        mha = getattr(torch.backends, "mha", None)
+        # the user's MHA fast path setting: off during the run (so TransformerEncoderLayer's
+        # sub-layers are called and shown), on again inside a MultiheadAttention run natively
+        self.mha = mha if mha is not None and mha.get_fastpath_enabled() else None
 
-    def pre(self, module: nn.Module, args: Any, kw: Any, name: str) -> None:
+    def pre(self, module: nn.Module, args: Any, kw: Any, name: str, rule: Any = None) -> None:
         if in_backward():
             return
         stack = self.stack
@@ -128,6 +168,11 @@ class _Recorder:
         if self.cuda:
             c.ev = torch.cuda.Event(enable_timing=True)
             c.ev.record()
+        if rule is not None and self.guard is None and rule.accepts(args, kw):
+            c.rule = rule  # counted from the shapes in post(), same formula as the dispatcher's
+            self.guard = no_dispatch()
+            if rule.fastpath and self.mha is not None:
+                self.mha.set_fastpath_enabled(True)
         c.t0 = time.perf_counter()
 
     def post(self, module: nn.Module, args: Any, kw: Any, output: Any, name: str) -> None:
@@ -142,19 +187,38 @@ class _Recorder:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             c.ev = (c.ev, end)
+        if c.rule is not None:
+            self.guard = None  # the dispatch mode sees operators again
+            if c.rule.fastpath and self.mha is not None:
+                self.mha.set_fastpath_enabled(False)
         if output.__class__ is torch.Tensor:  # the common case
             c.out_shapes[""] = list(output.shape)
             c.out_bytes = output.numel() * output.element_size()
+            if c.rule is not None:
+                n = c.rule.flops(module, args, kw, output)
+                c.flops += n
+                counter = self.counter
+                counter.total_flops += n
+                counter._track(output)
             return
         if output is None and sys.exc_info()[1] is not None:
             note_exception(name, module, args, kw)  # name the failing layer in the error
             return
+        if c.rule is not None:  # MultiheadAttention, MaxPool2d(return_indices=True)
+            n = c.rule.flops(module, args, kw, output)
+            c.flops += n
+            self.counter.total_flops += n
+            self.counter._track(output)
         seen: set[int] = set()
         for p, t in iter_tensors(output):
             c.out_shapes[_key(p)] = list(t.shape)
             if id(t) not in seen:
                 seen.add(id(t))
                 c.out_bytes += t.numel() * t.element_size()
+
+    def hooks(self, name: str, module: nn.Module, rule: Any) -> tuple[_Hook, _Hook]:
+        """The pre- and post-forward hooks of ``module`` (direct calls: no partial, no kwargs)."""
+        return _PreHook(self.pre, name, rule), _PostHook(self.post, name)
 
     def finish(self) -> list[CallRecord]:
         """The calls, with GPU times read from their events (after the final synchronize)."""
@@ -224,12 +288,13 @@ def summary(
     known = [*model.parameters(), *model.buffers(), *(t for _, t in iter_tensors((inputs, kwargs)))]
     rec = _Recorder(OpCounter(known), next((t.device for t in known if t.is_cuda), None))
     dev = rec.cuda or device
+    # leaf layers that may run natively, decided before our own hooks are on them
+    rules = {} if _global_hooks() else {id(m): native_rule(m) for m in model.modules()}
     with HookScope("summary") as scope:
         for name, module in model.named_modules():
-            scope.add_forward_pre(module, partial(rec.pre, name=name), layer=name, with_kwargs=True)
-            scope.add_forward(
-                module, partial(rec.post, name=name), layer=name, with_kwargs=True, always_call=True
-            )
+            pre, post = rec.hooks(name, module, rules.get(id(module)))
+            scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
+            scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
         with _state_kept(model), torch.no_grad():
             before = 0
             if rec.cuda:
@@ -237,8 +302,11 @@ def summary(
                 before = torch.cuda.memory_allocated(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
-            with rec.counter:
-                model(*inputs, **kwargs)
+            try:
+                with rec.counter:
+                    model(*inputs, **kwargs)
+            finally:
+                rec.guard = None
             if rec.cuda:
                 torch.cuda.synchronize(dev)
             wall = (time.perf_counter() - t0) * 1e3

@@ -80,6 +80,7 @@ class CallRecord:
         "out_bytes",
         "out_shapes",
         "parent",
+        "rule",
         "shapes",
         "t0",
         "time",
@@ -95,6 +96,7 @@ class CallRecord:
         self.shapes: dict[str, list[int]] = {}
         self.out_shapes: dict[str, list[int]] = {}
         self.out_bytes = 0
+        self.rule: Any = None  # the FLOP rule of a leaf layer run with the dispatch mode off
 
 
 def _params(module: nn.Module, memo: dict[int, list[nn.Parameter]]) -> list[nn.Parameter]:
@@ -116,6 +118,10 @@ def build_rows(calls: list[CallRecord]) -> list[SummaryRow]:
     per_module: dict[int, int] = {}
     for c in calls:
         per_module[id(c.module)] = per_module.get(id(c.module), 0) + 1
+    if len(per_module) == len(calls):
+        sizes_ = _tree_sizes([c.module for c in calls])
+        if sizes_ is not None:  # nothing shared, nothing called twice: every shared count is 0
+            return [_row(c, 0, 1, sizes_[id(c.module)], 0) for c in calls]
     index: dict[int, int] = {}
     holders: dict[int, list[int]] = {}  # parameter id -> rows that counted it
     memo: dict[int, list[nn.Parameter]] = {}
@@ -138,25 +144,62 @@ def build_rows(calls: list[CallRecord]) -> list[SummaryRow]:
             if any(h not in ancestors for h in hs):
                 shared += p.numel()
             hs.append(i)
-        rows.append(
-            SummaryRow(
-                name=c.name,
-                type=type(c.module).__name__,
-                depth=c.depth,
-                call=k,
-                calls=per_module[mid],
-                input_shapes=c.shapes,
-                output_shapes=c.out_shapes,
-                params=sizes[mid][0],
-                trainable=sizes[mid][1],
-                shared_params=shared,
-                flops=c.flops,
-                time_ms=c.time,
-                output_bytes=c.out_bytes,
-                leaf=c.children == 0,
-            )
-        )
+        rows.append(_row(c, k, per_module[mid], sizes[mid], shared))
     return rows
+
+
+def _row(c: CallRecord, call: int, calls: int, size: tuple[int, int], shared: int) -> SummaryRow:
+    return SummaryRow(
+        name=c.name,
+        type=type(c.module).__name__,
+        depth=c.depth,
+        call=call,
+        calls=calls,
+        input_shapes=c.shapes,
+        output_shapes=c.out_shapes,
+        params=size[0],
+        trainable=size[1],
+        shared_params=shared,
+        flops=c.flops,
+        time_ms=c.time,
+        output_bytes=c.out_bytes,
+        leaf=c.children == 0,
+    )
+
+
+def _tree_sizes(modules: list[nn.Module]) -> dict[int, tuple[int, int]] | None:
+    """``(params, trainable)`` of each module and its descendants, summed bottom-up in one walk;
+    None if some module or parameter is reachable twice (shared: the slow, exact path counts it)."""
+    sizes: dict[int, tuple[int, int]] = {}
+    seen_params: set[int] = set()
+
+    def walk(m: nn.Module) -> tuple[int, int] | None:
+        n = t = 0
+        for p in m._parameters.values():
+            if p is None:
+                continue
+            if id(p) in seen_params:
+                return None
+            seen_params.add(id(p))
+            n += p.numel()
+            if p.requires_grad:
+                t += p.numel()
+        for child in m._modules.values():
+            if child is None:
+                continue
+            if id(child) in sizes:
+                return None
+            got = walk(child)
+            if got is None:
+                return None
+            n, t = n + got[0], t + got[1]
+        sizes[id(m)] = (n, t)
+        return n, t
+
+    for m in modules:
+        if id(m) not in sizes and walk(m) is None:
+            return None
+    return sizes
 
 
 def collapse(rows: list[SummaryRow], depth: int) -> list[SummaryRow]:
