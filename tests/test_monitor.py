@@ -21,6 +21,11 @@ def close(a: float, b: float, rel: float = REL) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
 
 
+def values(v) -> list[float]:
+    """A statistics vector (a list on CPU, a tensor on CUDA) as floats."""
+    return list(v) if isinstance(v, list) else v.tolist()
+
+
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -153,7 +158,7 @@ def test_reused_module_records_every_call():
 )
 def test_act_stats_cpu_paths_match_torch(x):
     v, _ = act_stats(x, None, 0.01, 0, Scratch())
-    mean, std, absmax, nonzero, finite = v.tolist()
+    mean, std, absmax, nonzero, finite = values(v)
     exp_std = x.std().item() if x.numel() > 1 else math.nan
     assert close(mean, x.mean().item()) or (math.isnan(mean) and math.isnan(x.mean().item()))
     assert close(std, exp_std, 1e-6) or (math.isnan(std) and math.isnan(exp_std))
@@ -296,3 +301,58 @@ def test_close_is_idempotent_and_nothing_keeps_the_model_alive():
     net(torch.randn(2, 4)).sum().backward()
     del mon, mon2, net
     assert alive() is None  # no gc.collect(): no reference cycle through the hooks
+
+
+def _f64_stats(x: torch.Tensor) -> list[float]:
+    d = x.double()
+    return [
+        d.mean().item(),
+        d.std().item(),
+        d.abs().max().item(),
+        float((x != 0).sum()),
+        float(torch.isfinite(x).sum()),
+    ]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g: torch.randn(5_000_000, generator=g).relu_() * 3 + 0.5,  # large: chunked dots
+        lambda g: torch.randn(4, 6, 5, 7, generator=g).to(memory_format=torch.channels_last),
+        lambda g: torch.randn(9, 13, generator=g).t(),  # transposed: read without a copy
+        lambda g: torch.tensor([0.0, -0.0, 1.0, -2.0, 0.0]),  # -0.0 is a zero
+        lambda g: torch.rand(1000, generator=g) + 1.0,  # all positive: no zero possible
+        lambda g: torch.randn(3000, generator=g).bfloat16(),
+    ],
+    ids=["5M-relu", "channels-last", "transposed", "signed-zeros", "positive", "bf16"],
+)
+def test_act_and_grad_stats_cpu_equal_float64_references(make):
+    """The CPU statistics against float64 computations: accurate to ~1e-7 even on 5M elements
+    (torch's fp32 2-norm is off by ~1e-4 there), in any memory layout."""
+    from hookscope._flowstats import cpu_norms, grad_stats
+
+    x = make(torch.Generator().manual_seed(0))
+    v, _ = act_stats(x, None, 0.01, 0, Scratch())
+    ref = _f64_stats(x.float())
+    for got, exp in zip(values(v), ref):
+        assert close(got, exp, 1e-6), (got, exp)
+    norm, mn, mx = values(grad_stats(x))
+    assert close(norm, x.double().norm().item(), 1e-6)
+    assert (mn, mx) == (x.min().item(), x.max().item())
+    assert close(cpu_norms([x])[0], x.double().norm().item(), 1e-6)
+
+
+def test_act_and_grad_stats_see_a_nan_in_any_block():
+    """Statistics are taken block by block (1 MiB): a NaN in a middle block must survive the
+    blocks after it, in min/max/absmax as in the counts."""
+    from hookscope._flowstats import grad_stats
+
+    x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(1))
+    x[300_000] = float("nan")
+    x[900_000] = 0.0
+    v, _ = act_stats(x, None, 0.01, 0, Scratch())
+    mean, std, absmax, nonzero, finite = values(v)
+    assert math.isnan(mean) and math.isnan(absmax) and finite == x.numel() - 1
+    assert nonzero == float(torch.count_nonzero(x))
+    norm, mn, mx = values(grad_stats(x))
+    assert math.isnan(norm) and math.isnan(mn) and math.isnan(mx)

@@ -24,6 +24,7 @@ import torch.nn as nn
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
 from ._flowstats import (
     Scratch,
+    Vec,
     act_stats,
     combine_acts,
     combine_grads,
@@ -294,8 +295,8 @@ class Monitor:
         parts: list[torch.Tensor] = []
         hosts: list[float] = []
 
-        def put(t: torch.Tensor) -> int:
-            parts.append(t.reshape(-1))
+        def put(t: Vec) -> int:
+            parts.append(t)
             return len(parts) - 1
 
         layout_a = []
@@ -310,12 +311,8 @@ class Monitor:
         sidx = put(st.scale.double()) if st.scale is not None else -1
         if not parts:
             return MonitorRecord(step)
-        dev = parts[0].device
-        flat = torch.cat(
-            [p.to(dev) for p in parts] + [torch.tensor(hosts, dtype=torch.float64, device=dev)]
-        )
-        ranks = _gather(flat)  # one host transfer (after one all_gather under torch.distributed)
-        off = _offsets([p.numel() for p in parts])
+        ranks = _gather(parts, hosts)  # one host transfer (after one all_gather if distributed)
+        off = _offsets([len(p) if isinstance(p, list) else p.numel() for p in parts])
         ho = off[-1]
 
         def vals(r: list[float], k: int) -> list[float]:
@@ -465,9 +462,26 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _gather(flat: torch.Tensor) -> list[list[float]]:
-    """Every rank's vector (one ``all_gather``); just this one without torch.distributed."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+def _gather(parts: list[Vec], hosts: list[float]) -> list[list[float]]:
+    """Every rank's vector, ``parts`` then ``hosts`` end to end (one ``all_gather``); just this
+    rank's without torch.distributed. Statistics computed on the host (lists) stay Python floats;
+    device tensors are read with one transfer."""
+    single = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+    if single and all(isinstance(p, list) for p in parts):
+        return [[v for p in parts for v in p] + hosts]  # type: ignore[union-attr]
+    dev = next((p.device for p in parts if isinstance(p, torch.Tensor)), torch.device("cpu"))
+    if not single and dist.get_backend() == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    flat = torch.cat(
+        [
+            p.reshape(-1).to(dev)
+            if isinstance(p, torch.Tensor)
+            else torch.tensor(p, dtype=torch.float64, device=dev)
+            for p in parts
+        ]
+        + [torch.tensor(hosts, dtype=torch.float64, device=dev)]
+    )
+    if single:
         return [flat.tolist()]
     world = dist.get_world_size()
     n = torch.tensor([flat.numel()], device=flat.device)
