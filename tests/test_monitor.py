@@ -352,7 +352,7 @@ def test_act_and_grad_stats_see_a_nan_in_any_block():
     x[900_000] = 0.0
     v, _ = act_stats(x, None, 0.01, 0, Scratch())
     mean, std, absmax, nonzero, finite = values(v)
-    assert math.isnan(mean) and math.isnan(absmax) and finite == x.numel() - 1
+    assert math.isnan(mean) and math.isnan(std) and math.isnan(absmax) and finite == x.numel() - 1
     assert nonzero == float(torch.count_nonzero(x))
     norm, mn, mx = values(grad_stats(x))
     assert math.isnan(norm) and math.isnan(mn) and math.isnan(mx)

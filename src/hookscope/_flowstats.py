@@ -266,19 +266,24 @@ def param_stats(
     dev = weights[0].device
     w = [p.detach() for p in weights]
     if dev.type == "cpu":  # accurate norms (torch's fp32 norm loses up to 1e-3 on large tensors)
-        rows = [[math.nan, wn, math.nan, math.nan] for wn in cpu_norms(w)]
-        for i, gn in zip(
-            (i for i, g in enumerate(grads) if g is not None),
-            cpu_norms([g for g in grads if g is not None]),
-        ):
-            rows[i][0] = gn
-        if before is not None:
-            for i, bn in enumerate(cpu_norms(before)):
-                rows[i][3] = bn
-            torch._foreach_sub_(before, w)  # in place: no second parameter-sized allocation
-            for i, un in enumerate(cpu_norms(before)):
-                rows[i][2] = un
-        return [v for row in rows for v in row]
+        out: list[float] = []
+        diff = np.empty(min(_BLOCK, max(p.numel() for p in w)), dtype=np.float32)
+        for i, p in enumerate(w):
+            g = grads[i]
+            gn = math.sqrt(_sumsq(_host_array(g))) if g is not None else math.nan
+            if before is None:
+                out += [gn, math.sqrt(_sumsq(_host_array(p))), math.nan, math.nan]
+                continue
+            # weight, snapshot and their difference, block by block: each is read once
+            wa, ba = _host_array(p), _host_array(before[i])
+            wq = bq = uq = 0.0
+            for j in range(0, wa.shape[0], _BLOCK):
+                wb, bb = wa[j : j + _BLOCK], ba[j : j + _BLOCK]
+                wq += _sumsq(wb)
+                bq += _sumsq(bb)
+                uq += _sumsq(np.subtract(wb, bb, out=diff[: wb.shape[0]]))
+            out += [gn, math.sqrt(wq), math.sqrt(uq), math.sqrt(bq)]
+        return out
     nan = torch.full((n,), math.nan, device=dev)
     cols = [nan, torch.stack(torch._foreach_norm(w, 2, dtype=torch.float32)), nan, nan]
     have = [i for i, g in enumerate(grads) if g is not None]
