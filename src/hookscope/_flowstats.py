@@ -197,6 +197,11 @@ def _upper(a: float, b: float) -> float:
 _BLOCK = 1 << 18  # 1 MiB of fp32: every statistic of a block is taken while it is in L2 cache
 
 
+def _blocks(n: int) -> range:
+    """Block offsets, last block first: the layer that just wrote the tensor left its end in cache."""
+    return range((n - 1) // _BLOCK * _BLOCK, -1, -_BLOCK) if n else range(0)
+
+
 def _act_stats_cpu(x: torch.Tensor, n: int, scratch: Scratch) -> list[float]:
     x = _flat(x if x.dtype == torch.float32 else x.float()).resolve_neg().resolve_conj()
     a = x.numpy()
@@ -205,7 +210,7 @@ def _act_stats_cpu(x: torch.Tensor, n: int, scratch: Scratch) -> list[float]:
     s = q = 0.0
     mn, mx = math.inf, -math.inf
     nonzero = 0
-    for i in range(0, n, _BLOCK):
+    for i in _blocks(n):
         ab = a[i : i + _BLOCK]
         lo, hi = float(ab.min()), float(ab.max())  # NaN if any NaN
         mn, mx = _lower(mn, lo), _upper(mx, hi)
@@ -242,7 +247,7 @@ def grad_stats(g: torch.Tensor) -> Vec:
     if g.device.type == "cpu" and g.numel():  # on the host already: accurate and fast, no sync
         a = _host_array(g)
         q, mn, mx = 0.0, math.inf, -math.inf
-        for i in range(0, a.shape[0], _BLOCK):  # blocks: as in _act_stats_cpu
+        for i in _blocks(a.shape[0]):  # blocks: as in _act_stats_cpu
             ab = a[i : i + _BLOCK]
             q += _sumsq(ab)
             mn, mx = _lower(mn, float(ab.min())), _upper(mx, float(ab.max()))
