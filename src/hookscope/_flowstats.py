@@ -271,24 +271,27 @@ def param_stats(
     dev = weights[0].device
     w = [p.detach() for p in weights]
     if dev.type == "cpu":  # accurate norms (torch's fp32 norm loses up to 1e-3 on large tensors)
-        out: list[float] = []
+        rows: list[list[float]] = [[]] * n
         diff = np.empty(min(_BLOCK, max(p.numel() for p in w)), dtype=np.float32)
-        for i, p in enumerate(w):
+        # last parameter first, each from its end: what optimizer.step() wrote last is in cache
+        for i in reversed(range(n)):
             g = grads[i]
             gn = math.sqrt(_sumsq(_host_array(g))) if g is not None else math.nan
+            wa = _host_array(w[i])
             if before is None:
-                out += [gn, math.sqrt(_sumsq(_host_array(p))), math.nan, math.nan]
+                wq = sum(_sumsq(wa[j : j + _BLOCK]) for j in _blocks(wa.shape[0]))
+                rows[i] = [gn, math.sqrt(wq), math.nan, math.nan]
                 continue
             # weight, snapshot and their difference, block by block: each is read once
-            wa, ba = _host_array(p), _host_array(before[i])
+            ba = _host_array(before[i])
             wq = bq = uq = 0.0
-            for j in range(0, wa.shape[0], _BLOCK):
+            for j in _blocks(wa.shape[0]):
                 wb, bb = wa[j : j + _BLOCK], ba[j : j + _BLOCK]
                 wq += _sumsq(wb)
                 bq += _sumsq(bb)
                 uq += _sumsq(np.subtract(wb, bb, out=diff[: wb.shape[0]]))
-            out += [gn, math.sqrt(wq), math.sqrt(uq), math.sqrt(bq)]
-        return out
+            rows[i] = [gn, math.sqrt(wq), math.sqrt(uq), math.sqrt(bq)]
+        return [v for row in rows for v in row]
     nan = torch.full((n,), math.nan, device=dev)
     cols = [nan, torch.stack(torch._foreach_norm(w, 2, dtype=torch.float32)), nan, nan]
     have = [i for i, g in enumerate(grads) if g is not None]
