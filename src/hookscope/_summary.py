@@ -245,7 +245,10 @@ def summary(
     ``#2``): dotted name, type, input shapes (positional and keyword), output shapes (nested outputs
     too), parameters and trainable parameters (a shared/tied parameter counts once in the totals and
     is marked ``*`` where it repeats), forward FLOPs of the operators the call ran itself (counted at
-    the dispatcher with ``FlopCounterMode``'s formulas; rows sum to the total), inclusive time and
+    the dispatcher with ``FlopCounterMode``'s formulas; leaf layers of known built-in types, such
+    as ``Conv2d``, ``Linear``, ``BatchNorm2d``, ``MultiheadAttention``, run with the dispatcher's
+    Python mode off and are counted from their shapes with the same formulas, which is what keeps
+    ``summary`` as fast as torchinfo; rows sum to the total), inclusive time and
     output bytes. Totals: parameters, FLOPs, parameter bytes, activation bytes, peak memory (CUDA:
     ``max_memory_allocated`` over the forward, after resetting the peak counter; CPU: the peak of
     bytes of tensors created by the forward and alive at once, tracked at the dispatcher).
