@@ -707,3 +707,28 @@ def test_unshared_fast_path_counts_as_the_exact_path(monkeypatch):
     assert key(fast) == key(exact)
     assert fast.rows[0].params == sum(p.numel() for p in net.parameters())
     assert fast.rows[0].trainable == fast.rows[0].params - net.fc.weight.numel()
+
+
+@pytest.mark.parametrize("user_fastpath", [True, False])
+def test_attention_takes_the_fast_path_only_if_the_user_has_it_on(user_fastpath, monkeypatch):
+    """Inside summary a natively-run MultiheadAttention may take PyTorch's MHA fast path, as it
+    would outside, but only when the user has it on; a TransformerEncoderLayer still has its
+    sub-layers called (the switch is off around them); the switch is restored either way."""
+    calls = []
+    native = torch._native_multi_head_attention
+    monkeypatch.setattr(
+        torch, "_native_multi_head_attention", lambda *a, **k: calls.append(1) or native(*a, **k)
+    )
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(user_fastpath)
+    try:
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True).eval()
+        x = torch.randn(2, 5, 16)
+        s = hs.summary(layer, x)
+        assert torch.backends.mha.get_fastpath_enabled() == user_fastpath
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+    assert {"self_attn", "linear1", "linear2", "norm1"} <= {r.name for r in s.rows}
+    assert bool(calls) == user_fastpath
+    assert s.totals.flops == reference_flops(layer, x).get_total_flops()
