@@ -732,3 +732,48 @@ def test_attention_takes_the_fast_path_only_if_the_user_has_it_on(user_fastpath,
     assert {"self_attn", "linear1", "linear2", "norm1"} <= {r.name for r in s.rows}
     assert bool(calls) == user_fastpath
     assert s.totals.flops == reference_flops(layer, x).get_total_flops()
+
+
+ZERO_FLOP_LAYERS = {
+    nn.BatchNorm1d: (lambda: nn.BatchNorm1d(4), (3, 4, 5)),
+    nn.BatchNorm3d: (lambda: nn.BatchNorm3d(2), (2, 2, 3, 3, 3)),
+    nn.ReLU: (nn.ReLU, (2, 3)),
+    nn.ReLU6: (nn.ReLU6, (2, 3)),
+    nn.LeakyReLU: (nn.LeakyReLU, (2, 3)),
+    nn.SiLU: (nn.SiLU, (2, 3)),
+    nn.Sigmoid: (nn.Sigmoid, (2, 3)),
+    nn.Tanh: (nn.Tanh, (2, 3)),
+    nn.Hardswish: (nn.Hardswish, (2, 3)),
+    nn.Hardsigmoid: (nn.Hardsigmoid, (2, 3)),
+    nn.ELU: (nn.ELU, (2, 3)),
+    nn.Dropout: (lambda: nn.Dropout(0.3), (4, 5)),
+    nn.Identity: (nn.Identity, (2, 3)),
+    nn.Flatten: (nn.Flatten, (2, 3, 4)),
+    nn.MaxPool1d: (lambda: nn.MaxPool1d(2), (1, 2, 6)),
+    nn.MaxPool3d: (lambda: nn.MaxPool3d(2), (1, 1, 4, 4, 4)),
+    nn.AvgPool1d: (lambda: nn.AvgPool1d(2), (1, 2, 6)),
+    nn.AvgPool2d: (lambda: nn.AvgPool2d(2, ceil_mode=True), (1, 2, 5, 5)),
+    nn.AvgPool3d: (lambda: nn.AvgPool3d(2), (1, 1, 4, 4, 4)),
+    nn.AdaptiveAvgPool1d: (lambda: nn.AdaptiveAvgPool1d(3), (1, 2, 7)),
+    nn.AdaptiveAvgPool3d: (lambda: nn.AdaptiveAvgPool3d(2), (1, 1, 5, 5, 5)),
+}
+
+
+def test_every_native_type_is_tested_against_the_dispatcher():
+    """Every type summary runs natively has a case here or in NATIVE_CASES/MHA_CASES."""
+    from hookscope import _flops
+
+    covered = {type(m) for m, _ in NATIVE_CASES} | set(ZERO_FLOP_LAYERS) | {nn.MultiheadAttention}
+    assert set(_flops._NATIVE) == covered
+
+
+@pytest.mark.parametrize("cls", list(ZERO_FLOP_LAYERS), ids=lambda c: c.__name__)
+def test_zero_flop_native_layers_equal_the_dispatcher(cls, seed):
+    make, shape = ZERO_FLOP_LAYERS[cls]
+    for train in (False, True):
+        net = nn.Sequential(make()).train(train)
+        x = torch.randn(shape)
+        s = hs.summary(net, x)
+        assert s.totals.flops == reference_flops(net, x).get_total_flops() == 0
+        with torch.no_grad():
+            assert s.rows[1].output_shapes[""] == list(net(x).shape)
