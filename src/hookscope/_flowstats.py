@@ -9,7 +9,7 @@ combined exactly from ``(n, mean, std)`` (Chan et al.), not by averaging.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Union
 
 import numpy as np
@@ -23,7 +23,7 @@ __all__ = [
     "act_stats",
     "combine_acts",
     "combine_grads",
-    "cpu_norms",
+    "cpu_norm",
     "grad_stats",
     "param_stats",
     "saturation_bounds",
@@ -88,13 +88,17 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return y.view(-1) if y.is_contiguous() else y.reshape(-1)
 
 
+def _chunks(a: np.ndarray) -> Iterator[np.ndarray]:
+    """``a`` in chunks of :data:`_CHUNK`, last first (see :func:`_blocks`)."""
+    return (a[i : i + _CHUNK] for i in _blocks(a.shape[0], _CHUNK))
+
+
 def _sumsq(a: np.ndarray) -> float:
-    """``sum(a * a)`` of a 1-D float32 array, one read: BLAS dots over chunks, added in fp64
-    (one fp32 dot over millions of elements, or torch's fp32 2-norm, loses 1e-5 to 1e-3)."""
-    n = a.shape[0]
-    if n <= _CHUNK:
+    """``sum(a * a)`` of a 1-D float32 array, one read: BLAS dots over chunks, added exactly in
+    fp64 (one fp32 dot over millions of elements, or torch's fp32 2-norm, loses 1e-5 to 1e-3)."""
+    if a.shape[0] <= _CHUNK:
         return float(np.dot(a, a))
-    return math.fsum(float(np.dot(c, c)) for c in (a[i : i + _CHUNK] for i in range(0, n, _CHUNK)))
+    return math.fsum(float(np.dot(c, c)) for c in _chunks(a))
 
 
 _ONES = np.ones(_CHUNK, dtype=np.float32)
@@ -103,13 +107,8 @@ _ONES = np.ones(_CHUNK, dtype=np.float32)
 def _sums(a: np.ndarray) -> tuple[float, float]:
     """``(sum(a), sum(a * a))`` as :func:`_sumsq`: the sum is a dot with ones (in cache, BLAS
     reads faster than torch's or NumPy's sum), as accurate as a cascade sum at this length."""
-    s: list[float] = []
-    q: list[float] = []
-    for i in range(0, a.shape[0], _CHUNK):
-        c = a[i : i + _CHUNK]
-        s.append(float(np.dot(c, _ONES[: c.shape[0]])))
-        q.append(float(np.dot(c, c)))
-    return math.fsum(s), math.fsum(q)
+    s = math.fsum(float(np.dot(c, _ONES[: c.shape[0]])) for c in _chunks(a)) if a.shape[0] else 0.0
+    return s, _sumsq(a)
 
 
 def _host_array(x: torch.Tensor) -> np.ndarray:
@@ -120,9 +119,9 @@ def _host_array(x: torch.Tensor) -> np.ndarray:
     return x.resolve_neg().resolve_conj().numpy()
 
 
-def cpu_norms(tensors: Sequence[torch.Tensor]) -> list[float]:
-    """Accurate 2-norms of CPU tensors (see :func:`_sumsq`); NaN/inf propagate."""
-    return [math.sqrt(_sumsq(_host_array(t))) for t in tensors]
+def cpu_norm(t: torch.Tensor) -> float:
+    """Accurate 2-norm of a CPU tensor (see :func:`_sumsq`); NaN/inf propagate."""
+    return math.sqrt(_sumsq(_host_array(t)))
 
 
 def act_stats(
@@ -139,8 +138,8 @@ def act_stats(
 
     On CUDA this is a handful of reductions, read later with the other statistics. On CPU the
     values already live on the host, so reading a scalar is no device sync: the common case uses
-    only the fastest CPU reductions (torch's sum; NumPy's min, max, BLAS dot and bool count, which
-    are 2-6x faster here than torch's aminmax, comparisons and count_nonzero) and falls back to
+    only the fastest CPU reductions (NumPy's min, max, BLAS dots and bool count, which are 2-6x
+    faster here than torch's sum, aminmax, comparisons and count_nonzero) and falls back to
     exact slower ones when a value is non-finite or the one-pass variance could lose precision.
     """
     x = x.detach()
@@ -197,14 +196,15 @@ def _upper(a: float, b: float) -> float:
 _BLOCK = 1 << 18  # 1 MiB of fp32: every statistic of a block is taken while it is in L2 cache
 
 
-def _blocks(n: int) -> range:
-    """Block offsets, last block first: the layer that just wrote the tensor left its end in cache."""
-    return range((n - 1) // _BLOCK * _BLOCK, -1, -_BLOCK) if n else range(0)
+def _blocks(n: int, size: int = _BLOCK) -> range:
+    """Offsets of ``size``-long blocks of ``n`` values, last first: the layer that just wrote the
+    tensor left its end in cache."""
+    return range((n - 1) // size * size, -1, -size) if n else range(0)
 
 
 def _act_stats_cpu(x: torch.Tensor, n: int, scratch: Scratch) -> list[float]:
-    x = _flat(x if x.dtype == torch.float32 else x.float()).resolve_neg().resolve_conj()
-    a = x.numpy()
+    a = _host_array(x)
+    x = torch.from_numpy(a)  # the same memory, for the exact fallbacks below
     # Block by block: the first reduction brings a block into cache, the others read it there
     # (1.4x faster than whole-tensor passes once a tensor outgrows L2).
     s = q = 0.0
@@ -276,11 +276,10 @@ def param_stats(
         # last parameter first, each from its end: what optimizer.step() wrote last is in cache
         for i in reversed(range(n)):
             g = grads[i]
-            gn = math.sqrt(_sumsq(_host_array(g))) if g is not None else math.nan
+            gn = cpu_norm(g) if g is not None else math.nan
             wa = _host_array(w[i])
             if before is None:
-                wq = sum(_sumsq(wa[j : j + _BLOCK]) for j in _blocks(wa.shape[0]))
-                rows[i] = [gn, math.sqrt(wq), math.nan, math.nan]
+                rows[i] = [gn, math.sqrt(_sumsq(wa)), math.nan, math.nan]
                 continue
             # weight, snapshot and their difference, block by block: each is read once
             ba = _host_array(before[i])

@@ -292,7 +292,7 @@ class Monitor:
 
     def _record(self, step: int, optimizer: Any) -> MonitorRecord:
         st = self._state
-        parts: list[torch.Tensor] = []
+        parts: list[Vec] = []
         hosts: list[float] = []
 
         def put(t: Vec) -> int:
