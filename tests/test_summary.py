@@ -515,6 +515,22 @@ def test_cpu_peak_memory_counts_tensors_alive_at_once():
     assert s.totals.activation_bytes == 4 * one
 
 
+@pytest.fixture
+def dispatched(monkeypatch) -> list:
+    """The operators summary's dispatch mode sees during the test (none for a layer run natively)."""
+    from hookscope import _flops
+
+    _flops.warm_up()  # its first call runs two operators under a mode, once per process
+    seen: list = []
+    dispatch = _flops.OpCounter.__torch_dispatch__
+    monkeypatch.setattr(
+        _flops.OpCounter,
+        "__torch_dispatch__",
+        lambda self, func, *a, **k: seen.append(func) or dispatch(self, func, *a, **k),
+    )
+    return seen
+
+
 # Leaf layers of known built-in types run with the dispatch mode off and are counted from shapes
 # (benchmark: batch_norm under a dispatch mode costs ~40 us a call). Each rule against the
 # dispatcher's count, over the configurations that change which aten operators run.
@@ -550,7 +566,7 @@ NATIVE_CASES = [
     ("layer", "shape"), NATIVE_CASES, ids=[f"{type(m).__name__}-{s}" for m, s in NATIVE_CASES]
 )
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-def test_native_leaf_rules_equal_the_dispatcher(layer, shape, train, monkeypatch):
+def test_native_leaf_rules_equal_the_dispatcher(layer, shape, train, dispatched):
     from hookscope import _flops
 
     assert _flops.native_rule(layer) is not None
@@ -558,16 +574,8 @@ def test_native_leaf_rules_equal_the_dispatcher(layer, shape, train, monkeypatch
     x = torch.randint(0, 10, (2, 3)) if shape is None else torch.randn(shape)
     net = nn.Sequential(layer)
     ref = reference_flops(net, x).get_total_flops()
-    _flops.warm_up()  # its first call runs two operators under a mode, once per process
-    seen = []  # operators the dispatch mode saw: none, the layer ran natively
-    dispatch = _flops.OpCounter.__torch_dispatch__
-    monkeypatch.setattr(
-        _flops.OpCounter,
-        "__torch_dispatch__",
-        lambda self, func, *a, **k: seen.append(func) or dispatch(self, func, *a, **k),
-    )
     s = hs.summary(net, x)
-    assert seen == []
+    assert dispatched == []  # the layer ran natively
     assert s.totals.flops == ref
     assert s.rows[1].flops == ref
     with torch.no_grad():
@@ -644,7 +652,7 @@ MHA_CASES = [
 
 @pytest.mark.parametrize("case", MHA_CASES, ids=[str(i) for i in range(len(MHA_CASES))])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-def test_native_multihead_attention_equals_the_dispatcher(case, train, seed, monkeypatch):
+def test_native_multihead_attention_equals_the_dispatcher(case, train, seed, dispatched):
     from hookscope import _flops
 
     mkw, lq, s, ckw, batched = case
@@ -677,16 +685,8 @@ def test_native_multihead_attention_equals_the_dispatcher(case, train, seed, mon
 
     net = Block()
     ref = reference_flops(net, q, k, v).get_total_flops()
-    _flops.warm_up()
-    seen = []
-    dispatch = _flops.OpCounter.__torch_dispatch__
-    monkeypatch.setattr(
-        _flops.OpCounter,
-        "__torch_dispatch__",
-        lambda self, func, *a, **k: seen.append(func) or dispatch(self, func, *a, **k),
-    )
     sm = hs.summary(net, q, k, v)
-    assert seen == []  # the attention ran natively
+    assert dispatched == []  # the attention ran natively
     assert ref > 0 and sm.totals.flops == ref and by_label(sm)["attn"].flops == ref
 
 

@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._inventory import module_hooks
 from ._scope import _Hook
 
 __all__ = [
@@ -384,12 +385,7 @@ def native_rule(module: nn.Module) -> _Rule | None:
     inner = list(module.modules()) if module._modules else [module]
     plain = (nn.Parameter, torch.Tensor, getattr(nn, "Buffer", torch.Tensor))
     for m in inner:
-        if (
-            not all(_runs_no_ops(h) for h in m._forward_hooks.values())
-            or m._forward_pre_hooks
-            or getattr(m, "_backward_hooks", None)
-            or getattr(m, "_backward_pre_hooks", None)
-        ):
+        if not all(_runs_no_ops(h) for h in module_hooks(m)):
             return None
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None and type(t) not in plain:

@@ -16,7 +16,7 @@ from torch.nn.modules import module as _module_mod
 
 from ._scope import _Hook, _InertHook
 
-__all__ = ["HookInfo", "hooks_on", "remove_hooks"]
+__all__ = ["HookInfo", "has_global_hooks", "hooks_on", "module_hooks", "remove_hooks"]
 
 # (attribute on the module, kind reported)
 _MODULE_DICTS = (
@@ -118,6 +118,17 @@ def hooks_on(model: nn.Module, *, include_global: bool = True) -> list[HookInfo]
                 owner, feature = _describe(fn)
                 found.append(HookInfo(kind, "*", owner, feature, fn))
     return found
+
+
+def has_global_hooks() -> bool:
+    """Whether any global module hook (``register_module_forward_hook`` and the like) is set."""
+    return any(getattr(_module_mod, attr, None) for attr, _ in _GLOBAL_DICTS)
+
+
+def module_hooks(module: nn.Module) -> Iterator[Any]:
+    """The forward, forward-pre, backward and backward-pre hooks registered on ``module`` itself."""
+    for attr, _ in _MODULE_DICTS:
+        yield from (getattr(module, attr, None) or {}).values()
 
 
 def remove_hooks(model: nn.Module) -> int:

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ._flops import OpCounter, native_rule, no_dispatch, warm_up
+from ._inventory import has_global_hooks
 from ._nested import describe_call, iter_tensors
 from ._scope import HookScope, _Hook, check_model, in_backward, model_device, note_exception
 from ._summary_format import parse_columns
@@ -73,20 +74,6 @@ def make_inputs(input_size: Any, dtypes: Any, device: torch.device) -> list[torc
         )
         out.append(t.to(device=device, dtype=dt))
     return out
-
-
-def _global_hooks() -> bool:
-    """Whether global module hooks are set (they run inside every layer: no layer runs natively)."""
-    mm = nn.modules.module
-    return any(
-        getattr(mm, n, None)
-        for n in (
-            "_global_forward_hooks",
-            "_global_forward_pre_hooks",
-            "_global_backward_hooks",
-            "_global_backward_pre_hooks",
-        )
-    )
 
 
 @contextlib.contextmanager
@@ -191,24 +178,18 @@ class _Recorder:
             self.guard = None  # the dispatch mode sees operators again
             if c.rule.fastpath and self.mha is not None:
                 self.mha.set_fastpath_enabled(False)
+            if output is not None:  # None: the layer raised (these layers return a value)
+                n = c.rule.flops(module, args, kw, output)
+                c.flops += n
+                self.counter.total_flops += n
+                self.counter._track(output)  # its new tensors, as the dispatcher would
         if output.__class__ is torch.Tensor:  # the common case
             c.out_shapes[""] = list(output.shape)
             c.out_bytes = output.numel() * output.element_size()
-            if c.rule is not None:
-                n = c.rule.flops(module, args, kw, output)
-                c.flops += n
-                counter = self.counter
-                counter.total_flops += n
-                counter._track(output)
             return
         if output is None and sys.exc_info()[1] is not None:
             note_exception(name, module, args, kw)  # name the failing layer in the error
             return
-        if c.rule is not None:  # MultiheadAttention, MaxPool2d(return_indices=True)
-            n = c.rule.flops(module, args, kw, output)
-            c.flops += n
-            self.counter.total_flops += n
-            self.counter._track(output)
         seen: set[int] = set()
         for p, t in iter_tensors(output):
             c.out_shapes[_key(p)] = list(t.shape)
@@ -292,7 +273,7 @@ def summary(
     rec = _Recorder(OpCounter(known), next((t.device for t in known if t.is_cuda), None))
     dev = rec.cuda or device
     # leaf layers that may run natively, decided before our own hooks are on them
-    rules = {} if _global_hooks() else {id(m): native_rule(m) for m in model.modules()}
+    rules = {} if has_global_hooks() else {id(m): native_rule(m) for m in model.modules()}
     with HookScope("summary") as scope:
         for name, module in model.named_modules():
             pre, post = rec.hooks(name, module, rules.get(id(module)))
