@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import weakref
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# the monitor's native kernels are built once per test session, in a fresh folder
+os.environ.setdefault("HOOKSCOPE_CACHE", tempfile.mkdtemp(prefix="hookscope-test-cache-"))
 
 import pytest
 import torch
@@ -83,3 +86,20 @@ def no_hooks_left_behind(request):
 def seed():
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture(params=["native", "numpy"])
+def stats_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the monitor's native statistics kernels and again with NumPy only. The
+    native run fails (not skips) when a C compiler exists but the kernels did not build."""
+    import shutil
+
+    from hookscope import _native
+
+    if request.param == "numpy":
+        monkeypatch.setattr(_native, "_loaded", [None])
+    elif _native.kernels() is None:
+        if shutil.which(os.environ.get("CC", "cc").split()[0]):
+            pytest.fail("a C compiler is here but hookscope's native kernels did not build")
+        pytest.skip("no C compiler: native kernels unavailable")
+    return request.param

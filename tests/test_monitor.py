@@ -55,7 +55,7 @@ def act_expect(o: torch.Tensor) -> dict[str, float]:
     }
 
 
-def test_layer_and_parameter_stats_equal_direct_values():
+def test_layer_and_parameter_stats_equal_direct_values(stats_backend):
     net = mlp()
     ref = mlp()
     x = torch.randn(32, 4)
@@ -156,7 +156,7 @@ def test_reused_module_records_every_call():
         torch.tensor([2.5]),
     ],
 )
-def test_act_stats_cpu_paths_match_torch(x):
+def test_act_stats_cpu_paths_match_torch(x, stats_backend):
     v, _ = act_stats(x, None, 0.01, 0, Scratch())
     mean, std, absmax, nonzero, finite = values(v)
     exp_std = x.std().item() if x.numel() > 1 else math.nan
@@ -317,16 +317,29 @@ def _f64_stats(x: torch.Tensor) -> list[float]:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda g: torch.randn(5_000_000, generator=g).relu_() * 3 + 0.5,  # large: chunked dots
+        lambda g: torch.randn(5_000_000, generator=g).relu_() * 3 + 0.5,  # large: blocked dots
+        # spread tiny against a mean half-way between two fp32 numbers, over many blocks: the
+        # centred second pass must correct for its shift (the mean rounded to fp32)
+        lambda g: (
+            torch.randn(300_000, generator=g, dtype=torch.float64) * 1e-3 + 1000.00003
+        ).float(),
         lambda g: torch.randn(4, 6, 5, 7, generator=g).to(memory_format=torch.channels_last),
         lambda g: torch.randn(9, 13, generator=g).t(),  # transposed: read without a copy
         lambda g: torch.tensor([0.0, -0.0, 1.0, -2.0, 0.0]),  # -0.0 is a zero
         lambda g: torch.rand(1000, generator=g) + 1.0,  # all positive: no zero possible
         lambda g: torch.randn(3000, generator=g).bfloat16(),
     ],
-    ids=["5M-relu", "channels-last", "transposed", "signed-zeros", "positive", "bf16"],
+    ids=[
+        "5M-relu",
+        "large-mean",
+        "channels-last",
+        "transposed",
+        "signed-zeros",
+        "positive",
+        "bf16",
+    ],
 )
-def test_act_and_grad_stats_cpu_equal_float64_references(make):
+def test_act_and_grad_stats_cpu_equal_float64_references(make, stats_backend):
     """The CPU statistics against float64 computations: accurate to ~1e-7 even on 5M elements
     (torch's fp32 2-norm is off by ~1e-4 there), in any memory layout."""
     from hookscope._flowstats import cpu_norm, grad_stats
@@ -342,8 +355,8 @@ def test_act_and_grad_stats_cpu_equal_float64_references(make):
     assert close(cpu_norm(x), x.double().norm().item(), 1e-6)
 
 
-def test_act_and_grad_stats_see_a_nan_in_any_block():
-    """Statistics are taken block by block (1 MiB): a NaN in a middle block must survive the
+def test_act_and_grad_stats_see_a_nan_in_any_block(stats_backend):
+    """Statistics are taken block by block (256 KiB): a NaN in a middle block must survive the
     blocks after it, in min/max/absmax as in the counts."""
     from hookscope._flowstats import grad_stats
 
