@@ -88,18 +88,29 @@ def seed():
     return 0
 
 
-@pytest.fixture(params=["native", "numpy"])
-def stats_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test with the monitor's native statistics kernels and again with NumPy only. The
-    native run fails (not skips) when a C compiler exists but the kernels did not build."""
+@pytest.fixture
+def native_kernels():
+    """The monitor's native statistics kernels; fails (not skips) when a C compiler exists but
+    they did not build."""
     import shutil
 
     from hookscope import _native
 
-    if request.param == "numpy":
-        monkeypatch.setattr(_native, "_loaded", [None])
-    elif _native.kernels() is None:
+    k = _native.kernels()
+    if k is None:
         if shutil.which(os.environ.get("CC", "cc").split()[0]):
             pytest.fail("a C compiler is here but hookscope's native kernels did not build")
         pytest.skip("no C compiler: native kernels unavailable")
+    return k
+
+
+@pytest.fixture(params=["native", "numpy"])
+def stats_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the monitor's native statistics kernels and again with NumPy only."""
+    from hookscope import _native
+
+    if request.param == "numpy":
+        monkeypatch.setattr(_native, "_loaded", [None])
+    else:
+        request.getfixturevalue("native_kernels")
     return request.param

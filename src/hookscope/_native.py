@@ -23,7 +23,6 @@ import platform
 import shlex
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import threading
@@ -126,7 +125,6 @@ def _build() -> Path:
                 src,
                 " ".join(cmd + _FLAGS).encode(),
                 platform.platform().encode(),
-                sys.platform.encode(),
             ]
         )
     ).hexdigest()[:16]
