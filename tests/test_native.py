@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hookscope import _native
-from hookscope._flowstats import Scratch, act_stats
+from hookscope._flowstats import Scratch, act_stats, grad_stats
 
 HAVE_CC = shutil.which(os.environ.get("CC", "cc").split()[0]) is not None
 
@@ -31,8 +31,8 @@ def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path):
     return tmp_path
 
 
-# lengths around the kernel's lanes (32) and sub-chunks (2048), tails included
-LENGTHS = [1, 2, 31, 32, 33, 2047, 2048, 2049, 3 * 2048 + 17, 100_003, 1_000_000]
+# lengths around the kernel's lanes (64) and sub-chunks (2048), tails included
+LENGTHS = [1, 2, 63, 64, 65, 2047, 2048, 2049, 3 * 2048 + 17, 100_003, 1_000_000]
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -47,6 +47,17 @@ def test_stats_equal_float64(k, n):
     assert math.isclose(q, (d * d).sum(), rel_tol=1e-6)
     assert (mn, mx) == (float(a.min()), float(a.max()))
     assert zeros == float(np.count_nonzero(a == 0))
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_grad_stats_equal_float64(k, n):
+    rng = np.random.default_rng(n + 1)
+    a = (rng.standard_normal(n) * 1e-3 - 2e-4).astype(np.float32)
+    a[rng.random(n) < 0.1] = 0.0
+    q, mn, mx = k.grad_stats(a)
+    d = a.astype(np.float64)
+    assert math.isclose(q, (d * d).sum(), rel_tol=1e-6)
+    assert (mn, mx) == (float(a.min()), float(a.max()))
 
 
 @pytest.mark.parametrize("n", LENGTHS)
@@ -70,13 +81,15 @@ def test_non_finite_values_make_the_sum_non_finite(k):
             a[pos] = bad
             s, q, *_ = k.stats(a)
             assert not (math.isfinite(s) and math.isfinite(q)), (bad, pos)
+            assert not math.isfinite(k.grad_stats(a)[0]), (bad, pos)
     w = np.ones(5000, np.float32)
     w[4321] = math.nan
     assert all(math.isnan(v) for v in k.update_sumsq(w, w)[0:3:2])
 
 
 def test_monitor_values_do_not_depend_on_the_kernels(monkeypatch, k):
-    """act_stats with the kernels equals act_stats with NumPy (to rounding), NaN cases included."""
+    """act_stats and grad_stats with the kernels equal them with NumPy (to rounding), NaN cases
+    included."""
     rng = torch.Generator().manual_seed(3)
     xs = [
         torch.randn(300_001, generator=rng).relu(),
@@ -84,12 +97,48 @@ def test_monitor_values_do_not_depend_on_the_kernels(monkeypatch, k):
         torch.tensor([1.0, math.nan, 0.0, -0.0]),
         torch.tensor([math.inf, 0.0, 2.0]),
     ]
-    with_k = [act_stats(x, None, 0.01, 0, Scratch())[0] for x in xs]
+
+    def run() -> list[list[float]]:
+        acts = [act_stats(x, None, 0.01, 0, Scratch())[0] for x in xs]
+        return acts + [grad_stats(x) for x in xs]
+
+    with_k = run()
     monkeypatch.setattr(_native, "_loaded", [None])
-    without = [act_stats(x, None, 0.01, 0, Scratch())[0] for x in xs]
+    without = run()
     for a, b in zip(with_k, without):
         for u, v in zip(a, b):
             assert (math.isnan(u) and math.isnan(v)) or math.isclose(u, v, rel_tol=1e-6), (a, b)
+
+
+def test_expanded_and_strided_tensors_are_read_as_their_values(k):
+    """A stride-0 (expanded) or strided tensor must not reach the kernels as a raw pointer: they
+    would read the memory next to it. Here that memory holds other values, so it would show."""
+    base = torch.arange(5000, dtype=torch.float32)
+    cases = [
+        base[:1].expand(4000),  # 4000 zeros; a dense read of base gives mean 1999.5
+        base[:2].reshape(1, 2).expand(1000, 2),
+        base[::3],
+        base.reshape(50, 100)[:, :40],
+    ]
+    for x in cases:
+        d = x.double()
+        v, _ = act_stats(x, None, 0.01, 0, Scratch())
+        assert math.isclose(v[0], float(d.mean()), rel_tol=1e-6, abs_tol=1e-9), x.stride()
+        assert math.isclose(v[1], float(d.std()), rel_tol=1e-6, abs_tol=1e-9), x.stride()
+        assert v[2:] == [float(d.abs().max()), float(torch.count_nonzero(d)), float(d.numel())]
+        norm, mn, mx = grad_stats(x)
+        assert math.isclose(norm, float(d.norm()), rel_tol=1e-6) and (mn, mx) == (d.min(), d.max())
+
+
+def test_kernels_refuse_arrays_they_cannot_read_densely(k):
+    a = np.arange(10, dtype=np.float32)
+    for bad in (a[::2], a.astype(np.float64), a.reshape(2, 5)):
+        with pytest.raises(ValueError, match="1-D contiguous float32"):
+            k.stats(bad)
+        with pytest.raises(ValueError, match="1-D contiguous float32"):
+            k.grad_stats(bad)
+    with pytest.raises(ValueError, match="equal shapes"):
+        k.update_sumsq(a, a[:5])
 
 
 def test_build_is_cached_and_leaves_no_partial_file(fresh):
@@ -134,4 +183,12 @@ def test_kernels_that_disagree_with_numpy_are_refused(fresh, monkeypatch):
     if not HAVE_CC:
         pytest.skip("no C compiler")
     monkeypatch.setattr(_native.Kernels, "stats", lambda self, a: [0.0, 0.0, 0.0, 0.0, 0.0])
+    assert _native.kernels() is None
+
+
+def test_a_wrong_gradient_kernel_is_refused_too(fresh, monkeypatch):
+    if not HAVE_CC:
+        pytest.skip("no C compiler")
+    real = _native.Kernels.grad_stats
+    monkeypatch.setattr(_native.Kernels, "grad_stats", lambda self, a: real(self, a[1:]))
     assert _native.kernels() is None

@@ -1,13 +1,17 @@
 /* hookscope: fused one-pass statistics of float32 arrays (see _native.py, which compiles this
  * file on first use with the system C compiler and falls back to NumPy when it cannot).
  *
- * Plain C, no Python API. Values are read once, in sub-chunks of SUB values taken last first
- * (the writer of a tensor left its end in cache); inside a sub-chunk L independent fp32 lanes
- * accumulate (vectorised without -ffast-math: no reassociation is needed), and each sub-chunk's
- * lanes are added in double, so the sums are accurate to ~1e-7 however long the array.
+ * Plain C, no Python API. Values are read once, front to back, in sub-chunks of SUB values;
+ * inside a sub-chunk L independent fp32 lanes accumulate (vectorised without -ffast-math: no
+ * reassociation is needed), and each sub-chunk's lanes are added in double, so the sums are
+ * accurate to ~1e-7 however long the array.
  *
- * min/max use `v < m ? v : m`, which drops NaN: callers check that the sum is finite before
- * trusting them (a NaN or an infinity makes the sum non-finite).
+ * L = 64 and the forward order are measured choices (on a 4th-generation Xeon, GCC 12): they
+ * stream a tensor that is not in cache at ~12 GB/s, as fast as NumPy's one-statistic reductions;
+ * L = 32 streamed at ~8 GB/s, and so did sub-chunks taken last first.
+ *
+ * min/max use `v < m ? v : m`, which drops NaN: callers check that the sum (of squares) is
+ * finite before trusting them (a NaN or an infinity makes it non-finite).
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,7 +22,7 @@
 #define HS_CLONES
 #endif
 
-#define L 32
+#define L 64
 #define SUB 2048
 
 /* out = [sum, sum of squares, min, max, number of zeros (-0.0 included)] */
@@ -32,7 +36,7 @@ void hs_stats(const float *a, int64_t n, double *out) {
     double S = 0.0, Q = 0.0;
     int64_t Z = 0;
     int64_t nb = n / SUB * SUB;
-    for (int64_t c = nb - SUB; c >= 0; c -= SUB) {
+    for (int64_t c = 0; c < nb; c += SUB) {
         float s[L], q[L];
         int32_t z[L];
         for (int j = 0; j < L; j++) {
@@ -83,13 +87,57 @@ void hs_stats(const float *a, int64_t n, double *out) {
     out[4] = (double)Z;
 }
 
+/* out = [sum of squares, min, max]: a gradient's three statistics, in one read. */
+HS_CLONES
+void hs_grad_stats(const float *a, int64_t n, double *out) {
+    float mn[L], mx[L];
+    for (int j = 0; j < L; j++) {
+        mn[j] = INFINITY;
+        mx[j] = -INFINITY;
+    }
+    double Q = 0.0;
+    int64_t nb = n / SUB * SUB;
+    for (int64_t c = 0; c < nb; c += SUB) {
+        float q[L];
+        for (int j = 0; j < L; j++)
+            q[j] = 0.0f;
+        const float *p = a + c;
+        for (int i = 0; i < SUB; i += L) {
+            for (int j = 0; j < L; j++) {
+                float v = p[i + j];
+                q[j] += v * v;
+                mn[j] = v < mn[j] ? v : mn[j];
+                mx[j] = v > mx[j] ? v : mx[j];
+            }
+        }
+        double cq = 0.0;
+        for (int j = 0; j < L; j++)
+            cq += q[j];
+        Q += cq;
+    }
+    float MN = INFINITY, MX = -INFINITY;
+    for (int64_t i = nb; i < n; i++) {
+        float v = a[i];
+        Q += (double)v * v;
+        MN = v < MN ? v : MN;
+        MX = v > MX ? v : MX;
+    }
+    for (int j = 0; j < L; j++) {
+        MN = mn[j] < MN ? mn[j] : MN;
+        MX = mx[j] > MX ? mx[j] : MX;
+    }
+    out[0] = Q;
+    out[1] = MN;
+    out[2] = MX;
+}
+
 /* out = [sum(w * w), sum(b * b), sum((w - b)^2)]: a weight, its snapshot before the optimizer
  * step, and the update, each read once. NaN and infinities propagate. */
 HS_CLONES
 void hs_update_sumsq(const float *w, const float *b, int64_t n, double *out) {
     double W = 0.0, B = 0.0, U = 0.0;
     int64_t nb = n / SUB * SUB;
-    for (int64_t c = nb - SUB; c >= 0; c -= SUB) {
+    for (int64_t c = 0; c < nb; c += SUB) {
         float sw[L], sb[L], su[L];
         for (int j = 0; j < L; j++) {
             sw[j] = 0.0f;

@@ -1,8 +1,8 @@
 """Optional native kernels: fused one-pass statistics of CPU tensors, for the training monitor.
 
-The monitor's CPU statistics (sum, sum of squares, min, max and zero count of every activation and
-output gradient) are memory passes. NumPy needs five of them per tensor, one per reduction; the
-C kernels in ``_fstats.c`` do all in one. The file is compiled on first use with the system C
+The monitor's CPU statistics (sum, sum of squares, min, max and zero count of every activation;
+sum of squares, min and max of every output gradient) are memory passes. NumPy needs one per
+reduction; the C kernels in ``_fstats.c`` do all of a tensor's in one. The file is compiled on first use with the system C
 compiler (``$CC``, else Python's, else ``cc``) into a per-user cache, keyed by the source, the
 compiler and the platform, and loaded with :mod:`ctypes` (no Python API: any CPython can load
 it). On x86-64 with GCC the kernels are built for three instruction sets and the fastest one the
@@ -39,14 +39,28 @@ _FLAGS = ["-O3", "-shared", "-fPIC", "-std=c99"]
 _P = ctypes.c_void_p
 
 
+def _dense(a: np.ndarray) -> np.ndarray:
+    """The kernels read ``a`` as one dense float32 run: refuse anything else (a strided view
+    would make them read other memory)."""
+    if a.dtype != np.float32 or a.ndim != 1 or not a.flags.c_contiguous:
+        raise ValueError(
+            f"native kernels need a 1-D contiguous float32 array, got {a.dtype} "
+            f"{a.shape} strides {a.strides}"
+        )
+    return a
+
+
 class Kernels:
-    """The loaded kernels. Arrays must be 1-D, C-contiguous float32."""
+    """The loaded kernels. Arrays must be 1-D, C-contiguous float32 (else ValueError)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         self._stats = lib.hs_stats
         self._stats.argtypes = [_P, ctypes.c_int64, _P]
         self._stats.restype = None
+        self._grad = lib.hs_grad_stats
+        self._grad.argtypes = [_P, ctypes.c_int64, _P]
+        self._grad.restype = None
         self._update = lib.hs_update_sumsq
         self._update.argtypes = [_P, _P, ctypes.c_int64, _P]
         self._update.restype = None
@@ -55,13 +69,22 @@ class Kernels:
         """``[sum, sum of squares, min, max, zeros]`` of ``a`` in one read. ``min``/``max`` are
         only valid when the sum is finite (they skip NaN)."""
         out = (ctypes.c_double * 5)()
-        self._stats(a.ctypes.data, a.shape[0], out)
+        self._stats(_dense(a).ctypes.data, a.shape[0], out)
+        return list(out)
+
+    def grad_stats(self, a: np.ndarray) -> list[float]:
+        """``[sum of squares, min, max]`` of ``a`` in one read; ``min``/``max`` are only valid
+        when the sum of squares is finite (they skip NaN)."""
+        out = (ctypes.c_double * 3)()
+        self._grad(_dense(a).ctypes.data, a.shape[0], out)
         return list(out)
 
     def update_sumsq(self, w: np.ndarray, b: np.ndarray) -> list[float]:
         """``[sum(w*w), sum(b*b), sum((w-b)**2)]``, each array read once (NaN/inf propagate)."""
         out = (ctypes.c_double * 3)()
-        self._update(w.ctypes.data, b.ctypes.data, w.shape[0], out)
+        if w.shape != b.shape:
+            raise ValueError(f"update_sumsq needs equal shapes, got {w.shape} and {b.shape}")
+        self._update(_dense(w).ctypes.data, _dense(b).ctypes.data, w.shape[0], out)
         return list(out)
 
 
@@ -156,12 +179,16 @@ def _self_check(k: Kernels) -> None:
     """Refuse kernels that disagree with NumPy on a small case (a miscompiled build)."""
     a = np.arange(-2500, 2600, dtype=np.float32) / 64
     a[7] = -0.0
-    s, q, mn, mx, z = k.stats(a)
+    r = a[::-1].copy()  # each extreme once in the vector part, once in the tail
     d = a.astype(np.float64)
     sq = float((d * d).sum())
-    ok = (mn, mx, z) == (float(a.min()), float(a.max()), 2.0)
-    ok = ok and abs(s - d.sum()) <= 1e-6 * np.abs(d).sum() and abs(q - sq) <= 1e-6 * sq
-    r = a[::-1].copy()
+    ok = True
+    for x in (a, r):
+        s, q, mn, mx, z = k.stats(x)
+        ok = ok and (mn, mx, z) == (float(a.min()), float(a.max()), 2.0)
+        ok = ok and abs(s - d.sum()) <= 1e-6 * np.abs(d).sum() and abs(q - sq) <= 1e-6 * sq
+        gq, gmn, gmx = k.grad_stats(x)
+        ok = ok and (gmn, gmx) == (mn, mx) and abs(gq - sq) <= 1e-6 * sq
     w, b, u = k.update_sumsq(a, r)
     su = float(((d - r.astype(np.float64)) ** 2).sum())
     ok = ok and abs(w - sq) <= 1e-6 * sq and abs(b - sq) <= 1e-6 * sq and abs(u - su) <= 1e-6 * su
