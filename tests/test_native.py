@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hookscope import _native
-from hookscope._flowstats import Scratch, act_stats, grad_stats
+from hookscope._flowstats import Scratch, act_stats, grad_stats, minmax
 
 HAVE_CC = shutil.which(os.environ.get("CC", "cc").split()[0]) is not None
 
@@ -192,3 +192,25 @@ def test_a_wrong_gradient_kernel_is_refused_too(fresh, monkeypatch):
     real = _native.Kernels.grad_stats
     monkeypatch.setattr(_native.Kernels, "grad_stats", lambda self, a: real(self, a[1:]))
     assert _native.kernels() is None
+
+
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.randn(100_003),
+        torch.randn(8, 16, 9, 9).to(memory_format=torch.channels_last),
+        torch.arange(4000, dtype=torch.float32)[:1].expand(3000),
+        torch.tensor([1.0, math.nan, -2.0]),
+        torch.tensor([1.0, math.inf, -2.0]),
+        torch.tensor([-math.inf, 0.0]),
+        torch.randn(1000).bfloat16(),
+        torch.randn(1000, dtype=torch.float64),
+    ],
+    ids=["large", "channels-last", "expanded", "nan", "inf", "-inf", "bf16", "f64"],
+)
+def test_minmax_equals_aminmax(x, stats_backend):
+    """The sentinel's reduction: [min, max] as fp32, NaN if any NaN, with or without the kernel."""
+    got = minmax(x)
+    want = torch.stack(torch.aminmax(x)).float()
+    assert got.dtype == torch.float32 and got.device == x.device
+    assert torch.equal(got, want) or (got.isnan().all() and want.isnan().all())

@@ -10,6 +10,9 @@ import hookscope as hs
 
 INPUT, LOSS = hs.NonFiniteOrigin.INPUT, hs.NonFiniteOrigin.LOSS
 
+# every test twice: CPU reductions by the native kernel, and by torch/NumPy only
+pytestmark = pytest.mark.usefixtures("stats_backend")
+
 
 class Log(nn.Module):
     def forward(self, x):
@@ -191,3 +194,63 @@ def test_find_nonfinite_leaves_batchnorm_statistics_as_found():
     assert o is not None and o.layer == "2"  # sqrt of negative normalised values
     assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
     assert net.training
+
+
+def test_a_tuple_output_value_is_not_taken_for_its_first_tensor():
+    """A layer returning (values, mask) with an allowed -inf in the mask, then a layer that makes
+    its own inf from the finite values: the second is the origin. (Remembering the tuple's
+    max |x| for its first tensor made that input look infinite already, hiding the origin.)"""
+
+    class Split(nn.Module):
+        def forward(self, x):
+            return x, torch.full_like(x, float("-inf"))
+
+    class Overflow(nn.Module):
+        def forward(self, x):
+            return x * 1e38 * 1e38
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.split, self.over = Split(), Overflow()
+
+        def forward(self, x):
+            v, mask = self.split(x)
+            return self.over(v) + mask.clamp_min(0)
+
+    x = torch.rand(2, 3) + 0.5
+    o = hs.find_nonfinite(Net(), x, allow=["split"])
+    assert (o.layer, o.phase, o.kind) == ("over", "forward", "inf")
+    assert o.stats["input_absmax"] == pytest.approx(float(x.abs().max()))
+
+
+def test_each_tensor_is_reduced_once_per_version(monkeypatch):
+    """A parent returning its child's output, and the model's input seen by every first child,
+    are reduced once; an in-place change (a new version) is reduced again."""
+    from hookscope import _nonfinite
+
+    seen: list[tuple[torch.Tensor, int]] = []  # the tensors held: no id is reused meanwhile
+    real = _nonfinite.minmax
+
+    def counting(t: torch.Tensor) -> torch.Tensor:
+        seen.append((t, t._version))
+        return real(t)
+
+    monkeypatch.setattr(_nonfinite, "minmax", counting)
+    torch.manual_seed(0)
+    a, b = nn.Linear(3, 4), nn.Linear(4, 2)
+    net = nn.Sequential(nn.Sequential(nn.Sequential(a, nn.ReLU(inplace=True))), b)
+    outs: list[torch.Tensor] = []
+    x = torch.randn(5, 3)
+    with hs.HookScope() as s:  # registered first: they run before find_nonfinite's
+        for m in (a, b):
+            s.add_forward(m, lambda m, i, o: outs.append(o), layer="")
+        assert hs.find_nonfinite(net, x) is None
+    keys = [(id(t), v) for t, v in seen]
+    assert len(set(keys)) == len(keys)  # never the same tensor at the same version twice
+    h, y = outs
+    assert [v for t, v in seen if t is h] == [0]
+    # the in-place ReLU's result (a view of h: find_nonfinite puts views in front of inputs)
+    assert [v for t, v in seen if t is not h and t.data_ptr() == h.data_ptr()] == [1]
+    assert sum(t is y for t, _ in seen) == 1  # b's output, though three parents return it
+    assert sum(t.shape == x.shape and torch.equal(t, x) for t, _ in seen) == 1

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
+from ._flowstats import minmax
 from ._nested import first_tensor, iter_tensors, map_tensors
 from ._scope import HookScope, check_model, identity_views, in_backward
 from ._select import find
@@ -74,12 +75,9 @@ class NonFiniteOrigin:
 def _absmax(obj: Any) -> torch.Tensor | None:
     """``[min, max, min, max, ...]`` of every floating tensor in ``obj`` (fp32, on the device), or
     None; the host turns it into ``max |x|`` (NaN if any NaN). ``aminmax`` is one pass and among
-    the fastest reductions on CPU (``vector_norm(x, inf)`` is ~20x slower there)."""
-    vals = [
-        torch.stack(torch.aminmax(t.detach())).float()
-        for _, t in iter_tensors(obj)
-        if t.is_floating_point() and t.numel() > 0
-    ]
+    the fastest reductions on CPU (``vector_norm(x, inf)`` is ~20x slower there; the native
+    kernel, when built, is faster still: see :func:`minmax`)."""
+    vals = [minmax(t) for _, t in iter_tensors(obj) if t.is_floating_point() and t.numel() > 0]
     if not vals:
         return None
     return vals[0] if len(vals) == 1 else torch.cat(vals)
@@ -167,16 +165,24 @@ class _Tracker:
         self._seen: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor | None]] = {}
         self._cells: dict[int, tuple[weakref.ref[torch.Tensor], list[Any]]] = {}
 
+    def _known(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The value already reduced for this very tensor, unchanged since (a layer's output
+        seen again as the next layer's input, or as its parent's output), else None."""
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        return None
+
     def _in_absmax(self, args: Any, kwargs: Any) -> torch.Tensor | None:
         vals = []
         for _, t in iter_tensors((args, kwargs)):
             if not t.is_floating_point() or t.numel() == 0:
                 continue
-            hit = self._seen.get(id(t))
-            if hit is not None and hit[0]() is t and hit[1] == t._version:
-                v = hit[2]
-            else:
+            v = self._known(t)
+            if v is None:
                 v = _absmax(t)
+                if v is not None:  # the model's input, seen again by each first child
+                    self._seen[id(t)] = (weakref.ref(t), t._version, v)
             if v is not None:
                 vals.append(v)
         if not vals:
@@ -209,20 +215,27 @@ class _Tracker:
                 d = _counts(g) if detail else None
                 tracker.bwd.append((name, call, list(gouts), _absmax(g), d))  # type: ignore[arg-type]
 
-            return identity_views(
-                args, kwargs, lambda v: scope.add_activation_grad_hook(v, on_grad_in, layer=name)
-            )
+            def on_view(v: torch.Tensor, t: torch.Tensor) -> None:
+                scope.add_activation_grad_hook(v, on_grad_in, layer=name)
+                known = tracker._known(t)
+                if known is not None:  # the same values: the children need not reduce them again
+                    tracker._seen[id(v)] = (weakref.ref(v), v._version, known)
+
+            return identity_views(args, kwargs, on_view)
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if in_backward() or not stack:
                 return
             call, vin, gouts = stack.pop()
-            vout = _absmax(output)
+            single = isinstance(output, torch.Tensor)
+            # a parent returning its last child's output: reduced already
+            vout = tracker._known(output) if single else None
+            if vout is None:
+                vout = _absmax(output)
             if vout is None:
                 return
-            t = first_tensor(output)
-            if t is not None:
-                tracker._seen[id(t)] = (weakref.ref(t), t._version, vout)
+            if single:  # remembered for the one tensor it describes (not for a tuple's first)
+                tracker._seen[id(output)] = (weakref.ref(output), output._version, vout)
             tracker.fwd.append((name, call, vin, vout, _counts(output) if detail else None))
             if not check_grads:
                 return

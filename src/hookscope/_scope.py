@@ -105,14 +105,14 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def identity_views(
-    args: Any, kwargs: Any, on_view: Callable[[torch.Tensor], None] | None = None
+    args: Any, kwargs: Any, on_view: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 ) -> tuple[Any, Any]:
     """Route each input tensor that requires grad through its own identity view.
 
     A gradient hook on the view sees the gradient flowing through *this* layer only (a tensor also
     used elsewhere, e.g. by a residual, gets the rest of its gradient from other paths). The same
     tensor gets the same view, so identity checks such as ``query is key`` keep their path
-    (PITFALL 4). ``on_view(view)`` is called once per new view. Returns ``(args, kwargs)`` for a
+    (PITFALL 4). ``on_view(view, tensor)`` is called once per new view. Returns ``(args, kwargs)`` for a
     ``with_kwargs`` forward pre-hook to return.
     """
     views: dict[int, torch.Tensor] = {}
@@ -124,7 +124,7 @@ def identity_views(
         if v is None:
             v = views[id(t)] = t.view_as(t)
             if on_view is not None:
-                on_view(v)
+                on_view(v, t)
         return v
 
     return map_tensors(alias, args), map_tensors(alias, kwargs)
