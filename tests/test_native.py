@@ -194,19 +194,38 @@ def test_a_wrong_gradient_kernel_is_refused_too(fresh, monkeypatch):
     assert _native.kernels() is None
 
 
+def _with(value: float, n: int = 300_001) -> torch.Tensor:
+    x = torch.randn(n)
+    x[n // 2] = value
+    return x
+
+
 @pytest.mark.parametrize(
     "x",
     [
-        torch.randn(100_003),
-        torch.randn(8, 16, 9, 9).to(memory_format=torch.channels_last),
-        torch.arange(4000, dtype=torch.float32)[:1].expand(3000),
+        torch.randn(300_001),
+        torch.randn(8, 64, 24, 24).to(memory_format=torch.channels_last),
+        torch.arange(4000, dtype=torch.float32)[:1].expand(300_000),
+        _with(math.nan),
+        _with(math.inf),
+        _with(-math.inf),
+        torch.randn(300_000).bfloat16(),
+        torch.randn(300_000, dtype=torch.float64),
+        torch.randn(1000),  # below the kernel's size: aminmax
         torch.tensor([1.0, math.nan, -2.0]),
-        torch.tensor([1.0, math.inf, -2.0]),
-        torch.tensor([-math.inf, 0.0]),
-        torch.randn(1000).bfloat16(),
-        torch.randn(1000, dtype=torch.float64),
     ],
-    ids=["large", "channels-last", "expanded", "nan", "inf", "-inf", "bf16", "f64"],
+    ids=[
+        "large",
+        "channels-last",
+        "expanded",
+        "nan",
+        "inf",
+        "-inf",
+        "bf16",
+        "f64",
+        "small",
+        "small-nan",
+    ],
 )
 def test_minmax_equals_aminmax(x, stats_backend):
     """The sentinel's reduction: [min, max] as fp32, NaN if any NaN, with or without the kernel."""
