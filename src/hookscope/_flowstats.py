@@ -271,17 +271,25 @@ def _centred_sumsq(a: np.ndarray, c: float, buf: np.ndarray) -> float:
     return max(q - s * s / a.shape[0], 0.0)
 
 
+def _native_sumsq_minmax(a: np.ndarray) -> list[float] | None:
+    """``[sum of squares, min, max]`` by the native kernel in one read; ``None`` without the
+    kernel or when a value is NaN or infinite (the kernel's min/max skip NaN: exact paths then)."""
+    k = kernels()
+    if k is None:
+        return None
+    r = k.grad_stats(a)
+    return r if math.isfinite(r[0]) else None
+
+
 def grad_stats(g: torch.Tensor) -> Vec:
     """``[norm, min, max]`` of a gradient (``absmax = max(|min|, |max|)``): a float64 tensor on
     the gradient's CUDA device, or a list of floats for a CPU gradient."""
     g = g.detach()
     if g.device.type == "cpu" and g.numel():  # on the host already: accurate and fast, no sync
         a = _host_array(g)
-        k = kernels()
-        if k is not None:  # one read
-            q, mn, mx = k.grad_stats(a)
-            if math.isfinite(q):  # no NaN/inf: the kernel's min/max are valid
-                return [math.sqrt(q), mn, mx]
+        r = _native_sumsq_minmax(a)
+        if r is not None:
+            return [math.sqrt(r[0]), r[1], r[2]]
         q, mn, mx, dot = 0.0, math.inf, -math.inf, np.dot
         for i in _blocks(a.shape[0]):  # blocks: as in _fused_stats
             ab = a[i : i + _BLOCK]
@@ -305,11 +313,9 @@ def minmax(t: torch.Tensor) -> torch.Tensor:
     activations, when they are not in cache), else by ``aminmax``."""
     t = t.detach()
     if t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() >= _MINMAX_NATIVE:
-        k = kernels()
-        if k is not None:
-            q, mn, mx = k.grad_stats(_host_array(t))
-            if math.isfinite(q):  # no NaN/inf: the kernel's min/max are valid
-                return torch.tensor([mn, mx], dtype=torch.float32)
+        r = _native_sumsq_minmax(_host_array(t))
+        if r is not None:
+            return torch.tensor(r[1:], dtype=torch.float32)
     return torch.stack(torch.aminmax(t)).float()
 
 

@@ -1,11 +1,11 @@
 """Optional native kernels: fused one-pass statistics of CPU tensors, for the training monitor.
 
 The monitor's CPU statistics (sum, sum of squares, min, max and zero count of every activation;
-sum of squares, min and max of every output gradient) are memory passes. NumPy needs one per
-reduction; the C kernels in ``_fstats.c`` do all of a tensor's in one. The file is compiled on first use with the system C
-compiler (``$CC``, else Python's, else ``cc``) into a per-user cache, keyed by the source, the
-compiler and the platform, and loaded with :mod:`ctypes` (no Python API: any CPython can load
-it). On x86-64 with GCC the kernels are built for three instruction sets and the fastest one the
+sum of squares, min and max of every output gradient; min and max for the sentinel) are memory
+passes. NumPy needs one per reduction; the C kernels in ``_fstats.c`` do all of a tensor's in
+one. The file is compiled on first use with the system C compiler (``$CC``, else Python's, else
+``cc``) into a per-user cache, keyed by the source, the compiler and the platform, and loaded
+with :mod:`ctypes` (no Python API: any CPython can load it). On x86-64 with GCC the kernels are built for three instruction sets and the fastest one the
 CPU has is picked at load time, so a cache shared by different machines is safe.
 
 Nothing here is required. Without a compiler, when the build or the self-check fails, or with

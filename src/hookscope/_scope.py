@@ -112,8 +112,8 @@ def identity_views(
     A gradient hook on the view sees the gradient flowing through *this* layer only (a tensor also
     used elsewhere, e.g. by a residual, gets the rest of its gradient from other paths). The same
     tensor gets the same view, so identity checks such as ``query is key`` keep their path
-    (PITFALL 4). ``on_view(view, tensor)`` is called once per new view. Returns ``(args, kwargs)`` for a
-    ``with_kwargs`` forward pre-hook to return.
+    (PITFALL 4). ``on_view(view, tensor)`` is called once per new view. Returns
+    ``(args, kwargs)`` for a ``with_kwargs`` forward pre-hook to return.
     """
     views: dict[int, torch.Tensor] = {}
 
