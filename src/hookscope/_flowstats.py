@@ -234,10 +234,10 @@ def _fused_stats(a: np.ndarray, scratch: Scratch) -> tuple[float, float, float, 
 
 def _act_stats_cpu(x: torch.Tensor, n: int, scratch: Scratch) -> list[float]:
     a = _host_array(x)
-    x = torch.from_numpy(a)  # the same memory, for the exact fallbacks below
     s, q, mn, mx, nonzero = _fused_stats(a, scratch)
-    absmax = max(abs(mn), abs(mx)) if not (math.isnan(mn) or math.isnan(mx)) else math.nan
+    absmax = absmax_of(mn, mx)
     if not (math.isfinite(s) and math.isfinite(absmax)):  # non-finite values: exact, slower path
+        x = torch.from_numpy(a)  # the same memory
         mean = float(x.mean())
         std = float(x.std()) if n > 1 else math.nan
         nonzero = int(torch.count_nonzero(x))

@@ -209,9 +209,8 @@ class Monitor:
                 for name, module in self.named.items():
 
                     def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                        if (
-                            in_backward()
-                        ):  # activation checkpointing re-running forward (PITFALL 27)
+                        # activation checkpointing re-running forward (PITFALL 27)
+                        if in_backward():
                             return
                         t = next(
                             (t for _, t in iter_tensors(output) if t.is_floating_point()), None

@@ -173,6 +173,10 @@ class _Tracker:
             return hit[2]
         return None
 
+    def _remember(self, t: torch.Tensor, v: torch.Tensor) -> None:
+        """Note ``v`` as the value of ``t`` at its current version (see :meth:`_known`)."""
+        self._seen[id(t)] = (weakref.ref(t), t._version, v)
+
     def _in_absmax(self, args: Any, kwargs: Any) -> torch.Tensor | None:
         vals = []
         for _, t in iter_tensors((args, kwargs)):
@@ -182,7 +186,7 @@ class _Tracker:
             if v is None:
                 v = _absmax(t)
                 if v is not None:  # the model's input, seen again by each first child
-                    self._seen[id(t)] = (weakref.ref(t), t._version, v)
+                    self._remember(t, v)
             if v is not None:
                 vals.append(v)
         if not vals:
@@ -219,7 +223,7 @@ class _Tracker:
                 scope.add_activation_grad_hook(v, on_grad_in, layer=name)
                 known = tracker._known(t)
                 if known is not None:  # the same values: the children need not reduce them again
-                    tracker._seen[id(v)] = (weakref.ref(v), v._version, known)
+                    tracker._remember(v, known)
 
             return identity_views(args, kwargs, on_view)
 
@@ -235,7 +239,7 @@ class _Tracker:
             if vout is None:
                 return
             if single:  # remembered for the one tensor it describes (not for a tuple's first)
-                tracker._seen[id(output)] = (weakref.ref(output), output._version, vout)
+                tracker._remember(output, vout)
             tracker.fwd.append((name, call, vin, vout, _counts(output) if detail else None))
             if not check_grads:
                 return
