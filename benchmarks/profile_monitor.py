@@ -23,7 +23,7 @@ import torch.nn as nn
 import torchvision
 
 import hookscope as hs
-from hookscope import _monitor
+from hookscope.monitor import _monitor
 
 KINDS = ("bare", "monitor", "no-op stats", "no act stats", "no grad stats")
 

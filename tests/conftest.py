@@ -94,7 +94,7 @@ def native_kernels():
     they did not build."""
     import shutil
 
-    from hookscope import _native
+    from hookscope.monitor import _native
 
     k = _native.kernels()
     if k is None:
@@ -107,7 +107,7 @@ def native_kernels():
 @pytest.fixture(params=["native", "numpy"])
 def stats_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test with the monitor's native statistics kernels and again with NumPy only."""
-    from hookscope import _native
+    from hookscope.monitor import _native
 
     if request.param == "numpy":
         monkeypatch.setattr(_native, "_loaded", [None])

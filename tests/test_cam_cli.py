@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope._cli import main
+from hookscope.cli import main
 
 PIL_Image = pytest.importorskip("PIL.Image")
 pytest.importorskip("matplotlib")
@@ -66,7 +66,7 @@ def test_cam_writes_the_api_overlay(files, capsys):
     x = ((torch.from_numpy(shown).permute(2, 0, 1) - mean[:, None, None]) / std[:, None, None])[
         None
     ]
-    from hookscope._modelspec import load_model
+    from hookscope.cli._modelspec import load_model
 
     model = load_model(f"{files}/tiny.py:Tiny").eval()
     expected = hs.overlay(shown, hs.GradCAM(model, "2")(x, target=3)[0])

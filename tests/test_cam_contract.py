@@ -222,7 +222,13 @@ def test_memory_bound_scorecam_batches(x):
 
 
 @pytest.mark.parametrize(
-    "module", ["hookscope._cam", "hookscope._cam_methods", "hookscope._tokens", "hookscope._viz"]
+    "module",
+    [
+        "hookscope.cam._base",
+        "hookscope.cam._methods",
+        "hookscope.cam._tokens",
+        "hookscope.viz._pictures",
+    ],
 )
 def test_docstring_examples_run(module):
     import doctest

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
-from hookscope._tokens import to_grid
+from hookscope.cam._tokens import to_grid
 
 pgc = pytest.importorskip("pytorch_grad_cam")
 from pytorch_grad_cam.utils.model_targets import ClassifierOutputTarget  # noqa: E402

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hookscope._cli import main
+from hookscope.cli import main
 
 MODEL_FILE = """
 import torch.nn as nn

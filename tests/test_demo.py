@@ -10,15 +10,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hookscope as hs
-from hookscope._demo import (
+from hookscope.cli._modelspec import load_model
+from hookscope.demo._data import _shape_mask
+from hookscope.demo._model import (
     TEST_SEED,
     WEIGHTS_PATH,
     evaluate_demo_model,
     save_demo_weights,
     train_demo_model,
 )
-from hookscope._demo_data import _shape_mask
-from hookscope._modelspec import load_model
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_a_file_that_is_not_demo_weights_is_refused(tmp_path):
     torch.save({"format": 99}, bad)
     with pytest.raises(ValueError, match="not a hookscope demo weights file"):
         hs.load_demo_model(bad)
-    with pytest.raises(FileNotFoundError, match="python -m hookscope._demo train"):
+    with pytest.raises(FileNotFoundError, match="python -m hookscope.demo._model train"):
         hs.load_demo_model(tmp_path / "missing.pt")
 
 
@@ -157,7 +157,7 @@ def test_training_is_deterministic_and_round_trips_through_the_weights_file(tmp_
         torch.testing.assert_close(c(x), a(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["_demo", "_demo_data", "_report"])
+@pytest.mark.parametrize("name", ["demo._model", "demo._data", "demo._html"])
 def test_docstring_examples_run(name):
     import doctest
     import importlib

@@ -14,30 +14,53 @@ import hookscope
 def test_all_is_sorted_and_matches_public_names():
     assert hookscope.__all__ == sorted(hookscope.__all__)
     public = {n for n in dir(hookscope) if not n.startswith("_")}
-    # submodules imported as a side effect of importing private modules are not API
+    # the product packages are the layout, not API (``ops`` is a public module)
     public -= {m.name for m in pkgutil.iter_modules(hookscope.__path__)} - {"ops"}
     assert public == set(hookscope.__all__) - {"__version__"}
 
 
-def test_private_modules_have_explicit_all():
-    for m in pkgutil.iter_modules(hookscope.__path__):
-        mod = importlib.import_module(f"hookscope.{m.name}")
-        if m.name.startswith("_cli") or m.name in {"__main__"}:
+def _all_modules() -> list[str]:
+    return [m.name for m in pkgutil.walk_packages(hookscope.__path__, "hookscope.")]
+
+
+def test_every_module_has_explicit_all():
+    # command modules only expose register(subparsers); __main__ runs the CLI
+    skip = {"hookscope.__main__"} | {
+        n for n in _all_modules() if n.startswith("hookscope.cli._") and n != "hookscope.cli._main"
+    }
+    for name in _all_modules():
+        if name in skip:
             continue
-        assert hasattr(mod, "__all__"), f"hookscope.{m.name} has no __all__"
+        mod = importlib.import_module(name)
+        assert hasattr(mod, "__all__"), f"{name} has no __all__"
+
+
+def test_layout_has_one_package_per_product():
+    packages = {m.name for m in pkgutil.iter_modules(hookscope.__path__) if m.ispkg}
+    assert packages == {
+        "cam",
+        "cli",
+        "core",
+        "demo",
+        "extraction",
+        "monitor",
+        "summarization",
+        "viz",
+    }
 
 
 CORE = [
-    "_select",
-    "_scope",
-    "_call",
-    "_capture",
-    "_edit",
-    "_observe",
-    "_extractor",
-    "_trace",
-    "_nested",
-    "_inventory",
+    "core._select",
+    "core._scope",
+    "core._call",
+    "core._capture",
+    "core._edit",
+    "core._observe",
+    "extraction._extractor",
+    "core._trace",
+    "core._nested",
+    "core._inventory",
+    "core._ops",
     "ops",
 ]
 

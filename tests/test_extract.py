@@ -16,8 +16,8 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import hookscope as hs
-from hookscope import _featstore
-from hookscope._progress import Progress
+from hookscope.core._progress import Progress
+from hookscope.extraction import _featstore
 
 
 class TokenNet(nn.Module):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope._cli import main
-from hookscope._featstore import STATE_DIR
-from hookscope._modelspec import load_model
+from hookscope.cli import main
+from hookscope.cli._modelspec import load_model
+from hookscope.extraction._featstore import STATE_DIR
 
 MODEL_PY = """
 import os, time

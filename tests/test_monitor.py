@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
-from hookscope._flowstats import Scratch, act_stats
+from hookscope.monitor._stats import Scratch, act_stats
 
 REL = 1e-5
 
@@ -342,7 +342,7 @@ def _f64_stats(x: torch.Tensor) -> list[float]:
 def test_act_and_grad_stats_cpu_equal_float64_references(make, stats_backend):
     """The CPU statistics against float64 computations: accurate to ~1e-7 even on 5M elements
     (torch's fp32 2-norm is off by ~1e-4 there), in any memory layout."""
-    from hookscope._flowstats import cpu_norm, grad_stats
+    from hookscope.monitor._stats import cpu_norm, grad_stats
 
     x = make(torch.Generator().manual_seed(0))
     v, _ = act_stats(x, None, 0.01, 0, Scratch())
@@ -358,7 +358,7 @@ def test_act_and_grad_stats_cpu_equal_float64_references(make, stats_backend):
 def test_act_and_grad_stats_see_a_nan_in_any_block(stats_backend):
     """Statistics are taken block by block (256 KiB): a NaN in a middle block must survive the
     blocks after it, in min/max/absmax as in the counts."""
-    from hookscope._flowstats import grad_stats
+    from hookscope.monitor._stats import grad_stats
 
     x = torch.randn(1_000_000, generator=torch.Generator().manual_seed(1))
     x[300_000] = float("nan")

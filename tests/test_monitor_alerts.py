@@ -100,12 +100,21 @@ def test_thresholds_validation_and_alert_modes():
     assert hs.Thresholds.make(None) == hs.Thresholds()
 
 
-@pytest.mark.parametrize("name", ["_monitor", "_nonfinite", "_sinks", "_flowplot", "_diagnose"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "monitor._monitor",
+        "monitor._nonfinite",
+        "monitor._sinks",
+        "monitor._plot",
+        "monitor._diagnose",
+    ],
+)
 def test_docstring_examples_run(name):
     import doctest
     import importlib
 
     mod = importlib.import_module(f"hookscope.{name}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted > 0 or name == "_diagnose"
+    assert result.attempted > 0 or name == "monitor._diagnose"
     assert result.failed == 0

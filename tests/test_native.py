@@ -1,4 +1,4 @@
-"""The monitor's optional native kernels (``hookscope._native``): values against float64, the
+"""The monitor's optional native kernels (``hookscope.monitor._native``): values against float64, the
 build cache, and the NumPy fallback when they cannot be built or are switched off."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from hookscope import _native
-from hookscope._flowstats import Scratch, act_stats, grad_stats, minmax
+from hookscope.monitor import _native
+from hookscope.monitor._stats import Scratch, act_stats, grad_stats, minmax
 
 HAVE_CC = shutil.which(os.environ.get("CC", "cc").split()[0]) is not None
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import hookscope as hs
-from hookscope._nested import describe, iter_tensors, map_tensors
+from hookscope.core._nested import describe, iter_tensors, map_tensors
 
 Pair = namedtuple("Pair", "left right")
 

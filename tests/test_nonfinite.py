@@ -227,7 +227,7 @@ def test_a_tuple_output_value_is_not_taken_for_its_first_tensor():
 def test_each_tensor_is_reduced_once_per_version(monkeypatch):
     """A parent returning its child's output, and the model's input seen by every first child,
     are reduced once; an in-place change (a new version) is reduced again."""
-    from hookscope import _nonfinite
+    from hookscope.monitor import _nonfinite
 
     seen: list[tuple[torch.Tensor, int]] = []  # the tensors held: no id is reused meanwhile
     real = _nonfinite.minmax

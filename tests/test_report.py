@@ -20,8 +20,8 @@ import torch
 from PIL import Image
 
 import hookscope as hs
-from hookscope._cli import main
-from hookscope._report import Figure, Report
+from hookscope.cli import main
+from hookscope.demo._html import Figure, Report
 
 CHROMIUM = (
     shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
@@ -107,7 +107,7 @@ def test_demo_writes_a_report_and_prints_a_summary(demo):
 def test_demo_report_numbers_match_the_model(demo):
     # the KPI "k/6 test images classified right" equals the model's own predictions
     _, stdout, _, _ = demo
-    from hookscope._demo import TEST_SEED
+    from hookscope.demo._model import TEST_SEED
 
     ds = hs.make_demo_dataset(6, seed=TEST_SEED + 1)
     with torch.no_grad():

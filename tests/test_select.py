@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hookscope as hs
+from hookscope.core._select import suggest
 
 
 @pytest.fixture(scope="module")
@@ -90,5 +91,5 @@ def test_single_typo_suggests_the_intended_name(name, data):
     typo = name[:i] + ch + name[i + 1 :]
     if typo in _NAMES:
         return
-    suggestions = hs._select.suggest(typo, _NAMES)
+    suggestions = suggest(typo, _NAMES)
     assert name in suggestions, (typo, suggestions)

@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
 import hookscope as hs
-from hookscope._flops import EXTRA_FLOP_FORMULAS
-from hookscope._modelspec import load_model
+from hookscope.cli._modelspec import load_model
+from hookscope.summarization._flops import EXTRA_FLOP_FORMULAS
+from hookscope.summarization._format import COLUMNS
 
 GOLDEN = Path(__file__).parent / "golden" / "summary"
 
@@ -436,9 +437,7 @@ def test_table_fits_with_huge_numbers():
         time_ms=12345.678, output_bytes=2**40, leaf=True,
     )  # fmt: skip
     totals = hs.SummaryTotals(6_738_415_616, 0, 10**14, 2**35, 0, 2**40, 2**40, "CPU", 1.0, "cpu")
-    s = hs.Summary(
-        "LlamaForCausalLM", "(1, 4096)", [row], totals, columns=tuple(hs._summary_format.COLUMNS)
-    )
+    s = hs.Summary("LlamaForCausalLM", "(1, 4096)", [row], totals, columns=tuple(COLUMNS))
     text = s.to_text(ascii=True)
     assert max(map(len, text.splitlines())) <= 100
     assert "6,738,415,616" in text and "100T" in text and "1024.00 GiB" in text
@@ -518,7 +517,7 @@ def test_cpu_peak_memory_counts_tensors_alive_at_once():
 @pytest.fixture
 def dispatched(monkeypatch) -> list:
     """The operators summary's dispatch mode sees during the test (none for a layer run natively)."""
-    from hookscope import _flops
+    from hookscope.summarization import _flops
 
     _flops.warm_up()  # its first call runs two operators under a mode, once per process
     seen: list = []
@@ -567,7 +566,7 @@ NATIVE_CASES = [
 )
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_native_leaf_rules_equal_the_dispatcher(layer, shape, train, dispatched):
-    from hookscope import _flops
+    from hookscope.summarization import _flops
 
     assert _flops.native_rule(layer) is not None
     layer.train(train)
@@ -589,7 +588,7 @@ def test_native_leaf_rules_equal_the_dispatcher(layer, shape, train, dispatched)
 def test_layers_that_may_run_other_operators_are_counted_at_the_dispatcher(seed):
     """A built-in type with a hook of someone else's, or a subclass with its own forward, runs
     with the dispatch mode on: the matmuls its hook or forward adds are counted."""
-    from hookscope import _flops
+    from hookscope.summarization import _flops
 
     class Wider(nn.Linear):
         def forward(self, x):
@@ -653,7 +652,7 @@ MHA_CASES = [
 @pytest.mark.parametrize("case", MHA_CASES, ids=[str(i) for i in range(len(MHA_CASES))])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_native_multihead_attention_equals_the_dispatcher(case, train, seed, dispatched):
-    from hookscope import _flops
+    from hookscope.summarization import _flops
 
     mkw, lq, s, ckw, batched = case
     e, n = 8, 3
@@ -695,7 +694,7 @@ def test_unshared_fast_path_counts_as_the_exact_path(monkeypatch):
     when a parameter or module is reachable twice) must give the same rows."""
     import torchvision
 
-    from hookscope import _summary_rows
+    from hookscope.summarization import _rows as _summary_rows
 
     net = torchvision.models.resnet18().eval()
     net.fc.weight.requires_grad_(False)
@@ -761,7 +760,7 @@ ZERO_FLOP_LAYERS = {
 
 def test_every_native_type_is_tested_against_the_dispatcher():
     """Every type summary runs natively has a case here or in NATIVE_CASES/MHA_CASES."""
-    from hookscope import _flops
+    from hookscope.summarization import _flops
 
     covered = {type(m) for m, _ in NATIVE_CASES} | set(ZERO_FLOP_LAYERS) | {nn.MultiheadAttention}
     assert set(_flops._NATIVE) == covered

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope._cli import main
-from hookscope._modelspec import load_model
+from hookscope.cli import main
+from hookscope.cli._modelspec import load_model
 
 GOLDEN = Path(__file__).parent / "golden" / "summary"
 NET = f"{GOLDEN / 'net.py'}"

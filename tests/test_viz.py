@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope import _viz
+from hookscope.viz import _pictures as _viz
 
 PIL_Image = pytest.importorskip("PIL.Image")
 mpl = pytest.importorskip("matplotlib")

@@ -10,42 +10,75 @@ Example:
 """
 
 from . import ops
-from ._cam import CAM, CAMError, cam_methods, get_cam
-from ._cam_methods import EigenCAM, GradCAM, GradCAMPlusPlus, HiResCAM, LayerCAM, ScoreCAM, XGradCAM
-from ._capture import Call, Capture, Inputs, capture
-from ._demo import DemoNet, load_demo_model
-from ._demo_data import DemoDataset, make_demo_dataset
-from ._diagnose import Alert, MonitorWarning, NonFiniteWarning, Thresholds
-from ._edit import clip_grads, edit, edit_grads
-from ._errors import (
+from ._version import __version__
+from .cam import (
+    CAM,
+    CAMError,
+    EigenCAM,
+    GradCAM,
+    GradCAMPlusPlus,
+    HiResCAM,
+    LayerCAM,
+    ReshapeError,
+    ScoreCAM,
+    XGradCAM,
+    cam_methods,
+    get_cam,
+)
+from .core import (
+    Call,
+    Capture,
     HookConflictError,
+    HookInfo,
+    HookScope,
     HookscopeError,
     HookscopeWarning,
     InPlaceModifiedWarning,
+    Inputs,
     LayerNotFoundError,
     LayerNotRunError,
     NoGradientError,
+    Selector,
+    TensorGrads,
+    Trace,
+    TraceEvent,
     UnsupportedModelError,
+    capture,
+    clip_grads,
+    edit,
+    edit_grads,
+    find,
+    hooks_on,
+    observe,
+    remove_hooks,
+    tensor_grads,
+    trace,
 )
-from ._extract import extract
-from ._extractor import FeatureExtractor
-from ._featstore import ExtractError, Features, IncompleteExtractionError, load_features
-from ._flowplot import plot_grad_flow
-from ._imagefolder import ImageFolder
-from ._inventory import HookInfo, hooks_on, remove_hooks
-from ._monitor import Monitor
-from ._nonfinite import NonFiniteOrigin, find_nonfinite
-from ._observe import TensorGrads, observe, tensor_grads
-from ._record import MonitorRecord
-from ._scope import HookScope
-from ._select import Selector, find
-from ._sinks import JsonlSink, TensorBoardSink
-from ._summary import Summary, SummaryRow, SummaryTotals, summary
-from ._tokens import ReshapeError
-from ._trace import Trace, TraceEvent, trace
-from ._viz import feature_maps, overlay
-
-__version__ = "0.1.0"
+from .demo import DemoDataset, DemoNet, load_demo_model, make_demo_dataset
+from .extraction import (
+    ExtractError,
+    FeatureExtractor,
+    Features,
+    ImageFolder,
+    IncompleteExtractionError,
+    extract,
+    load_features,
+)
+from .monitor import (
+    Alert,
+    JsonlSink,
+    Monitor,
+    MonitorRecord,
+    MonitorWarning,
+    NonFiniteOrigin,
+    NonFiniteWarning,
+    TensorBoardSink,
+    Thresholds,
+    find_nonfinite,
+    plot_grad_flow,
+)
+from .summarization import Summary, SummaryRow, SummaryTotals, summary
+from .viz import feature_maps, overlay
 
 __all__ = [
     "Alert",

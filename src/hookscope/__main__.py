@@ -1,6 +1,6 @@
 """``python -m hookscope`` runs the command-line tool (also under ``torchrun``)."""
 
-from ._cli import main
+from .cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

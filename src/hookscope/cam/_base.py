@@ -1,0 +1,376 @@
+"""The CAM template: one forward (and a backward through the layers after the target only), then
+batched, on-device post-processing. Each method (``_cam_methods.py``) is a small subclass that
+says how to turn a layer's activation and gradient into a map; the registry maps names to them.
+
+How the gradient is taken cheaply: the model runs with autograd *off* until the target layer. A
+forward hook on that layer turns autograd on, makes the layer's output a fresh leaf (detached,
+``requires_grad_()``) and passes a copy of it on. So autograd records only the part of the network
+after the layer, ``torch.autograd.grad(score, leaf)`` runs backward through that part only, and no
+parameter ever gets a ``.grad``. The leaf itself is never handed to the model, so a later in-place
+op (``ReLU(inplace=True)``, ``out += identity``) cannot change the activation we read, and its
+gradient is the one of the out-of-place model (PITFALL 3).
+"""
+
+from __future__ import annotations
+
+import difflib
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..core._errors import HookscopeError
+from ..core._nested import describe, first_tensor, map_tensors
+from ..core._scope import HookScope, check_model, in_backward
+from ..core._select import resolve
+from ._tokens import Reshape, to_grid
+
+__all__ = ["CAM", "CAMError", "Target", "cam_methods", "get_cam"]
+
+Target = int | Sequence[int] | torch.Tensor | Callable[[Any], torch.Tensor] | None
+"""A class index, one index per sample (list or 1-D tensor), ``None`` (each sample's predicted
+class), or ``fn(model_output) -> scores``: one score per sample (or any tensor, summed)."""
+
+_REGISTRY: dict[str, type[CAM]] = {}
+
+
+class CAMError(HookscopeError):
+    """A CAM cannot be computed as asked (bad target, layer without a map, no gradient, ...)."""
+
+
+def _key(name: str) -> str:
+    return name.lower().replace("++", "pp").replace("-", "").replace("_", "").replace(" ", "")
+
+
+def cam_methods() -> dict[str, type[CAM]]:
+    """The registered CAM methods, ``{name: class}`` (e.g. ``"gradcam"``, ``"gradcam++"``).
+
+    Example:
+        >>> import hookscope as hs
+        >>> sorted(hs.cam_methods())[:3]
+        ['eigencam', 'gradcam', 'gradcam++']
+    """
+    return dict(_REGISTRY)
+
+
+def get_cam(name: str) -> type[CAM]:
+    """The CAM class registered as ``name`` (case, ``-``, ``_`` and ``++``/``pp`` are forgiven).
+
+    Example:
+        >>> import hookscope as hs
+        >>> hs.get_cam("Grad-CAM++").__name__
+        'GradCAMPlusPlus'
+    """
+    by_key = {_key(n): cls for n, cls in _REGISTRY.items()}
+    by_key.update({_key(a): cls for cls in _REGISTRY.values() for a in cls.aliases})
+    cls = by_key.get(_key(name))
+    if cls is None:
+        close = difflib.get_close_matches(name.lower(), list(_REGISTRY), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise CAMError(
+            f"unknown CAM method {name!r}{hint} Available: {', '.join(sorted(_REGISTRY))}"
+        )
+    return cls
+
+
+def _logits(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
+    lg = getattr(out, "logits", None)
+    if isinstance(lg, torch.Tensor):
+        return lg
+    t = first_tensor(out)
+    if t is None:
+        raise CAMError(
+            f"the model returned no tensor ({type(out).__name__}); pass target=fn(output) -> scores"
+        )
+    return t
+
+
+def _minmax(m: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``(m - min) / (max + 1e-7)``, as pytorch-grad-cam's ``scale_cam_image``."""
+    dims = tuple(range(1, m.ndim))
+    m = m - m.amin(dim=dims, keepdim=True)
+    return m / (1e-7 + m.amax(dim=dims, keepdim=True))
+
+
+_MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
+
+
+class _Run:
+    """What one call knows: the input, the class indices (if any) and how to score an output."""
+
+    def __init__(self, cam: CAM, x: torch.Tensor, target: Target) -> None:
+        self.cam, self.model, self.x, self.target = cam, cam.model, x, target
+        self.index: torch.Tensor | None = None  # (B,) class per sample, on x's device
+
+    def resolve_target(self, out: Any) -> None:
+        """Turn ``target`` into per-sample class indices on the output's device (no host sync)."""
+        t, b = self.target, self.x.shape[0]
+        if callable(t):
+            return
+        logits = _logits(out)
+        if t is None:
+            if logits.ndim != 2:
+                raise CAMError(
+                    f"target=None means each sample's predicted class, which needs (B, num_classes) "
+                    f"logits; the model gives {describe(out)}. Pass target=class_index or target=fn(output) -> scores"
+                )
+            self.index = logits.detach().argmax(dim=1)
+            return
+        if isinstance(t, torch.Tensor):
+            idx = t.to(device=logits.device, dtype=torch.long).reshape(-1)
+            if idx.numel() == 1:
+                idx = idx.expand(b)
+        else:
+            vals = [int(t)] * b if isinstance(t, numbers.Integral) else [int(v) for v in t]  # type: ignore[union-attr]
+            k = logits.shape[1] if logits.ndim >= 2 else 0
+            bad = [v for v in vals if not 0 <= v < k]
+            if bad:
+                raise CAMError(
+                    f"target: class {bad[0]} out of range; the model gives {describe(out)} ({k} classes)"
+                )
+            idx = torch.tensor(vals, dtype=torch.long).to(logits.device, non_blocking=True)
+        if idx.shape[0] != b:
+            raise CAMError(f"target: {idx.shape[0]} targets for a batch of {b}")
+        self.index = idx
+
+    def score(self, out: Any, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-row scores of ``out``; ``rows`` picks each row's class index (default: the batch's)."""
+        if callable(self.target):
+            s = self.target(out)
+            if not isinstance(s, torch.Tensor):
+                raise CAMError(
+                    f"target function returned {type(s).__name__}; it must return a tensor of scores"
+                )
+            return s
+        logits = _logits(out)
+        idx = self.index if rows is None else rows
+        assert idx is not None
+        if logits.ndim < 2:
+            raise CAMError(
+                f"class-index targets need (B, num_classes, ...) outputs; got {describe(out)}"
+            )
+        picked = logits.flatten(2) if logits.ndim > 2 else logits.unsqueeze(2)
+        return picked.gather(1, idx.view(-1, 1, 1).expand(-1, 1, picked.shape[2])).sum(dim=(1, 2))
+
+
+class CAM:
+    """Base of every class-activation-map method. ``cam = Method(model, layer); cam(x, target)``.
+
+    Subclasses set ``name`` (registry key; ``aliases`` for :func:`get_cam`), ``uses_gradients``, and override
+    :meth:`channel_weights` (``(B, C)`` weights for ``sum_c w_c A_c``) or :meth:`layer_map`.
+
+    Args:
+        model: any ``nn.Module`` taking an image batch ``x`` ``(B, C, H, W)``. Its mode,
+            ``requires_grad`` flags and hooks are left as found; put it in ``eval()`` first, else
+            dropout and batch-norm make maps depend on the batch (and update running stats).
+        layer: a layer selector (name, glob, module, type, predicate) or a list; several layers
+            give the average of their (normalised, upsampled) maps.
+        reshape: how to read the activation as ``(B, C, h, w)``: ``None`` (automatic, see
+            :func:`hookscope.cam._tokens.to_grid`: ViT tokens with or without a class token, Swin
+            channels-last), ``(h, w)`` (the last ``h * w`` tokens) or ``fn(activation)``.
+        relu: apply a ReLU to each layer's map (standard); ``False`` keeps negative evidence.
+        raw: return the un-normalised maps at the layer's resolution ``(B, h, w)`` (several
+            layers must then share a resolution) instead of ``(B, H, W)`` in ``[0, 1]``.
+
+    Calling it returns a float32 tensor on ``x``'s device. See :data:`Target` for ``target``.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1),
+        ...                     nn.Flatten(), nn.Linear(4, 3)).eval()
+        >>> x = torch.randn(2, 3, 10, 10)
+        >>> hs.LayerCAM(net, "0", raw=True)(x, target=lambda out: out[:, 0]).shape
+        torch.Size([2, 8, 8])
+        >>> hs.get_cam("eigencam")(net, "0")(x).shape
+        torch.Size([2, 10, 10])
+    """
+
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    uses_gradients: ClassVar[bool] = True
+    needs_target: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            _REGISTRY[cls.name] = cls
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: Any,
+        reshape: Reshape = None,
+        *,
+        relu: bool = True,
+        raw: bool = False,
+    ) -> None:
+        check_model(model)
+        self.model = model
+        self.layers: dict[str, nn.Module] = resolve(model, layer)
+        self.reshape = reshape
+        self.relu = relu
+        self.raw = raw
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({type(self.model).__name__}, layers={list(self.layers)})"
+
+    # -- what a method defines --------------------------------------------------------------
+    def channel_weights(self, a: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+        """``(B, C)`` weights of the channels of ``a`` ``(B, C, *spatial)`` given its gradient ``g``."""
+        raise NotImplementedError(f"{type(self).__name__} must define channel_weights or layer_map")
+
+    def layer_map(self, a: torch.Tensor, g: torch.Tensor | None, run: _Run) -> torch.Tensor:
+        """The map ``(B, *spatial)`` of one layer; by default ``sum_c w_c * a_c``."""
+        w = self.channel_weights(a, g)
+        return (w.view(*w.shape, *([1] * (a.ndim - 2))) * a).sum(dim=1)
+
+    # -- the template -----------------------------------------------------------------------
+    def __call__(self, x: torch.Tensor, target: Target = None) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{type(self).__name__} expects an input tensor (B, C, H, W), got {type(x).__name__}"
+            )
+        if self.uses_gradients and torch.is_inference_mode_enabled():
+            raise CAMError(
+                f"{type(self).__name__} needs gradients, which torch.inference_mode() forbids; call it outside"
+            )
+        run = _Run(self, x, target)
+        # the output is needed for gradients and for class targets (predicted, or range-checked)
+        need_output = self.uses_gradients or (self.needs_target and not callable(target))
+        acts, out = self._forward(x, grad=self.uses_gradients, full=need_output)
+        if need_output:
+            run.resolve_target(out)
+        grads: list[torch.Tensor | None] = [None] * len(acts)
+        if self.uses_gradients:
+            grads = self._gradients(run, out, acts)
+        image_hw = tuple(x.shape[-2:]) if x.ndim >= 4 else None
+        maps = []
+        for (name, a), g in zip(acts.items(), grads):
+            a = to_grid(a.detach(), self.reshape, image_hw=image_hw, layer=name).float()  # type: ignore[arg-type]
+            if g is not None:
+                g = to_grid(g, self.reshape, image_hw=image_hw, layer=name).float()  # type: ignore[arg-type]
+            with torch.no_grad():
+                maps.append(self.layer_map(a, g, run))
+        with torch.no_grad():
+            return self._finish(maps, x)
+
+    def _forward(
+        self, x: torch.Tensor, *, grad: bool, full: bool
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        """Run the model; return ``{layer: activation}`` (grad leaves if ``grad``) and the output.
+
+        Without ``full`` the forward pass stops once every layer has run.
+        """
+        acts: dict[str, torch.Tensor] = {}
+        scope = HookScope("cam")
+        wanted = len(self.layers)
+
+        def make_hook(name: str) -> Callable[..., Any]:
+            def hook(module: nn.Module, args: Any, output: Any) -> Any:
+                if in_backward():
+                    return None
+                t = first_tensor(output)
+                if t is None:
+                    raise CAMError(
+                        f"layer {name!r} returned no tensor ({describe(output)}); pick a layer with a tensor output"
+                    )
+                if not full:
+                    acts[name] = t.detach()
+                    if len(acts) == wanted:
+                        raise scope.stop_signal()
+                    return None
+                if grad:
+                    torch.set_grad_enabled(True)  # record autograd from here on
+                    src = t if t.requires_grad else t.detach().requires_grad_()
+                else:
+                    src = t.detach()
+                acts[name] = src
+                # pass on a copy: later in-place ops change the copy, not the activation we read
+                return _replace_first(output, src.clone())
+
+            return hook
+
+        prev = torch.is_grad_enabled()
+        out = None
+        try:
+            with scope:
+                for name, module in self.layers.items():
+                    scope.add_forward(module, make_hook(name), layer=name)
+                torch.set_grad_enabled(False)
+                out = self.model(x)
+        finally:
+            torch.set_grad_enabled(prev)
+        missing = [n for n in self.layers if n not in acts]
+        if missing:
+            raise CAMError(
+                f"layer(s) {', '.join(map(repr, missing))} never ran during the forward pass (PyTorch runs hooks "
+                "only through module(...); a parent calling child.forward() directly, or a branch not taken, skips them)"
+            )
+        return acts, out
+
+    def _gradients(
+        self, run: _Run, out: Any, acts: dict[str, torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        with torch.enable_grad():
+            score = run.score(out).sum()
+        if not score.requires_grad:
+            raise CAMError(
+                f"the target score does not depend on layer(s) {', '.join(map(repr, acts))} through autograd "
+                "(is the layer on the path to the output? does the model run the later part under no_grad?)"
+            )
+        srcs = list(acts.values())
+        grads = torch.autograd.grad(score, srcs, allow_unused=True)
+        for name, g in zip(acts, grads):
+            if g is None:
+                raise CAMError(
+                    f"the target score does not depend on layer {name!r}: no gradient reaches it"
+                )
+        return list(grads)
+
+    def _finish(self, maps: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if self.relu:
+            maps = [m.clamp_min(0) for m in maps]
+        if self.raw:
+            shapes = {tuple(m.shape) for m in maps}
+            if len(shapes) > 1:
+                raise CAMError(
+                    f"raw=True with several layers needs equal map sizes; got {sorted(shapes)}"
+                )
+            return maps[0] if len(maps) == 1 else torch.stack(maps).mean(dim=0)
+        spatial = maps[0].ndim - 1
+        if x.ndim - 2 != spatial:
+            raise CAMError(
+                f"cannot upsample a {spatial}-D map to an input of shape {tuple(x.shape)}; use raw=True for layer-resolution maps"
+            )
+        size = tuple(x.shape[2:])
+        ups = []
+        for m in maps:
+            m = _minmax(m)
+            if tuple(m.shape[1:]) != size:
+                m = F.interpolate(
+                    m.unsqueeze(1), size=size, mode=_MODES[spatial], align_corners=False
+                ).squeeze(1)
+            ups.append(m)
+        cam = ups[0] if len(ups) == 1 else torch.stack(ups).clamp_min(0).mean(dim=0)
+        return _minmax(cam)
+
+
+def _replace_first(output: Any, new: torch.Tensor) -> Any:
+    if isinstance(output, torch.Tensor):
+        return new
+    done = [False]
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        if done[0]:
+            return t
+        done[0] = True
+        return new
+
+    return map_tensors(swap, output)

@@ -1,0 +1,150 @@
+"""The ``hookscope`` command line. Each subcommand lives in its own ``_cli_<name>.py`` module
+exposing ``register(subparsers)``; this file only dispatches and turns user errors into one line
+on stderr with exit code 2 (never a traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..core._errors import HookscopeError
+
+__all__ = ["CLIError", "main"]
+
+# Subcommand modules, in the order they are listed by --help.
+COMMANDS = ["_trace", "_summary", "_extract", "_cam", "_demo"]
+
+
+class CLIError(HookscopeError):
+    """Bad command-line input: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2 (argparse prints usage + message)
+        self.exit(
+            2, f"hookscope: error: {message} (see 'hookscope {self.prog.split()[-1]} --help')\n"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .._version import __version__
+
+    parser = _Parser(prog="hookscope", description="Look inside any PyTorch model through hooks.")
+    parser.add_argument("--version", action="version", version=f"hookscope {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for mod_name in COMMANDS:
+        importlib.import_module(f"{__package__}.{mod_name}").register(sub)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    layer = getattr(exc, "hookscope_layer", None)
+    if layer is not None:
+        shown = layer or "<root>"
+        return f"the model failed in layer {shown!r} (input {exc.hookscope_inputs}): {type(exc).__name__}: {msg}"  # type: ignore[attr-defined]
+    return msg
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hookscope`` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # e.g. `hookscope trace ... | head`
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        print("hookscope: interrupted", file=sys.stderr)
+        return 130
+    except (HookscopeError, FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as e:
+        print(f"hookscope: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        # an exception raised inside the user's model (located by `load`'s error locator) is bad
+        # input: one line, exit 2. Anything else is a bug in hookscope: let the traceback show.
+        if getattr(e, "hookscope_layer", None) is not None:
+            print(f"hookscope: error: {_one_line(e)}", file=sys.stderr)
+            return 2
+        raise
+    finally:
+        while _LOCATORS:
+            _LOCATORS.pop().remove()
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, inputs: bool = True) -> None:
+    """The MODEL positional and the --input/--dtype/--device options shared by subcommands."""
+    p.add_argument(
+        "model", metavar="MODEL", help="package.module:callable, path/to/file.py:Name, or demo"
+    )
+    if inputs:
+        p.add_argument(
+            "--input",
+            action="append",
+            metavar="SHAPE",
+            help="input shape, e.g. 1,3,224,224 (repeat for several inputs)",
+        )
+        p.add_argument(
+            "--dtype", default="float32", help="input dtype (float32, float16, bfloat16, long, ...)"
+        )
+    p.add_argument("--device", default="cpu", help="device to run on (cpu, cuda, cuda:1)")
+
+
+def make_inputs(args: argparse.Namespace, model: Any) -> list[Any]:
+    """Random inputs for --input shapes (or the demo model's default input)."""
+    import torch
+
+    from ._modelspec import parse_shapes
+
+    shapes = parse_shapes(args.input)
+    if not shapes:
+        default = getattr(model, "default_input_shape", None)
+        if default is None:
+            raise CLIError("--input is required for this model, e.g. --input 1,3,224,224")
+        shapes = [tuple(default)]
+    try:
+        dtype = getattr(torch, args.dtype)
+        assert isinstance(dtype, torch.dtype)
+    except (AttributeError, AssertionError):
+        raise CLIError(
+            f"unknown --dtype {args.dtype!r}; try float32, float16, bfloat16 or long"
+        ) from None
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise CLIError(f"unknown --device {args.device!r}; try cpu or cuda") from None
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for s in shapes:
+        if dtype.is_floating_point:
+            out.append(torch.randn(s, generator=gen).to(device=device, dtype=dtype))
+        else:
+            out.append(torch.randint(0, 100, s, generator=gen).to(device=device, dtype=dtype))
+    return out
+
+
+_LOCATORS: list[Any] = []
+
+
+def load(args: argparse.Namespace) -> Any:
+    """Load MODEL (eval mode, on --device), with an error locator attached until :func:`main`
+    returns, so an exception inside the model is reported as one line naming the layer."""
+    import torch
+
+    from ..core._scope import locate_errors
+    from ._modelspec import load_model
+
+    model = load_model(args.model)
+    _LOCATORS.append(locate_errors(model))
+    try:
+        model = model.to(torch.device(getattr(args, "device", "cpu")))
+    except RuntimeError as e:
+        raise CLIError(f"cannot move the model to {args.device!r}: {e}") from None
+    return model.eval()

@@ -1,0 +1,183 @@
+"""Loading the batches of :func:`hookscope.extract`: bad samples caught in the workers, global batches.
+
+``dataset[i]`` runs inside ``DataLoader`` workers wrapped by :class:`SafeDataset`, so a file that does
+not decode becomes a :class:`Failed` record instead of killing the loader; :class:`SafeCollate`
+collates the samples that loaded with the user's ``collate_fn`` and keeps the failures aside.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSampler
+from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.pin_memory import pin_memory as _pin
+
+from ..core._errors import HookscopeWarning
+from ._featstore import ExtractError
+from ._imagefolder import ImageFolder
+
+__all__ = [
+    "Batch",
+    "Batches",
+    "Failed",
+    "SafeCollate",
+    "SafeDataset",
+    "as_dataset",
+    "reason",
+    "sample_error",
+    "sample_index",
+    "sample_name",
+]
+
+
+class Failed:
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+class SafeDataset(Dataset):
+    """``(i, sample)``, or ``(i, Failed(reason))`` when ``dataset[i]`` raises."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> tuple[int, Any]:
+        try:
+            return i, self.dataset[i]
+        except Exception as e:
+            return i, Failed(reason(e))
+
+
+class Batch:
+    __slots__ = ("data", "failed", "good", "indices")
+
+    def __init__(
+        self, indices: list[int], good: list[int], data: Any, failed: list[tuple[int, str]]
+    ) -> None:
+        self.indices, self.good, self.data, self.failed = indices, good, data, failed
+
+    def pin_memory(self) -> Batch:
+        self.data = _pin(self.data)
+        return self
+
+
+class SafeCollate:
+    """Collate the samples that loaded with the user's ``collate_fn``; keep the failures aside."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
+        self.collate = collate
+
+    def __call__(self, items: list[tuple[int, Any]]) -> Batch:
+        good = [k for k, (_, s) in enumerate(items) if not isinstance(s, Failed)]
+        failed = [(i, s.reason) for i, s in items if isinstance(s, Failed)]
+        data = self.collate([items[k][1] for k in good]) if good else None
+        return Batch([i for i, _ in items], good, data, failed)
+
+
+class Batches:
+    """Batch sampler over global batches ``start .. stop``: batch ``k`` is rows ``[k*B, (k+1)*B)``."""
+
+    def __init__(self, start: int, stop: int, batch_size: int, n: int) -> None:
+        self.start, self.stop, self.batch_size, self.n = start, stop, batch_size, n
+
+    def __len__(self) -> int:
+        return max(0, self.stop - self.start)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        b = self.batch_size
+        for k in range(self.start, self.stop):
+            yield list(range(k * b, min(self.n, (k + 1) * b)))
+
+
+def as_dataset(
+    data: Any, batch_size: int, num_workers: int
+) -> tuple[Any, int, int, Callable[..., Any], dict[str, Any]]:
+    """``(dataset, batch_size, num_workers, collate_fn, other DataLoader options)``."""
+    if isinstance(data, (str, os.PathLike)):
+        return ImageFolder(data), batch_size, num_workers, default_collate, {}
+    if isinstance(data, DataLoader):
+        if isinstance(data.dataset, IterableDataset):
+            raise TypeError(
+                "extract needs a map-style dataset (len + indexing) so that runs can resume; got an IterableDataset"
+            )
+        if data.batch_size is None:
+            raise ValueError(
+                "extract needs a DataLoader with a batch_size (not a custom batch_sampler); or pass the dataset"
+            )
+        if not isinstance(data.sampler, SequentialSampler):
+            warnings.warn(
+                f"extract ignores the DataLoader's {type(data.sampler).__name__}: rows are saved in dataset "
+                "order so that runs can resume and shard across processes",
+                HookscopeWarning,
+                stacklevel=3,
+            )
+        kw: dict[str, Any] = {
+            "pin_memory": data.pin_memory,
+            "worker_init_fn": data.worker_init_fn,
+            "timeout": data.timeout,
+        }
+        if data.num_workers > 0:
+            kw["multiprocessing_context"] = data.multiprocessing_context
+            kw["prefetch_factor"] = data.prefetch_factor
+        return data.dataset, data.batch_size, data.num_workers, data.collate_fn, kw
+    if isinstance(data, IterableDataset):
+        raise TypeError(
+            "extract needs a map-style dataset (len + indexing) so that runs can resume; got an IterableDataset"
+        )
+    if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+        raise TypeError(
+            f"data must be a Dataset (len + indexing), a DataLoader or an image folder path; got {type(data).__name__}"
+        )
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return data, batch_size, num_workers, default_collate, {}
+
+
+def sample_index(dataset: Any) -> np.ndarray:
+    """One id per sample: ``sample_id(i)`` or ``samples[i][0]`` (file paths) if known, else ``i``."""
+    n = len(dataset)
+    sid = getattr(dataset, "sample_id", None)
+    if callable(sid):
+        return np.array([str(sid(i)) for i in range(n)], dtype=str)
+    samples = getattr(dataset, "samples", None)
+    if (
+        isinstance(samples, list)
+        and len(samples) == n
+        and samples
+        and isinstance(samples[0], tuple)
+        and isinstance(samples[0][0], str)
+    ):
+        root = getattr(dataset, "root", None)
+        paths = [s[0] for s in samples]
+        if root is not None:
+            paths = [os.path.relpath(p, root) for p in paths]
+        return np.array(paths, dtype=str)
+    return np.arange(n, dtype=np.int64)
+
+
+def sample_name(index: np.ndarray, i: int) -> str:
+    return f"sample {i}" if index.dtype.kind in "iu" else f"sample {i} ({index[i]})"
+
+
+def sample_error(index: np.ndarray, i: int, reason: str) -> ExtractError:
+    err = ExtractError(
+        f"{sample_name(index, i)} could not be loaded: {reason}; fix or remove it, or use on_error='skip' "
+        "(CLI: --on-error skip) to record it in the manifest and go on"
+    )
+    err.sample = i  # type: ignore[attr-defined]
+    return err

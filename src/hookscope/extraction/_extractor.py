@@ -1,0 +1,59 @@
+"""``FeatureExtractor``: an ``nn.Module`` returning ``{layer: output}``, stopping early."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from ..core._capture import Capture, _Recorder
+from ..core._errors import LayerNotRunError
+from ..core._scope import check_model
+from ..core._select import resolve
+
+__all__ = ["FeatureExtractor"]
+
+
+class FeatureExtractor(nn.Module):
+    """Wrap ``model`` so that calling it returns ``{layer: output}`` for the selected layers.
+
+    The forward pass stops as soon as every selected layer has run, so the rest of the network
+    costs nothing. Hooks exist only during a call; the model carries none in between. Outputs keep
+    their autograd graph (``detach=False`` by default), so the extractor can be trained through.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+        >>> fx = hs.FeatureExtractor(net, ["1"])
+        >>> {k: tuple(v.shape) for k, v in fx(torch.zeros(5, 2)).items()}
+        {'1': (5, 3)}
+    """
+
+    def __init__(
+        self, model: nn.Module, layers: Any, *, detach: bool = False, stop: bool = True
+    ) -> None:
+        super().__init__()
+        check_model(model)
+        self.model = model
+        self._named = resolve(model, layers)
+        self.layers: list[str] = list(self._named)
+        self.detach = detach
+        self.stop = stop
+
+    def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        rec = _Recorder(
+            inputs=False, grads=False, detach=self.detach, clone=False, to=None, keep="last"
+        )
+        cap = Capture(self.model, self._named, rec, stop=self.stop)
+        with cap:
+            self.model(*args, **kwargs)
+        missing = cap.missing
+        if missing:
+            raise LayerNotRunError(
+                f"FeatureExtractor: layer(s) {', '.join(map(repr, missing))} of {type(self.model).__name__} "
+                "never ran during this forward pass (called via .forward() directly, or not on this input's path)"
+            )
+        return {name: rec.materialize(name)[-1]._output for name in self.layers}
+
+    def extra_repr(self) -> str:
+        return f"layers={self.layers}, stop={self.stop}"

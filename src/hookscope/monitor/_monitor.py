@@ -1,0 +1,496 @@
+"""``Monitor``: per-layer training statistics, diagnosis, NaN/Inf origin, sinks; two lines in a loop.
+
+Hooks exist only for the steps that are logged: with ``every=N`` the monitor attaches its scope at
+the ``step()`` that precedes a logged step and removes it at the ``step()`` that records it, so the
+other ``N - 1`` steps run on PyTorch's no-hook fast path. Statistics are computed on the device
+(fp32, foreach ops) inside the hooks and read with one host transfer per logged step. Parameter
+gradients are read from ``.grad`` at ``step()``, after backward (and after DDP averaged them),
+never from a module backward hook (PITFALLS 7, 18).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections import deque
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..core._nested import iter_tensors
+from ..core._scope import HookScope, check_model, in_backward
+from ..core._select import find, resolve
+from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
+from ._nonfinite import NonFiniteOrigin, _Tracker
+from ._record import MonitorRecord
+from ._sinks import as_sink
+from ._stats import (
+    Scratch,
+    Vec,
+    act_stats,
+    combine_acts,
+    combine_grads,
+    grad_stats,
+    param_stats,
+    saturation_bounds,
+)
+
+__all__ = ["Monitor"]
+
+log = logging.getLogger("hookscope.monitor")
+
+_GROUPS = ("activations", "gradients", "parameters")
+
+
+class _StepState:
+    """What the hooks of one logged step write (holds no module, so nothing keeps the model alive)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.acts: dict[str, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
+        self.grads: dict[str, torch.Tensor] = {}
+        self.scale: torch.Tensor | None = None
+        self.scaler_states: Any = None
+
+
+class Monitor:
+    """Watch a training run: per-layer activation/gradient statistics, parameter gradient, weight
+    and update norms, diagnosis (vanishing, exploding, dead units, saturation) and the origin of
+    the first NaN/Inf. Call :meth:`step` once per training step, after ``optimizer.step()``.
+
+    Args:
+        model: the model (a ``DistributedDataParallel``/``DataParallel`` wrapper is looked through,
+            so names are the inner model's).
+        layers: what to watch (see :func:`find`); default: every leaf module.
+        every: log every ``every``-th step (steps ``0, every, 2*every, ...``); hooks are attached
+            only for those steps.
+        stats: groups to record: ``"activations"``, ``"gradients"`` (of layer outputs),
+            ``"parameters"`` (grad, weight and update norms).
+        sinks: where records go on logged steps: :class:`TensorBoardSink`, :class:`JsonlSink`, or
+            any callable ``fn(record)``. Under torch.distributed only rank 0 writes.
+        thresholds: :class:`Thresholds` or a dict of the thresholds to change.
+        sentinel: also hook every module on every step and report the first layer that produced
+            a NaN/Inf (forward or backward) in ``record.nonfinite`` and as a
+            :class:`NonFiniteWarning`; ``monitor.nonfinite`` keeps the first one found. To stay
+            cheap it skips the gradient checks of modules whose backward cannot create a NaN/Inf
+            (Conv, Linear, normalisations, ReLU, pooling); :func:`find_nonfinite` checks all.
+        allow: layers allowed to produce infinities (e.g. a ``-inf`` attention mask); NaN is
+            always reported. ``"<input>"`` allows an infinite model input.
+        scaler: the ``torch.amp.GradScaler`` in use, so gradients are reported unscaled.
+        alerts: ``"warn"`` (:class:`MonitorWarning`), ``"log"`` (logger ``hookscope.monitor``),
+            ``"both"`` or ``"off"``; alerts are in ``record.alerts`` in every case.
+        histograms: bins of device-side activation and gradient histograms (0: none); a
+            :class:`TensorBoardSink` with ``histograms=True`` asks for 32 bins.
+        keep: how many records ``monitor.records`` keeps (``None``: all).
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> with hs.Monitor(net, every=2, alerts="off") as mon:
+        ...     for _ in range(3):
+        ...         net(torch.randn(16, 4)).pow(2).mean().backward()
+        ...         opt.step(); rec = mon.step(opt); opt.zero_grad()
+        >>> [r.step for r in mon.records], sorted(mon.records[-1].layers)
+        ([0, 2], ['0', '1', '2'])
+        >>> sorted(mon.records[-1].params["0.weight"])
+        ['grad_norm', 'update_ratio', 'weight_norm']
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Any = None,
+        *,
+        every: int = 1,
+        stats: Iterable[str] = _GROUPS,
+        sinks: Iterable[Any] | Any = (),
+        thresholds: Thresholds | Mapping[str, float] | None = None,
+        sentinel: bool = False,
+        allow: Iterable[Any] = (),
+        scaler: Any = None,
+        alerts: Literal["warn", "log", "both", "off"] = "warn",
+        histograms: int = 0,
+        keep: int | None = 1000,
+    ) -> None:
+        inner = model
+        while isinstance(inner, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            inner = inner.module
+        check_model(inner)
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int, got {every!r}")
+        self.stats = tuple(stats) if not isinstance(stats, str) else (stats,)
+        bad = [s for s in self.stats if s not in _GROUPS]
+        if bad:
+            raise ValueError(f"unknown stats group(s) {bad}; valid: {list(_GROUPS)}")
+        if alerts not in ("warn", "log", "both", "off"):
+            raise ValueError(f"alerts must be 'warn', 'log', 'both' or 'off', got {alerts!r}")
+        self.model = inner
+        self.named = find(inner, leaves=True) if layers is None else resolve(inner, layers)
+        self.every, self.alerts, self.scaler = every, alerts, scaler
+        self.thresholds = Thresholds.make(thresholds)
+        sink_list = [sinks] if callable(sinks) or hasattr(sinks, "write") else list(sinks)
+        self.sinks = [as_sink(s) for s in sink_list]
+        self.bins = histograms or (
+            32 if any(getattr(s, "histograms", False) for s in self.sinks) else 0
+        )
+        self.records: deque[MonitorRecord] = deque(maxlen=keep)
+        self.nonfinite: NonFiniteOrigin | None = None
+        self._params = self._select_params() if "parameters" in self.stats else []
+        self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
+        self._step = 0
+        self._scope: HookScope | None = None
+        self._state = _StepState()
+        self._before: list[torch.Tensor] | None = None
+        self._buf: list[torch.Tensor] | None = None
+        self._scratch = Scratch()
+        self._closed = False
+        self._want_updates = True
+        self._prev: tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]] | None = None
+        allow = [allow] if isinstance(allow, (str, type)) else list(allow)
+        sel = [a for a in allow if a != NonFiniteOrigin.INPUT]
+        self._allowed = set(find(inner, *sel)) if sel else set()
+        self._tracker = (
+            _Tracker(inner, allow, skip_safe=True, owner="monitor.sentinel") if sentinel else None
+        )
+        self._attach()
+
+    # -- selection -----------------------------------------------------------------------------
+    def _select_params(self) -> list[tuple[str, nn.Parameter]]:
+        ids: set[int] = set()
+        for m in self.named.values():
+            ids.update(id(p) for p in m.parameters())
+        return [
+            (n, p) for n, p in self.model.named_parameters() if id(p) in ids and p.requires_grad
+        ]
+
+    @property
+    def step_index(self) -> int:
+        """The index of the step in progress (the next ``step()`` records this one)."""
+        return self._step
+
+    def _logged(self, step: int) -> bool:
+        return step % self.every == 0
+
+    # -- hooks (only for logged steps) ---------------------------------------------------------
+    def _attach(self) -> None:
+        if self._closed or not self._logged(self._step):
+            return
+        self._state = state = _StepState()
+        if self._params and self._want_updates:
+            ws = [p.detach() for _, p in self._params]
+            if self._buf is None or any(
+                b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
+                for b, w in zip(self._buf, ws)
+            ):
+                self._buf = [torch.empty_like(w) for w in ws]  # kept: no per-step allocation
+            torch._foreach_copy_(self._buf, ws)
+            self._before = self._buf
+        want_acts, want_grads = "activations" in self.stats, "gradients" in self.stats
+        scaler = self.scaler
+        if not (want_acts or want_grads or scaler is not None):
+            return
+        scope = self._scope = HookScope("monitor")
+        margin, bins, scratch = self.thresholds.saturation_margin, self.bins, self._scratch
+
+        def note_scale() -> None:
+            if state.scale is None and scaler is not None:
+                s = getattr(scaler, "_scale", None)
+                state.scale = s.detach().clone() if s is not None else torch.ones(())
+                state.scaler_states = getattr(scaler, "_per_optimizer_states", None)
+
+        self_bounds = self._bounds
+        try:
+            if want_acts or want_grads:
+                for name, module in self.named.items():
+
+                    def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
+                        # activation checkpointing re-running forward (PITFALL 27)
+                        if in_backward():
+                            return
+                        t = next(
+                            (t for _, t in iter_tensors(output) if t.is_floating_point()), None
+                        )
+                        if t is None:
+                            return
+                        call = state.counts.get(name, 0)
+                        state.counts[name] = call + 1
+                        key = name if call == 0 else f"{name}#{call}"
+                        if want_acts:
+                            v, h = act_stats(t, self_bounds.get(name), margin, bins, scratch)
+                            state.acts[key] = (t.numel(), v, h)
+                        if want_grads and t.requires_grad:
+
+                            def on_grad(g: torch.Tensor, key: str = key) -> None:
+                                note_scale()
+                                state.grads[key] = grad_stats(g)
+
+                            scope.add_activation_grad_hook(t, on_grad, layer=name)
+
+                    scope.add_forward(module, hook, layer=name)
+            if scaler is not None:
+                for pname, p in self._params:
+                    scope.add_post_accumulate_grad(p, lambda _p: note_scale(), layer=pname)
+        except BaseException:
+            scope.remove()
+            raise
+
+    def _detach(self) -> None:
+        if self._scope is not None:
+            self._scope.remove()
+            self._scope = None
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> MonitorRecord | None:
+        """Close the current training step; returns its record when the step is logged (or the
+        sentinel found a NaN/Inf in it), else ``None``.
+
+        Call it after ``optimizer.step()`` (with a ``GradScaler``: after ``scaler.step(opt)``,
+        before or after ``scaler.update()``) and before ``optimizer.zero_grad()``. Passing the
+        optimizer adds each parameter's update-to-weight ratio.
+        """
+        if self._closed:
+            return None
+        step, logged = self._step, self._logged(self._step)
+        origin = self._sentinel_check() if self._tracker is not None else None
+        record = None
+        if logged:
+            self._detach()
+            record = self._record(step, optimizer)
+            record.nonfinite = origin
+        elif origin is not None:
+            record = MonitorRecord(step, nonfinite=origin)
+        if record is not None:
+            self._emit(record, write=logged)
+        self._want_updates = optimizer is not None
+        self._before = None
+        self._step += 1
+        self._attach()
+        return record
+
+    def _scaled(self, optimizer: Any) -> bool:
+        """Are the ``.grad`` still multiplied by the scaler's scale?"""
+        scaler, st = self.scaler, self._state
+        if scaler is None or (hasattr(scaler, "is_enabled") and not scaler.is_enabled()):
+            return False
+        states = getattr(scaler, "_per_optimizer_states", None)
+        if states is None:
+            return True
+        if st.scaler_states is not None and states is not st.scaler_states:
+            return False  # update() ran since backward, so step()/unscale_() unscaled the grads
+        keys = [id(optimizer)] if optimizer is not None else list(states)
+        for k in keys:
+            entry = dict.get(states, k)
+            if entry is not None and getattr(entry.get("stage"), "value", 0) != 0:
+                return False
+        return True
+
+    def _record(self, step: int, optimizer: Any) -> MonitorRecord:
+        st = self._state
+        parts: list[Vec] = []
+        hosts: list[float] = []
+
+        def put(t: Vec) -> int:
+            parts.append(t)
+            return len(parts) - 1
+
+        layout_a = []
+        for key, (n, v, h) in st.acts.items():
+            layout_a.append((key, put(v), len(hosts), put(h) if h is not None else -1))
+            hosts.append(float(n))
+        layout_g = [(key, put(g)) for key, g in st.grads.items()]
+        pidx = -1
+        if self._params:
+            ws = [p for _, p in self._params]
+            pidx = put(param_stats(ws, [p.grad for p in ws], self._before))
+        sidx = put(st.scale.double()) if st.scale is not None else -1
+        if not parts:
+            return MonitorRecord(step)
+        ranks = _gather(parts, hosts)  # one host transfer (after one all_gather if distributed)
+        off = _offsets([len(p) if isinstance(p, list) else p.numel() for p in parts])
+        ho = off[-1]
+
+        def vals(r: list[float], k: int) -> list[float]:
+            return r[off[k] : off[k + 1]]
+
+        scale = (vals(ranks[0], sidx)[0] or 1.0) if sidx >= 0 else 1.0
+        layers: dict[str, dict[str, float]] = {}
+        hists: dict[str, tuple[list[float], list[float]]] = {}
+        for key, k, hk, kh in layout_a:
+            vs = [vals(r, k) for r in ranks]
+            layers[key] = combine_acts([r[ho + hk] for r in ranks], vs)
+            if kh >= 0:  # histogram of rank 0, over [-absmax, absmax]
+                a, counts = vs[0][2], vals(ranks[0], kh)
+                edges = [a * (-1 + 2 * (j + 1) / len(counts)) for j in range(len(counts))]
+                hists[f"activations/{key}"] = (edges, counts)
+        # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
+        # rank's output gradient is divided by the world size: the same values as one process
+        # running the combined batch.
+        gscale = scale * len(ranks)
+        for key, k in layout_g:
+            layers.setdefault(key, {}).update(combine_grads([vals(r, k) for r in ranks], gscale))
+        params: dict[str, dict[str, float]] = {}
+        if pidx >= 0:
+            pscale = scale if self._scaled(optimizer) else 1.0
+            row = vals(ranks[0], pidx)  # identical on every rank after DDP's averaging
+            for j, (pname, _) in enumerate(self._params):
+                gn, wn, un, bn = row[4 * j : 4 * j + 4]
+                d = {}
+                if not math.isnan(gn):
+                    d["grad_norm"] = gn / pscale
+                d["weight_norm"] = wn
+                if optimizer is not None and self._before is not None:
+                    d["update_ratio"] = un / bn if bn > 0 else (0.0 if un == 0 else math.inf)
+                params[pname] = d
+        rec = MonitorRecord(step, layers, params, histograms=hists)
+        rec.alerts = diagnose(step, layers, params, self._prev, self.thresholds, self._allowed)
+        self._prev = (layers, params)
+        return rec
+
+    def _sentinel_check(self) -> NonFiniteOrigin | None:
+        tracker = self._tracker
+        assert tracker is not None
+        grads = [p.grad for _, p in self._sentinel_params() if p.grad is not None]
+        # 2-norms: NaN if any NaN, inf if any inf (the fastest foreach reduction on CPU)
+        extra = [torch.stack(torch._foreach_norm([g.detach() for g in grads], 2))] if grads else []
+        origin, ext = tracker.locate(extra)
+        if (
+            origin is not None
+            and origin.phase == "backward"
+            and origin.kind == "inf"
+            and self.scaler is not None
+        ):
+            origin = None  # a GradScaler overflow: the scaler skips this step and lowers its scale
+        if (
+            origin is None
+            and ext
+            and self.scaler is None
+            and not all(math.isfinite(v) for v in ext[0])
+        ):
+            # nothing in the module graph: the first layer (in backward order) whose own
+            # parameter gradient is non-finite, e.g. the first layer of a model whose input
+            # does not require grad
+            named = [(n, p) for n, p in self._sentinel_params() if p.grad is not None]
+            bad = [(n, v) for (n, _), v in zip(named, ext[0]) if not math.isfinite(v)]
+            pname, v = bad[-1]
+            layer = pname.rpartition(".")[0]
+            origin = NonFiniteOrigin(
+                layer,
+                "backward",
+                0,
+                "nan" if math.isnan(v) else "inf",
+                tracker.types.get(layer, ""),
+                {"param_grad_absmax": v},
+            )
+        tracker.reset()
+        if origin is not None and self.nonfinite is None:
+            self.nonfinite = origin
+        return origin
+
+    def _sentinel_params(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    # -- output ----------------------------------------------------------------------------------
+    def _emit(self, record: MonitorRecord, *, write: bool) -> None:
+        rank = _rank()
+        # statistics are reduced across ranks, so only rank 0 reports them; a NaN origin is
+        # local to the rank that saw it, so every rank reports its own
+        messages = [(MonitorWarning, a.message) for a in record.alerts] if rank == 0 else []
+        if record.nonfinite is not None:
+            where = f" (rank {rank})" if dist.is_available() and dist.is_initialized() else ""
+            messages.insert(0, (NonFiniteWarning, f"step {record.step}{where}: {record.nonfinite}"))
+        for cls, msg in messages:
+            if self.alerts in ("warn", "both"):
+                warnings.warn(msg, cls, stacklevel=3)
+            if self.alerts in ("log", "both"):
+                log.warning(msg)
+        if write:
+            self.records.append(record)
+            if rank == 0:
+                for sink in self.sinks:
+                    sink(record)
+
+    def plot(self, path: Any = None, **kwargs: Any) -> Any:
+        """Gradient-flow plot of the records (see :func:`plot_grad_flow`); saved when ``path``."""
+        from ._plot import plot_grad_flow
+
+        return plot_grad_flow(list(self.records), path, **kwargs)
+
+    def close(self) -> None:
+        """Remove every hook and close the sinks. Safe to call several times."""
+        self._closed = True
+        self._detach()
+        if self._tracker is not None:
+            self._tracker.scope.remove()
+        for sink in self.sinks:
+            close = getattr(sink, "close", None)
+            if close is not None:
+                close()
+        self.sinks = []
+
+    remove = close
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Monitor {len(self.named)} layers, every={self.every}, step {self._step}, {len(self.records)} records>"
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _gather(parts: list[Vec], hosts: list[float]) -> list[list[float]]:
+    """Every rank's vector, ``parts`` then ``hosts`` end to end (one ``all_gather``); just this
+    rank's without torch.distributed. Statistics computed on the host (lists) stay Python floats;
+    device tensors are read with one transfer."""
+    single = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+    if single and all(isinstance(p, list) for p in parts):
+        return [[v for p in parts for v in p] + hosts]  # type: ignore[union-attr]
+    dev = next((p.device for p in parts if isinstance(p, torch.Tensor)), torch.device("cpu"))
+    if not single and dist.get_backend() == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    flat = torch.cat(
+        [
+            p.reshape(-1).to(dev)
+            if isinstance(p, torch.Tensor)
+            else torch.tensor(p, dtype=torch.float64, device=dev)
+            for p in parts
+        ]
+        + [torch.tensor(hosts, dtype=torch.float64, device=dev)]
+    )
+    if single:
+        return [flat.tolist()]
+    world = dist.get_world_size()
+    n = torch.tensor([flat.numel()], device=flat.device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    if len({int(s) for s in sizes}) != 1:
+        raise RuntimeError(
+            "Monitor: ranks recorded different layer calls this step "
+            f"(vector sizes {[int(s) for s in sizes]}); every rank must run the same layers"
+        )
+    out = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(out, flat)
+    return torch.stack(out).tolist()

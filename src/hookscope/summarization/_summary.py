@@ -1,0 +1,328 @@
+"""``summary``: one forward pass, one row per module call: shapes, parameters, FLOPs, time, memory."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core._inventory import has_global_hooks
+from ..core._nested import describe_call, iter_tensors
+from ..core._scope import HookScope, _Hook, check_model, in_backward, model_device, note_exception
+from ._flops import OpCounter, native_rule, no_dispatch, warm_up
+from ._format import parse_columns
+from ._rows import CallRecord, SummaryRow, SummaryTotals, build_rows, collapse
+from ._table import Summary
+
+__all__ = ["Summary", "SummaryRow", "SummaryTotals", "summary"]
+
+
+def _key(path: tuple[Any, ...]) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _shapes(args: Any, kwargs: Any) -> dict[str, list[int]]:
+    if not kwargs and len(args) == 1 and args[0].__class__ is torch.Tensor:  # the common case
+        return {"0": list(args[0].shape)}
+    out = {_key((i, *p)): list(t.shape) for i, a in enumerate(args) for p, t in iter_tensors(a)}
+    out.update(
+        {
+            _key((k, *p)): list(t.shape)
+            for k, v in (kwargs or {}).items()
+            for p, t in iter_tensors(v)
+        }
+    )
+    return out
+
+
+def make_inputs(input_size: Any, dtypes: Any, device: torch.device) -> list[torch.Tensor]:
+    """Random inputs (seeded, the global RNG untouched) for ``input_size`` shapes (batch included)."""
+    sizes = list(input_size) if isinstance(input_size, (list, tuple, torch.Size)) else [input_size]
+    if all(isinstance(d, int) for d in sizes):
+        sizes = [sizes]
+    shapes = []
+    for s in sizes:
+        if (
+            not isinstance(s, (list, tuple, torch.Size))
+            or not s
+            or not all(isinstance(d, int) and d > 0 for d in s)
+        ):
+            raise ValueError(
+                f"input_size: bad shape {s!r}; expected positive integers, e.g. (1, 3, 224, 224) or a list of such"
+            )
+        shapes.append(tuple(s))
+    if dtypes is None or isinstance(dtypes, torch.dtype):
+        dts = [dtypes or torch.float32] * len(shapes)
+    else:
+        dts = list(dtypes)
+        if len(dts) != len(shapes) or not all(isinstance(d, torch.dtype) for d in dts):
+            raise ValueError(
+                f"dtypes: expected one torch.dtype or one per input ({len(shapes)}); got {dtypes!r}"
+            )
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for s, dt in zip(shapes, dts):
+        t = (
+            torch.randn(s, generator=gen)
+            if dt.is_floating_point or dt.is_complex
+            else torch.randint(0, 2, s, generator=gen)
+        )
+        out.append(t.to(device=device, dtype=dt))
+    return out
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Restore what one forward can change: buffers (BatchNorm statistics in train mode), the RNG,
+    and the MHA fast-path switch (turned off so sub-layers run through ``__call__``)."""
+    # Kernels such as batch_norm update running statistics without bumping _version: compare values.
+    bufs = (
+        [(b, b.detach().clone()) for b in model.buffers()]
+        if any(m.training for m in model.modules())
+        else []
+    )
+    mha = getattr(torch.backends, "mha", None)
+    fast = mha.get_fastpath_enabled() if mha is not None else None
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+    try:
+        if mha is not None:
+            mha.set_fastpath_enabled(False)
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        if mha is not None:
+            mha.set_fastpath_enabled(fast)
+        with torch.no_grad():
+            for b, saved in bufs:
+                if not torch.equal(b, saved):
+                    b.copy_(saved)
+
+
+class _PreHook(_Hook):
+    __slots__ = ("name", "rule")
+
+    def __init__(self, fn: Any, name: str, rule: Any) -> None:
+        super().__init__(fn, "", "", "", 0)
+        self.name, self.rule = name, rule
+
+    def __call__(self, module: nn.Module, args: Any, kw: Any) -> None:
+        self.fn(module, args, kw, self.name, self.rule)
+
+
+class _PostHook(_Hook):
+    __slots__ = ("name",)
+
+    def __init__(self, fn: Any, name: str) -> None:
+        super().__init__(fn, "", "", "", 0)
+        self.name = name
+
+    def __call__(self, module: nn.Module, args: Any, kw: Any, output: Any) -> None:
+        self.fn(module, args, kw, output, self.name)
+
+
+class _Recorder:
+    """The hooks of one summary run: a stack of the module calls in progress, each recorded as a
+    :class:`CallRecord`; the FLOP counter's sink follows the innermost one."""
+
+    def __init__(self, counter: OpCounter, cuda: torch.device | None) -> None:
+        self.counter, self.cuda = counter, cuda
+        self.outside = counter.sink  # FLOPs of ops run outside any module call (other hooks)
+        self.calls: list[CallRecord] = []
+        self.stack: list[tuple[CallRecord, int]] = []
+        self.guard: Any = None  # no_dispatch() while a leaf layer runs natively
+        mha = getattr(torch.backends, "mha", None)
+        # the user's MHA fast path setting: off during the run (so TransformerEncoderLayer's
+        # sub-layers are called and shown), on again inside a MultiheadAttention run natively
+        self.mha = mha if mha is not None and mha.get_fastpath_enabled() else None
+
+    def pre(self, module: nn.Module, args: Any, kw: Any, name: str, rule: Any = None) -> None:
+        if in_backward():
+            return
+        stack = self.stack
+        parent = stack[-1] if stack else None
+        c = CallRecord(name, module, len(stack), parent[1] if parent else -1)
+        c.shapes = _shapes(args, kw)
+        if parent is not None:
+            parent[0].children += 1
+        stack.append((c, len(self.calls)))
+        self.calls.append(c)
+        self.counter.sink = c
+        if self.cuda:
+            c.ev = torch.cuda.Event(enable_timing=True)
+            c.ev.record()
+        if rule is not None and self.guard is None and rule.accepts(args, kw):
+            c.rule = rule  # counted from the shapes in post(), same formula as the dispatcher's
+            self.guard = no_dispatch()
+            if rule.fastpath and self.mha is not None:
+                self.mha.set_fastpath_enabled(True)
+        c.t0 = time.perf_counter()
+
+    def post(self, module: nn.Module, args: Any, kw: Any, output: Any, name: str) -> None:
+        t1 = time.perf_counter()
+        stack = self.stack
+        if not stack or in_backward() or stack[-1][0].module is not module:
+            return
+        c = stack.pop()[0]
+        self.counter.sink = stack[-1][0] if stack else self.outside
+        c.time = (t1 - c.t0) * 1e3
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            c.ev = (c.ev, end)
+        if c.rule is not None:
+            self.guard = None  # the dispatch mode sees operators again
+            if c.rule.fastpath and self.mha is not None:
+                self.mha.set_fastpath_enabled(False)
+            if output is not None:  # None: the layer raised (these layers return a value)
+                n = c.rule.flops(module, args, kw, output)
+                c.flops += n
+                self.counter.total_flops += n
+                self.counter._track(output)  # its new tensors, as the dispatcher would
+        if output.__class__ is torch.Tensor:  # the common case
+            c.out_shapes[""] = list(output.shape)
+            c.out_bytes = output.numel() * output.element_size()
+            return
+        if output is None and sys.exc_info()[1] is not None:
+            note_exception(name, module, args, kw)  # name the failing layer in the error
+            return
+        seen: set[int] = set()
+        for p, t in iter_tensors(output):
+            c.out_shapes[_key(p)] = list(t.shape)
+            if id(t) not in seen:
+                seen.add(id(t))
+                c.out_bytes += t.numel() * t.element_size()
+
+    def hooks(self, name: str, module: nn.Module, rule: Any) -> tuple[_Hook, _Hook]:
+        """The pre- and post-forward hooks of ``module`` (direct calls: no partial, no kwargs)."""
+        return _PreHook(self.pre, name, rule), _PostHook(self.post, name)
+
+    def finish(self) -> list[CallRecord]:
+        """The calls, with GPU times read from their events (after the final synchronize)."""
+        for c in self.calls:
+            if isinstance(c.ev, tuple):
+                c.time = c.ev[0].elapsed_time(c.ev[1])
+        if self.calls:
+            self.calls[0].flops += self.outside.flops
+        return self.calls
+
+
+def summary(
+    model: nn.Module,
+    *inputs: Any,
+    input_size: Any = None,
+    dtypes: Any = None,
+    depth: int | None = None,
+    columns: str | Sequence[str] | None = None,
+    **kwargs: Any,
+) -> Summary:
+    """Run ``model(*inputs, **kwargs)`` once, under ``torch.no_grad()``, and describe every module call.
+
+    One :class:`SummaryRow` per call, in call order (a module called twice gets two rows, ``#1`` and
+    ``#2``): dotted name, type, input shapes (positional and keyword), output shapes (nested outputs
+    too), parameters and trainable parameters (a shared/tied parameter counts once in the totals and
+    is marked ``*`` where it repeats), forward FLOPs of the operators the call ran itself (counted at
+    the dispatcher with ``FlopCounterMode``'s formulas; leaf layers of known built-in types, such
+    as ``Conv2d``, ``Linear``, ``BatchNorm2d``, ``MultiheadAttention``, run with the dispatcher's
+    Python mode off and are counted from their shapes with the same formulas, which is what keeps
+    ``summary`` as fast as torchinfo; rows sum to the total), inclusive time and
+    output bytes. Totals: parameters, FLOPs, parameter bytes, activation bytes, peak memory (CUDA:
+    ``max_memory_allocated`` over the forward, after resetting the peak counter; CPU: the peak of
+    bytes of tensors created by the forward and alive at once, tracked at the dispatcher).
+
+    Give inputs as tensors/keywords, or ``input_size=(1, 3, 224, 224)`` (a list for several inputs)
+    with ``dtypes``. ``depth=N`` folds deeper rows into their ancestor at depth ``N`` (totals
+    unchanged); ``columns`` picks the table's columns (``"all"``, or from ``type, input, output,
+    params, trainable, flops, time, bytes``). The model is left as found: mode, device,
+    ``requires_grad``, buffers, RNG state, no hooks. The MHA fast path is off during the run so
+    attention sub-layers are shown and counted. An exception inside the model is re-raised with a
+    note naming the layer and the shapes it got. (``input_size``, ``dtypes``, ``depth`` and
+    ``columns`` are summary's own keywords; every other keyword goes to the model.)
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(8, 4), nn.ReLU())
+        >>> s = hs.summary(net, torch.zeros(2, 8))
+        >>> [(r.label, r.params, r.flops) for r in s.rows]
+        [('<root>', 36, 0), ('0', 36, 128), ('1', 0, 0)]
+        >>> s.totals.flops, s.rows[1].output_shapes
+        (128, {'': [2, 4]})
+    """
+    check_model(model)
+    if depth is not None and (not isinstance(depth, int) or depth < 0):
+        raise ValueError(f"depth must be a non-negative int or None; got {depth!r}")
+    cols = parse_columns(columns)
+    device = model_device(model)
+    if input_size is not None:
+        if inputs:
+            raise ValueError("give the inputs or input_size, not both")
+        inputs = tuple(make_inputs(input_size, dtypes, device))
+    elif dtypes is not None:
+        raise ValueError("dtypes applies to input_size; give input_size too (or pass tensors)")
+    if not inputs and not kwargs:
+        raise ValueError(
+            "summary needs an input: summary(model, x), summary(model, input_ids=ids) or input_size=(1, 3, 224, 224)"
+        )
+
+    warm_up()
+    known = [*model.parameters(), *model.buffers(), *(t for _, t in iter_tensors((inputs, kwargs)))]
+    rec = _Recorder(OpCounter(known), next((t.device for t in known if t.is_cuda), None))
+    dev = rec.cuda or device
+    # leaf layers that may run natively, decided before our own hooks are on them
+    rules = {} if has_global_hooks() else {id(m): native_rule(m) for m in model.modules()}
+    with HookScope("summary") as scope:
+        for name, module in model.named_modules():
+            pre, post = rec.hooks(name, module, rules.get(id(module)))
+            scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
+            scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
+        with _state_kept(model), torch.no_grad():
+            before = 0
+            if rec.cuda:
+                torch.cuda.synchronize(dev)
+                before = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            t0 = time.perf_counter()
+            try:
+                with rec.counter:
+                    model(*inputs, **kwargs)
+            finally:
+                rec.guard = None
+            if rec.cuda:
+                torch.cuda.synchronize(dev)
+            wall = (time.perf_counter() - t0) * 1e3
+            peak = (
+                torch.cuda.max_memory_allocated(dev) - before
+                if rec.cuda
+                else rec.counter.peak_bytes
+            )
+    calls = rec.finish()
+    rows = build_rows(calls)
+    params = {id(p): p for p in model.parameters()}
+    totals = SummaryTotals(
+        params=sum(p.numel() for p in params.values()),
+        trainable=sum(p.numel() for p in params.values() if p.requires_grad),
+        flops=rec.counter.total_flops,
+        param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        activation_bytes=sum(r.output_bytes for r in rows if r.leaf),
+        peak_memory_bytes=int(peak),
+        peak_memory_measure=(
+            "CUDA max_memory_allocated above what was allocated before"
+            if rec.cuda
+            else "CPU: tensors the forward created, alive at once"
+        ),
+        time_ms=wall,
+        device=str(dev),
+    )
+    ran = {id(c.module) for c in calls}
+    containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    never = [
+        n for n, m in model.named_modules() if id(m) not in ran and not isinstance(m, containers)
+    ]
+    if depth is not None:
+        rows = collapse(rows, depth)
+    return Summary(type(model).__name__, describe_call(inputs, kwargs), rows, totals, cols, never)
