@@ -20,6 +20,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks examples
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
@@ -27,6 +28,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks examples
+	$(VENV)/bin/lint-imports
 	$(PY) -m ruff format --check src tests benchmarks examples
 
 bench: $(STAMP)

@@ -70,3 +70,19 @@ def test_docstring_examples_run(name):
     mod = importlib.import_module(f"hookscope.{name}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
+
+
+def test_import_loads_no_optional_extra():
+    """``import hookscope`` needs torch and NumPy only; extras are imported when used (tqdm is
+    left out: torch itself imports it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hookscope; "
+        "print(sorted(m for m in ('matplotlib', 'PIL', 'rich', 'tensorboard', "
+        "'torchvision', 'lightning', 'transformers', 'accelerate', 'wandb', 'mlflow') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
