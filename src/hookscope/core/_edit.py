@@ -15,6 +15,7 @@ from ._errors import HookscopeError, LayerNotFoundError
 from ._nested import iter_tensors
 from ._scope import HookScope, check_model
 from ._select import find, suggest
+from ._sharded import add_param_grad_editor, check_tensor_type
 
 __all__ = ["clip_grads", "edit", "edit_grads"]
 
@@ -184,7 +185,9 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                     raise HookscopeError(
                         f"edit_grads: {name} does not require grad, so it never gets a gradient"
                     )
-                scope.add_tensor_hook(t, _grad_editor(fn, f"the gradient of {name}"), layer=name)
+                add_param_grad_editor(
+                    scope, model, name, t, _grad_editor(fn, f"the gradient of {name}")
+                )
     except BaseException:
         scope.remove()
         raise
@@ -197,6 +200,7 @@ def _output_grad_editor(scope: HookScope, name: str, fn: Edit) -> Callable[..., 
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         for _, t in iter_tensors(output):
+            check_tensor_type(t, f"the output of layer {name!r}")
             if t.requires_grad:
                 scope.add_activation_grad_hook(t, on_grad, layer=name)
 
@@ -254,7 +258,11 @@ def clip_grads(
             )
         named = chosen
     scope = HookScope("clip_grads")
-    for name, p in named.items():
-        if p.requires_grad:
-            scope.add_tensor_hook(p, clip, layer=name)
+    try:
+        for name, p in named.items():
+            if p.requires_grad:
+                add_param_grad_editor(scope, model, name, p, clip)
+    except BaseException:
+        scope.remove()
+        raise
     return scope

@@ -1,0 +1,194 @@
+"""Sharded parameters: FSDP2 (``fully_shard``) and tensor-parallel ``DTensor`` s (PITFALL 19).
+
+A ``DTensor`` parameter is a view of a *full* tensor of which each rank holds a shard. Two facts
+decide how hookscope reaches its gradient:
+
+* Tensor parallel (``parallelize_module``): the ``DTensor`` parameter itself is used in the
+  forward graph, so a tensor hook on it fires with a ``DTensor`` gradient (before accumulation,
+  as for a plain parameter).
+* FSDP2: the forward runs on an unsharded copy, so a tensor hook on the sharded parameter never
+  fires. FSDP2 reduce-scatters the gradient into ``param.grad`` (a ``DTensor``, averaged over the
+  ranks) and then calls the parameter's post-accumulate-grad hooks itself: that is where an edit
+  acts, on the gradient of the combined batch.
+
+Ops (:mod:`hookscope.ops`) applied to a ``DTensor`` act on the full tensor through DTensor's own
+operators (``clip_norm`` takes the global norm with one all-reduce of the shards' partial norms).
+Any other tensor subclass is refused when hooks are attached (:func:`check_tensor_type`): a hook
+hookscope cannot prove fires would be a silent no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._errors import UnsupportedTensorError
+from ._scope import HookScope
+
+__all__ = [
+    "add_param_grad_editor",
+    "as_sharded_like",
+    "check_tensor_type",
+    "dtensor_class",
+    "fsdp_managed",
+    "is_dtensor",
+    "local",
+    "replication",
+    "sumsq_weights",
+]
+
+
+def dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor``, or ``None`` where torch.distributed is unavailable."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # torch built without distributed support
+        return None
+    return DTensor
+
+
+def is_dtensor(t: Any) -> bool:
+    """Is ``t`` a ``DTensor`` (or a ``DTensor`` parameter)?"""
+    cls = dtensor_class()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (detached), or ``t`` detached."""
+    return t.to_local().detach() if is_dtensor(t) else t.detach()  # type: ignore[attr-defined]
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _known(t: torch.Tensor) -> bool:
+    if type(t) in _PLAIN or is_dtensor(t):
+        return True
+    buffer = getattr(nn, "Buffer", None)
+    return buffer is not None and type(t) is buffer
+
+
+def check_tensor_type(t: torch.Tensor, what: str) -> None:
+    """Raise :class:`UnsupportedTensorError` for a tensor subclass hookscope does not handle.
+
+    Known: ``torch.Tensor``, ``nn.Parameter`` and ``DTensor`` (FSDP2, tensor parallel).
+    ``what`` names the tensor (``"parameter '0.weight'"``).
+    """
+    if _known(t):
+        return
+    cls = type(t)
+    raise UnsupportedTensorError(
+        f"{what} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass hookscope does not "
+        "handle: its gradient hooks may never fire, and an edit or statistic would silently be "
+        "missing. Supported: torch.Tensor, nn.Parameter, DTensor (FSDP2 fully_shard, tensor "
+        "parallel). Exclude it from the selection (e.g. params= or a narrower layer list)"
+    )
+
+
+def fsdp_managed(model: nn.Module, name: str) -> bool:
+    """Is parameter ``name`` of ``model`` sharded by FSDP2 (an ancestor module is an ``FSDPModule``)?"""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:
+        return False
+    module: nn.Module | None = model
+    parts = name.split(".")[:-1]
+    if isinstance(model, FSDPModule):
+        return True
+    for part in parts:
+        module = getattr(module, part, None)
+        if module is None:
+            return False
+        if isinstance(module, FSDPModule):
+            return True
+    return False
+
+
+def replication(t: torch.Tensor, what: str) -> int:
+    """How many ranks hold a copy of each element of ``t``'s shard (1 for a fully sharded
+    ``DTensor``; the world size for a plain tensor under torch.distributed), so that summing
+    ``local sum / replication`` over every rank gives the full tensor's sum.
+
+    Raises :class:`UnsupportedTensorError` for a ``Partial`` placement (the shards are not the
+    values) or a mesh that does not span every rank.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if not is_dtensor(t):
+        return world
+    mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+    if mesh.size() != world:
+        raise UnsupportedTensorError(
+            f"{what} is a DTensor on a mesh of {mesh.size()} ranks in a world of {world}: "
+            "hookscope reduces its statistics over the whole world and needs a mesh that spans it"
+        )
+    copies = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_partial():
+            raise UnsupportedTensorError(
+                f"{what} is a DTensor with a Partial placement ({placement}): its shards are not "
+                "its values; redistribute it (Shard or Replicate) before monitoring it"
+            )
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
+
+
+def as_sharded_like(new: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``new`` laid out as ``like``: a full plain tensor (e.g. a replacement gradient) becomes a
+    ``DTensor`` with ``like``'s mesh and placements, each rank keeping its own part (no
+    communication); a ``DTensor`` or a plain ``like`` is returned as is."""
+    if not is_dtensor(like) or is_dtensor(new):
+        return new
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(
+        new.detach(),
+        like.device_mesh,  # type: ignore[attr-defined]
+        like.placements,  # type: ignore[attr-defined]
+        src_data_rank=None,
+    )
+
+
+def sumsq_weights(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[float]:
+    """``1 / replication`` per named tensor (see :func:`replication`)."""
+    return [1.0 / replication(t, f"parameter {n!r}") for n, t in tensors]
+
+
+def add_param_grad_editor(
+    scope: HookScope,
+    model: nn.Module | None,
+    name: str,
+    param: torch.Tensor,
+    on_grad: Callable[[torch.Tensor], torch.Tensor | None],
+) -> None:
+    """Make ``on_grad(grad) -> new_grad | None`` edit parameter ``name``'s gradient, whatever the
+    parameter's kind: a tensor hook for a plain or tensor-parallel parameter (the gradient of this
+    backward, before accumulation), FSDP2's post-accumulate-grad call for a ``fully_shard``ed one
+    (the reduced gradient of the combined batch, in ``param.grad``). A full plain tensor returned
+    for a ``DTensor`` gradient is laid out as the gradient. Refuses unknown tensor subclasses."""
+    what = f"parameter {name!r}"
+    check_tensor_type(param, what)
+
+    if model is not None and is_dtensor(param) and fsdp_managed(model, name):
+
+        def after_reduce(p: torch.Tensor) -> None:
+            g = p.grad
+            if g is None:
+                return
+            new = on_grad(g)
+            if new is not None and new is not g:
+                p.grad = as_sharded_like(new, g)
+
+        scope.add_post_accumulate_grad(param, after_reduce, layer=name)
+        return
+
+    def hook(g: torch.Tensor) -> torch.Tensor | None:
+        new = on_grad(g)
+        return None if new is None else as_sharded_like(new, g)
+
+    scope.add_tensor_hook(param, hook, layer=name)

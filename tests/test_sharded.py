@@ -1,0 +1,180 @@
+"""Sharded parameters (PITFALL 19): gradient edits, clipping and the monitor on FSDP2
+(``fully_shard`` on a CPU mesh, gloo, 2 processes on loopback) and tensor-parallel ``DTensor``
+parameters, each compared with one process running the combined batch on a plain model."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import hookscope as hs
+
+WORLD = 2
+MAX_NORM = 0.05
+VALUE = 0.02
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    # 7 rows: uneven shards (4 + 3); the bias of the last layer (1 value) leaves rank 1 empty
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.ReLU(), nn.Linear(6, 1))
+
+
+def make_data(steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(steps, 8, 5, generator=g), torch.randn(steps, 8, 1, generator=g)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., None], *args: object) -> None:
+    """Run ``fn(rank, *args)`` on 2 gloo ranks (fork: no second torch import; see test_monitor_ddp)."""
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(
+        _entry, args=(free_port(), fn, args), nprocs=WORLD, join=True, start_method=method
+    )
+
+
+def fsdp_model() -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = make_model()
+    for i in (0, 2):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+        for n, p in model.named_parameters()
+    }
+
+
+# -- gradient edits and clipping ------------------------------------------------------------------
+EDITS: dict[str, Callable[[nn.Module], hs.HookScope]] = {
+    "clip_max_norm": lambda m: hs.clip_grads(m, max_norm=MAX_NORM),
+    "clip_value": lambda m: hs.clip_grads(m, value=VALUE),
+    "edit": lambda m: hs.edit_grads(
+        m,
+        {
+            "0.bias": hs.ops.zero(),
+            "2.weight": hs.ops.scale(3.0),
+            "4.bias": torch.tensor([0.5]),  # a full replacement tensor, laid out as the shards
+        },
+    ),
+}
+
+
+def _edit_worker(rank: int, tmp: str) -> None:
+    xs, ys = make_data()
+    x, y = xs[0].chunk(WORLD)[rank], ys[0].chunk(WORLD)[rank]
+    out = {}
+    for key, attach in EDITS.items():
+        model = fsdp_model()
+        with attach(model):
+            nn.functional.mse_loss(model(x), y).backward()
+        out[key] = full_grads(model)
+    if rank == 0:
+        torch.save(out, os.path.join(tmp, "grads.pt"))
+
+
+def reference_grads() -> dict[str, dict[str, torch.Tensor]]:
+    """Independent of hookscope: torch.autograd.grad on the combined batch, edited by hand."""
+    xs, ys = make_data()
+    model = make_model()
+    names = [n for n, _ in model.named_parameters()]
+    grads = torch.autograd.grad(
+        nn.functional.mse_loss(model(xs[0]), ys[0]), list(model.parameters())
+    )
+    g = dict(zip(names, grads))
+
+    def clip(t: torch.Tensor) -> torch.Tensor:
+        return t * min(1.0, MAX_NORM / (float(t.norm()) + 1e-6))
+
+    edited = dict(g)
+    edited["0.bias"] = torch.zeros_like(g["0.bias"])
+    edited["2.weight"] = 3 * g["2.weight"]
+    edited["4.bias"] = torch.tensor([0.5])
+    return {
+        "raw": g,
+        "clip_max_norm": {n: clip(t) for n, t in g.items()},
+        "clip_value": {n: t.clamp(-VALUE, VALUE) for n, t in g.items()},
+        "edit": edited,
+    }
+
+
+@pytest.mark.distributed
+def test_fsdp2_edits_and_clipping_act_on_the_full_gradient(tmp_path):
+    launch(_edit_worker, str(tmp_path))
+    got, ref = torch.load(tmp_path / "grads.pt"), reference_grads()
+    # the edits bind: every parameter's full gradient norm is above MAX_NORM, values exceed VALUE
+    raw = ref.pop("raw")
+    assert min(float(t.norm()) for t in raw.values()) > 2 * MAX_NORM
+    assert all(float(t.abs().max()) > VALUE for t in raw.values())
+    for key in EDITS:
+        for name, want in ref[key].items():
+            torch.testing.assert_close(
+                got[key][name], want, rtol=1e-5, atol=1e-7, msg=f"{key} {name}"
+            )
+    norms = {n: float(t.norm()) for n, t in got["clip_max_norm"].items()}
+    assert all(math.isclose(v, MAX_NORM, rel_tol=1e-4) for v in norms.values()), norms
+
+
+# -- never silent ---------------------------------------------------------------------------------
+class Tagged(torch.Tensor):
+    """A tensor subclass hookscope does not know."""
+
+
+def test_unknown_tensor_subclass_parameter_is_refused_at_attach_time():
+    net = nn.Linear(2, 2)
+    net.weight = nn.Parameter(torch.Tensor._make_subclass(Tagged, torch.randn(2, 2), True))
+    for attach in (
+        lambda: hs.clip_grads(net, max_norm=1.0),
+        lambda: hs.edit_grads(net, {"weight": hs.ops.zero()}),
+    ):
+        with pytest.raises(hs.UnsupportedTensorError, match=r"parameter 'weight' is a .*Tagged"):
+            attach()
+    # bias alone is a plain parameter: accepted, and it acts
+    with hs.clip_grads(net, value=1e-3, params="bias"):
+        net(torch.full((3, 2), 10.0)).sum().backward()
+    assert float(net.bias.grad.abs().max()) == pytest.approx(1e-3)
+
+
+def test_unknown_tensor_subclass_activation_is_refused():
+    class Wrap(nn.Module):
+        def forward(self, x):
+            return torch.Tensor._make_subclass(Tagged, x * 2, True)
+
+    net = nn.Sequential(nn.Linear(2, 2), Wrap())
+    with (
+        hs.edit_grads(net, {"1": hs.ops.zero()}),
+        pytest.raises(hs.UnsupportedTensorError, match=r"output of layer '1' is a .*Tagged"),
+    ):
+        net(torch.ones(1, 2))
