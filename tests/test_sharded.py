@@ -178,3 +178,95 @@ def test_unknown_tensor_subclass_activation_is_refused():
         pytest.raises(hs.UnsupportedTensorError, match=r"output of layer '1' is a .*Tagged"),
     ):
         net(torch.ones(1, 2))
+
+
+# -- the monitor ----------------------------------------------------------------------------------
+STEPS = 2
+
+
+class Sqrt(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sqrt()  # NaN for a negative input
+
+
+def train(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, out: str) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = hs.JsonlSink(out, append=False)
+    with hs.Monitor(model, sinks=[sink], alerts="off", sentinel=True) as mon:
+        for x, y in zip(xs, ys):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            mon.step(opt)
+            opt.zero_grad()
+        assert mon.nonfinite is None
+
+
+def nan_origins(model: nn.Module, x: torch.Tensor) -> tuple[str, str]:
+    """(sentinel's origin, find_nonfinite's origin) of a NaN made by layer '1' (Sqrt)."""
+    with hs.Monitor(model, stats=(), alerts="off", sentinel=True) as mon:
+        model(x).sum().backward()
+        mon.step()
+    found = hs.find_nonfinite(model, x)
+    return mon.nonfinite.layer, found.layer
+
+
+def _monitor_worker(rank: int, tmp: str) -> None:
+    xs, ys = make_data(STEPS)
+    model = fsdp_model()
+    train(
+        model,
+        xs.chunk(WORLD, dim=1)[rank],
+        ys.chunk(WORLD, dim=1)[rank],
+        os.path.join(tmp, f"rank{rank}.jsonl"),
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    bad = nn.Sequential(nn.Linear(5, 3), Sqrt(), nn.Linear(3, 1))
+    fully_shard(bad)
+    layers = nan_origins(bad, xs[0].chunk(WORLD)[rank])
+    with open(os.path.join(tmp, f"nan{rank}.txt"), "w") as f:
+        f.write(",".join(layers))
+
+
+def read_jsonl(path) -> list[dict]:
+    import json
+
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_records_close(got: list[dict], ref: list[dict]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(STEPS))
+    for d, r in zip(got, ref):
+        assert d["layers"].keys() == r["layers"].keys() and d["params"].keys() == r["params"].keys()
+        for group in ("layers", "params"):
+            for name, stats in r[group].items():
+                assert stats.keys() == d[group][name].keys(), (group, name)
+                for k, v in stats.items():
+                    assert math.isclose(d[group][name][k], v, rel_tol=1e-4, abs_tol=1e-7), (
+                        group,
+                        name,
+                        k,
+                        d[group][name][k],
+                        v,
+                    )
+
+
+@pytest.mark.distributed
+def test_fsdp2_monitor_equals_one_process_on_the_combined_batch(tmp_path):
+    launch(_monitor_worker, str(tmp_path))
+    xs, ys = make_data(STEPS)
+    train(make_model(), xs, ys, str(tmp_path / "single.jsonl"))
+    got, ref = read_jsonl(tmp_path / "rank0.jsonl"), read_jsonl(tmp_path / "single.jsonl")
+    assert read_jsonl(tmp_path / "rank1.jsonl") == []  # written once, by rank 0
+    assert set(ref[0]["params"]) == {f"{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")}
+    assert_records_close(got, ref)
+    # a NaN made by layer '1' (Sqrt of a negative): the sentinel and find_nonfinite name it on
+    # every rank, as in one process
+    torch.manual_seed(0)
+    bad = nn.Sequential(nn.Linear(5, 3), Sqrt(), nn.Linear(3, 1))
+    want = nan_origins(bad, xs[0])
+    assert want == ("1", "1")
+    for rank in range(WORLD):
+        assert (tmp_path / f"nan{rank}.txt").read_text().split(",") == list(want)

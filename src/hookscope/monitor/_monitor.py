@@ -27,6 +27,13 @@ from ..core._select import find, resolve
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
 from ._nonfinite import NonFiniteOrigin, _Tracker
 from ._record import MonitorRecord
+from ._sharded import (
+    any_sharded,
+    check_params,
+    local_tensors,
+    sharded_param_sumsq,
+    sum_ranks_sqrt,
+)
 from ._sinks import as_sink
 from ._stats import (
     Scratch,
@@ -141,6 +148,8 @@ class Monitor:
         self.records: deque[MonitorRecord] = deque(maxlen=keep)
         self.nonfinite: NonFiniteOrigin | None = None
         self._params = self._select_params() if "parameters" in self.stats else []
+        check_params(self._params)
+        self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
         self._step = 0
         self._scope: HookScope | None = None
@@ -182,7 +191,7 @@ class Monitor:
             return
         self._state = state = _StepState()
         if self._params and self._want_updates:
-            ws = [p.detach() for _, p in self._params]
+            ws = local_tensors([p for _, p in self._params])
             if self._buf is None or any(
                 b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
                 for b, w in zip(self._buf, ws)
@@ -305,8 +314,11 @@ class Monitor:
         layout_g = [(key, put(g)) for key, g in st.grads.items()]
         pidx = -1
         if self._params:
-            ws = [p for _, p in self._params]
-            pidx = put(param_stats(ws, [p.grad for p in ws], self._before))
+            if self._sharded:
+                pidx = put(sharded_param_sumsq(self._params, self._before))
+            else:
+                ws = [p for _, p in self._params]
+                pidx = put(param_stats(ws, [p.grad for p in ws], self._before))
         sidx = put(st.scale.double()) if st.scale is not None else -1
         if not parts:
             return MonitorRecord(step)
@@ -336,7 +348,11 @@ class Monitor:
         params: dict[str, dict[str, float]] = {}
         if pidx >= 0:
             pscale = scale if self._scaled(optimizer) else 1.0
-            row = vals(ranks[0], pidx)  # identical on every rank after DDP's averaging
+            row = (  # full-tensor norms from every rank's shards; DDP: the same on every rank
+                sum_ranks_sqrt([vals(r, pidx) for r in ranks])
+                if self._sharded
+                else vals(ranks[0], pidx)
+            )
             for j, (pname, _) in enumerate(self._params):
                 gn, wn, un, bn = row[4 * j : 4 * j + 4]
                 d = {}
@@ -356,7 +372,8 @@ class Monitor:
         assert tracker is not None
         grads = [p.grad for _, p in self._sentinel_params() if p.grad is not None]
         # 2-norms: NaN if any NaN, inf if any inf (the fastest foreach reduction on CPU)
-        extra = [torch.stack(torch._foreach_norm([g.detach() for g in grads], 2))] if grads else []
+        # (local shards of DTensor gradients: the rank holding a NaN reports it)
+        extra = [torch.stack(torch._foreach_norm(local_tensors(grads), 2))] if grads else []
         origin, ext = tracker.locate(extra)
         if (
             origin is not None
