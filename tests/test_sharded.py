@@ -270,3 +270,35 @@ def test_fsdp2_monitor_equals_one_process_on_the_combined_batch(tmp_path):
     assert want == ("1", "1")
     for rank in range(WORLD):
         assert (tmp_path / f"nan{rank}.txt").read_text().split(",") == list(want)
+
+
+# -- tensor parallel ------------------------------------------------------------------------------
+def make_tp_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 1))
+
+
+def _tp_worker(rank: int, tmp: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = parallelize_module(
+        make_tp_model(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
+    xs, ys = make_data(STEPS)  # tensor parallel: every rank runs the whole batch
+    train(model, xs, ys, os.path.join(tmp, f"rank{rank}.jsonl"))
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_monitor_equals_one_process(tmp_path):
+    launch(_tp_worker, str(tmp_path))
+    xs, ys = make_data(STEPS)
+    train(make_tp_model(), xs, ys, str(tmp_path / "single.jsonl"))
+    got, ref = read_jsonl(tmp_path / "rank0.jsonl"), read_jsonl(tmp_path / "single.jsonl")
+    assert set(ref[0]["layers"]) == {"0", "1", "2", "3", "4"}  # sharded ('0', '1') and replicated
+    assert_records_close(got, ref)

@@ -19,6 +19,7 @@ hookscope cannot prove fires would be a silent no-op.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 
+@functools.cache
 def dtensor_class() -> type | None:
     """``torch.distributed.tensor.DTensor``, or ``None`` where torch.distributed is unavailable."""
     try:

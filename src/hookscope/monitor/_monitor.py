@@ -33,6 +33,8 @@ from ._sharded import (
     local_tensors,
     sharded_param_sumsq,
     sum_ranks_sqrt,
+    tensor_parallel,
+    tp_pieces,
 )
 from ._sinks import as_sink
 from ._stats import (
@@ -150,6 +152,8 @@ class Monitor:
         self._params = self._select_params() if "parameters" in self.stats else []
         check_params(self._params)
         self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
+        layer_stats = "activations" in self.stats or "gradients" in self.stats
+        self._tp = layer_stats and tensor_parallel(inner, list(inner.named_parameters()))
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
         self._step = 0
         self._scope: HookScope | None = None
@@ -334,7 +338,10 @@ class Monitor:
         hists: dict[str, tuple[list[float], list[float]]] = {}
         for key, k, hk, kh in layout_a:
             vs = [vals(r, k) for r in ranks]
-            layers[key] = combine_acts([r[ho + hk] for r in ranks], vs)
+            ns = [r[ho + hk] for r in ranks]
+            if self._tp:  # the same batch on every rank: replicated or sharded outputs
+                ns, vs = tp_pieces(ns, vs)
+            layers[key] = combine_acts(ns, vs)
             if kh >= 0:  # histogram of rank 0, over [-absmax, absmax]
                 a, counts = vs[0][2], vals(ranks[0], kh)
                 edges = [a * (-1 + 2 * (j + 1) / len(counts)) for j in range(len(counts))]
@@ -342,9 +349,13 @@ class Monitor:
         # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
         # rank's output gradient is divided by the world size: the same values as one process
         # running the combined batch.
-        gscale = scale * len(ranks)
+        # (Tensor parallel: one batch, no averaging; output gradients replicated or sharded.)
+        gscale = scale if self._tp else scale * len(ranks)
         for key, k in layout_g:
-            layers.setdefault(key, {}).update(combine_grads([vals(r, k) for r in ranks], gscale))
+            gs = [vals(r, k) for r in ranks]
+            if self._tp:
+                gs = tp_pieces([0.0] * len(gs), gs)[1]
+            layers.setdefault(key, {}).update(combine_grads(gs, gscale))
         params: dict[str, dict[str, float]] = {}
         if pidx >= 0:
             pscale = scale if self._scaled(optimizer) else 1.0

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core._sharded import check_tensor_type, is_dtensor, local, replication
+from ..core._errors import UnsupportedTensorError
+from ..core._sharded import check_tensor_type, fsdp_managed, is_dtensor, local, replication
 from ._stats import param_stats
 
 __all__ = ["any_sharded", "check_params", "local_tensors", "sharded_param_sumsq", "sum_ranks_sqrt"]
@@ -65,3 +66,31 @@ def check_params(params: Sequence[tuple[str, torch.Tensor]]) -> None:
     for name, p in params:
         check_tensor_type(p, f"parameter {name!r}")
         replication(p, f"parameter {name!r}")
+
+
+def tensor_parallel(model: torch.nn.Module, params: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    """Is ``model`` split by tensor parallelism (``DTensor`` parameters not managed by FSDP2)?
+
+    Then every rank runs the same batch, and a layer's output is either replicated (the same on
+    every rank, e.g. after a ``RowwiseParallel`` layer) or a shard of the full output (after a
+    ``ColwiseParallel`` layer). Raises for FSDP2 combined with tensor parallelism (2-D meshes),
+    whose layer statistics mix both rules.
+    """
+    tp = [n for n, p in params if is_dtensor(p) and not fsdp_managed(model, n)]
+    fsdp = [n for n, p in params if is_dtensor(p) and fsdp_managed(model, n)]
+    if tp and fsdp:
+        raise UnsupportedTensorError(
+            f"Monitor: parameters {tp[:2]} are tensor-parallel DTensors and {fsdp[:2]} are sharded "
+            "by FSDP2 in the same model; layer statistics of a 2-D (data x tensor) parallel model "
+            "are not supported. Monitor parameters only: stats=('parameters',)"
+        )
+    return bool(tp)
+
+
+def tp_pieces(ns: list[float], vs: list[list[float]]) -> tuple[list[float], list[list[float]]]:
+    """Under tensor parallelism, a layer's per-rank ``(count, statistics)``: one rank's when every
+    rank computed the very same vector (a replicated output: counting each copy would repeat its
+    values), else every rank's (disjoint shards of the full output, combined as one tensor)."""
+    if all(v == vs[0] for v in vs[1:]) and all(n == ns[0] for n in ns[1:]):
+        return ns[:1], vs[:1]
+    return ns, vs
