@@ -302,3 +302,42 @@ def test_tensor_parallel_monitor_equals_one_process(tmp_path):
     got, ref = read_jsonl(tmp_path / "rank0.jsonl"), read_jsonl(tmp_path / "single.jsonl")
     assert set(ref[0]["layers"]) == {"0", "1", "2", "3", "4"}  # sharded ('0', '1') and replicated
     assert_records_close(got, ref)
+
+
+class CopyingLinear(nn.Module):
+    """Runs on a copy of its weight and writes ``weight.grad`` itself (as FSDP1 and offloading
+    wrappers do): a tensor hook on ``weight`` never fires."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.detach().requires_grad_()
+
+        def write(g: torch.Tensor) -> None:
+            self.weight.grad = g.clone()
+
+        w.register_hook(write)
+        return x @ w.t()
+
+
+@pytest.mark.parametrize(
+    "attach",
+    [
+        lambda m: hs.clip_grads(m, value=1e-3),
+        lambda m: hs.edit_grads(m, {"weight": hs.ops.zero()}),
+    ],
+    ids=["clip_grads", "edit_grads"],
+)
+def test_a_gradient_hook_that_never_fires_is_reported_at_the_end_of_backward(attach):
+    net = CopyingLinear()
+    with attach(net), pytest.raises(hs.HookscopeError, match=r"parameter 'weight' .* NOT applied"):
+        net(torch.full((3, 2), 10.0)).sum().backward()
+    assert float(net.weight.grad.abs().max()) == 30.0  # indeed unedited: the error was right
+    # a plain layer: the hook fires, no error, over several steps
+    lin = nn.Linear(2, 2)
+    with attach(lin):
+        for _ in range(3):
+            lin(torch.full((3, 2), 10.0)).sum().backward()
+    assert float(lin.weight.grad.abs().max()) < 3.001e-3  # 3 clamped (or zeroed) steps

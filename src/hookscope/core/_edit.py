@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from . import _ops as ops
 from ._errors import HookscopeError, LayerNotFoundError
+from ._gradcheck import FireCheck
 from ._nested import iter_tensors
 from ._scope import HookScope, check_model
 from ._select import find, suggest
@@ -175,6 +176,7 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
     if model is not None:
         check_model(model)
     scope = HookScope("edit_grads")
+    check: FireCheck | None = None
     try:
         for key, fn in edits.items():
             modules, tensors = _resolve_grad_targets(model, key)
@@ -185,8 +187,10 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                     raise HookscopeError(
                         f"edit_grads: {name} does not require grad, so it never gets a gradient"
                     )
+                if check is None and model is not None:
+                    check = FireCheck(scope, model, "edit_grads")
                 add_param_grad_editor(
-                    scope, model, name, t, _grad_editor(fn, f"the gradient of {name}")
+                    scope, model, name, t, _grad_editor(fn, f"the gradient of {name}"), check
                 )
     except BaseException:
         scope.remove()
@@ -259,9 +263,10 @@ def clip_grads(
         named = chosen
     scope = HookScope("clip_grads")
     try:
+        check = FireCheck(scope, model, "clip_grads")
         for name, p in named.items():
             if p.requires_grad:
-                add_param_grad_editor(scope, model, name, p, clip)
+                add_param_grad_editor(scope, model, name, p, clip, check)
     except BaseException:
         scope.remove()
         raise

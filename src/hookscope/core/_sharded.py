@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ._errors import UnsupportedTensorError
+from ._gradcheck import FireCheck
 from ._scope import HookScope
 
 __all__ = [
@@ -167,14 +168,24 @@ def add_param_grad_editor(
     name: str,
     param: torch.Tensor,
     on_grad: Callable[[torch.Tensor], torch.Tensor | None],
+    check: FireCheck | None = None,
 ) -> None:
     """Make ``on_grad(grad) -> new_grad | None`` edit parameter ``name``'s gradient, whatever the
     parameter's kind: a tensor hook for a plain or tensor-parallel parameter (the gradient of this
     backward, before accumulation), FSDP2's post-accumulate-grad call for a ``fully_shard``ed one
     (the reduced gradient of the combined batch, in ``param.grad``). A full plain tensor returned
-    for a ``DTensor`` gradient is laid out as the gradient. Refuses unknown tensor subclasses."""
+    for a ``DTensor`` gradient is laid out as the gradient. Refuses unknown tensor subclasses.
+    ``check`` (a :class:`FireCheck`) raises at the end of a backward in which the hook did not
+    run although ``.grad`` changed."""
     what = f"parameter {name!r}"
     check_tensor_type(param, what)
+    if check is not None:
+        check.watch(name, param)
+        edit = on_grad
+
+        def on_grad(g: torch.Tensor) -> torch.Tensor | None:
+            check.fired(name)
+            return edit(g)
 
     if model is not None and is_dtensor(param) and fsdp_managed(model, name):
 
