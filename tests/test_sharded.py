@@ -93,7 +93,7 @@ EDITS: dict[str, Callable[[nn.Module], hs.HookScope]] = {
 
 
 def _edit_worker(rank: int, tmp: str) -> None:
-    xs, ys = make_data()
+    xs, ys = make_data(2)
     x, y = xs[0].chunk(WORLD)[rank], ys[0].chunk(WORLD)[rank]
     out = {}
     for key, attach in EDITS.items():
@@ -101,19 +101,34 @@ def _edit_worker(rank: int, tmp: str) -> None:
         with attach(model):
             nn.functional.mse_loss(model(x), y).backward()
         out[key] = full_grads(model)
+    # gradient accumulation: two backward passes into .grad, each clamped on its own (FSDP2 adds
+    # the second into .grad before any hook runs; hookscope sets .grad aside)
+    model = fsdp_model()
+    with hs.clip_grads(model, value=VALUE):
+        for i in range(2):
+            xi, yi = xs[i].chunk(WORLD)[rank], ys[i].chunk(WORLD)[rank]
+            nn.functional.mse_loss(model(xi), yi).backward()
+    out["accumulate"] = full_grads(model)
     if rank == 0:
         torch.save(out, os.path.join(tmp, "grads.pt"))
 
 
 def reference_grads() -> dict[str, dict[str, torch.Tensor]]:
     """Independent of hookscope: torch.autograd.grad on the combined batch, edited by hand."""
-    xs, ys = make_data()
+    xs, ys = make_data(2)
     model = make_model()
     names = [n for n, _ in model.named_parameters()]
-    grads = torch.autograd.grad(
-        nn.functional.mse_loss(model(xs[0]), ys[0]), list(model.parameters())
+    g, g2 = (
+        dict(
+            zip(
+                names,
+                torch.autograd.grad(
+                    nn.functional.mse_loss(model(xs[i]), ys[i]), list(model.parameters())
+                ),
+            )
+        )
+        for i in range(2)
     )
-    g = dict(zip(names, grads))
 
     def clip(t: torch.Tensor) -> torch.Tensor:
         return t * min(1.0, MAX_NORM / (float(t.norm()) + 1e-6))
@@ -126,6 +141,9 @@ def reference_grads() -> dict[str, dict[str, torch.Tensor]]:
         "raw": g,
         "clip_max_norm": {n: clip(t) for n, t in g.items()},
         "clip_value": {n: t.clamp(-VALUE, VALUE) for n, t in g.items()},
+        "accumulate": {
+            n: t.clamp(-VALUE, VALUE) + g2[n].clamp(-VALUE, VALUE) for n, t in g.items()
+        },
         "edit": edited,
     }
 
@@ -138,7 +156,7 @@ def test_fsdp2_edits_and_clipping_act_on_the_full_gradient(tmp_path):
     raw = ref.pop("raw")
     assert min(float(t.norm()) for t in raw.values()) > 2 * MAX_NORM
     assert all(float(t.abs().max()) > VALUE for t in raw.values())
-    for key in EDITS:
+    for key in [*EDITS, "accumulate"]:
         for name, want in ref[key].items():
             torch.testing.assert_close(
                 got[key][name], want, rtol=1e-5, atol=1e-7, msg=f"{key} {name}"

@@ -11,6 +11,7 @@ follows (a callback queued on autograd's engine from a hook on the model's outpu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,7 +35,9 @@ def _stamp(p: torch.Tensor) -> tuple[int, int] | None:
 class FireCheck:
     """Watches parameters whose gradient hooks a scope added; see the module docstring.
 
-    ``fired(name)`` is called by the hook each time it runs.
+    ``fired(name)`` is called by the hook each time it runs. ``at_start(fn)`` / ``at_end(fn)``
+    register ``fn()`` to run when a backward pass reaches the model's output (before any
+    parameter gradient is computed) and at its end (before the check).
     """
 
     def __init__(self, scope: HookScope, model: nn.Module, owner: str) -> None:
@@ -43,12 +46,20 @@ class FireCheck:
         self.count: dict[str, int] = {}
         self._before: dict[str, tuple[tuple[int, int] | None, int]] = {}
         self._queued = -2
+        self._starts: list[Callable[[], None]] = []
+        self._ends: list[Callable[[], None]] = []
         self._scope = scope
         scope.add_forward(model, self._on_forward, layer="")
 
     def watch(self, name: str, param: torch.Tensor) -> None:
         self.params[name] = param
         self.count[name] = 0
+
+    def at_start(self, fn: Callable[[], None]) -> None:
+        self._starts.append(fn)
+
+    def at_end(self, fn: Callable[[], None]) -> None:
+        self._ends.append(fn)
 
     def fired(self, name: str) -> None:
         self.count[name] += 1
@@ -65,9 +76,19 @@ class FireCheck:
         task = graph_task_id()
         if task != self._queued:  # once per backward pass
             self._queued = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._check)
+            for fn in self._starts:
+                fn()
+            torch.autograd.Variable._execution_engine.queue_callback(self._requeue)
+
+    def _requeue(self) -> None:
+        # Run after every callback queued in this backward so far, e.g. FSDP2's final one, which
+        # reduces the gradients of the root's own parameters (autograd runs callbacks queued by a
+        # callback, in order).
+        torch.autograd.Variable._execution_engine.queue_callback(self._check)
 
     def _check(self) -> None:
+        for fn in self._ends:
+            fn()
         if not self._scope.active:
             return
         missed = [

@@ -20,13 +20,14 @@ hookscope cannot prove fires would be a silent no-op.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ._errors import UnsupportedTensorError
+from ._errors import HookscopeError, UnsupportedTensorError
 from ._gradcheck import FireCheck
 from ._scope import HookScope
 
@@ -188,16 +189,7 @@ def add_param_grad_editor(
             return edit(g)
 
     if model is not None and is_dtensor(param) and fsdp_managed(model, name):
-
-        def after_reduce(p: torch.Tensor) -> None:
-            g = p.grad
-            if g is None:
-                return
-            new = on_grad(g)
-            if new is not None and new is not g:
-                p.grad = as_sharded_like(new, g)
-
-        scope.add_post_accumulate_grad(param, after_reduce, layer=name)
+        _add_fsdp_editor(scope, name, param, on_grad, check)
         return
 
     def hook(g: torch.Tensor) -> torch.Tensor | None:
@@ -205,3 +197,63 @@ def add_param_grad_editor(
         return None if new is None else as_sharded_like(new, g)
 
     scope.add_tensor_hook(param, hook, layer=name)
+
+
+def _add_fsdp_editor(
+    scope: HookScope,
+    name: str,
+    param: torch.Tensor,
+    on_grad: Callable[[torch.Tensor], torch.Tensor | None],
+    check: FireCheck | None,
+) -> None:
+    """FSDP2: edit the reduced gradient of this backward in the post-accumulate-grad call.
+
+    FSDP2 adds the reduced gradient into an existing ``.grad`` (gradient accumulation) before any
+    hook sees it. To edit this backward's gradient alone, as for a plain parameter, the existing
+    ``.grad`` is set aside when the backward pass starts (so FSDP2 writes a fresh one), and added
+    back after the edit (or at the end of the backward, for a parameter that got no gradient).
+    Under ``set_requires_gradient_sync(False)`` FSDP2 reduces once, the sum over the micro-steps:
+    the edit then applies to that sum.
+    """
+    held: list[torch.Tensor] = []  # the .grad set aside in this backward
+    started = [False]  # set_aside ran for the backward in progress
+    left: list[weakref.ref[torch.Tensor]] = []  # the .grad this editor wrote last
+
+    def set_aside() -> None:
+        started[0] = True
+        if param.grad is not None:
+            held[:] = [param.grad]
+            param.grad = None
+
+    def put_back() -> None:
+        started[0] = False
+        if held:
+            prev = held.pop()
+            if param.grad is None:
+                param.grad = prev
+
+    def after_reduce(p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if not started[0] and left and left[0]() is g:
+            raise HookscopeError(
+                f"parameter {name!r}: FSDP2 added this backward's gradient into a .grad that "
+                "hookscope had already edited, so the edit would apply to their sum (this backward "
+                "did not start from the model's output, where hookscope sets .grad aside). Call "
+                "optimizer.zero_grad() between steps, or run backward from the model's output"
+            )
+        new = on_grad(g)
+        if new is not None and new is not g:
+            g = as_sharded_like(new, g)
+        if held:
+            prev = held.pop()
+            prev.to_local().add_(g.to_local())  # type: ignore[attr-defined]
+            g = prev
+        p.grad = g
+        left[:] = [weakref.ref(g)]
+
+    if check is not None:
+        check.at_start(set_aside)
+        check.at_end(put_back)
+    scope.add_post_accumulate_grad(param, after_reduce, layer=name)
