@@ -305,11 +305,12 @@ def _tp_worker(rank: int, tmp: str) -> None:
     )
 
     mesh = init_device_mesh("cpu", (WORLD,))
-    model = parallelize_module(
-        make_tp_model(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()}
-    )
     xs, ys = make_data(STEPS)  # tensor parallel: every rank runs the whole batch
-    train(model, xs, ys, os.path.join(tmp, f"rank{rank}.jsonl"))
+    for tag, colwise in (("", ColwiseParallel()), ("dt", ColwiseParallel(use_local_output=False))):
+        # use_local_output=False: layers '0' and '1' output (and get gradients as) DTensors
+        plan = {"0": colwise, "2": RowwiseParallel()}
+        model = parallelize_module(make_tp_model(), mesh, plan)
+        train(model, xs, ys, os.path.join(tmp, f"{tag}rank{rank}.jsonl"))
 
 
 @pytest.mark.distributed
@@ -317,9 +318,10 @@ def test_tensor_parallel_monitor_equals_one_process(tmp_path):
     launch(_tp_worker, str(tmp_path))
     xs, ys = make_data(STEPS)
     train(make_tp_model(), xs, ys, str(tmp_path / "single.jsonl"))
-    got, ref = read_jsonl(tmp_path / "rank0.jsonl"), read_jsonl(tmp_path / "single.jsonl")
+    ref = read_jsonl(tmp_path / "single.jsonl")
     assert set(ref[0]["layers"]) == {"0", "1", "2", "3", "4"}  # sharded ('0', '1') and replicated
-    assert_records_close(got, ref)
+    assert_records_close(read_jsonl(tmp_path / "rank0.jsonl"), ref)
+    assert_records_close(read_jsonl(tmp_path / "dtrank0.jsonl"), ref)
 
 
 class CopyingLinear(nn.Module):

@@ -24,6 +24,7 @@ import torch.nn as nn
 from ..core._nested import iter_tensors
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import find, resolve
+from ..core._sharded import local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
 from ._nonfinite import NonFiniteOrigin, _Tracker
 from ._record import MonitorRecord
@@ -234,13 +235,16 @@ class Monitor:
                         state.counts[name] = call + 1
                         key = name if call == 0 else f"{name}#{call}"
                         if want_acts:
-                            v, h = act_stats(t, self_bounds.get(name), margin, bins, scratch)
-                            state.acts[key] = (t.numel(), v, h)
+                            x = t if type(t) is torch.Tensor else local(t)  # DTensor: shard
+                            v, h = act_stats(x, self_bounds.get(name), margin, bins, scratch)
+                            state.acts[key] = (x.numel(), v, h)
                         if want_grads and t.requires_grad:
 
                             def on_grad(g: torch.Tensor, key: str = key) -> None:
                                 note_scale()
-                                state.grads[key] = grad_stats(g)
+                                state.grads[key] = grad_stats(
+                                    g if type(g) is torch.Tensor else local(g)
+                                )
 
                             scope.add_activation_grad_hook(t, on_grad, layer=name)
 
