@@ -109,6 +109,16 @@ def _edit_worker(rank: int, tmp: str) -> None:
             xi, yi = xs[i].chunk(WORLD)[rank], ys[i].chunk(WORLD)[rank]
             nn.functional.mse_loss(model(xi), yi).backward()
     out["accumulate"] = full_grads(model)
+    # a second backward that does not start from the model's output (from a captured layer):
+    # FSDP2 would add it into the edited .grad, and the clamp would apply to the sum -> refused
+    model = fsdp_model()
+    with hs.clip_grads(model, value=VALUE), hs.capture(model, "2", detach=False) as cap:
+        nn.functional.mse_loss(model(x), y).backward()
+        model(x)
+        try:
+            cap["2"].pow(2).sum().backward()
+        except hs.HookscopeError as e:
+            out["refused"] = str(e)
     if rank == 0:
         torch.save(out, os.path.join(tmp, "grads.pt"))
 
@@ -156,6 +166,7 @@ def test_fsdp2_edits_and_clipping_act_on_the_full_gradient(tmp_path):
     raw = ref.pop("raw")
     assert min(float(t.norm()) for t in raw.values()) > 2 * MAX_NORM
     assert all(float(t.abs().max()) > VALUE for t in raw.values())
+    assert "edit would apply to their sum" in got.pop("refused")
     for key in [*EDITS, "accumulate"]:
         for name, want in ref[key].items():
             torch.testing.assert_close(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +40,6 @@ __all__ = [
     "is_dtensor",
     "local",
     "replication",
-    "sumsq_weights",
 ]
 
 
@@ -156,11 +155,6 @@ def as_sharded_like(new: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         like.placements,  # type: ignore[attr-defined]
         src_data_rank=None,
     )
-
-
-def sumsq_weights(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[float]:
-    """``1 / replication`` per named tensor (see :func:`replication`)."""
-    return [1.0 / replication(t, f"parameter {n!r}") for n, t in tensors]
 
 
 def add_param_grad_editor(
