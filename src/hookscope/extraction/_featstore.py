@@ -209,16 +209,20 @@ def durable_rows(out: Path) -> int:
     return sum(max(0, min(count, (k + 1) * batch) - k * batch) for k in done)
 
 
-def done_batches(out: Path, fingerprint: Any) -> tuple[set[int], list[dict[str, Any]]]:
+def done_batches(
+    out: Path, fingerprint: Any, journals: bool = True
+) -> tuple[set[int], list[dict[str, Any]]]:
     """Global batches durable on disk and the samples skipped in them: ``done.json`` (what
-    earlier runs, of any world size, finished) and every process's journal."""
+    earlier runs, of any world size, finished) and, with ``journals``, every process's journal.
+    (At the start of a run, processes share out the work from ``done.json`` alone: a journal may
+    already be growing under another process's hands.)"""
     sdir = state_dir(out)
     base = read_json(sdir / DONE) or {}
     if base.get("fingerprint") != fingerprint:
         base = {}
     done = set(base.get("batches", []))
     skipped = {s["row"]: s for s in base.get("skipped", [])}
-    for p in sorted(sdir.glob("journal-*.json")):
+    for p in sorted(sdir.glob("journal-*.json")) if journals else []:
         data = read_json(p) or {}
         key = data.get("key") or {}
         if key.get("fingerprint") != fingerprint:
