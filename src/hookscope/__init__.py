@@ -67,6 +67,7 @@ from .extraction import (
 from .monitor import (
     Alert,
     JsonlSink,
+    MlflowSink,
     Monitor,
     MonitorRecord,
     MonitorWarning,
@@ -74,6 +75,7 @@ from .monitor import (
     NonFiniteWarning,
     TensorBoardSink,
     Thresholds,
+    WandbSink,
     find_nonfinite,
     plot_grad_flow,
 )
@@ -108,6 +110,7 @@ __all__ = [
     "LayerCAM",
     "LayerNotFoundError",
     "LayerNotRunError",
+    "MlflowSink",
     "Monitor",
     "MonitorRecord",
     "MonitorWarning",
@@ -126,6 +129,7 @@ __all__ = [
     "Trace",
     "TraceEvent",
     "UnsupportedModelError",
+    "WandbSink",
     "XGradCAM",
     "__version__",
     "cam_methods",

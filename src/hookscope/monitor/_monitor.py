@@ -160,6 +160,7 @@ class Monitor:
         self._scratch = Scratch()
         self._closed = False
         self._want_updates = True
+        self._gate = [True]  # recording on; shared with the hooks (which must not hold self)
         self._prev: tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]] | None = None
         allow = [allow] if isinstance(allow, (str, type)) else list(allow)
         sel = [a for a in allow if a != NonFiniteOrigin.INPUT]
@@ -214,13 +215,14 @@ class Monitor:
                 state.scaler_states = getattr(scaler, "_per_optimizer_states", None)
 
         self_bounds = self._bounds
+        gate = self._gate
         try:
             if want_acts or want_grads:
                 for name, module in self.named.items():
 
                     def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                        # activation checkpointing re-running forward (PITFALL 27)
-                        if in_backward():
+                        # activation checkpointing re-running forward (PITFALL 27); paused
+                        if in_backward() or not gate[0]:
                             return
                         t = next(
                             (t for _, t in iter_tensors(output) if t.is_floating_point()), None
@@ -244,7 +246,9 @@ class Monitor:
                     scope.add_forward(module, hook, layer=name)
 
                 def new_pass(module: nn.Module, args: Any) -> None:
-                    if not in_backward():  # (not self.micro_batch(): no reference to the model)
+                    if (
+                        gate[0] and not in_backward()
+                    ):  # (not self.micro_batch(): no reference to the model)
                         state.counts.clear()
                         state.passes += 1
 
@@ -264,6 +268,15 @@ class Monitor:
         calls sub-modules directly."""
         self._state.counts.clear()
         self._state.passes += 1
+
+    def pause(self) -> None:
+        """Stop recording layer statistics until :meth:`resume` (e.g. around an evaluation loop
+        run between training steps); the hooks stay, their calls are ignored."""
+        self._gate[0] = False
+
+    def resume(self) -> None:
+        """Record layer statistics again after :meth:`pause`."""
+        self._gate[0] = True
 
     def _detach(self) -> None:
         if self._scope is not None:
