@@ -43,6 +43,7 @@ def test_layout_has_one_package_per_product():
         "core",
         "demo",
         "extraction",
+        "integrations",
         "monitor",
         "summarization",
         "viz",

@@ -171,9 +171,10 @@ def test_act_stats_cpu_paths_match_torch(x):
 def test_autocast_stats_are_fp32_of_the_low_precision_values():
     net = mlp()
     x = torch.randn(8, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out0 = net[0](x)  # the reference, outside the monitor
     with hs.Monitor(net, stats=("activations",), alerts="off") as mon:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out0 = net[0](x)
             net(x)
         rec = mon.step()
     assert out0.dtype == torch.bfloat16

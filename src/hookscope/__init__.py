@@ -68,6 +68,7 @@ from .extraction import (
 from .monitor import (
     Alert,
     JsonlSink,
+    MlflowSink,
     Monitor,
     MonitorRecord,
     MonitorWarning,
@@ -75,6 +76,7 @@ from .monitor import (
     NonFiniteWarning,
     TensorBoardSink,
     Thresholds,
+    WandbSink,
     find_nonfinite,
     plot_grad_flow,
 )
@@ -109,6 +111,7 @@ __all__ = [
     "LayerCAM",
     "LayerNotFoundError",
     "LayerNotRunError",
+    "MlflowSink",
     "Monitor",
     "MonitorRecord",
     "MonitorWarning",
@@ -128,6 +131,7 @@ __all__ = [
     "TraceEvent",
     "UnsupportedModelError",
     "UnsupportedTensorError",
+    "WandbSink",
     "XGradCAM",
     "__version__",
     "cam_methods",

@@ -5,11 +5,12 @@ from ._monitor import Monitor
 from ._nonfinite import NonFiniteOrigin, find_nonfinite
 from ._plot import plot_grad_flow
 from ._record import MonitorRecord
-from ._sinks import JsonlSink, TensorBoardSink
+from ._sinks import JsonlSink, MlflowSink, TensorBoardSink, WandbSink
 
 __all__ = [
     "Alert",
     "JsonlSink",
+    "MlflowSink",
     "Monitor",
     "MonitorRecord",
     "MonitorWarning",
@@ -17,6 +18,7 @@ __all__ = [
     "NonFiniteWarning",
     "TensorBoardSink",
     "Thresholds",
+    "WandbSink",
     "find_nonfinite",
     "plot_grad_flow",
 ]

@@ -60,9 +60,12 @@ class _StepState:
     """What the hooks of one logged step write (holds no module, so nothing keeps the model alive)."""
 
     def __init__(self) -> None:
+        # calls of each layer in the current forward pass (reset when a micro-batch starts)
         self.counts: dict[str, int] = {}
-        self.acts: dict[str, tuple[int, torch.Tensor, torch.Tensor | None]] = {}
-        self.grads: dict[str, torch.Tensor] = {}
+        # per layer call, one entry per micro-batch of the optimizer step
+        self.acts: dict[str, list[tuple[int, Vec, torch.Tensor | None]]] = {}
+        self.grads: dict[str, list[Vec]] = {}
+        self.passes = 0
         self.scale: torch.Tensor | None = None
         self.scaler_states: Any = None
 
@@ -70,7 +73,14 @@ class _StepState:
 class Monitor:
     """Watch a training run: per-layer activation/gradient statistics, parameter gradient, weight
     and update norms, diagnosis (vanishing, exploding, dead units, saturation) and the origin of
-    the first NaN/Inf. Call :meth:`step` once per training step, after ``optimizer.step()``.
+    the first NaN/Inf. Call :meth:`step` once per optimizer step, after ``optimizer.step()``.
+
+    With gradient accumulation, call :meth:`step` once per *optimizer* step, not per micro-batch:
+    each call of the monitored model starts a micro-batch, and a record's layer statistics cover
+    every micro-batch of its step (as if the micro-batches were one batch), while its parameter
+    gradients are the accumulated ones. Where the monitored module itself is not called (a
+    ``LightningModule`` whose ``training_step`` calls a sub-module), :meth:`micro_batch` marks
+    the start of each micro-batch; the trainer callbacks in :mod:`hookscope.integrations` do it.
 
     Args:
         model: the model (a ``DistributedDataParallel``/``DataParallel`` wrapper is looked through,
@@ -164,6 +174,7 @@ class Monitor:
         self._scratch = Scratch()
         self._closed = False
         self._want_updates = True
+        self._gate = [True]  # recording on; shared with the hooks (which must not hold self)
         self._prev: tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]] | None = None
         allow = [allow] if isinstance(allow, (str, type)) else list(allow)
         sel = [a for a in allow if a != NonFiniteOrigin.INPUT]
@@ -218,13 +229,14 @@ class Monitor:
                 state.scaler_states = getattr(scaler, "_per_optimizer_states", None)
 
         self_bounds = self._bounds
+        gate = self._gate
         try:
             if want_acts or want_grads:
                 for name, module in self.named.items():
 
                     def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                        # activation checkpointing re-running forward (PITFALL 27)
-                        if in_backward():
+                        # activation checkpointing re-running forward (PITFALL 27); paused
+                        if in_backward() or not gate[0]:
                             return
                         t = next(
                             (t for _, t in iter_tensors(output) if t.is_floating_point()), None
@@ -237,24 +249,51 @@ class Monitor:
                         if want_acts:
                             x = t if type(t) is torch.Tensor else local(t)  # DTensor: shard
                             v, h = act_stats(x, self_bounds.get(name), margin, bins, scratch)
-                            state.acts[key] = (x.numel(), v, h)
+                            state.acts.setdefault(key, []).append((x.numel(), v, h))
                         if want_grads and t.requires_grad:
 
                             def on_grad(g: torch.Tensor, key: str = key) -> None:
                                 note_scale()
-                                state.grads[key] = grad_stats(
-                                    g if type(g) is torch.Tensor else local(g)
+                                state.grads.setdefault(key, []).append(
+                                    grad_stats(g if type(g) is torch.Tensor else local(g))
                                 )
 
                             scope.add_activation_grad_hook(t, on_grad, layer=name)
 
                     scope.add_forward(module, hook, layer=name)
+
+                def new_pass(module: nn.Module, args: Any) -> None:
+                    if (
+                        gate[0] and not in_backward()
+                    ):  # (not self.micro_batch(): no reference to the model)
+                        state.counts.clear()
+                        state.passes += 1
+
+                scope.add_forward_pre(self.model, new_pass, layer="", prepend=True)
             if scaler is not None:
                 for pname, p in self._params:
                     scope.add_post_accumulate_grad(p, lambda _p: note_scale(), layer=pname)
         except BaseException:
             scope.remove()
             raise
+
+    def micro_batch(self) -> None:
+        """Mark the start of a micro-batch (a forward pass) of the current optimizer step: layer
+        calls after it are numbered from 0 again, so each micro-batch adds to the same layer
+        statistics instead of appearing as ``"layer#1"``, ``"layer#2"``. Called automatically
+        when the monitored module is called; call it yourself only when the training step
+        calls sub-modules directly."""
+        self._state.counts.clear()
+        self._state.passes += 1
+
+    def pause(self) -> None:
+        """Stop recording layer statistics until :meth:`resume` (e.g. around an evaluation loop
+        run between training steps); the hooks stay, their calls are ignored."""
+        self._gate[0] = False
+
+    def resume(self) -> None:
+        """Record layer statistics again after :meth:`pause`."""
+        self._gate[0] = True
 
     def _detach(self) -> None:
         if self._scope is not None:
@@ -315,11 +354,17 @@ class Monitor:
             parts.append(t)
             return len(parts) - 1
 
+        # one entry per (layer call, micro-batch): micro-batches combine like ranks below
         layout_a = []
-        for key, (n, v, h) in st.acts.items():
-            layout_a.append((key, put(v), len(hosts), put(h) if h is not None else -1))
-            hosts.append(float(n))
-        layout_g = [(key, put(g)) for key, g in st.grads.items()]
+        for key, entries in st.acts.items():
+            ks, hks = [], []
+            for n, v, _ in entries:
+                ks.append(put(v))
+                hks.append(len(hosts))
+                hosts.append(float(n))
+            h = entries[0][2]  # the histogram of the first micro-batch
+            layout_a.append((key, ks, hks, put(h) if h is not None else -1))
+        layout_g = [(key, [put(g) for g in gs]) for key, gs in st.grads.items()]
         pidx = -1
         if self._params:
             if self._sharded:
@@ -340,11 +385,15 @@ class Monitor:
         scale = (vals(ranks[0], sidx)[0] or 1.0) if sidx >= 0 else 1.0
         layers: dict[str, dict[str, float]] = {}
         hists: dict[str, tuple[list[float], list[float]]] = {}
-        for key, k, hk, kh in layout_a:
-            vs = [vals(r, k) for r in ranks]
-            ns = [r[ho + hk] for r in ranks]
-            if self._tp:  # the same batch on every rank: replicated or sharded outputs
-                ns, vs = tp_pieces(ns, vs)
+        for key, ks, hks, kh in layout_a:
+            ns: list[float] = []
+            vs: list[list[float]] = []
+            for k, hk in zip(ks, hks):  # each micro-batch: its per-rank pieces
+                ns_k, vs_k = [r[ho + hk] for r in ranks], [vals(r, k) for r in ranks]
+                if self._tp:  # the same batch on every rank: replicated or sharded outputs
+                    ns_k, vs_k = tp_pieces(ns_k, vs_k)
+                ns += ns_k
+                vs += vs_k
             layers[key] = combine_acts(ns, vs)
             if kh >= 0:  # histogram of rank 0, over [-absmax, absmax]
                 a, counts = vs[0][2], vals(ranks[0], kh)
@@ -354,11 +403,16 @@ class Monitor:
         # rank's output gradient is divided by the world size: the same values as one process
         # running the combined batch.
         # (Tensor parallel: one batch, no averaging; output gradients replicated or sharded.)
+        # Micro-batches are not divided: a loop that accumulates divides each micro-batch's loss
+        # by their number itself (the mean over the combined batch).
         gscale = scale if self._tp else scale * len(ranks)
-        for key, k in layout_g:
-            gs = [vals(r, k) for r in ranks]
-            if self._tp:
-                gs = tp_pieces([0.0] * len(gs), gs)[1]
+        for key, ks in layout_g:
+            gs = []
+            for k in ks:
+                gs_k = [vals(r, k) for r in ranks]
+                if self._tp:
+                    gs_k = tp_pieces([0.0] * len(gs_k), gs_k)[1]
+                gs += gs_k
             layers.setdefault(key, {}).update(combine_grads(gs, gscale))
         params: dict[str, dict[str, float]] = {}
         if pidx >= 0:

@@ -39,6 +39,27 @@ class MonitorRecord:
     nonfinite: NonFiniteOrigin | None = None
     histograms: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
 
+    def scalars(self, prefix: str = "hookscope") -> dict[str, float]:
+        """The record as flat scalars for a tracker: ``"{prefix}/{layer}/{stat}"`` and
+        ``"{prefix}/params/{parameter}/{stat}"``. A repeated call ``"layer#1"`` is named
+        ``"layer.call1"`` (``#`` is not allowed in MLflow metric names); the root module is
+        ``"<root>"``.
+
+        Example:
+            >>> from hookscope import MonitorRecord
+            >>> MonitorRecord(3, {"fc#1": {"mean": 0.5}}, {"fc.bias": {"grad_norm": 2.0}}).scalars()
+            {'hookscope/fc.call1/mean': 0.5, 'hookscope/params/fc.bias/grad_norm': 2.0}
+        """
+        out: dict[str, float] = {}
+        for layer, stats in self.layers.items():
+            name = (layer or "<root>").replace("#", ".call")
+            for k, v in stats.items():
+                out[f"{prefix}/{name}/{k}"] = v
+        for pname, stats in self.params.items():
+            for k, v in stats.items():
+                out[f"{prefix}/params/{pname}/{k}"] = v
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``)."""
 

@@ -1,4 +1,5 @@
-"""Where monitor records go: TensorBoard, JSON Lines, or any callable ``fn(record)``."""
+"""Where monitor records go: TensorBoard, JSON Lines, Weights & Biases, MLflow, or any callable
+``fn(record)``. The trackers are imported when a sink is made, never by ``import hookscope``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,18 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["JsonlSink", "TensorBoardSink", "as_sink"]
+__all__ = ["JsonlSink", "MlflowSink", "TensorBoardSink", "WandbSink", "as_sink"]
+
+
+def _need(module: str, extra: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(
+            f"this sink needs {module}, which is not installed: pip install 'hookscope[{extra}]'"
+        ) from None
 
 
 class JsonlSink:
@@ -98,6 +110,66 @@ class TensorBoardSink:
     def close(self) -> None:
         if self._own:
             self.writer.close()
+
+
+class WandbSink:
+    """Log each record's scalars (:meth:`MonitorRecord.scalars`) to a Weights & Biases run, at
+    the record's step (``step_offset`` is added: pass the run's own step counter's start when
+    the run logs other values by step too).
+
+    ``run`` is a ``wandb`` run; by default the active one (``wandb.init()`` first). Needs
+    ``pip install 'hookscope[wandb]'``.
+
+    Example:
+        >>> import wandb, hookscope as hs
+        >>> run = wandb.init(project="my-run")  # doctest: +SKIP
+        >>> mon = hs.Monitor(model, every=10, sinks=[hs.WandbSink(run)])  # doctest: +SKIP
+    """
+
+    def __init__(self, run: Any = None, *, prefix: str = "hookscope", step_offset: int = 0) -> None:
+        wandb = _need("wandb", "wandb")
+        run = run if run is not None else wandb.run
+        if run is None:
+            raise ValueError("WandbSink: no active wandb run; call wandb.init() first or pass run=")
+        self.run, self.prefix, self.step_offset = run, prefix, step_offset
+
+    def __call__(self, record: Any) -> None:
+        self.run.log(record.scalars(self.prefix), step=record.step + self.step_offset)
+
+    write = __call__
+
+
+class MlflowSink:
+    """Log each record's scalars (:meth:`MonitorRecord.scalars`) as MLflow metrics at the
+    record's step, to ``run_id`` or the active run (``mlflow.start_run()`` first). Needs
+    ``pip install 'hookscope[mlflow]'``.
+
+    Example:
+        >>> import mlflow, hookscope as hs
+        >>> with mlflow.start_run():  # doctest: +SKIP
+        ...     mon = hs.Monitor(model, every=10, sinks=[hs.MlflowSink()])
+    """
+
+    def __init__(self, run_id: str | None = None, *, prefix: str = "hookscope") -> None:
+        self._mlflow = _need("mlflow", "mlflow")
+        if run_id is None:
+            active = self._mlflow.active_run()
+            if active is None:
+                raise ValueError(
+                    "MlflowSink: no active MLflow run; call mlflow.start_run() first or pass run_id="
+                )
+            run_id = active.info.run_id
+        self.run_id, self.prefix = run_id, prefix
+
+    def __call__(self, record: Any) -> None:
+        # MLflow keeps NaN; it refuses +-inf in some stores, so those are logged as NaN
+        vals = {
+            k: (v if math.isfinite(v) or math.isnan(v) else math.nan)
+            for k, v in record.scalars(self.prefix).items()
+        }
+        self._mlflow.log_metrics(vals, step=record.step, run_id=self.run_id, synchronous=True)
+
+    write = __call__
 
 
 def as_sink(obj: Any) -> Callable[[Any], None]:

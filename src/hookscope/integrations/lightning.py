@@ -1,0 +1,133 @@
+"""hookscope's :class:`~hookscope.Monitor` as a PyTorch Lightning callback.
+
+One record per **optimizer step**: with ``accumulate_grad_batches=k`` a record's layer statistics
+cover the ``k`` micro-batches of the step and its parameter gradients are the accumulated ones
+(read after ``optimizer.step()``, before Lightning zeroes them at the next step's first
+micro-batch), unscaled under ``precision="16-mixed"``. Forward passes between steps (validation,
+the sanity check) are not recorded. Records go to every logger of the trainer
+(``Logger.log_metrics``: CSV, TensorBoard, W&B, MLflow, ...) at the record's step, and to the
+monitor's own sinks; under DDP statistics are reduced across ranks and rank 0 writes.
+
+Example:
+    >>> import torch, torch.nn as nn, torch.nn.functional as F, lightning as L
+    >>> from hookscope.integrations.lightning import HookscopeCallback
+    >>> class Net(L.LightningModule):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ...     def training_step(self, batch, i):
+    ...         x, y = batch
+    ...         return F.cross_entropy(self.net(x), y)
+    ...     def configure_optimizers(self):
+    ...         return torch.optim.SGD(self.parameters(), lr=0.1)
+    >>> data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    >>> cb = HookscopeCallback(every=1, alerts="off")
+    >>> trainer = L.Trainer(max_steps=2, accumulate_grad_batches=2, callbacks=[cb], logger=False,
+    ...                     enable_progress_bar=False, enable_model_summary=False,
+    ...                     enable_checkpointing=False)
+    >>> trainer.fit(Net(), torch.utils.data.DataLoader(data, batch_size=4))  # doctest: +SKIP
+    >>> [r.step for r in cb.records]  # doctest: +SKIP
+    [0, 1]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..monitor import Monitor, MonitorRecord
+from ._common import inner_optimizer, need
+
+_pl = need("lightning.pytorch", "lightning")
+
+__all__ = ["HookscopeCallback"]
+
+
+class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
+    """A Lightning ``Callback`` that owns a :class:`~hookscope.Monitor` of the ``LightningModule``.
+
+    Args:
+        layers: what to watch (see :func:`hookscope.find`); default every leaf module.
+        log_to_loggers: also send each record's scalars (:meth:`MonitorRecord.scalars`) to the
+            trainer's loggers.
+        prefix: the scalars' name prefix.
+        **monitor_kwargs: the other :class:`~hookscope.Monitor` arguments (``every``, ``stats``,
+            ``sinks``, ``sentinel``, ``thresholds``, ``alerts``, ...); ``scaler`` is taken from
+            the trainer's precision plugin.
+    """
+
+    def __init__(
+        self,
+        layers: Any = None,
+        *,
+        log_to_loggers: bool = True,
+        prefix: str = "hookscope",
+        **monitor_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if "scaler" in monitor_kwargs:
+            raise TypeError("HookscopeCallback takes the GradScaler from the trainer; drop scaler=")
+        self.layers, self.log_to_loggers, self.prefix = layers, log_to_loggers, prefix
+        self.monitor_kwargs = monitor_kwargs
+        self.monitor: Monitor | None = None
+        self._stepped: Any = None
+
+    @property
+    def records(self) -> list[MonitorRecord]:
+        """The records so far (``monitor.records``)."""
+        return list(self.monitor.records) if self.monitor is not None else []
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # after the sanity check: its validation batches are not training statistics
+        kw = dict(self.monitor_kwargs)
+        sinks = kw.pop("sinks", ())
+        sinks = [sinks] if callable(sinks) or hasattr(sinks, "write") else list(sinks)
+        if self.log_to_loggers and trainer.loggers:
+            sinks.append(_LoggerSink(trainer, self.prefix))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.monitor = Monitor(pl_module, self.layers, sinks=sinks, scaler=scaler, **kw)
+
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.monitor is not None:
+            self.monitor.resume()
+            self.monitor.micro_batch()  # training_step may call sub-modules, not the module
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._stepped = optimizer  # only on the micro-batch that ends an optimizer step
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.monitor is None:
+            return
+        if self._stepped is not None:
+            optimizer, self._stepped = inner_optimizer(self._stepped), None
+            self.monitor.step(optimizer)
+        self.monitor.pause()  # until the next training batch: validation is not recorded
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+
+
+class _LoggerSink:
+    """Send a record's scalars to every logger of a trainer (weakly: no cycle through it)."""
+
+    def __init__(self, trainer: Any, prefix: str) -> None:
+        import weakref
+
+        self._trainer = weakref.ref(trainer)
+        self.prefix = prefix
+
+    def __call__(self, record: MonitorRecord) -> None:
+        trainer = self._trainer()
+        if trainer is None:
+            return
+        scalars = record.scalars(self.prefix)
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=record.step)

@@ -1,0 +1,102 @@
+"""hookscope's :class:`~hookscope.Monitor` as a Hugging Face ``TrainerCallback``.
+
+One record per **optimizer step**: with ``gradient_accumulation_steps=k`` a record's layer
+statistics cover the ``k`` micro-batches and its parameter gradients are the accumulated ones,
+read in ``on_optimizer_step`` (after ``optimizer.step()``, before the Trainer zeroes them: at
+``on_step_end`` they are already gone). Evaluation and saving between steps are not recorded.
+Given the ``Trainer``, each record is also passed to ``trainer.log``, so it reaches every
+``report_to`` integration (TensorBoard, W&B, MLflow, ...) and ``trainer.state.log_history``.
+
+Example:
+    >>> from hookscope.integrations.transformers import HookscopeTrainerCallback
+    >>> trainer = Trainer(model=model, args=args, train_dataset=ds)  # doctest: +SKIP
+    >>> trainer.add_callback(HookscopeTrainerCallback(trainer, every=10))  # doctest: +SKIP
+    >>> trainer.train()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+from ..core._errors import HookscopeWarning
+from ..monitor import Monitor, MonitorRecord
+from ._common import inner_optimizer, need
+
+_tf = need("transformers", "transformers")
+
+__all__ = ["HookscopeTrainerCallback"]
+
+
+class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-defined]
+    """A ``TrainerCallback`` that owns a :class:`~hookscope.Monitor` of the Trainer's model.
+
+    Args:
+        trainer: the ``Trainer`` (held weakly), so that records reach its ``report_to``
+            integrations through ``trainer.log``; without it they go to the monitor's own sinks
+            only, and a warning says so when training starts.
+        layers: what to watch (see :func:`hookscope.find`); default every leaf module.
+        prefix: the logged scalars' name prefix.
+        **monitor_kwargs: the other :class:`~hookscope.Monitor` arguments (``every``, ``stats``,
+            ``sinks``, ``sentinel``, ``alerts``, ...); ``scaler`` is the Trainer's (fp16).
+    """
+
+    def __init__(
+        self,
+        trainer: Any = None,
+        layers: Any = None,
+        *,
+        prefix: str = "hookscope",
+        **monitor_kwargs: Any,
+    ) -> None:
+        if "scaler" in monitor_kwargs:
+            raise TypeError("HookscopeTrainerCallback takes the GradScaler from the Trainer")
+        self._trainer = weakref.ref(trainer) if trainer is not None else None
+        self.layers, self.prefix, self.monitor_kwargs = layers, prefix, monitor_kwargs
+        self.monitor: Monitor | None = None
+        self._pending: MonitorRecord | None = None
+
+    @property
+    def records(self) -> list[MonitorRecord]:
+        """The records so far (``monitor.records``)."""
+        return list(self.monitor.records) if self.monitor is not None else []
+
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any
+    ) -> None:
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is None:
+            warnings.warn(
+                "HookscopeTrainerCallback was made without the Trainer: records go to the "
+                "monitor's own sinks only, not to report_to; pass it: "
+                "trainer.add_callback(HookscopeTrainerCallback(trainer, ...))",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
+        self.monitor = Monitor(model, self.layers, scaler=scaler, **self.monitor_kwargs)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.resume()
+
+    def on_optimizer_step(
+        self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any
+    ) -> None:
+        if self.monitor is not None:
+            opt = inner_optimizer(optimizer) if optimizer is not None else None
+            self._pending = self.monitor.step(opt)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.monitor is None:
+            return
+        self.monitor.pause()  # evaluation and saving until the next step are not recorded
+        record, self._pending = self._pending, None
+        trainer = self._trainer() if self._trainer is not None else None
+        if record is not None and trainer is not None and state.is_world_process_zero:
+            trainer.log(record.scalars(self.prefix))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.monitor is not None:
+            self.monitor.close()

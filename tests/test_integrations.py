@@ -1,0 +1,381 @@
+"""The monitor inside trainers and trackers: Lightning, the Hugging Face Trainer, Accelerate, W&B
+and MLflow. Each test reads the values back from the real thing (Lightning's CSV file, an MLflow
+file store through MlflowClient, a W&B offline run file) and compares them with what Monitor
+computes in an equivalent hand-written loop on the same weights and micro-batches."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import glob
+import importlib
+import json
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hookscope as hs
+
+pytestmark = pytest.mark.filterwarnings(
+    # the trackers' and trainers' own notices, not ours to fix
+    "ignore::DeprecationWarning",
+    "ignore::FutureWarning",
+    "ignore::UserWarning:lightning.*",
+    "ignore::UserWarning:transformers.*",
+    "ignore::UserWarning:mlflow.*",
+    "ignore::UserWarning:accelerate.*",
+    "ignore::pytest.PytestUnraisableExceptionWarning",
+    "ignore::ResourceWarning",
+)
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
+    )
+
+
+def _data(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _hand_loop(
+    net: nn.Module, steps: list[list[tuple[torch.Tensor, torch.Tensor]]], autocast: bool = False
+) -> list[hs.MonitorRecord]:
+    """Monitor in a plain loop: each step a list of micro-batches, loss divided by their count."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with hs.Monitor(net, alerts="off") as mon:
+        for micro in steps:
+            for x, y in micro:
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    loss = F.cross_entropy(net(x), y)
+                (loss / len(micro)).backward()
+            opt.step()
+            mon.step(opt)
+            opt.zero_grad()
+        return list(mon.records)
+
+
+def _close(a: float, b: float, rel: float = 2e-5) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
+
+
+def _assert_same(got: dict[str, float], want: hs.MonitorRecord, rel: float = 2e-5) -> None:
+    """``got`` (scalars of a model that holds the network as ``.net``, or not) equals ``want``."""
+    got = {
+        k.replace("hookscope/net.", "hookscope/").replace("/params/net.", "/params/"): v
+        for k, v in got.items()
+    }
+    exp = want.scalars()
+    assert set(got) == set(exp)
+    bad = {k: (got[k], exp[k]) for k in exp if not _close(float(got[k]), exp[k], rel)}
+    assert not bad, bad
+
+
+# -- Lightning ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightning_callback_one_record_per_optimizer_step_in_the_csv_logger(tmp_path, precision):
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    base = _net()
+    x, y = _data(16)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(base)
+
+        def training_step(self, batch, i):
+            seen.append((batch[0].clone(), batch[1].clone()))
+            return F.cross_entropy(self.net(batch[0]), batch[1])  # a sub-module, not self(...)
+
+        def validation_step(self, batch, i):
+            self.net(batch[0] * 100)  # would change the statistics if it were recorded
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    cb = HookscopeCallback(every=1, alerts="off")
+    trainer = L.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=2,
+        precision=precision,
+        callbacks=[cb],
+        logger=CSVLogger(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Module(), loader, loader)
+    assert len(seen) == 4
+    want = _hand_loop(
+        copy.deepcopy(base),
+        [seen[:2], seen[2:]],
+        autocast=precision == "bf16-mixed",
+    )
+    assert [r.step for r in cb.records] == [0, 1]
+    rel = 2e-5 if precision == "32-true" else 2e-3
+    # the monitor's records, and what reached Lightning's CSV logger
+    rows: dict[int, dict[str, float]] = {}
+    (path,) = glob.glob(str(tmp_path / "lightning_logs" / "*" / "metrics.csv"))
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            vals = {k: float(v) for k, v in row.items() if k.startswith("hookscope/") and v != ""}
+            if vals:
+                rows.setdefault(int(row["step"]), {}).update(vals)
+    assert sorted(rows) == [0, 1]
+    for step, rec in enumerate(want):
+        _assert_same(cb.records[step].scalars(), rec, rel)
+        _assert_same(rows[step], rec, max(rel, 1e-6))  # the CSV has ~7 significant digits
+
+
+# -- Hugging Face Trainer -----------------------------------------------------------------------
+
+
+class _HFModel(nn.Module):
+    def __init__(self, net: nn.Module, seen: list) -> None:
+        super().__init__()
+        self.net, self._seen = net, seen
+
+    def forward(self, x, labels):
+        self._seen.append((x.detach().clone(), labels.detach().clone()))
+        logits = self.net(x)
+        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
+
+
+def _hf_trainer(tmp_path, base, seen, report_to):
+    from transformers import Trainer, TrainingArguments
+
+    x, y = _data(16)
+    ds = [{"x": x[i], "labels": y[i]} for i in range(16)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "hf"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        report_to=report_to,
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    return Trainer(model=_HFModel(copy.deepcopy(base), seen), args=args, train_dataset=ds)
+
+
+def test_hf_trainer_callback_reaches_mlflow_through_report_to(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    mlflow = pytest.importorskip("mlflow")
+    from hookscope.integrations.transformers import HookscopeTrainerCallback
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:" + str(tmp_path / "mlruns"))
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hookscope")
+    monkeypatch.setenv("HF_MLFLOW_LOG_ARTIFACTS", "0")
+    base, seen = _net(), []
+    trainer = _hf_trainer(tmp_path, base, seen, ["mlflow"])
+    cb = HookscopeTrainerCallback(trainer, every=1, alerts="off")
+    trainer.add_callback(cb)
+    trainer.train()
+    assert len(seen) == 4  # 2 optimizer steps of 2 micro-batches
+    want = _hand_loop(copy.deepcopy(base), [seen[:2], seen[2:]])
+    assert [r.step for r in cb.records] == [0, 1]
+    for got, rec in zip(cb.records, want):
+        _assert_same(got.scalars(), rec)
+        assert got.params["net.0.weight"]["grad_norm"] > 0  # read before the Trainer zeroed them
+    mlflow.set_tracking_uri("file:" + str(tmp_path / "mlruns"))
+    client = mlflow.MlflowClient()
+    (exp,) = [e for e in client.search_experiments() if e.name == "hookscope"]
+    (run,) = client.search_runs([exp.experiment_id])
+    for rec in cb.records:  # equal to the hand loop's (above)
+        for key, value in rec.scalars().items():
+            hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+            assert len(hist) == 2, key  # HF logs at its global step: 1, 2
+            assert _close(hist[rec.step + 1], value, 1e-12), (key, hist, value)
+
+
+def test_hf_callback_without_the_trainer_says_where_records_go(tmp_path):
+    pytest.importorskip("transformers")
+    from hookscope.integrations.transformers import HookscopeTrainerCallback
+
+    base, seen = _net(), []
+    trainer = _hf_trainer(tmp_path, base, seen, "none")
+    cb = HookscopeTrainerCallback(every=1, alerts="off")
+    trainer.add_callback(cb)
+    with pytest.warns(hs.HookscopeWarning, match="not to report_to"):
+        trainer.train()
+    assert len(cb.records) == 2
+
+
+# -- Accelerate ---------------------------------------------------------------------------------
+
+
+def test_accelerate_accumulate_one_record_per_optimizer_step():
+    accelerate = pytest.importorskip("accelerate")
+    base = _net()
+    x, y = _data(16)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    net = copy.deepcopy(base)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    net, opt, loader = acc.prepare(net, opt, loader)
+    seen = []
+    with hs.Monitor(net, alerts="off") as mon:
+        for xb, yb in loader:
+            with acc.accumulate(net):
+                seen.append((xb, yb))
+                acc.backward(F.cross_entropy(net(xb), yb))
+                opt.step()
+                if acc.sync_gradients:
+                    mon.step(opt.optimizer)
+                opt.zero_grad()
+        got = list(mon.records)
+    want = _hand_loop(copy.deepcopy(base), [seen[:2], seen[2:]])
+    assert [r.step for r in got] == [0, 1]
+    for g, w in zip(got, want):
+        _assert_same(g.scalars(), w)
+
+
+# -- W&B and MLflow sinks in a plain loop -------------------------------------------------------
+
+
+def _wandb_history(run_dir: str) -> list[dict]:
+    """History rows of an offline W&B run, read from its ``.wandb`` file (a LevelDB-style log of
+    protobuf records: 7-byte file header; 32 KiB blocks of records with 7-byte headers). The
+    W&B service may still be writing it after ``run.finish()`` returns: read until the run's
+    ``exit`` record is there."""
+    import time
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = glob.glob(f"{run_dir}/wandb/offline-run-*/run-*.wandb")
+    for _ in range(100):
+        with open(path, "rb") as f:
+            data = f.read()
+        pos, buf, rows, kinds, block = 7, b"", [], [], 32768
+        while pos + 7 <= len(data):
+            left = block - pos % block
+            n, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+            if left < 7 or kind == 0:  # padding to the end of the block
+                pos += left
+                continue
+            buf += data[pos + 7 : pos + 7 + n]
+            pos += 7 + n
+            if kind in (1, 4):  # a full record, or the last fragment of one
+                rec = pb.Record()
+                rec.ParseFromString(buf)
+                buf = b""
+                kinds.append(rec.WhichOneof("record_type"))
+                if kinds[-1] == "history":
+                    rows.append(
+                        {
+                            (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                            for i in rec.history.item
+                        }
+                    )
+        if "exit" in kinds:
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"the W&B run file has no exit record: {kinds}")
+
+
+def test_wandb_sink_offline_run_holds_the_monitor_values(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    x, y = _data(16)
+    steps = [[(x[:8], y[:8])], [(x[8:], y[8:])]]
+    run = wandb.init(dir=str(tmp_path), project="hookscope-test")
+    try:
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with hs.Monitor(net, alerts="off", sinks=[hs.WandbSink(run)]) as mon:
+            for micro in steps:
+                for xb, yb in micro:
+                    F.cross_entropy(net(xb), yb).backward()
+                opt.step()
+                mon.step(opt)
+                opt.zero_grad()
+            recs = list(mon.records)
+    finally:
+        run.finish()
+    rows = [r for r in _wandb_history(str(tmp_path)) if any(k.startswith("hookscope/") for k in r)]
+    assert [r["_step"] for r in rows] == [0, 1]
+    for row, rec in zip(rows, recs):
+        _assert_same({k: v for k, v in row.items() if k.startswith("hookscope/")}, rec, 1e-12)
+
+
+def test_mlflow_sink_file_store_holds_the_monitor_values(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri("file:" + str(tmp_path / "mlruns"))
+    mlflow.set_experiment("sink")
+    x, y = _data(8)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with mlflow.start_run() as run, hs.Monitor(net, alerts="off", sinks=[hs.MlflowSink()]) as mon:
+        for _ in range(2):
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            mon.step(opt)
+            opt.zero_grad()
+        recs = list(mon.records)
+    client = mlflow.MlflowClient()
+    for rec in recs:
+        for key, value in rec.scalars().items():
+            hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+            assert _close(hist[rec.step], value, 1e-12), key
+
+
+def test_sinks_need_an_active_run():
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    import mlflow
+    import wandb
+
+    if wandb.run is None:
+        with pytest.raises(ValueError, match="wandb.init"):
+            hs.WandbSink()
+    if mlflow.active_run() is None:
+        with pytest.raises(ValueError, match="mlflow.start_run"):
+            hs.MlflowSink()
+
+
+# -- extras ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("module", "host", "extra"),
+    [
+        ("hookscope.integrations.lightning", "lightning.pytorch", "lightning"),
+        ("hookscope.integrations.transformers", "transformers", "transformers"),
+    ],
+)
+def test_a_missing_extra_names_the_pip_install(monkeypatch, module, host, extra):
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setitem(sys.modules, host, None)  # "not installed"
+    with pytest.raises(ImportError, match=rf"pip install 'hookscope\[{extra}\]'"):
+        importlib.import_module(module)
