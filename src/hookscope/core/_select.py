@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import torch.nn as nn
 
+from ._compiled import named_modules, strip_compiled
 from ._errors import LayerNotFoundError
 
 __all__ = ["Selector", "find", "resolve", "suggest"]
@@ -123,8 +124,8 @@ def find(model: nn.Module, *selectors: Selector, leaves: bool = False) -> dict[s
         >>> list(hs.find(net, leaves=True))
         ['0', '1', '2']
     """
-    all_modules = dict(model.named_modules())
-    model_name = type(model).__name__
+    all_modules = dict(named_modules(model))  # a compiled model gets its uncompiled names
+    model_name = type(strip_compiled(model)).__name__
     if not selectors:
         chosen = all_modules
     else:
