@@ -317,3 +317,34 @@ def test_inductor_capture_grads_and_edit_equal_eager():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cm(x)
+
+
+def _strip_times(text: str) -> list[str]:
+    return [line.rsplit("cpu", 1)[0] for line in text.splitlines()]
+
+
+def test_cli_trace_and_summary_with_compile_equal_eager(capsys):
+    import json
+
+    from hookscope.cli._main import main
+
+    assert main(["trace", "demo", "--compile", "eager"]) == 0
+    compiled_out = capsys.readouterr().out
+    assert main(["trace", "demo"]) == 0
+    eager_out = capsys.readouterr().out
+    assert _strip_times(compiled_out) == _strip_times(eager_out)
+    assert "_orig_mod" not in compiled_out and "stage3.5" in compiled_out
+    assert main(["summary", "demo", "--compile", "eager", "--json"]) == 0
+    a = json.loads(capsys.readouterr().out)
+    assert main(["summary", "demo", "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    drop = lambda rows: [{k: v for k, v in r.items() if k not in ("time_ms", "ms")} for r in rows]  # noqa: E731
+    assert drop(a["rows"]) == drop(b["rows"]) and a["rows"]
+
+
+def test_cli_unknown_compile_backend_is_one_line(capsys):
+    from hookscope.cli._main import main
+
+    assert main(["summary", "demo", "--compile", "nosuch"]) == 2
+    err = capsys.readouterr().err
+    assert "--compile nosuch" in err and "Traceback" not in err

@@ -13,7 +13,7 @@ from typing import Any, Union
 
 import torch.nn as nn
 
-from ._compiled import named_modules, strip_compiled
+from ._compiled import clean_name, named_modules, strip_compiled
 from ._errors import LayerNotFoundError
 
 __all__ = ["Selector", "find", "resolve", "suggest"]
@@ -76,6 +76,11 @@ def _match(model_name: str, all_modules: dict[str, nn.Module], sel: Any) -> dict
                     sel.replace("*", "").replace("?", ""),
                 )
             return hit
+        if clean_name(sel) in all_modules and clean_name(sel) != sel:
+            raise LayerNotFoundError(
+                f"no layer named {sel!r} in {model_name}: hookscope names the layers of a compiled "
+                f"model as in the uncompiled model, without '_orig_mod'; use {clean_name(sel)!r}"
+            )
         raise _not_found(f"no layer named {sel!r} in {model_name}", list(all_modules), sel)
     if isinstance(sel, type) and issubclass(sel, nn.Module):
         hit = {k: m for k, m in all_modules.items() if isinstance(m, sel)}
