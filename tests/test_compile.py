@@ -348,3 +348,38 @@ def test_cli_unknown_compile_backend_is_one_line(capsys):
     assert main(["summary", "demo", "--compile", "nosuch"]) == 2
     err = capsys.readouterr().err
     assert "--compile nosuch" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("form", ["wrapper", "in_place"])
+def test_parameter_grad_edits_equal_eager(form):
+    cm, eager, _ = compiled(form)
+    cm(X)
+    grads = {}
+    for key, model in (("compiled", cm), ("eager", eager)):
+        model.zero_grad()
+        with hs.edit_grads(
+            model, {"head.weight": ops.scale(-2.0), "block.fc": ops.clamp(-0.01, 0.01)}
+        ):
+            model(X).pow(2).sum().backward()
+        grads[key] = {n: p.grad.clone() for n, p in hs.core._compiled.named_parameters(model)}
+    assert list(grads["compiled"]) == list(grads["eager"])
+    for n in grads["eager"]:
+        torch.testing.assert_close(grads["compiled"][n], grads["eager"][n], rtol=0, atol=0)
+
+
+def test_remove_hooks_on_a_compiled_model_restores_the_original_graph():
+    counter = CompileCounterWithBackend("eager")
+    net = make()
+    cm = torch.compile(net, backend=counter)
+    cm(X)
+    scope = hs.capture(cm, ["block", "head"])
+    cm(X)
+    assert cm.__dict__["forward"].__name__ == "routed"  # calls go through the hooked variant
+    assert hs.remove_hooks(cm) == 2
+    assert cm.__dict__["forward"].__name__ != "routed"
+    frames = counter.frame_count
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "hooks did not run" warning: nothing is routed
+        cm(X)
+    assert counter.frame_count == frames
+    scope.remove()

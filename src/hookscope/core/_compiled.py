@@ -49,13 +49,6 @@ __all__ = [
 ]
 
 _ORIG = "_orig_mod"
-# While a variant runs: a graph break at a hook resumes in the hooked module's own frame (by default
-# it bubbles up to the top frame, whose callees would then run the original cache entries), and every
-# frame compiled guards on module hook dicts, empty ones included, so a frame compiled for one set of
-# hooked layers is never reused for another.
-_VARIANT_CONFIG = torch._dynamo.config.patch(
-    nested_graph_breaks=True, skip_nnmodule_hook_guards=False
-)
 _MISSING = object()
 _NON_LEAF = "The .grad attribute of a Tensor that is not a leaf Tensor"
 
@@ -125,6 +118,23 @@ def _dynamo_ctx(compiled_fn: Any) -> Any:
     return ctx if callable(ctx) and hasattr(ctx, "fullgraph") else None
 
 
+def _variant_config(hooked: int) -> Any:
+    """Dynamo's settings while a variant runs.
+
+    A graph break at a hook resumes in the hooked module's own frame (by default it bubbles up to
+    the top frame); every frame compiled guards on module hook dicts, empty ones included, so a
+    frame compiled for one set of hooked layers is never reused for another; and since a hooked
+    module's own frame is compiled once per distinct configuration (each conv stride, say), the
+    per-code recompile limit grows with the number of hooked modules.
+    """
+    cfg = torch._dynamo.config
+    return cfg.patch(
+        nested_graph_breaks=True,
+        skip_nnmodule_hook_guards=False,
+        recompile_limit=max(cfg.recompile_limit, hooked + 8),
+    )
+
+
 def _isolated(ctx: Any) -> Any:
     """A copy of a Dynamo context with its own cache bucket (``isolate_recompiles``).
 
@@ -176,7 +186,13 @@ class Region:
             self._install()
         self.hooked[key] += 1
 
-        def release() -> None:
+        done = False
+
+        def release() -> None:  # idempotent: the scope's removal or remove_hooks(), whichever first
+            nonlocal done
+            if done:
+                return
+            done = True
             self.hooked[key] -= 1
             if self.hooked[key] <= 0:
                 del self.hooked[key]
@@ -238,7 +254,7 @@ class Region:
         saved = root.__dict__.get("forward", _MISSING)
         root.__dict__["forward"] = functools.partial(variant, root)
         try:
-            with _VARIANT_CONFIG, warnings.catch_warnings():
+            with _variant_config(len(self.layers)), warnings.catch_warnings():
                 # Dynamo reads .grad of non-leaf tensors it resumes with (a torch-internal warning)
                 warnings.filterwarnings("ignore", message=_NON_LEAF, category=UserWarning)
                 out = root._call_impl(*args, **kwargs)

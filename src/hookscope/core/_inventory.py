@@ -141,8 +141,12 @@ def remove_hooks(model: nn.Module) -> int:
     removed = 0
     for container, attr, _kind, _layer, hid in _iter(model):
         d = getattr(container, attr)
-        if isinstance(d.get(hid), (_Hook, _InertHook)):
+        fn = d.get(hid)
+        if isinstance(fn, (_Hook, _InertHook)):
             del d[hid]
+            release = getattr(fn, "release", None)  # a hook inside a compiled region
+            if release is not None:
+                release()
             for side in _SIDE_TABLES.get(attr, ()):
                 table = getattr(container, side, None)
                 if table is not None and hid in table:

@@ -83,11 +83,11 @@ class _Hook:
 class _OpaqueHook(_Hook):
     """A hook inside a compiled region: Dynamo breaks the graph and runs it eagerly (exact values)."""
 
-    __slots__ = ("region",)
+    __slots__ = ("region", "release")
 
-    def __init__(self, inner: _Hook, region: Any) -> None:
+    def __init__(self, inner: _Hook, region: Any, release: Callable[[], None]) -> None:
         super().__init__(inner, inner.owner, inner.kind, inner.layer, inner.scope_id)
-        self.region = region
+        self.region, self.release = region, release
 
     @torch._dynamo.disable(recursive=True)
     def __call__(self, *args: Any) -> Any:
@@ -232,8 +232,9 @@ class HookScope:
         region = region_of(module)
         if region is None:
             return hook
-        self._on_remove.append(region.acquire(module, hook.kind, hook.layer))
-        return _OpaqueHook(hook, region)
+        release = region.acquire(module, hook.kind, hook.layer)
+        self._on_remove.append(release)
+        return _OpaqueHook(hook, region, release)
 
     def add_forward(
         self,
