@@ -383,3 +383,19 @@ def test_remove_hooks_on_a_compiled_model_restores_the_original_graph():
         cm(X)
     assert counter.frame_count == frames
     scope.remove()
+
+
+def test_a_compiled_part_inside_a_compiled_model():
+    net = make()
+    eager = copy.deepcopy(net)
+    net.block = torch.compile(net.block, backend="aot_eager")
+    cm = torch.compile(net, backend="aot_eager")
+    cm(X)
+    assert list(hs.find(cm)) == [n for n, _ in eager.named_modules()]
+    for _ in range(2):
+        with hs.capture(cm, ["block.fc", "head"]) as cap:
+            cm(X)
+        with hs.capture(eager, ["block.fc", "head"]) as ref:
+            eager(X)
+        for k in ["block.fc", "head"]:
+            torch.testing.assert_close(cap[k], ref[k], rtol=0, atol=0)

@@ -43,7 +43,6 @@ __all__ = [
     "is_optimized",
     "named_modules",
     "named_parameters",
-    "opaque",
     "region_of",
     "strip_compiled",
 ]
@@ -233,7 +232,7 @@ class Region:
         if self.ctx is None or self.fullgraph:
             if self.fullgraph and not self._warned:
                 self._warned = True
-                names = ", ".join(repr(n) for n in sorted(set(self.layers.values())))
+                names = self._names()
                 warnings.warn(
                     f"layers {names} are inside a torch.compile(fullgraph=True) region "
                     f"({self.name or '<root>'!r}), where hooks cannot run between graphs: hookscope runs "
@@ -254,7 +253,7 @@ class Region:
         saved = root.__dict__.get("forward", _MISSING)
         root.__dict__["forward"] = functools.partial(variant, root)
         try:
-            with _variant_config(len(self.layers)), warnings.catch_warnings():
+            with _variant_config(len(self.hooked)), warnings.catch_warnings():
                 # Dynamo reads .grad of non-leaf tensors it resumes with (a torch-internal warning)
                 warnings.filterwarnings("ignore", message=_NON_LEAF, category=UserWarning)
                 out = root._call_impl(*args, **kwargs)
@@ -267,9 +266,12 @@ class Region:
             self._silent()
         return out
 
+    def _names(self) -> str:
+        return ", ".join(repr(n) for n in sorted({self.layers[i] for i, _ in self.hooked}))
+
     def _silent(self) -> None:
         """Never silent: a routed call in which no hook of the region ran."""
-        names = ", ".join(repr(n) for n in sorted(set(self.layers.values())))
+        names = self._names()
         warnings.warn(
             f"hookscope: none of the hooks on layers {names} ran during this call of the compiled "
             f"region {self.name or '<root>'!r}. Either those layers are not called through "
@@ -303,10 +305,14 @@ def compiled_regions(model: nn.Module) -> list[Region]:
                 )
             _regions[module] = region
         found.append(region)
-    # pre-order: a region nested in another comes later and routes its own modules
+    # pre-order: the outermost region routes everything inside it; a compiled part nested in it
+    # is traced into by the outer variant (Dynamo inlines nested compiled code)
+    mapping: dict[nn.Module, Region] = {}
     for region in found:
         for sub in region.root.modules():
-            _region_of[sub] = region
+            mapping.setdefault(sub, region)
+    for sub, region in mapping.items():
+        _region_of[sub] = region
     return found
 
 
@@ -315,8 +321,3 @@ def region_of(module: nn.Module) -> Region | None:
     if not _region_of:
         return None
     return _region_of.get(module)
-
-
-def opaque(hook: Any) -> Any:
-    """``hook`` made opaque to Dynamo: it runs eagerly, between two compiled graphs."""
-    return torch._dynamo.disable(hook, recursive=True)
