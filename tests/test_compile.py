@@ -399,3 +399,14 @@ def test_a_compiled_part_inside_a_compiled_model():
             eager(X)
         for k in ["block.fc", "head"]:
             torch.testing.assert_close(cap[k], ref[k], rtol=0, atol=0)
+
+
+def test_extract_from_a_compiled_model_equals_eager(tmp_path):
+    import numpy as np
+
+    cm, eager, _ = compiled("wrapper")
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.zeros(10))
+    a = hs.extract(cm, data, ["block"], tmp_path / "c", batch_size=4, progress=False)
+    b = hs.extract(eager, data, ["block"], tmp_path / "e", batch_size=4, progress=False)
+    assert list(a) == list(b) == ["block"]
+    np.testing.assert_array_equal(np.asarray(a["block"]), np.asarray(b["block"]))
