@@ -9,13 +9,15 @@ them (pytorch#117758). hookscope handles three forms of compilation, called *reg
 * a model containing either of the above as a submodule.
 
 While a scope holds a hook on a module inside a region, calls of that region are routed through a
-*hooked variant*: the same Dynamo context (backend, options) applied to a fresh code object, so the
-original compiled graph is left untouched and keeps serving every call made without hookscope. The
+*hooked variant*: the same Dynamo context (backend, options) with its own cache
+(``isolate_recompiles``), applied to a fresh code object, so the original compiled graph is left
+untouched and keeps serving every call made without hookscope. The
 hooks placed inside a region are opaque to Dynamo (:func:`torch._dynamo.disable`): Dynamo breaks the
 graph at each hooked layer and the hook runs eagerly on the real tensors, so values are exactly
 eager hookscope's; everything between hooked layers stays compiled. One variant is compiled per
 (region, set of hooked modules), cached, so opening and closing the same scope again compiles
-nothing. A ``fullgraph=True`` region cannot break its graph: that region runs eagerly while the
+nothing. The root's own hooks run outside the variant, eagerly, around its compiled ``forward``.
+A ``fullgraph=True`` region cannot break its graph: that region runs eagerly while the
 scope is open, with a :class:`HookscopeWarning` naming the layers.
 """
 
@@ -212,19 +214,19 @@ class Region:
             assert region is not None
             return region._call(*args, **kwargs)
 
-        if self.in_place:
-            self._saved = owner.__dict__.get("_compiled_call_impl")
-            owner.__dict__["_compiled_call_impl"] = routed
-        else:
-            self._saved = owner.__dict__.get("forward")
-            owner.__dict__["forward"] = routed
+        attr = "_compiled_call_impl" if self.in_place else "forward"
+        self._saved = owner.__dict__.get(attr, _MISSING)
+        owner.__dict__[attr] = routed
 
     def _uninstall(self) -> None:
         owner = self._owner()
         if owner is None:
             return
         attr = "_compiled_call_impl" if self.in_place else "forward"
-        owner.__dict__[attr] = self._saved
+        if self._saved is _MISSING:
+            owner.__dict__.pop(attr, None)
+        else:
+            owner.__dict__[attr] = self._saved
         self._saved = None
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
@@ -276,8 +278,7 @@ class Region:
             f"hookscope: none of the hooks on layers {names} ran during this call of the compiled "
             f"region {self.name or '<root>'!r}. Either those layers are not called through "
             "module(...) for this input, or the compiled code skipped them; to get exact values "
-            "anyway run the call under torch.compiler.set_stance('force_eager'), or attach "
-            "hookscope before compiling",
+            "anyway run the call under torch.compiler.set_stance('force_eager')",
             HookscopeWarning,
             stacklevel=5,
         )
