@@ -81,7 +81,11 @@ class _Hook:
 
 
 class _OpaqueHook(_Hook):
-    """A hook inside a compiled region: Dynamo breaks the graph and runs it eagerly (exact values)."""
+    """A hook inside a compiled region: Dynamo breaks the graph and runs it eagerly (exact values).
+
+    ``__call__`` is wrapped with ``torch._dynamo.disable`` on first use (see :func:`_opaque`), so
+    ``import hookscope`` does not import Dynamo.
+    """
 
     __slots__ = ("region", "release")
 
@@ -89,10 +93,20 @@ class _OpaqueHook(_Hook):
         super().__init__(inner, inner.owner, inner.kind, inner.layer, inner.scope_id)
         self.region, self.release = region, release
 
-    @torch._dynamo.disable(recursive=True)
     def __call__(self, *args: Any) -> Any:
         self.region.fired += 1
         return self.fn(*args)
+
+
+_opaque_ready: list[bool] = []
+
+
+def _opaque(inner: _Hook, region: Any, release: Callable[[], None]) -> _OpaqueHook:
+    if not _opaque_ready:  # once: Dynamo is loaded anyway when a model is compiled
+        _opaque_ready.append(True)
+        disabled = torch._dynamo.disable(_OpaqueHook.__call__, recursive=True)
+        _OpaqueHook.__call__ = disabled  # type: ignore[method-assign]
+    return _OpaqueHook(inner, region, release)
 
 
 def check_model(model: nn.Module) -> None:
@@ -234,7 +248,7 @@ class HookScope:
             return hook
         release = region.acquire(module, hook.kind, hook.layer)
         self._on_remove.append(release)
-        return _OpaqueHook(hook, region, release)
+        return _opaque(hook, region, release)
 
     def add_forward(
         self,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._compiled import named_modules
+from ..core._compiled import compiled_regions, named_modules
 from ..core._inventory import has_global_hooks
 from ..core._nested import describe_call, iter_tensors
 from ..core._scope import HookScope, _Hook, check_model, in_backward, model_device, note_exception
@@ -212,10 +212,12 @@ class _Recorder:
         return self.calls
 
 
-def _eager() -> Any:
-    """``torch.compiler.set_stance("force_eager")`` where torch has it (2.6+)."""
+def _eager(model: nn.Module) -> Any:
+    """For a model with compiled parts, ``torch.compiler.set_stance("force_eager")`` (torch 2.6+)."""
     stance = getattr(torch.compiler, "set_stance", None)
-    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+    if stance is None or not compiled_regions(model):
+        return contextlib.nullcontext()
+    return stance("force_eager")
 
 
 def summary(
@@ -296,7 +298,7 @@ def summary(
             try:
                 # a summary describes the eager modules (per-call shapes, FLOPs, times): compiled
                 # parts run eagerly here, every module being hooked anyway
-                with rec.counter, _eager():
+                with rec.counter, _eager(model):
                     model(*inputs, **kwargs)
             finally:
                 rec.guard = None
