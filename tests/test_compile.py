@@ -410,3 +410,25 @@ def test_extract_from_a_compiled_model_equals_eager(tmp_path):
     b = hs.extract(eager, data, ["block"], tmp_path / "e", batch_size=4, progress=False)
     assert list(a) == list(b) == ["block"]
     np.testing.assert_array_equal(np.asarray(a["block"]), np.asarray(b["block"]))
+
+
+def test_a_sequential_stays_compiled_between_hooked_layers():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    eager = copy.deepcopy(net)
+    counter = CompileCounterWithBackend("aot_eager")
+    cm = torch.compile(net, backend=counter)
+    cm(X)
+    bare = counter.frame_count
+    frames = []
+    for _ in range(3):
+        with hs.capture(cm, ["1", "3"]) as cap:
+            cm(X)
+        with hs.capture(eager, ["1", "3"]) as ref:
+            eager(X)
+        for k in ["1", "3"]:
+            torch.testing.assert_close(cap[k], ref[k], rtol=0, atol=0)
+        frames.append(counter.frame_count - bare)
+    # the layers between the hooks ran as compiled graphs (not the whole loop eagerly), compiled
+    # by the first scope only
+    assert frames[0] >= 2 and frames == [frames[0]] * 3

@@ -110,6 +110,23 @@ def _forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(mod).forward(mod, *args, **kwargs)
 
 
+def _variant_fn(root: nn.Module) -> Callable[..., Any]:
+    """The function a variant compiles: the root's ``forward``, on a fresh code object.
+
+    ``nn.Sequential.forward`` calls its children in a loop, and Dynamo cannot resume a graph break
+    (a hook) inside a loop: it would run the whole loop eagerly. A Sequential root gets its calls
+    unrolled instead, one line per child, so the graph breaks only at the hooked children.
+    """
+    if type(root).forward is not nn.Sequential.forward:
+        return _fresh(_forward)
+    lines = [f"def _sequential_{next(_code_ids)}(mod, input):", "    c = list(mod)"]
+    lines += [f"    input = c[{i}](input)" for i in range(len(root))]
+    lines.append("    return input")
+    scope: dict[str, Any] = {}
+    exec("\n".join(lines), scope)  # generated from the length only
+    return next(v for k, v in scope.items() if k.startswith("_sequential_"))
+
+
 def _dynamo_ctx(compiled_fn: Any) -> Any:
     """The Dynamo context of a function returned by ``torch.compile`` (None if not found)."""
     code = getattr(compiled_fn, "__code__", None)
@@ -168,7 +185,7 @@ class Region:
         self.fullgraph = bool(getattr(self.ctx, "fullgraph", False))
         self.hooked: Counter[tuple[int, str]] = Counter()  # (id(module), kind) -> hooks held
         self.layers: dict[int, str] = {}
-        self._variants: dict[frozenset[tuple[int, str]], Callable[..., Any]] = {}
+        self._variants: dict[tuple[frozenset[tuple[int, str]], int], Callable[..., Any]] = {}
         self._saved: Any = None
         self._warned = False
         self.fired = 0  # opaque hooks of this region run so far (checked after each routed call)
@@ -244,10 +261,10 @@ class Region:
                     stacklevel=4,
                 )
             return root._call_impl(*args, **kwargs) if self.in_place else root(*args, **kwargs)
-        key = frozenset(self.hooked)
+        key = (frozenset(self.hooked), len(root) if isinstance(root, nn.Sequential) else -1)
         variant = self._variants.get(key)
         if variant is None:
-            variant = self._variants[key] = _isolated(self.ctx)(_fresh(_forward))
+            variant = self._variants[key] = _isolated(self.ctx)(_variant_fn(root))
         before = self.fired
         # The root's own hooks run here, eagerly (a graph break in _call_impl's hook loops would
         # make Dynamo give up the whole top frame); its forward, with the hooks of every module
