@@ -9,6 +9,10 @@ cross-entropy. Both the process CPU time and the wall time are reported; the "ev
 contender is averaged over whole cycles of 10 steps (one logged).
 
     .venv/bin/python benchmarks/bench_monitor.py [--size 224] [--batch 16] [--groups 3]
+    .venv/bin/python benchmarks/bench_monitor.py --fsdp --size 64 --batch 8 --groups 3
+
+``--fsdp`` gives the FSDP2 row instead: 2 gloo ranks on CPU, each training a bare and a
+monitored (every step, with the optimizer) ``fully_shard`` resnet18, steps alternating.
 
 At resnet18's own input size (224, the default) a run takes about 10 minutes on one CPU thread;
 ``--size 64 --groups 6`` takes about 4 minutes and is the harder case for the monitor: the
@@ -41,7 +45,14 @@ def main() -> None:
         "--threads", type=int, default=1, help="1: on a shared 2-core machine 2 threads thrash"
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="FSDP2 row instead: 2 gloo ranks on CPU, bare vs monitored step (see fsdp_main)",
+    )
     args = ap.parse_args()
+    if args.fsdp:
+        return fsdp_main(args)
     torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
     torch.manual_seed(0)
@@ -140,6 +151,86 @@ def main() -> None:
             f"| {c.kind} | {statistics.median(gc) * 1e3:.0f} | {rc:.3f}× | {min(gc) / min(gb):.3f}× | "
             f"{statistics.median(per_group(c.wall)) * 1e3:.0f} | {rw:.3f}× |"
         )
+
+
+def _fsdp_rank(rank: int, port: int, args: argparse.Namespace) -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    y = torch.randint(0, 10, (args.batch,))
+    loss_fn = nn.CrossEntropyLoss()
+
+    def replica() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=10)
+        for layer in (model.layer1, model.layer2, model.layer3, model.layer4):
+            for block in layer:
+                fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    (bare, bare_opt), (watched, opt) = replica(), replica()
+    mon = hs.Monitor(watched, every=1, alerts="off")
+    wall: dict[str, list[float]] = {"bare": [], "monitored": []}
+
+    def step(kind: str) -> None:
+        model, o = (bare, bare_opt) if kind == "bare" else (watched, opt)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss_fn(model(x), y).backward()
+        o.step()
+        if kind == "monitored":
+            mon.step(o)
+        o.zero_grad(set_to_none=True)
+        wall[kind].append(time.perf_counter() - t0)
+
+    for _ in range(3):
+        step("bare")
+        step("monitored")
+    wall = {"bare": [], "monitored": []}
+    for i in range(10 * args.groups):
+        for kind in ("bare", "monitored") if i % 2 == 0 else ("monitored", "bare"):
+            step(kind)
+    mon.close()
+    if rank == 0:
+        g = {k: [sum(v[i : i + 10]) / 10 for i in range(0, len(v), 10)] for k, v in wall.items()}
+        print(
+            f"FSDP2 (fully_shard per BasicBlock + root), 2 gloo ranks on CPU, resnet18, batch "
+            f"{args.batch} per rank, {args.size}x{args.size}, {args.threads} thread(s) per rank, "
+            f"torch {torch.__version__}; {args.groups} groups x 10 steps, alternating"
+        )
+        print("| contender | wall ms / step | ratio (median over groups) | best |")
+        print("|---|---:|---:|---:|")
+        for k in ("bare", "monitored"):
+            print(
+                f"| {k} | {statistics.median(g[k]) * 1e3:.0f} | "
+                f"{statistics.median(a / b for a, b in zip(g[k], g['bare'])):.3f}× | "
+                f"{min(g[k]) / min(g['bare']):.3f}× |"
+            )
+    dist.destroy_process_group()
+
+
+def fsdp_main(args: argparse.Namespace) -> None:
+    """Monitored step (every step, with the optimizer) / bare step under FSDP2 on 2 CPU ranks:
+    each rank trains a bare and a monitored replica, steps alternating (wall time of rank 0; the
+    ranks run in lockstep through FSDP2's collectives)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_fsdp_rank, args=(port, args), nprocs=2, join=True, start_method="spawn")
 
 
 if __name__ == "__main__":

@@ -144,14 +144,11 @@ def test_model_left_as_found_and_dataloader_settings_used(net, data, tmp_path):
     np.testing.assert_allclose(
         feats["head"], reference(net, data.tensors[0])["head"].numpy(), rtol=1e-5, atol=1e-6
     )
-    with pytest.warns(hs.HookscopeWarning, match="RandomSampler"):
-        hs.extract(
-            net,
-            DataLoader(data, batch_size=3, shuffle=True),
-            "head",
-            tmp_path / "s",
-            progress=False,
-        )
+    # a shuffling sampler is honoured: every sample, each row at its dataset index
+    shuffled = hs.extract(
+        net, DataLoader(data, batch_size=3, shuffle=True), "head", tmp_path / "s", progress=False
+    )
+    np.testing.assert_allclose(shuffled["head"], feats["head"], rtol=1e-6, atol=1e-7)
 
 
 def test_readable_with_numpy_alone_and_dtype(net, data, tmp_path):
@@ -409,14 +406,8 @@ def test_model_error_propagates_and_leaves_the_model_as_found(net, data, tmp_pat
 def test_resume_checks_the_unfinished_run(net, data, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         hs.extract(net, Interrupting(data, 5), "conv", tmp_path, batch_size=2, progress=False)
-    run_file = tmp_path / _featstore.STATE_DIR / _featstore.RUN
-    run = json.loads(run_file.read_text())
     with pytest.raises(hs.ExtractError, match="unfinished extraction of another run"):
         hs.extract(net, data, "head", tmp_path, batch_size=2, progress=False)
-    run["world_size"] = 2
-    run_file.write_text(json.dumps(run))
-    with pytest.raises(hs.ExtractError, match="started with 2 process"):
-        hs.extract(net, data, "conv", tmp_path, batch_size=2, progress=False)
     feats = hs.extract(net, data, "conv", tmp_path, batch_size=2, progress=False, resume=False)
     np.testing.assert_allclose(
         feats["conv"], reference(net, data.tensors[0])["conv"].numpy(), rtol=1e-5, atol=1e-6

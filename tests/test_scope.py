@@ -57,8 +57,9 @@ def test_hooks_removed_on_exception_and_interrupt(exc):
 def test_scope_without_with_stays_until_removed():
     net = _net()
     handle = hs.clip_grads(net, value=0.1)
-    assert {i.kind for i in hs.hooks_on(net)} == {"tensor"}
-    assert handle.num_hooks == 4
+    # a tensor hook per parameter, and a forward hook on the model that checks they fired
+    assert {i.kind for i in hs.hooks_on(net)} == {"tensor", "forward"}
+    assert handle.num_hooks == 5
     handle.remove()
     assert hs.hooks_on(net) == []
 

@@ -12,6 +12,7 @@ from ._errors import (
     LayerNotRunError,
     NoGradientError,
     UnsupportedModelError,
+    UnsupportedTensorError,
 )
 from ._inventory import HookInfo, hooks_on, remove_hooks
 from ._observe import TensorGrads, observe, tensor_grads
@@ -37,6 +38,7 @@ __all__ = [
     "TraceEvent",
     "TensorGrads",
     "UnsupportedModelError",
+    "UnsupportedTensorError",
     "capture",
     "clip_grads",
     "edit",

@@ -13,9 +13,11 @@ import torch.nn as nn
 from . import _ops as ops
 from ._compiled import named_modules, named_parameters
 from ._errors import HookscopeError, LayerNotFoundError
+from ._gradcheck import FireCheck
 from ._nested import iter_tensors
 from ._scope import HookScope, check_model
 from ._select import find, suggest
+from ._sharded import add_param_grad_editor, check_tensor_type
 
 __all__ = ["clip_grads", "edit", "edit_grads"]
 
@@ -175,6 +177,7 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
     if model is not None:
         check_model(model)
     scope = HookScope("edit_grads")
+    check: FireCheck | None = None
     try:
         for key, fn in edits.items():
             modules, tensors = _resolve_grad_targets(model, key)
@@ -185,7 +188,11 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                     raise HookscopeError(
                         f"edit_grads: {name} does not require grad, so it never gets a gradient"
                     )
-                scope.add_tensor_hook(t, _grad_editor(fn, f"the gradient of {name}"), layer=name)
+                if check is None and model is not None:
+                    check = FireCheck(scope, model, "edit_grads")
+                add_param_grad_editor(
+                    scope, model, name, t, _grad_editor(fn, f"the gradient of {name}"), check
+                )
     except BaseException:
         scope.remove()
         raise
@@ -198,6 +205,7 @@ def _output_grad_editor(scope: HookScope, name: str, fn: Edit) -> Callable[..., 
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         for _, t in iter_tensors(output):
+            check_tensor_type(t, f"the output of layer {name!r}")
             if t.requires_grad:
                 scope.add_activation_grad_hook(t, on_grad, layer=name)
 
@@ -255,7 +263,12 @@ def clip_grads(
             )
         named = chosen
     scope = HookScope("clip_grads")
-    for name, p in named.items():
-        if p.requires_grad:
-            scope.add_tensor_hook(p, clip, layer=name)
+    try:
+        check = FireCheck(scope, model, "clip_grads")
+        for name, p in named.items():
+            if p.requires_grad:
+                add_param_grad_editor(scope, model, name, p, clip, check)
+    except BaseException:
+        scope.remove()
+        raise
     return scope

@@ -16,6 +16,7 @@ __all__ = [
     "LayerNotRunError",
     "NoGradientError",
     "UnsupportedModelError",
+    "UnsupportedTensorError",
 ]
 
 
@@ -47,6 +48,11 @@ class HookConflictError(HookscopeError):
 
 class UnsupportedModelError(HookscopeError):
     """The model cannot carry Python hooks (TorchScript) or would silently ignore them (compiled)."""
+
+
+class UnsupportedTensorError(UnsupportedModelError):
+    """A parameter or activation is a tensor subclass hookscope does not handle (its hooks might
+    never fire), or a ``DTensor`` layout it cannot reduce; raised when hooks are attached."""
 
 
 class HookscopeWarning(UserWarning):

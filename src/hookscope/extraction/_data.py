@@ -7,8 +7,8 @@ collates the samples that loaded with the user's ``collate_fn`` and keeps the fa
 
 from __future__ import annotations
 
+import copy
 import os
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,7 +17,6 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSam
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
-from ..core._errors import HookscopeWarning
 from ._featstore import ExtractError
 from ._imagefolder import ImageFolder
 
@@ -28,6 +27,7 @@ __all__ = [
     "SafeCollate",
     "SafeDataset",
     "as_dataset",
+    "sampled_rows",
     "reason",
     "sample_error",
     "sample_index",
@@ -90,18 +90,59 @@ class SafeCollate:
 
 
 class Batches:
-    """Batch sampler over global batches ``start .. stop``: batch ``k`` is rows ``[k*B, (k+1)*B)``."""
+    """Batch sampler over the global batches ``ks``: batch ``k`` is positions ``[k*B, (k+1)*B)`` of
+    the plan (the dataset indices to extract, ascending; ``None``: every index ``0 .. n-1``)."""
 
-    def __init__(self, start: int, stop: int, batch_size: int, n: int) -> None:
-        self.start, self.stop, self.batch_size, self.n = start, stop, batch_size, n
+    def __init__(
+        self, ks: list[int], batch_size: int, n: int, plan: np.ndarray | None = None
+    ) -> None:
+        self.ks, self.batch_size, self.plan = ks, batch_size, plan
+        self.n = n if plan is None else len(plan)
 
     def __len__(self) -> int:
-        return max(0, self.stop - self.start)
+        return len(self.ks)
 
     def __iter__(self) -> Iterator[list[int]]:
         b = self.batch_size
-        for k in range(self.start, self.stop):
-            yield list(range(k * b, min(self.n, (k + 1) * b)))
+        for k in self.ks:
+            if self.plan is None:
+                yield list(range(k * b, min(self.n, (k + 1) * b)))
+            else:
+                yield self.plan[k * b : (k + 1) * b].tolist()
+
+
+def sampled_rows(data: Any, n: int) -> np.ndarray | None:
+    """The dataset indices a ``DataLoader``'s sampler yields (ascending, each once), or ``None``
+    when that is every index (a sequential or random permutation sampler, or no DataLoader).
+
+    A ``DistributedSampler`` gives the union of what it yields on every replica (its number of
+    replicas and its rank may differ from this run's: hookscope shards the rows itself, so a run
+    can resume with another world size). Extraction order does not matter: rows land at their
+    dataset index.
+    """
+    if not isinstance(data, DataLoader) or isinstance(data.sampler, SequentialSampler):
+        return None
+    sampler = data.sampler
+    try:
+        from torch.utils.data.distributed import DistributedSampler
+    except Exception:  # pragma: no cover - torch without distributed
+        DistributedSampler = ()  # type: ignore[assignment,misc]
+    if isinstance(sampler, DistributedSampler):
+        seen: set[int] = set()
+        for r in range(sampler.num_replicas):
+            part = copy.copy(sampler)
+            part.rank = r
+            seen.update(int(i) for i in part)
+    else:
+        seen = {int(i) for i in sampler}
+    rows = np.array(sorted(seen), dtype=np.int64)
+    if len(rows) and (rows[0] < 0 or rows[-1] >= n):
+        bad = int(rows[0]) if rows[0] < 0 else int(rows[-1])
+        raise ValueError(
+            f"the DataLoader's {type(sampler).__name__} yields index {bad}, outside the dataset "
+            f"(0 .. {n - 1})"
+        )
+    return None if len(rows) == n else rows
 
 
 def as_dataset(
@@ -118,13 +159,6 @@ def as_dataset(
         if data.batch_size is None:
             raise ValueError(
                 "extract needs a DataLoader with a batch_size (not a custom batch_sampler); or pass the dataset"
-            )
-        if not isinstance(data.sampler, SequentialSampler):
-            warnings.warn(
-                f"extract ignores the DataLoader's {type(data.sampler).__name__}: rows are saved in dataset "
-                "order so that runs can resume and shard across processes",
-                HookscopeWarning,
-                stacklevel=3,
             )
         kw: dict[str, Any] = {
             "pin_memory": data.pin_memory,

@@ -37,6 +37,7 @@ from ._data import (
     reason,
     sample_error,
     sample_index,
+    sampled_rows,
 )
 from ._featstore import (
     FORMAT,
@@ -49,7 +50,9 @@ from ._featstore import (
     WriteItem,
     Writer,
     atomic_write_json,
+    consolidate,
     create_arrays,
+    done_batches,
     layer_files,
     load_features,
     open_arrays,
@@ -97,6 +100,7 @@ def _fingerprint(
     n: int,
     batch_size: int,
     index: np.ndarray,
+    plan: np.ndarray | None = None,
 ) -> str:
     h = hashlib.sha256()
     for k, v in model.state_dict().items():
@@ -119,6 +123,8 @@ def _fingerprint(
         "batch_size": batch_size,
         "index": hashlib.sha256(index.tobytes()).hexdigest(),
     }
+    if plan is not None:  # a sampler chose the rows
+        desc["rows"] = hashlib.sha256(plan.tobytes()).hexdigest()
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -165,17 +171,19 @@ def extract(
     The run can be killed at any moment: running the same call again (``resume=True``) continues
     after the last batch that was durably on disk, and the finished files are byte for byte those
     of an uninterrupted run. Under ``torch.distributed`` (e.g. ``torchrun``), each process takes a
-    contiguous block of batches and writes its rows into the shared files (``out`` must be on a
-    file system all processes see); rank 0 writes the manifest. The result is the same as one
-    process's.
+    contiguous block of the batches not done yet and writes its rows into the shared files
+    (``out`` must be on a file system all processes see); rank 0 writes the manifest. The result
+    is the same as one process's, and a run may resume with another number of processes.
 
     Args:
         model: any ``nn.Module``; run in eval mode under ``torch.inference_mode()`` (its modes,
             device and hooks are left as found).
         data: a map-style ``Dataset`` whose samples are a tensor, an ``(input, ...)`` tuple (e.g.
             ``(image, label)``) or a dict of model keyword arguments; a ``DataLoader`` (its
-            dataset, batch size, workers and ``collate_fn`` are used, its sampler is not: rows are
-            in dataset order); or the path of an image folder (:class:`ImageFolder`, 224 px).
+            dataset, batch size, workers, ``collate_fn`` and sampler are used: the samples its
+            sampler yields are extracted, each written at its dataset index; a
+            ``DistributedSampler`` stands for the union of its replicas; rows no sampler chose
+            hold NaN and are ``False`` in ``Features.valid``); or the path of an image folder (:class:`ImageFolder`, 224 px).
         layers: layer selectors (names, globs, types, see :func:`find`). A layer called several
             times in one forward pass contributes its first call.
         out: output directory (created if needed).
@@ -225,6 +233,9 @@ def extract(
     if n == 0:
         raise ExtractError("the dataset is empty: nothing to extract")
     index = sample_index(dataset)
+    plan = sampled_rows(data, n)
+    if plan is not None and len(plan) == 0:
+        raise ExtractError("the DataLoader's sampler yields no sample: nothing to extract")
     out = Path(out)
     rank, world = _dist()
     if world == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -234,7 +245,7 @@ def extract(
             "torch.distributed.init_process_group('gloo') first (the hookscope CLI does)"
         )
     dev = torch.device(device) if device is not None else None
-    fingerprint = _fingerprint(model, names, pool_name, dtype, n, batch_size, index)
+    fingerprint = _fingerprint(model, names, pool_name, dtype, n, batch_size, index, plan)
 
     manifest = read_json(out / MANIFEST) if resume else None
     if manifest is not None:
@@ -249,8 +260,8 @@ def extract(
             shutil.rmtree(state_dir(out), ignore_errors=True)
         return load_features(out)
 
-    nb = -(-n // batch_size)
-    first, stop = rank * nb // world, (rank + 1) * nb // world
+    planned = n if plan is None else len(plan)
+    nb = -(-planned // batch_size)
     with Prepared(model, dev) as run_dev:
         runner = Runner(model, named, pooling, run_dev)
         if rank == 0:
@@ -265,7 +276,7 @@ def extract(
                 dtype,
                 n,
                 batch_size,
-                world,
+                planned,
                 resume,
                 on_error,
             )
@@ -276,20 +287,21 @@ def extract(
                 f"{out}: the extraction state written by rank 0 is missing or differs"
             )
         runner.dtypes = {k: getattr(torch, v) for k, v in run["dtypes"].items()}
-        key = {
-            "fingerprint": fingerprint,
-            "rank": rank,
-            "world_size": world,
-            "first_batch": first,
-            "stop_batch": stop,
-        }
+        # the batches not done yet (by a run of any world size), shared out in contiguous blocks
+        finished, _ = done_batches(out, fingerprint, journals=False)  # the same on every rank
+        todo = [k for k in range(nb) if k not in finished]
+        mine = todo[rank * len(todo) // world : (rank + 1) * len(todo) // world]
+        key = {"fingerprint": fingerprint, "rank": rank, "world_size": world, "batches": mine}
         journal = Journal(out, rank)
-        done, skipped = journal.load(key)
-        rows_first, rows_stop = first * batch_size, min(n, stop * batch_size)
-        rows_done = min(rows_stop, (first + done) * batch_size) - rows_first
-        if done and progress and rank == 0:
+        done, skipped = journal.load(key)  # (0, []) unless killed since the consolidation
+
+        def rows_of(ks: list[int]) -> int:
+            return sum(min(planned, (k + 1) * batch_size) - k * batch_size for k in ks)
+
+        rows_done = rows_of(mine[:done])
+        if finished and progress and rank == 0:
             print(
-                f"hookscope extract: resuming {out}: {rows_done} of {rows_stop - rows_first} samples already on disk",
+                f"hookscope extract: resuming {out}: {rows_of(sorted(finished))} of {planned} samples already on disk",
                 file=sys.stderr,
             )
         _run_shard(
@@ -306,16 +318,17 @@ def extract(
             skipped,
             batch_size=batch_size,
             num_workers=num_workers,
-            first=first,
-            stop=stop,
+            mine=mine,
+            plan=plan,
             n=n,
+            total=rows_of(mine),
             rows_done=rows_done,
             progress=progress and rank == 0,
             on_error=on_error,
         )
     _barrier(world)
     if rank == 0:
-        _finish(out, run, model, index, pool_name, batch_size, world, nb)
+        _finish(out, run, model, index, pool_name, batch_size, plan, nb)
     _barrier(world)
     return load_features(out)
 
@@ -331,11 +344,12 @@ def _prepare(
     dtype: torch.dtype | None,
     n: int,
     batch_size: int,
-    world: int,
+    planned: int,
     resume: bool,
     on_error: str,
 ) -> None:
-    """Rank 0: validate an unfinished run in ``out``, or create the arrays of a new one."""
+    """Rank 0: validate an unfinished run in ``out`` and fold its journals into ``done.json``
+    (so that any number of processes can share out what is left), or create a new one."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -348,11 +362,7 @@ def _prepare(
                 f"{run.get('layers')}); re-run that one to finish it, choose another output directory, "
                 "or pass resume=False (CLI: --no-resume) to start over"
             )
-        if run.get("world_size") != world:
-            raise ExtractError(
-                f"the unfinished extraction in {out} was started with {run.get('world_size')} process(es); "
-                f"resume it with the same number (now {world}), or pass resume=False to start over"
-            )
+        consolidate(out, fingerprint)
         return
     (out / MANIFEST).unlink(missing_ok=True)
     with torch.inference_mode():
@@ -370,8 +380,8 @@ def _prepare(
         "dtypes": {k: str(dtypes[k]).removeprefix("torch.") for k in names},
         "dtype": str(np_dtype(dtypes[names[0]])) if len({dtypes[k] for k in names}) == 1 else None,
         "count": n,
+        "planned": planned,
         "batch_size": batch_size,
-        "world_size": world,
     }
     run["np_dtypes"] = {k: str(np_dtype(dtypes[k])) for k in names}
     try:
@@ -395,18 +405,18 @@ def _run_shard(
     *,
     batch_size: int,
     num_workers: int,
-    first: int,
-    stop: int,
+    mine: list[int],
+    plan: np.ndarray | None,
     n: int,
+    total: int,
     rows_done: int,
     progress: bool,
     on_error: str,
 ) -> None:
-    """Extract batches ``first + done .. stop`` of this process's shard."""
+    """Extract the global batches ``mine[done:]`` of this process's shard."""
     arrays = open_arrays(out, run)
     np_dtypes = {k: np.dtype(v) for k, v in run["np_dtypes"].items()}
     fill = {k: (np.nan if d.kind in "fc" else 0) for k, d in np_dtypes.items()}
-    rows_first, rows_stop = first * batch_size, min(n, stop * batch_size)
     writer = Writer(
         out,
         arrays,
@@ -415,10 +425,10 @@ def _run_shard(
         done=done,
         skipped=skipped,
         fill=fill,
-        total=rows_stop - rows_first,
+        total=total,
         rows_done=rows_done,
     )
-    batches = Batches(first + done, stop, batch_size, n)
+    batches = Batches(mine[done:], batch_size, n, plan)
     kw = dict(loader_kw)
     if runner.device.type == "cuda" and "pin_memory" not in kw:
         kw["pin_memory"] = True
@@ -429,7 +439,7 @@ def _run_shard(
         num_workers=num_workers,
         **kw,
     )
-    bar = Progress(rows_stop - rows_first, done=rows_done, enabled=progress)
+    bar = Progress(total, done=rows_done, enabled=progress)
     try:
         with torch.inference_mode():
             for batch in loader:
@@ -444,8 +454,9 @@ def _run_shard(
                     ]
                 feats = runner(batch.data) if batch.good else {}
                 good = None if not batch.failed else batch.good
+                rows = None if plan is None else batch.indices  # dataset indices
                 writer.put(
-                    WriteItem(batch.indices[0], len(batch.indices), good, feats, now_skipped)
+                    WriteItem(batch.indices[0], len(batch.indices), good, feats, now_skipped, rows)
                 )
                 bar.update(len(batch.indices))
         writer.close()
@@ -464,31 +475,30 @@ def _finish(
     index: np.ndarray,
     pool: str,
     batch_size: int,
-    world: int,
+    plan: np.ndarray | None,
     nb: int,
 ) -> None:
     """Rank 0, after every process finished: check the journals, write index and manifest."""
     from .._version import __version__
 
-    skipped: list[dict[str, Any]] = []
-    for r in range(world):
-        first, stop = r * nb // world, (r + 1) * nb // world
-        key = {
-            "fingerprint": run["fingerprint"],
-            "rank": r,
-            "world_size": world,
-            "first_batch": first,
-            "stop_batch": stop,
-        }
-        done, sk = Journal(out, r).load(key)
-        if done != stop - first:
-            raise ExtractError(
-                f"process {r} did not finish its shard ({done} of {stop - first} batches); run the extraction again"
-            )
-        skipped += sk
-    skipped.sort(key=lambda s: s["row"])
-    save_index(out, index)
+    done, skipped = done_batches(out, run["fingerprint"])
+    if len(done) != nb:
+        raise ExtractError(
+            f"{nb - len(done)} of {nb} batches were not finished by their process; run the "
+            "extraction again"
+        )
     n = run["count"]
+    not_extracted: list[int] = []
+    if plan is not None:  # rows no sampler chose: filled (NaN, 0 for integers), marked invalid
+        chosen = np.zeros(n, dtype=bool)
+        chosen[plan] = True
+        not_extracted = np.flatnonzero(~chosen).tolist()
+        arrays = open_arrays(out, run)
+        for arr in arrays.values():
+            arr[not_extracted] = np.nan if arr.dtype.kind in "fc" else 0
+            arr.flush()
+        arrays.clear()
+    save_index(out, index)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -501,12 +511,13 @@ def _finish(
         "dtypes": run["np_dtypes"],
         "pool": pool,
         "count": n,
-        "valid": n - len(skipped),
+        "valid": n - len(skipped) - len(not_extracted),
         "batch_size": batch_size,
         "index": INDEX,
         "index_kind": "path" if index.dtype.kind == "U" else "dataset_index",
         "skipped": skipped,
         "skipped_rows_hold": "nan (0 for integer dtypes)",
+        "not_extracted": not_extracted,
         "versions": {
             "hookscope": __version__,
             "torch": torch.__version__,

@@ -51,6 +51,7 @@ MANIFEST = "manifest.json"
 INDEX = "index.npy"
 STATE_DIR = ".hookscope-extract"
 RUN = "run.json"
+DONE = "done.json"
 
 
 class ExtractError(HookscopeError):
@@ -203,23 +204,53 @@ class Journal:
 def durable_rows(out: Path) -> int:
     """Rows on disk in an unfinished extraction, according to its journals (for messages)."""
     run = read_run(out) or {}
-    total = 0
-    batch, count = run.get("batch_size", 0), run.get("count", 0)
-    for p in sorted(state_dir(out).glob("journal-*.json")):
+    batch, count = run.get("batch_size", 0), run.get("planned", run.get("count", 0))
+    done, _ = done_batches(out, run.get("fingerprint"))
+    return sum(max(0, min(count, (k + 1) * batch) - k * batch) for k in done)
+
+
+def done_batches(
+    out: Path, fingerprint: Any, journals: bool = True
+) -> tuple[set[int], list[dict[str, Any]]]:
+    """Global batches durable on disk and the samples skipped in them: ``done.json`` (what
+    earlier runs, of any world size, finished) and, with ``journals``, every process's journal.
+    (At the start of a run, processes share out the work from ``done.json`` alone: a journal may
+    already be growing under another process's hands.)"""
+    sdir = state_dir(out)
+    base = read_json(sdir / DONE) or {}
+    if base.get("fingerprint") != fingerprint:
+        base = {}
+    done = set(base.get("batches", []))
+    skipped = {s["row"]: s for s in base.get("skipped", [])}
+    for p in sorted(sdir.glob("journal-*.json")) if journals else []:
         data = read_json(p) or {}
         key = data.get("key") or {}
-        first = key.get("first_batch", 0)
-        stop_row = min(count, (first + int(data.get("done", 0))) * batch)
-        total += max(0, stop_row - first * batch)
-    return total
+        if key.get("fingerprint") != fingerprint:
+            continue
+        done.update(key.get("batches", [])[: int(data.get("done", 0))])
+        skipped.update({s["row"]: s for s in data.get("skipped", [])})
+    return done, sorted(skipped.values(), key=lambda s: s["row"])
+
+
+def consolidate(out: Path, fingerprint: Any) -> None:
+    """Fold the journals into ``done.json`` (written first, atomically), then delete them: a
+    resumed run, of any world size, shares out the batches not done yet afresh."""
+    done, skipped = done_batches(out, fingerprint)
+    atomic_write_json(
+        state_dir(out) / DONE,
+        {"fingerprint": fingerprint, "batches": sorted(done), "skipped": skipped},
+    )
+    for p in state_dir(out).glob("journal-*.json"):
+        p.unlink()
 
 
 # -- the background writer --------------------------------------------------------------------------
 class WriteItem:
-    """Rows ``[row0, row0 + n)`` of every layer: ``feats`` holds the rows of the samples at
-    ``good`` (positions in the batch, ``None`` = all), the others are filled (skipped samples)."""
+    """Rows ``[row0, row0 + n)`` of every layer, or the rows ``rows`` (dataset indices, when a
+    sampler chose them): ``feats`` holds the rows of the samples at ``good`` (positions in the
+    batch, ``None`` = all), the others are filled (skipped samples)."""
 
-    __slots__ = ("feats", "good", "n", "row0", "skipped")
+    __slots__ = ("feats", "good", "n", "row0", "rows", "skipped")
 
     def __init__(
         self,
@@ -228,8 +259,10 @@ class WriteItem:
         good: list[int] | None,
         feats: dict[str, Any],
         skipped: list[dict[str, Any]],
+        rows: list[int] | None = None,
     ) -> None:
         self.row0, self.n, self.good, self.feats, self.skipped = row0, n, good, feats, skipped
+        self.rows = rows
 
 
 _STOP = object()
@@ -323,16 +356,17 @@ class Writer:
 
     def _write(self, item: WriteItem) -> None:
         r0, n = item.row0, item.n
+        where: Any = slice(r0, r0 + n) if item.rows is None else np.asarray(item.rows)
         for layer, arr in self.arrays.items():
             value = item.feats.get(layer)
             if item.good is None:
-                arr[r0 : r0 + n] = ready(value).numpy()
+                arr[where] = ready(value).numpy()
                 continue
             block = np.empty((n, *arr.shape[1:]), dtype=arr.dtype)
             block[...] = self.fill[layer]
             if item.good:
                 block[item.good] = ready(value).numpy()
-            arr[r0 : r0 + n] = block
+            arr[where] = block
         self.skipped.extend(item.skipped)
         self.done += 1
         self.rows_done += n
@@ -418,9 +452,11 @@ class Features(Mapping[str, np.ndarray]):
 
     @property
     def valid(self) -> np.ndarray:
+        """``True`` for the rows that hold features: not skipped, and chosen by the sampler."""
         mask = np.ones(self.count, dtype=bool)
         for s in self.skipped:
             mask[s["row"]] = False
+        mask[np.asarray(self.manifest.get("not_extracted", []), dtype=np.int64)] = False
         return mask
 
     def __repr__(self) -> str:

@@ -25,9 +25,19 @@ from ..core._compiled import named_parameters
 from ..core._nested import iter_tensors
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import find, resolve
+from ..core._sharded import local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
 from ._nonfinite import NonFiniteOrigin, _Tracker
 from ._record import MonitorRecord
+from ._sharded import (
+    any_sharded,
+    check_params,
+    local_tensors,
+    sharded_param_sumsq,
+    sum_ranks_sqrt,
+    tensor_parallel,
+    tp_pieces,
+)
 from ._sinks import as_sink
 from ._stats import (
     Scratch,
@@ -142,6 +152,10 @@ class Monitor:
         self.records: deque[MonitorRecord] = deque(maxlen=keep)
         self.nonfinite: NonFiniteOrigin | None = None
         self._params = self._select_params() if "parameters" in self.stats else []
+        check_params(self._params)
+        self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
+        layer_stats = "activations" in self.stats or "gradients" in self.stats
+        self._tp = layer_stats and tensor_parallel(inner, list(inner.named_parameters()))
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
         self._step = 0
         self._scope: HookScope | None = None
@@ -181,7 +195,7 @@ class Monitor:
             return
         self._state = state = _StepState()
         if self._params and self._want_updates:
-            ws = [p.detach() for _, p in self._params]
+            ws = local_tensors([p for _, p in self._params])
             if self._buf is None or any(
                 b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
                 for b, w in zip(self._buf, ws)
@@ -220,13 +234,16 @@ class Monitor:
                         state.counts[name] = call + 1
                         key = name if call == 0 else f"{name}#{call}"
                         if want_acts:
-                            v, h = act_stats(t, self_bounds.get(name), margin, bins, scratch)
-                            state.acts[key] = (t.numel(), v, h)
+                            x = t if type(t) is torch.Tensor else local(t)  # DTensor: shard
+                            v, h = act_stats(x, self_bounds.get(name), margin, bins, scratch)
+                            state.acts[key] = (x.numel(), v, h)
                         if want_grads and t.requires_grad:
 
                             def on_grad(g: torch.Tensor, key: str = key) -> None:
                                 note_scale()
-                                state.grads[key] = grad_stats(g)
+                                state.grads[key] = grad_stats(
+                                    g if type(g) is torch.Tensor else local(g)
+                                )
 
                             scope.add_activation_grad_hook(t, on_grad, layer=name)
 
@@ -304,8 +321,11 @@ class Monitor:
         layout_g = [(key, put(g)) for key, g in st.grads.items()]
         pidx = -1
         if self._params:
-            ws = [p for _, p in self._params]
-            pidx = put(param_stats(ws, [p.grad for p in ws], self._before))
+            if self._sharded:
+                pidx = put(sharded_param_sumsq(self._params, self._before))
+            else:
+                ws = [p for _, p in self._params]
+                pidx = put(param_stats(ws, [p.grad for p in ws], self._before))
         sidx = put(st.scale.double()) if st.scale is not None else -1
         if not parts:
             return MonitorRecord(step)
@@ -321,7 +341,10 @@ class Monitor:
         hists: dict[str, tuple[list[float], list[float]]] = {}
         for key, k, hk, kh in layout_a:
             vs = [vals(r, k) for r in ranks]
-            layers[key] = combine_acts([r[ho + hk] for r in ranks], vs)
+            ns = [r[ho + hk] for r in ranks]
+            if self._tp:  # the same batch on every rank: replicated or sharded outputs
+                ns, vs = tp_pieces(ns, vs)
+            layers[key] = combine_acts(ns, vs)
             if kh >= 0:  # histogram of rank 0, over [-absmax, absmax]
                 a, counts = vs[0][2], vals(ranks[0], kh)
                 edges = [a * (-1 + 2 * (j + 1) / len(counts)) for j in range(len(counts))]
@@ -329,13 +352,21 @@ class Monitor:
         # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
         # rank's output gradient is divided by the world size: the same values as one process
         # running the combined batch.
-        gscale = scale * len(ranks)
+        # (Tensor parallel: one batch, no averaging; output gradients replicated or sharded.)
+        gscale = scale if self._tp else scale * len(ranks)
         for key, k in layout_g:
-            layers.setdefault(key, {}).update(combine_grads([vals(r, k) for r in ranks], gscale))
+            gs = [vals(r, k) for r in ranks]
+            if self._tp:
+                gs = tp_pieces([0.0] * len(gs), gs)[1]
+            layers.setdefault(key, {}).update(combine_grads(gs, gscale))
         params: dict[str, dict[str, float]] = {}
         if pidx >= 0:
             pscale = scale if self._scaled(optimizer) else 1.0
-            row = vals(ranks[0], pidx)  # identical on every rank after DDP's averaging
+            row = (  # full-tensor norms from every rank's shards; DDP: the same on every rank
+                sum_ranks_sqrt([vals(r, pidx) for r in ranks])
+                if self._sharded
+                else vals(ranks[0], pidx)
+            )
             for j, (pname, _) in enumerate(self._params):
                 gn, wn, un, bn = row[4 * j : 4 * j + 4]
                 d = {}
@@ -355,7 +386,8 @@ class Monitor:
         assert tracker is not None
         grads = [p.grad for _, p in self._sentinel_params() if p.grad is not None]
         # 2-norms: NaN if any NaN, inf if any inf (the fastest foreach reduction on CPU)
-        extra = [torch.stack(torch._foreach_norm([g.detach() for g in grads], 2))] if grads else []
+        # (local shards of DTensor gradients: the rank holding a NaN reports it)
+        extra = [torch.stack(torch._foreach_norm(local_tensors(grads), 2))] if grads else []
         origin, ext = tracker.locate(extra)
         if (
             origin is not None

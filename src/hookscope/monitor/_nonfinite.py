@@ -27,6 +27,7 @@ from ..core._compiled import named_modules
 from ..core._nested import first_tensor, iter_tensors, map_tensors
 from ..core._scope import HookScope, check_model, identity_views, in_backward
 from ..core._select import find
+from ..core._sharded import is_dtensor, local
 from ._stats import minmax
 
 __all__ = ["INPUT", "LOSS", "NonFiniteOrigin", "find_nonfinite"]
@@ -77,7 +78,12 @@ def _absmax(obj: Any) -> torch.Tensor | None:
     """``[min, max, min, max, ...]`` of every floating tensor in ``obj`` (fp32, on the device), or
     None; the host turns it into ``max |x|`` (NaN if any NaN). ``aminmax`` is one pass and among
     the fastest reductions on CPU (``vector_norm(x, inf)`` is ~20x slower there)."""
-    vals = [minmax(t) for _, t in iter_tensors(obj) if t.is_floating_point() and t.numel() > 0]
+    # a DTensor (tensor parallel) is checked on this rank's shard: the rank holding a NaN sees it
+    vals = [
+        minmax(local(t) if is_dtensor(t) else t)
+        for _, t in iter_tensors(obj)
+        if t.is_floating_point() and t.numel() > 0
+    ]
     if not vals:
         return None
     return vals[0] if len(vals) == 1 else torch.cat(vals)

@@ -1,0 +1,253 @@
+"""Sharded parameters: FSDP2 (``fully_shard``) and tensor-parallel ``DTensor`` s (PITFALL 19).
+
+A ``DTensor`` parameter is a view of a *full* tensor of which each rank holds a shard. Two facts
+decide how hookscope reaches its gradient:
+
+* Tensor parallel (``parallelize_module``): the ``DTensor`` parameter itself is used in the
+  forward graph, so a tensor hook on it fires with a ``DTensor`` gradient (before accumulation,
+  as for a plain parameter).
+* FSDP2: the forward runs on an unsharded copy, so a tensor hook on the sharded parameter never
+  fires. FSDP2 reduce-scatters the gradient into ``param.grad`` (a ``DTensor``, averaged over the
+  ranks) and then calls the parameter's post-accumulate-grad hooks itself: that is where an edit
+  acts, on the gradient of the combined batch.
+
+Ops (:mod:`hookscope.ops`) applied to a ``DTensor`` act on the full tensor through DTensor's own
+operators (``clip_norm`` takes the global norm with one all-reduce of the shards' partial norms).
+Any other tensor subclass is refused when hooks are attached (:func:`check_tensor_type`): a hook
+hookscope cannot prove fires would be a silent no-op.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._errors import HookscopeError, UnsupportedTensorError
+from ._gradcheck import FireCheck
+from ._scope import HookScope
+
+__all__ = [
+    "add_param_grad_editor",
+    "as_sharded_like",
+    "check_tensor_type",
+    "dtensor_class",
+    "fsdp_managed",
+    "is_dtensor",
+    "local",
+    "replication",
+]
+
+
+@functools.cache
+def dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor``, or ``None`` where torch.distributed is unavailable."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # torch built without distributed support
+        return None
+    return DTensor
+
+
+def is_dtensor(t: Any) -> bool:
+    """Is ``t`` a ``DTensor`` (or a ``DTensor`` parameter)?"""
+    cls = dtensor_class()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a ``DTensor`` (detached), or ``t`` detached."""
+    return t.to_local().detach() if is_dtensor(t) else t.detach()  # type: ignore[attr-defined]
+
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _known(t: torch.Tensor) -> bool:
+    if type(t) in _PLAIN or is_dtensor(t):
+        return True
+    buffer = getattr(nn, "Buffer", None)
+    return buffer is not None and type(t) is buffer
+
+
+def check_tensor_type(t: torch.Tensor, what: str) -> None:
+    """Raise :class:`UnsupportedTensorError` for a tensor subclass hookscope does not handle.
+
+    Known: ``torch.Tensor``, ``nn.Parameter`` and ``DTensor`` (FSDP2, tensor parallel).
+    ``what`` names the tensor (``"parameter '0.weight'"``).
+    """
+    if _known(t):
+        return
+    cls = type(t)
+    raise UnsupportedTensorError(
+        f"{what} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass hookscope does not "
+        "handle: its gradient hooks may never fire, and an edit or statistic would silently be "
+        "missing. Supported: torch.Tensor, nn.Parameter, DTensor (FSDP2 fully_shard, tensor "
+        "parallel). Exclude it from the selection (e.g. params= or a narrower layer list)"
+    )
+
+
+def fsdp_managed(model: nn.Module, name: str) -> bool:
+    """Is parameter ``name`` of ``model`` sharded by FSDP2 (an ancestor module is an ``FSDPModule``)?"""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:
+        return False
+    module: nn.Module | None = model
+    parts = name.split(".")[:-1]
+    if isinstance(model, FSDPModule):
+        return True
+    for part in parts:
+        module = getattr(module, part, None)
+        if module is None:
+            return False
+        if isinstance(module, FSDPModule):
+            return True
+    return False
+
+
+def replication(t: torch.Tensor, what: str) -> int:
+    """How many ranks hold a copy of each element of ``t``'s shard (1 for a fully sharded
+    ``DTensor``; the world size for a plain tensor under torch.distributed), so that summing
+    ``local sum / replication`` over every rank gives the full tensor's sum.
+
+    Raises :class:`UnsupportedTensorError` for a ``Partial`` placement (the shards are not the
+    values) or a mesh that does not span every rank.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if not is_dtensor(t):
+        return world
+    mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+    if mesh.size() != world:
+        raise UnsupportedTensorError(
+            f"{what} is a DTensor on a mesh of {mesh.size()} ranks in a world of {world}: "
+            "hookscope reduces its statistics over the whole world and needs a mesh that spans it"
+        )
+    copies = 1
+    for dim, placement in enumerate(placements):
+        if placement.is_partial():
+            raise UnsupportedTensorError(
+                f"{what} is a DTensor with a Partial placement ({placement}): its shards are not "
+                "its values; redistribute it (Shard or Replicate) before monitoring it"
+            )
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
+
+
+def as_sharded_like(new: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``new`` laid out as ``like``: a full plain tensor (e.g. a replacement gradient) becomes a
+    ``DTensor`` with ``like``'s mesh and placements, each rank keeping its own part (no
+    communication); a ``DTensor`` or a plain ``like`` is returned as is."""
+    if not is_dtensor(like) or is_dtensor(new):
+        return new
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(
+        new.detach(),
+        like.device_mesh,  # type: ignore[attr-defined]
+        like.placements,  # type: ignore[attr-defined]
+        src_data_rank=None,
+    )
+
+
+def add_param_grad_editor(
+    scope: HookScope,
+    model: nn.Module | None,
+    name: str,
+    param: torch.Tensor,
+    on_grad: Callable[[torch.Tensor], torch.Tensor | None],
+    check: FireCheck | None = None,
+) -> None:
+    """Make ``on_grad(grad) -> new_grad | None`` edit parameter ``name``'s gradient, whatever the
+    parameter's kind: a tensor hook for a plain or tensor-parallel parameter (the gradient of this
+    backward, before accumulation), FSDP2's post-accumulate-grad call for a ``fully_shard``ed one
+    (the reduced gradient of the combined batch, in ``param.grad``). A full plain tensor returned
+    for a ``DTensor`` gradient is laid out as the gradient. Refuses unknown tensor subclasses.
+    ``check`` (a :class:`FireCheck`) raises at the end of a backward in which the hook did not
+    run although ``.grad`` changed."""
+    what = f"parameter {name!r}"
+    check_tensor_type(param, what)
+    if check is not None:
+        check.watch(name, param)
+        edit = on_grad
+
+        def on_grad(g: torch.Tensor) -> torch.Tensor | None:
+            check.fired(name)
+            return edit(g)
+
+    if model is not None and is_dtensor(param) and fsdp_managed(model, name):
+        _add_fsdp_editor(scope, name, param, on_grad, check)
+        return
+
+    def hook(g: torch.Tensor) -> torch.Tensor | None:
+        new = on_grad(g)
+        return None if new is None else as_sharded_like(new, g)
+
+    scope.add_tensor_hook(param, hook, layer=name)
+
+
+def _add_fsdp_editor(
+    scope: HookScope,
+    name: str,
+    param: torch.Tensor,
+    on_grad: Callable[[torch.Tensor], torch.Tensor | None],
+    check: FireCheck | None,
+) -> None:
+    """FSDP2: edit the reduced gradient of this backward in the post-accumulate-grad call.
+
+    FSDP2 adds the reduced gradient into an existing ``.grad`` (gradient accumulation) before any
+    hook sees it. To edit this backward's gradient alone, as for a plain parameter, the existing
+    ``.grad`` is set aside when the backward pass starts (so FSDP2 writes a fresh one), and added
+    back after the edit (or at the end of the backward, for a parameter that got no gradient).
+    Under ``set_requires_gradient_sync(False)`` FSDP2 reduces once, the sum over the micro-steps:
+    the edit then applies to that sum.
+    """
+    held: list[torch.Tensor] = []  # the .grad set aside in this backward
+    started = [False]  # set_aside ran for the backward in progress
+    left: list[weakref.ref[torch.Tensor]] = []  # the .grad this editor wrote last
+
+    def set_aside() -> None:
+        started[0] = True
+        if param.grad is not None:
+            held[:] = [param.grad]
+            param.grad = None
+
+    def put_back() -> None:
+        started[0] = False
+        if held:
+            prev = held.pop()
+            if param.grad is None:
+                param.grad = prev
+
+    def after_reduce(p: torch.Tensor) -> None:
+        g = p.grad
+        if g is None:
+            return
+        if not started[0] and left and left[0]() is g:
+            raise HookscopeError(
+                f"parameter {name!r}: FSDP2 added this backward's gradient into a .grad that "
+                "hookscope had already edited, so the edit would apply to their sum (this backward "
+                "did not start from the model's output, where hookscope sets .grad aside). Call "
+                "optimizer.zero_grad() between steps, or run backward from the model's output"
+            )
+        new = on_grad(g)
+        if new is not None and new is not g:
+            g = as_sharded_like(new, g)
+        if held:
+            prev = held.pop()
+            prev.to_local().add_(g.to_local())  # type: ignore[attr-defined]
+            g = prev
+        p.grad = g
+        left[:] = [weakref.ref(g)]
+
+    if check is not None:
+        check.at_start(set_aside)
+        check.at_end(put_back)
+    scope.add_post_accumulate_grad(param, after_reduce, layer=name)
