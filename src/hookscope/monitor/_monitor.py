@@ -155,7 +155,7 @@ class Monitor:
         check_params(self._params)
         self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
         layer_stats = "activations" in self.stats or "gradients" in self.stats
-        self._tp = layer_stats and tensor_parallel(inner, list(inner.named_parameters()))
+        self._tp = layer_stats and tensor_parallel(inner, list(named_parameters(inner)))
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
         self._step = 0
         self._scope: HookScope | None = None
