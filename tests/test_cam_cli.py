@@ -155,3 +155,18 @@ def test_bad_input_is_one_line_exit_2_and_no_file(files, capsys, command, change
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err
     assert sorted(p.name for p in files.iterdir()) == ["bad.png", "img.png", "tiny.py"]
+
+
+def test_cam_with_compile_writes_the_same_png(files, capsys):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    argv = ["cam", f"{files}/tiny.py:Tiny", "--image", str(files / "img.png"), "--layer", "2"]
+    assert main([*argv, "--out", str(files / "eager.png"), "--target", "3"]) == 0
+    assert (
+        main([*argv, "--out", str(files / "c.png"), "--target", "3", "--compile", "aot_eager"]) == 0
+    )
+    capsys.readouterr()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it did run compiled
+    with PIL_Image.open(files / "eager.png") as a, PIL_Image.open(files / "c.png") as b:
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    torch._dynamo.reset()

@@ -73,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "cam", help="Grad-CAM (or another CAM method) of one image, as a PNG overlay"
     )
-    add_model_arguments(p, inputs=False)
+    add_model_arguments(p, inputs=False, compile=True)
     _add_image_arguments(p)
     p.add_argument(
         "--target",
@@ -94,7 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_cam)
 
     p = sub.add_parser("maps", help="a grid of one layer's feature maps for one image, as a PNG")
-    add_model_arguments(p, inputs=False)
+    add_model_arguments(p, inputs=False, compile=True)
     _add_image_arguments(p)
     p.add_argument(
         "--max-channels",

@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "hookscope extract ...' the images are split across the N processes."
         ),
     )
-    add_model_arguments(p, inputs=False)
+    add_model_arguments(p, inputs=False, compile=True)
     p.add_argument(
         "--data",
         required=True,

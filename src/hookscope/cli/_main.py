@@ -79,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             _LOCATORS.pop().remove()
 
 
-def add_model_arguments(p: argparse.ArgumentParser, *, inputs: bool = True) -> None:
+def add_model_arguments(
+    p: argparse.ArgumentParser, *, inputs: bool = True, compile: bool = False
+) -> None:
     """The MODEL positional and the --input/--dtype/--device options shared by subcommands."""
     p.add_argument(
         "model", metavar="MODEL", help="package.module:callable, path/to/file.py:Name, or demo"
@@ -95,6 +97,16 @@ def add_model_arguments(p: argparse.ArgumentParser, *, inputs: bool = True) -> N
             "--dtype", default="float32", help="input dtype (float32, float16, bfloat16, long, ...)"
         )
     p.add_argument("--device", default="cpu", help="device to run on (cpu, cuda, cuda:1)")
+    if compile:
+        p.add_argument(
+            "--compile",
+            nargs="?",
+            const="inductor",
+            default=None,
+            metavar="BACKEND",
+            help="run the model through torch.compile (backend: inductor unless named, e.g. "
+            "--compile eager); hookscope gives the same layer names and values as without",
+        )
 
 
 def make_inputs(args: argparse.Namespace, model: Any) -> list[Any]:
@@ -142,9 +154,18 @@ def load(args: argparse.Namespace) -> Any:
     from ._modelspec import load_model
 
     model = load_model(args.model)
-    _LOCATORS.append(locate_errors(model))
     try:
         model = model.to(torch.device(getattr(args, "device", "cpu")))
     except RuntimeError as e:
         raise CLIError(f"cannot move the model to {args.device!r}: {e}") from None
-    return model.eval()
+    model.eval()
+    backend = getattr(args, "compile", None)
+    if backend is None:
+        _LOCATORS.append(locate_errors(model))
+        return model
+    # compiled: no error locator (a hook on every module would break the graph at every layer);
+    # an error inside the model is still reported as one line
+    try:
+        return torch.compile(model, backend=backend)  # attributes read through to the model
+    except Exception as e:
+        raise CLIError(f"--compile {backend}: {_one_line(e)}") from None

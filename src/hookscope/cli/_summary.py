@@ -11,7 +11,7 @@ from ._main import CLIError, _one_line, add_model_arguments, load, make_inputs
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("summary", help="per-layer table: shapes, params, FLOPs, time, memory")
-    add_model_arguments(p)
+    add_model_arguments(p, compile=True)
     p.add_argument(
         "--depth",
         type=int,

@@ -14,7 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "trace", help="print each layer call (shapes, dtype, device, time) of one forward"
     )
-    add_model_arguments(p)
+    add_model_arguments(p, compile=True)
     p.add_argument(
         "--layers", default=None, help="comma-separated names or globs to show (default: all)"
     )

@@ -29,7 +29,9 @@ __all__ = ["Call", "Capture", "Inputs", "capture"]
 _NEVER_RAN_HINT = (
     "it was never called through module(...) while the scope was open. PyTorch runs hooks only "
     "through __call__: a parent that calls child.forward(...) directly skips them "
-    "(e.g. nn.MultiheadAttention.out_proj), and branches not taken for this input never run"
+    "(e.g. nn.MultiheadAttention.out_proj), and branches not taken for this input never run. "
+    "If the model runs through torch.compile, give hookscope the compiled model (the object you "
+    "call), not the module it wraps: a compiled graph hookscope was not given ignores its hooks"
 )
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from . import _ops as ops
+from ._compiled import named_modules, named_parameters
 from ._errors import HookscopeError, LayerNotFoundError
 from ._gradcheck import FireCheck
 from ._nested import iter_tensors
@@ -131,7 +132,7 @@ def _resolve_grad_targets(
         raise ValueError(
             "edit_grads(None, ...) accepts only tensors as keys; pass the model to name layers"
         )
-    params = dict(model.named_parameters())
+    params = dict(named_parameters(model))
     if isinstance(key, str):
         if key in params:
             return {}, {key: params[key]}
@@ -144,7 +145,7 @@ def _resolve_grad_targets(
             if hit or mods:
                 return mods, hit
         else:
-            names = [n for n, _ in model.named_modules()]
+            names = [n for n, _ in named_modules(model)]
             if key not in names:
                 close = suggest(key, [*names, *params])
                 raise LayerNotFoundError(
@@ -250,7 +251,7 @@ def clip_grads(
             grad = op(grad)
         return grad
 
-    named = dict(model.named_parameters())
+    named = dict(named_parameters(model))
     if params is not None:
         pats = [params] if isinstance(params, str) else list(params)
         chosen = {

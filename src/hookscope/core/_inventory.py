@@ -14,6 +14,7 @@ from typing import Any
 import torch.nn as nn
 from torch.nn.modules import module as _module_mod
 
+from ._compiled import clean_name
 from ._scope import _Hook, _InertHook
 
 __all__ = ["HookInfo", "has_global_hooks", "hooks_on", "module_hooks", "remove_hooks"]
@@ -78,7 +79,8 @@ def _describe(fn: Any) -> tuple[str, str]:
 
 def _iter(model: nn.Module) -> Iterator[tuple[Any, str, str, Any, int]]:
     """Yield (container, attr, kind, layer, hook_id) for every hook on the model."""
-    for name, mod in model.named_modules():
+    for raw, mod in model.named_modules():
+        name = clean_name(raw)
         for attr, kind in _MODULE_DICTS:
             d = getattr(mod, attr, None)
             if not d:
@@ -93,7 +95,7 @@ def _iter(model: nn.Module) -> Iterator[tuple[Any, str, str, Any, int]]:
             if not d:
                 continue
             for hid in list(d):
-                yield p, attr, kind, pname, hid
+                yield p, attr, kind, clean_name(pname), hid
 
 
 def hooks_on(model: nn.Module, *, include_global: bool = True) -> list[HookInfo]:
@@ -139,8 +141,12 @@ def remove_hooks(model: nn.Module) -> int:
     removed = 0
     for container, attr, _kind, _layer, hid in _iter(model):
         d = getattr(container, attr)
-        if isinstance(d.get(hid), (_Hook, _InertHook)):
+        fn = d.get(hid)
+        if isinstance(fn, (_Hook, _InertHook)):
             del d[hid]
+            release = getattr(fn, "release", None)  # a hook inside a compiled region
+            if release is not None:
+                release()
             for side in _SIDE_TABLES.get(attr, ()):
                 table = getattr(container, side, None)
                 if table is not None and hid in table:

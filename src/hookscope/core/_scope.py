@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
+from ._compiled import compiled_regions, named_modules, region_of
 from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError
 from ._nested import describe_call, map_tensors
 
@@ -79,20 +80,48 @@ class _Hook:
         return f"<hookscope {self.kind} hook of {self.owner} on {self.layer!r}>"
 
 
+class _OpaqueHook(_Hook):
+    """A hook inside a compiled region: Dynamo breaks the graph and runs it eagerly (exact values).
+
+    ``__call__`` is wrapped with ``torch._dynamo.disable`` on first use (see :func:`_opaque`), so
+    ``import hookscope`` does not import Dynamo.
+    """
+
+    __slots__ = ("region", "release")
+
+    def __init__(self, inner: _Hook, region: Any, release: Callable[[], None]) -> None:
+        super().__init__(inner, inner.owner, inner.kind, inner.layer, inner.scope_id)
+        self.region, self.release = region, release
+
+    def __call__(self, *args: Any) -> Any:
+        self.region.fired += 1
+        return self.fn(*args)
+
+
+_opaque_ready: list[bool] = []
+
+
+def _opaque(inner: _Hook, region: Any, release: Callable[[], None]) -> _OpaqueHook:
+    if not _opaque_ready:  # once: Dynamo is loaded anyway when a model is compiled
+        _opaque_ready.append(True)
+        disabled = torch._dynamo.disable(_OpaqueHook.__call__, recursive=True)
+        _OpaqueHook.__call__ = disabled  # type: ignore[method-assign]
+    return _OpaqueHook(inner, region, release)
+
+
 def check_model(model: nn.Module) -> None:
-    """Refuse models whose hooks would fail or be silently ignored (PITFALLS 15, 16)."""
+    """Refuse models whose hooks would fail; make hooks on compiled parts run (PITFALLS 15, 16).
+
+    A ``torch.compile``'d model, a ``model.compile()``'d one and a model with compiled submodules
+    are indexed, so that a hook a scope adds inside a compiled region makes that region's calls run
+    a hooked variant of the compiled code (see :mod:`hookscope.core._compiled`).
+    """
     if isinstance(model, torch.jit.ScriptModule):
         raise UnsupportedModelError(
             f"{type(model).__name__} is a TorchScript module, which cannot run Python hooks; "
             "use the original nn.Module (before torch.jit.script/trace)"
         )
-    orig = getattr(model, "_orig_mod", None)
-    if isinstance(orig, nn.Module) and type(model).__name__ == "OptimizedModule":
-        raise UnsupportedModelError(
-            "this model is wrapped by torch.compile: hooks added after compiling are silently "
-            "ignored by the compiled graph (pytorch#117758). Attach hookscope to the uncompiled "
-            "model (model._orig_mod), or before calling torch.compile"
-        )
+    compiled_regions(model)  # index its compiled parts: hooks on them get routed (PITFALL 15)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -212,6 +241,15 @@ class HookScope:
         self._handles.append(handle)
         return handle
 
+    def _place(self, module: nn.Module, hook: _Hook) -> _Hook:
+        """A hook on a module inside a compiled region: route the region's calls, make it opaque."""
+        region = region_of(module)
+        if region is None:
+            return hook
+        release = region.acquire(module, hook.kind, hook.layer)
+        self._on_remove.append(release)
+        return _opaque(hook, region, release)
+
     def add_forward(
         self,
         module: nn.Module,
@@ -223,7 +261,7 @@ class HookScope:
         prepend: bool = False,
     ) -> RemovableHandle:
         """``fn(module, args, output)`` (or ``fn(module, args, kwargs, output)``) after forward."""
-        hook = self._wrap(fn, "forward", layer)
+        hook = self._place(module, self._wrap(fn, "forward", layer))
         return self._keep(
             module.register_forward_hook(
                 hook, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call
@@ -240,7 +278,7 @@ class HookScope:
         prepend: bool = False,
     ) -> RemovableHandle:
         """``fn(module, args)`` (or ``fn(module, args, kwargs)``) before forward."""
-        hook = self._wrap(fn, "forward_pre", layer)
+        hook = self._place(module, self._wrap(fn, "forward_pre", layer))
         return self._keep(
             module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=with_kwargs)
         )
@@ -259,7 +297,7 @@ class HookScope:
                 "PyTorch then refuses full backward hooks on it, even after that hook was removed. "
                 "Rebuild the module, or use hookscope's gradient capture (tensor hooks), which is unaffected"
             )
-        hook = self._wrap(fn, "backward", layer)
+        hook = self._place(module, self._wrap(fn, "backward", layer))
         return self._keep(module.register_full_backward_hook(hook))
 
     def add_tensor_hook(
@@ -346,7 +384,7 @@ def locate_errors(model: nn.Module) -> HookScope:
     line naming the layer.
     """
     scope = HookScope("locate_errors")
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):
 
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
             if output is None and sys.exc_info()[1] is not None:

@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import torch.nn as nn
 
+from ._compiled import clean_name, named_modules, strip_compiled
 from ._errors import LayerNotFoundError
 
 __all__ = ["Selector", "find", "resolve", "suggest"]
@@ -75,6 +76,11 @@ def _match(model_name: str, all_modules: dict[str, nn.Module], sel: Any) -> dict
                     sel.replace("*", "").replace("?", ""),
                 )
             return hit
+        if clean_name(sel) in all_modules and clean_name(sel) != sel:
+            raise LayerNotFoundError(
+                f"no layer named {sel!r} in {model_name}: hookscope names the layers of a compiled "
+                f"model as in the uncompiled model, without '_orig_mod'; use {clean_name(sel)!r}"
+            )
         raise _not_found(f"no layer named {sel!r} in {model_name}", list(all_modules), sel)
     if isinstance(sel, type) and issubclass(sel, nn.Module):
         hit = {k: m for k, m in all_modules.items() if isinstance(m, sel)}
@@ -123,8 +129,8 @@ def find(model: nn.Module, *selectors: Selector, leaves: bool = False) -> dict[s
         >>> list(hs.find(net, leaves=True))
         ['0', '1', '2']
     """
-    all_modules = dict(model.named_modules())
-    model_name = type(model).__name__
+    all_modules = dict(named_modules(model))  # a compiled model gets its uncompiled names
+    model_name = type(strip_compiled(model)).__name__
     if not selectors:
         chosen = all_modules
     else:

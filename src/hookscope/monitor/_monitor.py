@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..core._compiled import named_parameters
 from ..core._nested import iter_tensors
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import find, resolve
@@ -164,7 +165,7 @@ class Monitor:
         check_params(self._params)
         self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
         layer_stats = "activations" in self.stats or "gradients" in self.stats
-        self._tp = layer_stats and tensor_parallel(inner, list(inner.named_parameters()))
+        self._tp = layer_stats and tensor_parallel(inner, list(named_parameters(inner)))
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
         self._step = 0
         self._scope: HookScope | None = None
@@ -189,9 +190,7 @@ class Monitor:
         ids: set[int] = set()
         for m in self.named.values():
             ids.update(id(p) for p in m.parameters())
-        return [
-            (n, p) for n, p in self.model.named_parameters() if id(p) in ids and p.requires_grad
-        ]
+        return [(n, p) for n, p in named_parameters(self.model) if id(p) in ids and p.requires_grad]
 
     @property
     def step_index(self) -> int:
@@ -478,7 +477,7 @@ class Monitor:
         return origin
 
     def _sentinel_params(self) -> list[tuple[str, nn.Parameter]]:
-        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        return [(n, p) for n, p in named_parameters(self.model) if p.requires_grad]
 
     # -- output ----------------------------------------------------------------------------------
     def _emit(self, record: MonitorRecord, *, write: bool) -> None:

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
+from ..core._compiled import named_modules
 from ..core._nested import first_tensor, iter_tensors, map_tensors
 from ..core._scope import HookScope, check_model, identity_views, in_backward
 from ..core._select import find
@@ -149,11 +150,11 @@ class _Tracker:
         sel = [a for a in allow if a != INPUT]
         self.allowed: set[str] = set(find(model, *sel)) if sel else set()
         self.detail, self.skip_safe = detail, skip_safe
-        self.types = {name: type(m).__name__ for name, m in model.named_modules()}
+        self.types = {name: type(m).__name__ for name, m in named_modules(model)}
         self.scope = HookScope(owner)
         self.reset()
         try:
-            for name, module in model.named_modules():
+            for name, module in named_modules(model):
                 self._register(name, module)
         except BaseException:
             self.scope.remove()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._compiled import compiled_regions, named_modules
 from ..core._inventory import has_global_hooks
 from ..core._nested import describe_call, iter_tensors
 from ..core._scope import HookScope, _Hook, check_model, in_backward, model_device, note_exception
@@ -211,6 +212,14 @@ class _Recorder:
         return self.calls
 
 
+def _eager(model: nn.Module) -> Any:
+    """For a model with compiled parts, ``torch.compiler.set_stance("force_eager")`` (torch 2.6+)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    if stance is None or not compiled_regions(model):
+        return contextlib.nullcontext()
+    return stance("force_eager")
+
+
 def summary(
     model: nn.Module,
     *inputs: Any,
@@ -275,7 +284,7 @@ def summary(
     # leaf layers that may run natively, decided before our own hooks are on them
     rules = {} if has_global_hooks() else {id(m): native_rule(m) for m in model.modules()}
     with HookScope("summary") as scope:
-        for name, module in model.named_modules():
+        for name, module in named_modules(model):
             pre, post = rec.hooks(name, module, rules.get(id(module)))
             scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
             scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
@@ -287,7 +296,9 @@ def summary(
                 torch.cuda.reset_peak_memory_stats(dev)
             t0 = time.perf_counter()
             try:
-                with rec.counter:
+                # a summary describes the eager modules (per-call shapes, FLOPs, times): compiled
+                # parts run eagerly here, every module being hooked anyway
+                with rec.counter, _eager(model):
                     model(*inputs, **kwargs)
             finally:
                 rec.guard = None
@@ -321,7 +332,7 @@ def summary(
     ran = {id(c.module) for c in calls}
     containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
     never = [
-        n for n, m in model.named_modules() if id(m) not in ran and not isinstance(m, containers)
+        n for n, m in named_modules(model) if id(m) not in ran and not isinstance(m, containers)
     ]
     if depth is not None:
         rows = collapse(rows, depth)

@@ -1,0 +1,341 @@
+"""Hooks on ``torch.compile``'d models: the uncompiled names, the eager values, at compiled speed.
+
+Dynamo ignores hooks added after a module was compiled: without guards on empty hook dicts
+(``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default) the cached graph runs without
+them (pytorch#117758). hookscope handles three forms of compilation, called *regions* here:
+
+* ``torch.compile(model)``: an ``OptimizedModule`` wrapper whose ``_orig_mod`` is the model;
+* ``model.compile()``: the module's ``_compiled_call_impl`` (compiled in place);
+* a model containing either of the above as a submodule.
+
+While a scope holds a hook on a module inside a region, calls of that region are routed through a
+*hooked variant*: the same Dynamo context (backend, options) with its own cache
+(``isolate_recompiles``), applied to a fresh code object, so the original compiled graph is left
+untouched and keeps serving every call made without hookscope. The
+hooks placed inside a region are opaque to Dynamo (:func:`torch._dynamo.disable`): Dynamo breaks the
+graph at each hooked layer and the hook runs eagerly on the real tensors, so values are exactly
+eager hookscope's; everything between hooked layers stays compiled. One variant is compiled per
+(region, set of hooked modules), cached, so opening and closing the same scope again compiles
+nothing. The root's own hooks run outside the variant, eagerly, around its compiled ``forward``.
+A ``fullgraph=True`` region cannot break its graph: that region runs eagerly while the
+scope is open, with a :class:`HookscopeWarning` naming the layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import types
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ._errors import HookscopeWarning, UnsupportedModelError
+
+__all__ = [
+    "Region",
+    "clean_name",
+    "compiled_regions",
+    "is_optimized",
+    "named_modules",
+    "named_parameters",
+    "region_of",
+    "strip_compiled",
+]
+
+_ORIG = "_orig_mod"
+_MISSING = object()
+_NON_LEAF = "The .grad attribute of a Tensor that is not a leaf Tensor"
+
+
+def is_optimized(module: nn.Module) -> bool:
+    """True for the wrapper ``torch.compile(module)`` returns (an ``OptimizedModule``)."""
+    return type(module).__name__ == "OptimizedModule" and isinstance(
+        getattr(module, _ORIG, None), nn.Module
+    )
+
+
+def strip_compiled(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper wraps (unwrapping nested wrappers); else ``module``."""
+    while is_optimized(module):
+        module = module._orig_mod
+    return module
+
+
+def clean_name(name: str) -> str:
+    """``name`` without ``_orig_mod`` segments (the uncompiled model's name)."""
+    if _ORIG not in name:
+        return name
+    return ".".join(p for p in name.split(".") if p != _ORIG)
+
+
+def named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """``model.named_modules()`` with the uncompiled model's names: no ``_orig_mod`` segments.
+
+    A ``torch.compile`` wrapper and the module it wraps share one name; the wrapped module is the
+    one given (its type, its hooks, its children), so a compiled model reads like the eager one.
+    """
+    seen: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if is_optimized(module):
+            continue  # its _orig_mod comes next, under the same clean name
+        seen.setdefault(clean_name(name), module)
+    yield from seen.items()
+
+
+def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``model.named_parameters()`` with the uncompiled model's names."""
+    for name, p in model.named_parameters():
+        yield clean_name(name), p
+
+
+# -- regions ------------------------------------------------------------------------------------
+_code_ids = itertools.count(1)
+
+
+def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A copy of ``fn`` with its own code object: Dynamo caches per code object, so each hooked
+    variant has its own cache entries and recompile budget, apart from the original graph's."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_code_ids)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(mod).forward(mod, *args, **kwargs)
+
+
+def _variant_fn(root: nn.Module) -> Callable[..., Any]:
+    """The function a variant compiles: the root's ``forward``, on a fresh code object.
+
+    ``nn.Sequential.forward`` calls its children in a loop, and Dynamo cannot resume a graph break
+    (a hook) inside a loop: it would run the whole loop eagerly. A Sequential root gets its calls
+    unrolled instead, one line per child, so the graph breaks only at the hooked children.
+    """
+    if type(root).forward is not nn.Sequential.forward:
+        return _fresh(_forward)
+    lines = [f"def _sequential_{next(_code_ids)}(mod, input):", "    c = list(mod)"]
+    lines += [f"    input = c[{i}](input)" for i in range(len(root))]
+    lines.append("    return input")
+    scope: dict[str, Any] = {}
+    exec("\n".join(lines), scope)  # generated from the length only
+    return next(v for k, v in scope.items() if k.startswith("_sequential_"))
+
+
+def _dynamo_ctx(compiled_fn: Any) -> Any:
+    """The Dynamo context of a function returned by ``torch.compile`` (None if not found)."""
+    code = getattr(compiled_fn, "__code__", None)
+    if code is None or compiled_fn.__closure__ is None or "self" not in code.co_freevars:
+        return None
+    ctx = compiled_fn.__closure__[code.co_freevars.index("self")].cell_contents
+    return ctx if callable(ctx) and hasattr(ctx, "fullgraph") else None
+
+
+def _variant_config(hooked: int) -> Any:
+    """Dynamo's settings while a variant runs.
+
+    A graph break at a hook resumes in the hooked module's own frame (by default it bubbles up to
+    the top frame); every frame compiled guards on module hook dicts, empty ones included, so a
+    frame compiled for one set of hooked layers is never reused for another; and since a hooked
+    module's own frame is compiled once per distinct configuration (each conv stride, say), the
+    per-code recompile limit grows with the number of hooked modules.
+    """
+    cfg = torch._dynamo.config
+    return cfg.patch(
+        nested_graph_breaks=True,
+        skip_nnmodule_hook_guards=False,
+        recompile_limit=max(cfg.recompile_limit, hooked + 8),
+    )
+
+
+def _isolated(ctx: Any) -> Any:
+    """A copy of a Dynamo context with its own cache bucket (``isolate_recompiles``).
+
+    Every frame Dynamo evaluates under it, shared code such as ``Module._call_impl`` or the model's
+    ``forward`` included, gets its own cache entries: the original compile's entries, which do not
+    guard on hooks, are never run by a hooked call, and the variant's never by an unhooked one.
+    """
+    counter = getattr(torch._dynamo.eval_frame, "_next_isolate_recompiles_id", None)
+    if counter is None or not hasattr(ctx, "_isolate_recompiles_id"):
+        return ctx  # older torch: the fresh code object and the hook guards still separate them
+    twin = copy.copy(ctx)
+    twin._isolate_recompiles_id = next(counter)
+    return twin
+
+
+class Region:
+    """One compiled part of a model, and how hookscope routes its calls while hooks are on it."""
+
+    def __init__(self, owner: nn.Module, name: str) -> None:
+        self.name = name  # the clean name of the region's root
+        self._owner = weakref.ref(owner)  # the OptimizedModule, or the module compiled in place
+        self.in_place = not is_optimized(owner)
+        if self.in_place:
+            compiled = owner._compiled_call_impl
+        else:
+            compiled = owner.forward
+        self.ctx = _dynamo_ctx(compiled)
+        if self.ctx is None and not self.in_place:
+            self.ctx = getattr(owner, "dynamo_ctx", None)
+        self.fullgraph = bool(getattr(self.ctx, "fullgraph", False))
+        self.hooked: Counter[tuple[int, str]] = Counter()  # (id(module), kind) -> hooks held
+        self.layers: dict[int, str] = {}
+        self._variants: dict[tuple[frozenset[tuple[int, str]], int], Callable[..., Any]] = {}
+        self._saved: Any = None
+        self._warned = False
+        self.fired = 0  # opaque hooks of this region run so far (checked after each routed call)
+
+    @property
+    def root(self) -> nn.Module:
+        owner = self._owner()
+        assert owner is not None
+        return owner if self.in_place else owner._orig_mod
+
+    def acquire(self, module: nn.Module, kind: str, layer: str) -> Callable[[], None]:
+        """Count one hook on ``module`` inside this region; return its release."""
+        key = (id(module), kind)
+        self.layers[id(module)] = layer
+        if not self.hooked:
+            self._install()
+        self.hooked[key] += 1
+
+        done = False
+
+        def release() -> None:  # idempotent: the scope's removal or remove_hooks(), whichever first
+            nonlocal done
+            if done:
+                return
+            done = True
+            self.hooked[key] -= 1
+            if self.hooked[key] <= 0:
+                del self.hooked[key]
+            if not self.hooked:
+                self._uninstall()
+
+        return release
+
+    # The routed call replaces the region's entry point while hooks are held.
+    def _install(self) -> None:
+        owner = self._owner()
+        if owner is None:
+            return
+        ref = weakref.ref(self)
+
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            region = ref()
+            assert region is not None
+            return region._call(*args, **kwargs)
+
+        attr = "_compiled_call_impl" if self.in_place else "forward"
+        self._saved = owner.__dict__.get(attr, _MISSING)
+        owner.__dict__[attr] = routed
+
+    def _uninstall(self) -> None:
+        owner = self._owner()
+        if owner is None:
+            return
+        attr = "_compiled_call_impl" if self.in_place else "forward"
+        if self._saved is _MISSING:
+            owner.__dict__.pop(attr, None)
+        else:
+            owner.__dict__[attr] = self._saved
+        self._saved = None
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        root = self.root
+        if self.ctx is None or self.fullgraph:
+            if self.fullgraph and not self._warned:
+                self._warned = True
+                names = self._names()
+                warnings.warn(
+                    f"layers {names} are inside a torch.compile(fullgraph=True) region "
+                    f"({self.name or '<root>'!r}), where hooks cannot run between graphs: hookscope runs "
+                    "that region eagerly while its hooks are on it (exact values, eager speed). "
+                    "Compile without fullgraph=True to keep the rest of the region compiled",
+                    HookscopeWarning,
+                    stacklevel=4,
+                )
+            return root._call_impl(*args, **kwargs) if self.in_place else root(*args, **kwargs)
+        key = (frozenset(self.hooked), len(root) if isinstance(root, nn.Sequential) else -1)
+        variant = self._variants.get(key)
+        if variant is None:
+            variant = self._variants[key] = _isolated(self.ctx)(_variant_fn(root))
+        before = self.fired
+        # The root's own hooks run here, eagerly (a graph break in _call_impl's hook loops would
+        # make Dynamo give up the whole top frame); its forward, with the hooks of every module
+        # inside, runs as the compiled variant.
+        saved = root.__dict__.get("forward", _MISSING)
+        root.__dict__["forward"] = functools.partial(variant, root)
+        try:
+            with _variant_config(len(self.hooked)), warnings.catch_warnings():
+                # Dynamo reads .grad of non-leaf tensors it resumes with (a torch-internal warning)
+                warnings.filterwarnings("ignore", message=_NON_LEAF, category=UserWarning)
+                out = root._call_impl(*args, **kwargs)
+        finally:
+            if saved is _MISSING:
+                del root.__dict__["forward"]
+            else:
+                root.__dict__["forward"] = saved
+        if self.fired == before and self.hooked:
+            self._silent()
+        return out
+
+    def _names(self) -> str:
+        return ", ".join(repr(n) for n in sorted({self.layers[i] for i, _ in self.hooked}))
+
+    def _silent(self) -> None:
+        """Never silent: a routed call in which no hook of the region ran."""
+        names = self._names()
+        warnings.warn(
+            f"hookscope: none of the hooks on layers {names} ran during this call of the compiled "
+            f"region {self.name or '<root>'!r}. Either those layers are not called through "
+            "module(...) for this input, or the compiled code skipped them; to get exact values "
+            "anyway run the call under torch.compiler.set_stance('force_eager')",
+            HookscopeWarning,
+            stacklevel=5,
+        )
+
+
+_regions: weakref.WeakKeyDictionary[nn.Module, Region] = weakref.WeakKeyDictionary()
+_region_of: weakref.WeakKeyDictionary[nn.Module, Region] = weakref.WeakKeyDictionary()
+
+
+def compiled_regions(model: nn.Module) -> list[Region]:
+    """Index the compiled regions of ``model`` (so hooks on their modules get routed); return them."""
+    found: list[Region] = []
+    for raw_name, module in model.named_modules():
+        in_place = getattr(module, "_compiled_call_impl", None) is not None
+        if not (is_optimized(module) or in_place):
+            continue
+        region = _regions.get(module)
+        if region is None:
+            region = Region(module, clean_name(raw_name))
+            if region.ctx is None:
+                raise UnsupportedModelError(
+                    f"layer {region.name or '<root>'!r} is compiled in a form hookscope does not "
+                    "know (no Dynamo context found), so hooks on it would be ignored; attach "
+                    "hookscope to the model before compiling it, or compile with torch.compile(model)"
+                )
+            _regions[module] = region
+        found.append(region)
+    # pre-order: the outermost region routes everything inside it; a compiled part nested in it
+    # is traced into by the outer variant (Dynamo inlines nested compiled code)
+    mapping: dict[nn.Module, Region] = {}
+    for region in found:
+        for sub in region.root.modules():
+            mapping.setdefault(sub, region)
+    for sub, region in mapping.items():
+        _region_of[sub] = region
+    return found
+
+
+def region_of(module: nn.Module) -> Region | None:
+    """The compiled region ``module`` runs in (indexed by :func:`compiled_regions`), or None."""
+    if not _region_of:
+        return None
+    return _region_of.get(module)
