@@ -432,3 +432,31 @@ def test_a_sequential_stays_compiled_between_hooked_layers():
     # the layers between the hooks ran as compiled graphs (not the whole loop eagerly), compiled
     # by the first scope only
     assert frames[0] >= 2 and frames == [frames[0]] * 3
+
+
+@pytest.mark.parametrize("form", ["wrapper", "in_place"])
+def test_monitor_with_accumulation_on_a_compiled_model_equals_eager(form):
+    """Two micro-batches per optimizer step: the compiled model's calls start micro-batches as
+    the eager model's do (the root pre-hook runs around the compiled forward)."""
+    cm, eager, _ = compiled(form)
+    recs = {}
+    for key, model in (("compiled", cm), ("eager", eager)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hs.Monitor(model, alerts="off") as mon:
+            for _ in range(2):
+                for xs in X.chunk(2):
+                    (model(xs).pow(2).mean() / 2).backward()
+                opt.step()
+                mon.step(opt)
+                opt.zero_grad()
+        recs[key] = list(mon.records)
+    assert [r.step for r in recs["compiled"]] == [0, 1]
+    for a, b in zip(recs["compiled"], recs["eager"]):
+        assert (
+            list(a.layers)
+            == list(b.layers)
+            == ["inp", "relu", "block.fc", "block.act", "relu#1", "head"]
+        )
+        for layer in a.layers:
+            for stat, v in a.layers[layer].items():
+                assert v == pytest.approx(b.layers[layer][stat], rel=1e-5, abs=1e-7), (layer, stat)
