@@ -5,9 +5,10 @@ residual site (a norm whose output the model changes in place later, ``out += id
 
 References, independent of hookscope: the layer's output recorded by a plain forward hook that
 clones it (always), and torchvision's FX feature extractor wherever FX can trace the model. FX
-runs on the same model with every ``inplace=True`` flag turned off: in an FX graph an in-place
-module (``ReLU(inplace=True)``) still changes the tensor FX hands back, so FX itself returns the
-post-ReLU values there; a Python ``+=`` is traced as an out-of-place add. Layers whose name ends in
+runs on the same model with every ``inplace=True`` flag turned off and the traced graph's
+functional in-place ops made out-of-place: in an FX graph an in-place module or function
+(``ReLU(inplace=True)``, ``F.relu(x, inplace=True)``) still changes the tensor FX hands back, so FX
+itself returns the post-ReLU values there; a Python ``+=`` is traced as an out-of-place add. Layers whose name ends in
 ``_<digit>`` are not compared with FX: its node names mark the N-th call of a module with that
 suffix, so ``encoder_layer_4.ln_1`` resolves to a different node (``ln_2``).
 """
@@ -95,6 +96,21 @@ def _out_of_place(model: nn.Module):
             m.inplace = True
 
 
+def _graph_out_of_place(gm: Any) -> None:
+    """Functional in-place ops in the traced graph (``F.relu(x, inplace=True)`` in googlenet,
+    ``x.add_(y)``) made out-of-place, so FX hands back each node's value as computed."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.kwargs.get("inplace") is True:
+            node.kwargs = {**node.kwargs, "inplace": False}
+        elif (
+            node.op == "call_method"
+            and node.target.endswith("_")
+            and not node.target.startswith("_")
+        ) and hasattr(torch.Tensor, node.target[:-1]):
+            node.target = node.target[:-1]
+    gm.recompile()
+
+
 def _fx_nodes(model: nn.Module) -> set[str] | None:
     from torchvision.models.feature_extraction import get_graph_node_names
 
@@ -150,7 +166,9 @@ def _check(model: nn.Module, size: int) -> None:
 
         with _out_of_place(model), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ref = create_feature_extractor(model, return_nodes=layers)(x)
+            fx = create_feature_extractor(model, return_nodes=layers)
+            _graph_out_of_place(fx)
+            ref = fx(x)
         for n in layers:
             assert _same(got[n], ref[n]), f"{n}: differs from torchvision's FX extractor"
     s = hs.summary(model, x)
