@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import weakref
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
-# the monitor's native kernels are built once per test session, in a fresh folder
-os.environ.setdefault("HOOKSCOPE_CACHE", tempfile.mkdtemp(prefix="hookscope-test-cache-"))
 
 import pytest
 import torch
@@ -86,31 +83,3 @@ def no_hooks_left_behind(request):
 def seed():
     torch.manual_seed(0)
     return 0
-
-
-@pytest.fixture
-def native_kernels():
-    """The monitor's native statistics kernels; fails (not skips) when a C compiler exists but
-    they did not build."""
-    import shutil
-
-    from hookscope.monitor import _native
-
-    k = _native.kernels()
-    if k is None:
-        if shutil.which(os.environ.get("CC", "cc").split()[0]):
-            pytest.fail("a C compiler is here but hookscope's native kernels did not build")
-        pytest.skip("no C compiler: native kernels unavailable")
-    return k
-
-
-@pytest.fixture(params=["native", "numpy"])
-def stats_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test with the monitor's native statistics kernels and again with NumPy only."""
-    from hookscope.monitor import _native
-
-    if request.param == "numpy":
-        monkeypatch.setattr(_native, "_loaded", [None])
-    else:
-        request.getfixturevalue("native_kernels")
-    return request.param

@@ -86,3 +86,24 @@ def test_import_loads_no_optional_extra():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_only_the_core_scope_registers_hooks():
+    """Every hook goes through ``core._scope.HookScope`` (removed on exit, listed as hookscope's):
+    no other module calls a ``register_*hook*`` function (docstrings are not code)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(hookscope.__file__).parent
+    allowed = root / "core" / "_scope.py"
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        if path == allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+                if name.startswith("register_") and "hook" in name:
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    assert offenders == []

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
-from hookscope.monitor._stats import Scratch, act_stats
+from hookscope.monitor._stats import Scratch, act_stats, grad_stats
 
 REL = 1e-5
 
@@ -55,7 +55,7 @@ def act_expect(o: torch.Tensor) -> dict[str, float]:
     }
 
 
-def test_layer_and_parameter_stats_equal_direct_values(stats_backend):
+def test_layer_and_parameter_stats_equal_direct_values():
     net = mlp()
     ref = mlp()
     x = torch.randn(32, 4)
@@ -156,7 +156,7 @@ def test_reused_module_records_every_call():
         torch.tensor([2.5]),
     ],
 )
-def test_act_stats_cpu_paths_match_torch(x, stats_backend):
+def test_act_stats_cpu_paths_match_torch(x):
     v, _ = act_stats(x, None, 0.01, 0, Scratch())
     mean, std, absmax, nonzero, finite = values(v)
     exp_std = x.std().item() if x.numel() > 1 else math.nan
@@ -339,7 +339,7 @@ def _f64_stats(x: torch.Tensor) -> list[float]:
         "bf16",
     ],
 )
-def test_act_and_grad_stats_cpu_equal_float64_references(make, stats_backend):
+def test_act_and_grad_stats_cpu_equal_float64_references(make):
     """The CPU statistics against float64 computations: accurate to ~1e-7 even on 5M elements
     (torch's fp32 2-norm is off by ~1e-4 there), in any memory layout."""
     from hookscope.monitor._stats import cpu_norm, grad_stats
@@ -355,7 +355,7 @@ def test_act_and_grad_stats_cpu_equal_float64_references(make, stats_backend):
     assert close(cpu_norm(x), x.double().norm().item(), 1e-6)
 
 
-def test_act_and_grad_stats_see_a_nan_in_any_block(stats_backend):
+def test_act_and_grad_stats_see_a_nan_in_any_block():
     """Statistics are taken block by block (256 KiB): a NaN in a middle block must survive the
     blocks after it, in min/max/absmax as in the counts."""
     from hookscope.monitor._stats import grad_stats
@@ -369,3 +369,23 @@ def test_act_and_grad_stats_see_a_nan_in_any_block(stats_backend):
     assert nonzero == float(torch.count_nonzero(x))
     norm, mn, mx = values(grad_stats(x))
     assert math.isnan(norm) and math.isnan(mn) and math.isnan(mx)
+
+
+def test_expanded_and_strided_tensors_are_read_as_their_values():
+    """Statistics of a stride-0 (expanded) or strided tensor are those of its values, not of the
+    memory next to them (which here holds other values, so a dense read would show)."""
+    base = torch.arange(5000, dtype=torch.float32)
+    cases = [
+        base[:1].expand(4000),  # 4000 zeros; a dense read of base gives mean 1999.5
+        base[:2].reshape(1, 2).expand(1000, 2),
+        base[::3],
+        base.reshape(50, 100)[:, :40],
+    ]
+    for x in cases:
+        d = x.double()
+        v, _ = act_stats(x, None, 0.01, 0, Scratch())
+        assert math.isclose(v[0], float(d.mean()), rel_tol=1e-6, abs_tol=1e-9), x.stride()
+        assert math.isclose(v[1], float(d.std()), rel_tol=1e-6, abs_tol=1e-9), x.stride()
+        assert v[2:] == [float(d.abs().max()), float(torch.count_nonzero(d)), float(d.numel())]
+        norm, mn, mx = grad_stats(x)
+        assert math.isclose(norm, float(d.norm()), rel_tol=1e-6) and (mn, mx) == (d.min(), d.max())

@@ -75,8 +75,7 @@ class NonFiniteOrigin:
 def _absmax(obj: Any) -> torch.Tensor | None:
     """``[min, max, min, max, ...]`` of every floating tensor in ``obj`` (fp32, on the device), or
     None; the host turns it into ``max |x|`` (NaN if any NaN). ``aminmax`` is one pass and among
-    the fastest reductions on CPU (``vector_norm(x, inf)`` is ~20x slower there; the native
-    kernel, when built, is faster still: see :func:`minmax`)."""
+    the fastest reductions on CPU (``vector_norm(x, inf)`` is ~20x slower there)."""
     vals = [minmax(t) for _, t in iter_tensors(obj) if t.is_floating_point() and t.numel() > 0]
     if not vals:
         return None

@@ -16,8 +16,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ._native import kernels
-
 __all__ = [
     "Scratch",
     "Vec",
@@ -95,7 +93,7 @@ def _blocks(n: int, size: int = _BLOCK) -> range:
 def _sumsq(a: np.ndarray) -> float:
     """``sum(a * a)`` of a 1-D float32 array, one read: BLAS dots over blocks, added in fp64 (one
     fp32 dot over millions of elements, or torch's fp32 2-norm, loses 1e-5 to 1e-3). NaN and
-    infinities propagate. (BLAS streams a single sum of squares faster than the native kernel.)"""
+    infinities propagate."""
     dot, q = np.dot, 0.0
     for i in _blocks(a.shape[0]):
         c = a[i : i + _BLOCK]
@@ -115,7 +113,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
     y = x.permute(order)
     # not reshape(-1): it returns a strided view when it can (an expanded tensor's stride-0 view),
-    # and the native kernels read the memory as one dense run
+    # and the blocked NumPy reductions below want one dense run
     return y.view(-1) if y.is_contiguous() else y.contiguous().view(-1)
 
 
@@ -146,8 +144,7 @@ def act_stats(
 
     On CUDA this is a handful of reductions, read later with the other statistics. On CPU the
     values already live on the host, so reading a scalar is no device sync: the common case is
-    one read by the native kernel (:mod:`hookscope.monitor._native`) or, without it, the fastest NumPy
-    reductions (min, max, BLAS dots and a bool count, 2-6x faster here than torch's sum, aminmax,
+    the fastest NumPy reductions (min, max, BLAS dots and a bool count, 2-6x faster here than torch's sum, aminmax,
     comparisons and count_nonzero); it falls back to exact slower ones when a value is
     non-finite or the one-pass variance could lose precision.
     """
@@ -203,14 +200,10 @@ def _upper(a: float, b: float) -> float:
 
 
 def _fused_stats(a: np.ndarray, scratch: Scratch) -> tuple[float, float, float, float, int]:
-    """``(sum, sum of squares, min, max, nonzero count)`` of a 1-D float32 array: one read with
-    the native kernel, else NumPy block by block. min/max are NaN if any value is NaN."""
+    """``(sum, sum of squares, min, max, nonzero count)`` of a 1-D float32 array, NumPy block by
+    block (each block is read from cache by all five reductions). min/max are NaN if any value is
+    NaN."""
     n = a.shape[0]
-    k = kernels()
-    if k is not None:
-        s, q, mn, mx, zeros = k.stats(a)
-        if math.isfinite(s) and math.isfinite(q):  # no NaN/inf: the kernel's min/max are valid
-            return s, q, mn, mx, n - int(zeros)
     # Block by block (see _BLOCK), inlined: at 256 KiB a block's reductions take ~40 us, so a
     # few calls of Python overhead each would cost 10-15 %.
     s = q = 0.0
@@ -271,25 +264,12 @@ def _centred_sumsq(a: np.ndarray, c: float, buf: np.ndarray) -> float:
     return max(q - s * s / a.shape[0], 0.0)
 
 
-def _native_sumsq_minmax(a: np.ndarray) -> list[float] | None:
-    """``[sum of squares, min, max]`` by the native kernel in one read; ``None`` without the
-    kernel or when a value is NaN or infinite (the kernel's min/max skip NaN: exact paths then)."""
-    k = kernels()
-    if k is None:
-        return None
-    r = k.grad_stats(a)
-    return r if math.isfinite(r[0]) else None
-
-
 def grad_stats(g: torch.Tensor) -> Vec:
     """``[norm, min, max]`` of a gradient (``absmax = max(|min|, |max|)``): a float64 tensor on
     the gradient's CUDA device, or a list of floats for a CPU gradient."""
     g = g.detach()
     if g.device.type == "cpu" and g.numel():  # on the host already: accurate and fast, no sync
         a = _host_array(g)
-        r = _native_sumsq_minmax(a)
-        if r is not None:
-            return [math.sqrt(r[0]), r[1], r[2]]
         q, mn, mx, dot = 0.0, math.inf, -math.inf, np.dot
         for i in _blocks(a.shape[0]):  # blocks: as in _fused_stats
             ab = a[i : i + _BLOCK]
@@ -302,21 +282,10 @@ def grad_stats(g: torch.Tensor) -> Vec:
     ).double()
 
 
-# below this many values aminmax is faster: the kernel's call and the result tensor cost ~20 us
-_MINMAX_NATIVE = 1 << 17
-
-
 def minmax(t: torch.Tensor) -> torch.Tensor:
     """``[min, max]`` of a non-empty floating tensor as an fp32 tensor on its device, NaN if any
-    value is NaN (as :func:`torch.aminmax`). A CPU tensor is read once by the native kernel when
-    it is large and has no NaN or infinity (up to 1.4x faster than ``aminmax`` on this machine's
-    activations, when they are not in cache), else by ``aminmax``."""
-    t = t.detach()
-    if t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() >= _MINMAX_NATIVE:
-        r = _native_sumsq_minmax(_host_array(t))
-        if r is not None:
-            return torch.tensor(r[1:], dtype=torch.float32)
-    return torch.stack(torch.aminmax(t)).float()
+    value is NaN: one :func:`torch.aminmax` pass, no host sync."""
+    return torch.stack(torch.aminmax(t.detach())).float()
 
 
 def param_stats(
@@ -334,7 +303,6 @@ def param_stats(
     if dev.type == "cpu":  # accurate norms (torch's fp32 norm loses up to 1e-3 on large tensors)
         rows: list[list[float]] = [[]] * n
         diff = np.empty(min(_BLOCK, max(p.numel() for p in w)), dtype=np.float32)
-        k = kernels() if before is not None else None
         # last parameter first, each from its end: what optimizer.step() wrote last is in cache
         for i in reversed(range(n)):
             g = grads[i]
@@ -345,10 +313,6 @@ def param_stats(
                 continue
             # weight, snapshot and their difference, block by block: each is read once
             ba = _host_array(before[i])
-            if k is not None:
-                wq, bq, uq = k.update_sumsq(wa, ba)
-                rows[i] = [gn, math.sqrt(wq), math.sqrt(uq), math.sqrt(bq)]
-                continue
             wq = bq = uq = 0.0
             for j in _blocks(wa.shape[0]):
                 wb, bb = wa[j : j + _BLOCK], ba[j : j + _BLOCK]
