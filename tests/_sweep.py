@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn as nn
 
 NORM = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm)
+_FX_SUFFIX = re.compile(r"_\d+$")  # FX reads `ln_1` as the 2nd call of `ln` (see test_zoo.py)
 
 
 @contextlib.contextmanager
@@ -47,12 +49,25 @@ def cheap_init():
             setattr(init, n, f)
 
 
-def leaves_in_call_order(model: nn.Module, x: torch.Tensor) -> tuple[list[str], set[str], set[str]]:
-    """Leaf modules in the order their (first) call ran (tensor outputs only); those called more than once; those whose
-    output the model changed in place after the call (recorded by plain hooks, versions)."""
+def leaves_in_call_order(
+    model: nn.Module, x: torch.Tensor
+) -> tuple[list[str], set[str], set[str], dict[str, torch.Tensor]]:
+    """One forward with plain hooks on every leaf. Returns the leaves in the order of their first
+    call (tensor outputs only); those called more than once; those whose output the model changed
+    in place *between* modules, i.e. by its own code (``out += identity``), not by an in-place
+    layer; and each leaf's output as a plain hook copies it (``out.detach().clone()``)."""
     order: list[str] = []
     seen: dict[str, int] = {}
-    outs: dict[str, tuple[torch.Tensor, int]] = {}
+    copies: dict[str, torch.Tensor] = {}
+    recent: list[tuple[str, torch.Tensor, int]] = []  # outputs not yet checked by a later pre-hook
+    between: set[str] = set()
+
+    def check(*_: Any) -> None:
+        for name, t, v in recent:
+            if t._version != v:
+                between.add(name)
+        recent.clear()
+
     handles = []
     for name, m in model.named_modules():
         if name and next(iter(m.children()), None) is None:
@@ -61,42 +76,37 @@ def leaves_in_call_order(model: nn.Module, x: torch.Tensor) -> tuple[list[str], 
                 seen[name] = seen.get(name, 0) + 1
                 if seen[name] == 1 and isinstance(out, torch.Tensor):
                     order.append(name)
-                    outs[name] = (out, out._version)
+                    recent.append((name, out, out._version))
+                    copies[name] = out.detach().clone()
 
+            handles.append(m.register_forward_pre_hook(check))
             handles.append(m.register_forward_hook(hook))
     try:
         with torch.no_grad():
             model(x)
+        check()
     finally:
         for h in handles:
             h.remove()
     reused = {n for n, c in seen.items() if c > 1}
-    modified = {n for n, (t, v) in outs.items() if t._version != v}
-    return order, reused, modified
+    return order, reused, between, copies
 
 
 def pick_layers(
     model: nn.Module, x: torch.Tensor, fx_nodes: set[str] | None
-) -> tuple[list[str], str | None]:
-    """Three layers in call order: a residual site (a norm whose output the model changes in place
-    later, e.g. ``out += identity``; else a norm feeding an add in the FX graph; else a norm), one
-    in the middle, and the last leaf. Returns the layers and the residual site (if any)."""
-    order, reused, modified = leaves_in_call_order(model, x)
+) -> tuple[list[str], str, dict[str, torch.Tensor]]:
+    """Three layers in call order: a residual site (a norm whose output the model's code changes in
+    place later, ``out += identity``; else any layer changed so; else a norm), one in the middle,
+    and the last leaf. Returns the layers, the residual site and the layers' outputs
+    as a plain hook that copies records them."""
+    order, reused, modified, copies = leaves_in_call_order(model, x)
     mods = dict(model.named_modules())
     ok = [n for n in order if n not in reused and (fx_nodes is None or n in fx_nodes)]
-    tensor_out = ok
+    tensor_out = [n for n in ok if not _FX_SUFFIX.search(n)] if fx_nodes is not None else ok
     norms = [n for n in tensor_out if isinstance(mods[n], NORM)]
 
-    # a norm changed in place later that is the last norm of its block: the residual site
-    # (`out += identity` after bn2/bn3), rather than a norm changed by its in-place activation
-    def last_norm_of_block(n: str) -> bool:
-        parent = mods[n.rsplit(".", 1)[0]] if "." in n else model
-        kids = [k for k, m in parent.named_children() if isinstance(m, NORM)]
-        return bool(kids) and n.rsplit(".", 1)[-1] == kids[-1]
-
-    site = next((n for n in norms if n in modified and last_norm_of_block(n)), None)
-    if site is None:
-        site = next((n for n in norms if n in modified), None)
+    # a norm whose output the model's own code changed in place later: the residual site
+    site = next((n for n in norms if n in modified), None)
     if site is None:
         site = next((n for n in tensor_out if n in modified), None)
     if site is None and norms:
@@ -108,7 +118,7 @@ def pick_layers(
     last = after[-1]
     mid = after[len(after) // 2] if len(after) > 1 else pool[0]
     layers = sorted({site, mid, last}, key=order.index)
-    return layers, site
+    return layers, site, {n: copies[n] for n in layers}
 
 
 def unique_params(model: nn.Module) -> int:

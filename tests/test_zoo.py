@@ -4,7 +4,7 @@ residual site (a norm whose output the model changes in place later, ``out += id
 ``summary`` counts every unique parameter once.
 
 References, independent of hookscope: the layer's output recorded by a plain forward hook that
-clones it (always), and torchvision's FX feature extractor wherever FX can trace the model. FX
+clones it (always; ``tests/_sweep.py``), and torchvision's FX feature extractor wherever FX can trace the model. FX
 runs on the same model with every ``inplace=True`` flag turned off and the traced graph's
 functional in-place ops made out-of-place: in an FX graph an in-place module or function
 (``ReLU(inplace=True)``, ``F.relu(x, inplace=True)``) still changes the tensor FX hands back, so FX
@@ -122,28 +122,6 @@ def _fx_nodes(model: nn.Module) -> set[str] | None:
         return None
 
 
-def _clone_hook_reference(model: nn.Module, layers: list[str], x: torch.Tensor) -> dict:
-    """Each layer's output (first call) as a plain forward hook copies it."""
-    got: dict[str, torch.Tensor] = {}
-    mods = dict(model.named_modules())
-
-    def hook(name: str):
-        def record(m: nn.Module, args: Any, out: Any) -> None:  # returns None: output unchanged
-            if name not in got:
-                got[name] = out.detach().clone()
-
-        return record
-
-    handles = [mods[n].register_forward_hook(hook(n)) for n in layers]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    return got
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
 
@@ -154,11 +132,10 @@ def _check(model: nn.Module, size: int) -> None:
         nodes = _fx_nodes(model)
     if nodes is not None:
         nodes = {n for n in nodes if not _FX_BAD_NAME.search(n)}
-    layers, site = pick_layers(model, x, nodes)
+    layers, site, truth = pick_layers(model, x, nodes)
     assert site in layers and len(layers) == 3, layers
     with torch.no_grad():
         got = hs.FeatureExtractor(model, layers)(x)
-    truth = _clone_hook_reference(model, layers, x)
     for n in layers:
         assert _same(got[n], truth[n]), f"{n}: differs from the layer's own output"
     if nodes is not None:
