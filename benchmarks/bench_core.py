@@ -31,16 +31,23 @@ def deep_mlp(depth: int = 100, width: int = 16) -> nn.Module:
 
 
 class RawHooks:
-    """The tutorial pattern: a dict filled by forward hooks (``acts[name] = out.detach()``)."""
+    """The tutorial pattern: a dict filled by forward hooks (``acts[name] = out.detach()``, or
+    ``out.detach().clone()`` with ``clone=True``, the seeds' recipe)."""
 
-    def __init__(self, model: nn.Module, names: list[str]) -> None:
+    def __init__(self, model: nn.Module, names: list[str], clone: bool = False) -> None:
         self.acts: dict[str, torch.Tensor] = {}
         mods = dict(model.named_modules())
         self.handles = []
         for n in names:
+            if clone:
 
-            def hook(m, i, o, n=n, acts=self.acts):
-                acts[n] = o.detach()
+                def hook(m, i, o, n=n, acts=self.acts):
+                    acts[n] = o.detach().clone()
+
+            else:
+
+                def hook(m, i, o, n=n, acts=self.acts):
+                    acts[n] = o.detach()
 
             self.handles.append(mods[n].register_forward_hook(hook))
 
@@ -92,7 +99,7 @@ def overhead_table(rounds: int) -> tuple[str, list[float]]:
         n_calls = len(tr.events)
         raw = RawHooks(model, names)
         raw.remove()
-        cap = hs.capture(model, names, keep="last")
+        cap = hs.capture(model, names, keep="last", clone=False)
         cap.remove()
 
         def with_raw(m=model, x=x, n=names, inner=inner):
@@ -104,7 +111,7 @@ def overhead_table(rounds: int) -> tuple[str, list[float]]:
                 h.remove()
 
         def with_hookscope(m=model, x=x, n=names, inner=inner):
-            with hs.capture(m, n, keep="last"):
+            with hs.capture(m, n, keep="last", clone=False):  # zero-copy, like the raw hooks
                 for _ in range(inner):
                     m(x)
 
@@ -155,6 +162,86 @@ def overhead_table(rounds: int) -> tuple[str, list[float]]:
         "raw hooks µs/call",
         "hookscope µs/call",
         "TorchLens µs/call",
+        "hookscope / raw",
+    ]
+    return table(head, rows), ratios
+
+
+def scope_table(rounds: int) -> tuple[str, list[float]]:
+    """A scope as users write it, ``with hs.capture(model, layers): model(x)`` (open, one forward,
+    close), against the same with raw ``register_forward_hook`` + ``remove()``; exactness like for
+    like: hookscope's default (copies) against raw hooks storing ``out.detach().clone()``, the
+    zero-copy mode (``clone=False``) against raw hooks storing ``out.detach()``. Figures are
+    (run - bare forward) / hooked calls; ``steady`` rows register once and run 10 forwards."""
+    model = deep_mlp(100, 64).eval()
+    x = torch.randn(1, 64)
+    names = list(hs.find(model, leaves=True))
+    n_calls = len(names)
+
+    def raw(clone: bool, inner: int):
+        def run() -> None:
+            h = RawHooks(model, names, clone=clone)  # includes dict(model.named_modules())
+            try:
+                for _ in range(inner):
+                    model(x)
+            finally:
+                h.remove()
+
+        return run
+
+    def ours(clone: bool, inner: int):
+        def run() -> None:
+            with hs.capture(model, names, clone=clone, keep="last" if inner > 1 else "all"):
+                for _ in range(inner):
+                    model(x)
+
+        return run
+
+    def bare(inner: int):
+        def run() -> None:
+            for _ in range(inner):
+                model(x)
+
+        return run
+
+    rows, ratios = [], []
+    for how, inner in (("scope as written (1 forward)", 1), ("steady (10 forwards)", 10)):
+        contenders = {
+            "bare": bare(inner),
+            "raw detach": raw(False, inner),
+            "hs clone=False": ours(False, inner),
+            "raw detach+clone": raw(True, inner),
+            "hs default": ours(True, inner),
+        }
+        with torch.no_grad():
+            for stat in ("min", "median"):
+                t = interleaved(contenders, rounds=rounds, inner=max(1, 5 // inner), stat=stat)
+                per = {k: (v - t["bare"]) / (inner * n_calls) * 1e6 for k, v in t.items()}
+                for mode, ref, ho in (
+                    ("zero-copy", "raw detach", "hs clone=False"),
+                    ("exact (copies)", "raw detach+clone", "hs default"),
+                ):
+                    r = per[ho] / per[ref]
+                    if stat == "min":
+                        ratios.append(r)
+                    rows.append(
+                        [
+                            how,
+                            mode,
+                            stat,
+                            f"{t['bare'] / inner * 1e3:.2f}",
+                            f"{per[ref]:.2f}",
+                            f"{per[ho]:.2f}",
+                            f"{r:.2f}×",
+                        ]
+                    )
+    head = [
+        "100×(Linear(64,64)+ReLU), batch 1, 200 leaves",
+        "mode",
+        "of rounds",
+        "bare fwd (ms)",
+        "raw µs/call",
+        "hookscope µs/call",
         "hookscope / raw",
     ]
     return table(head, rows), ratios
@@ -231,12 +318,16 @@ def extractor_table(rounds: int) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--only", choices=["scope"], help="run only this table")
     args = ap.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # TorchLens prints deprecation/teaching warnings
     print(
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread, medians of {args.rounds} interleaved rounds\n"
     )
+    if args.only == "scope":
+        print(scope_table(args.rounds)[0])
+        return
     text, _ = overhead_table(args.rounds)
     print(
         "Steady-state overhead per hooked call, (forward with hooks − bare forward) / hooked calls;"
@@ -246,6 +337,11 @@ def main() -> None:
         "'min' is the best of the interleaved rounds (noise only adds time), 'median' the middle one:\n"
     )
     print(text)
+    print(
+        "\nA scope as users write it, and the cost of exactness like for like (hookscope's default "
+        "keeps copies; clone=False is zero-copy):\n"
+    )
+    print(scope_table(args.rounds)[0])
     print("\nScope setup and teardown (hookscope also resolves the layer selection):\n")
     print(registration_table(args.rounds))
     print(

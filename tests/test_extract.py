@@ -4,7 +4,6 @@ interruption and resume, write errors, the on-disk format (numpy alone)."""
 from __future__ import annotations
 
 import errno
-import io
 import json
 import time
 from pathlib import Path
@@ -16,7 +15,6 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import hookscope as hs
-from hookscope.core._progress import Progress
 from hookscope.extraction import _featstore
 
 
@@ -335,23 +333,6 @@ def test_bad_arguments(net, data, tmp_path):
         hs.extract(net, data, "conv", tmp_path, on_error="ignore", progress=False)  # type: ignore[arg-type]
     with pytest.raises(hs.ExtractError, match="not a hookscope feature directory"):
         hs.load_features(tmp_path)
-
-
-def test_progress_line_shows_rate_and_eta():
-    class Tty(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    p = Progress(100, done=20, stream=Tty(), min_interval=0.0)
-    p.update(30)
-    text = p.stream.getvalue()
-    assert "50/100" in text and "50%" in text and "samples/s" in text and "ETA" in text
-    p.close()
-    assert p.stream.getvalue().endswith("\n")
-    silent = Progress(10, stream=io.StringIO())  # not a terminal
-    silent.update(10)
-    silent.close()
-    assert silent.stream.getvalue() == ""
 
 
 def test_refuses_torchrun_without_process_group(net, data, tmp_path, monkeypatch):

@@ -95,17 +95,19 @@ def test_03_inplace_relu_gradients_equal_out_of_place():
     assert torch.allclose(results[True][1], gy, atol=1e-6)
 
 
-def test_03_inplace_modified_capture_warns_and_clone_keeps_values():
+def test_28_inplace_modified_output_is_exact_by_default_and_zero_copy_warns():
     net = _conv_relu(True)
     x = torch.randn(1, 3, 9, 9)
+    ref = net[0](x).detach()  # what the conv returns, before the in-place ReLU
+    assert (ref < 0).any()  # so the ReLU does change it
     with hs.capture(net, "0") as cap:
         net(x)
-    with pytest.warns(hs.InPlaceModifiedWarning, match="clone=True"):
-        seen = cap["0"]
-    assert (seen >= 0).all()  # it is the post-ReLU tensor, as the warning says
-    with hs.capture(net, "0", clone=True) as cap2:
+    assert torch.equal(cap["0"], ref)  # a copy: the later ReLU(inplace=True) cannot change it
+    with hs.capture(net, "0", clone=False) as cap2:
         net(x)
-    assert torch.allclose(cap2["0"], net[0](x))
+    with pytest.warns(hs.InPlaceModifiedWarning, match=r"'0' \(call 0\).*clone=True"):
+        seen = cap2["0"]
+    assert torch.equal(seen, ref.clamp(min=0))  # zero-copy: the post-ReLU tensor, as warned
 
 
 # 4. MultiheadAttention: identity checks (query is key) keep their path; outputs and grads unchanged.

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
+from hookscope.core._scope import _Hook
 
 
 def _net():
@@ -115,3 +116,37 @@ def test_hooks_on_reports_kinds_and_legacy_hooks():
     ]
     h.remove()
     h2.remove()
+
+
+def test_many_forward_hooks_at_once_behave_like_registered_ones():
+    """add_forward_many (what capture uses) keeps PyTorch's order, is listed, removes only its own,
+    and goes through the public method for a module class that overrides it."""
+    calls = []
+
+    class Custom(nn.Linear):
+        def register_forward_hook(self, hook, **kw):  # e.g. a wrapper library's own bookkeeping
+            calls.append("custom")
+            return super().register_forward_hook(hook, **kw)
+
+    net = nn.Sequential(nn.Linear(2, 2), Custom(2, 2))
+    order = []
+    before = net[0].register_forward_hook(lambda m, i, o: order.append("before"))
+    scope = hs.HookScope("many")
+    hooks = [_Hook(lambda m, i, o, n=n: order.append(n), "", "", "", 0) for n in ("0", "1")]
+    scope.add_forward_many((net[int(n)], h, n) for n, h in zip(("0", "1"), hooks))
+    after = net[0].register_forward_hook(lambda m, i, o: order.append("after"))
+    assert calls == ["custom"] and scope.num_hooks == 2
+    assert {(h.layer, h.feature) for h in hs.hooks_on(net) if h.owner == "hookscope"} == {
+        ("0", "many"),
+        ("1", "many"),
+    }
+    net(torch.zeros(1, 2))
+    assert order == ["before", "0", "after", "1"]
+    scope.remove()
+    scope.remove()  # idempotent
+    order.clear()
+    net(torch.zeros(1, 2))
+    assert order == ["before", "after"] and scope.num_hooks == 0
+    before.remove()
+    after.remove()
+    assert hs.hooks_on(net) == []

@@ -284,7 +284,9 @@ class CAM:
                 if not full:
                     acts[name] = t.detach()
                     if len(acts) == wanted:
-                        raise scope.stop_signal()
+                        raise scope.stop_signal()  # the forward ends here: no copy needed
+                    # the rest of the forward may change this activation in place (`out += x`)
+                    acts[name] = acts[name].clone()
                     return None
                 if grad:
                     torch.set_grad_enabled(True)  # record autograd from here on

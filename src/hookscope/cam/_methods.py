@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..core._progress import progress_bar
 from ._base import CAM, CAMError, _Run
 from ._tokens import Reshape
 
@@ -118,7 +119,9 @@ class ScoreCAM(CAM):
 
     Costs one forward per channel and sample, run ``batch_size`` masked inputs at a time under
     ``no_grad``: memory stays bounded by ``batch_size`` forwards whatever the channel count.
-    Masks are upsampled with ``align_corners=True`` as in the reference implementation.
+    Masks are upsampled with ``align_corners=True`` as in the reference implementation. A progress
+    bar counts the masked batches (tqdm: a widget in Jupyter, a bar on a terminal, nothing when
+    stderr is not a terminal; removed when done); ``progress=False`` turns it off.
     """
 
     name = "scorecam"
@@ -133,11 +136,13 @@ class ScoreCAM(CAM):
         relu: bool = True,
         raw: bool = False,
         batch_size: int = 32,
+        progress: bool = True,
     ) -> None:
         super().__init__(model, layer, reshape, relu=relu, raw=raw)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
+        self.progress = progress
 
     def channel_weights(
         self, a: torch.Tensor, g: torch.Tensor | None
@@ -150,7 +155,11 @@ class ScoreCAM(CAM):
         mode = {1: "linear", 2: "bilinear", 3: "trilinear"}[a.ndim - 2]
         b, c = a.shape[:2]
         scores = torch.empty(b, c, device=a.device, dtype=torch.float32)
-        with torch.no_grad():
+        chunks = -(-c // self.batch_size)
+        bar = progress_bar(
+            b * chunks, desc="ScoreCAM", unit="batch", enabled=self.progress, leave=False
+        )
+        with torch.no_grad(), bar:
             for i in range(b):
                 rows = None if run.index is None else run.index[i : i + 1]
                 for c0 in range(0, c, self.batch_size):
@@ -169,5 +178,6 @@ class ScoreCAM(CAM):
                             f"function must return one score per row, shape ({masked.shape[0]},); got {tuple(s.shape)}"
                         )
                     scores[i, c0 : c0 + masked.shape[0]] = s.float()
+                    bar.update(1)
         w = scores.softmax(dim=1)
         return (w.view(b, c, *([1] * (a.ndim - 2))) * a).sum(dim=1)

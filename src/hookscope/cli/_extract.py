@@ -72,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-resume", action="store_true", help="start over instead of continuing a run in --out"
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
 

@@ -59,8 +59,31 @@ class _GradSlots:
         return map_tensors(lambda _t: next(it), like, other=lambda _x: None)
 
 
+def _check_versions(
+    versions: list[tuple[torch.Tensor, int]] | None, what: str, layer: str, index: int
+) -> None:
+    """Warn when a tensor kept without a copy was changed in place after it was recorded."""
+    if versions:
+        for t, v in versions:
+            if t._version != v:
+                warnings.warn(
+                    f"the {what} of {layer!r} (call {index}) was modified in place after it was "
+                    "recorded (e.g. by a later ReLU(inplace=True) or `out += identity`), and it was "
+                    "kept without a copy (clone=False), so you see the modified values. Leave "
+                    "clone=True (the default) to keep the values the layer produced",
+                    InPlaceModifiedWarning,
+                    stacklevel=4,
+                )
+                return
+
+
 class Call:
     """One call of a captured layer.
+
+    Values are what the layer returned and received, even when the model changes those tensors in
+    place later (they are copies), unless captured with ``clone=False``: then they are the model's
+    own tensors (zero-copy), and reading one that was changed in place since raises an
+    :class:`InPlaceModifiedWarning`.
 
     Attributes:
         layer: the layer's dotted name.
@@ -69,15 +92,25 @@ class Call:
         inputs: :class:`Inputs` when captured with ``inputs=True``, else ``None``.
     """
 
-    __slots__ = ("_grad", "_in_grad", "_output", "_versions", "index", "inputs", "layer")
+    __slots__ = (
+        "_grad",
+        "_in_grad",
+        "_in_versions",
+        "_inputs",
+        "_output",
+        "_versions",
+        "index",
+        "layer",
+    )
 
     def __init__(self, layer: str, index: int) -> None:
         self.layer, self.index = layer, index
         self._output: Any = _UNSET
-        self.inputs: Inputs | None = None
+        self._inputs: Inputs | None = None
         self._grad: _GradSlots | None = None
         self._in_grad: _GradSlots | None = None
         self._versions: list[tuple[torch.Tensor, int]] | None = None
+        self._in_versions: list[tuple[torch.Tensor, int]] | None = None
 
     @property
     def output(self) -> Any:
@@ -85,22 +118,21 @@ class Call:
             raise LayerNotRunError(
                 f"layer {self.layer!r} call {self.index} raised before returning an output"
             )
-        if self._versions:
-            for t, v in self._versions:
-                if t._version != v:
-                    warnings.warn(
-                        f"the output of {self.layer!r} (call {self.index}) was modified in place after it "
-                        "was captured (e.g. by a later ReLU(inplace=True) or +=); you see the modified "
-                        "values. Capture with clone=True to keep the values the layer produced",
-                        InPlaceModifiedWarning,
-                        stacklevel=3,
-                    )
-                    break
+        _check_versions(self._versions, "output", self.layer, self.index)
         return (
             map_tensors(ready, self._output)
             if self._output.__class__ is not torch.Tensor
             else self._output
         )
+
+    @property
+    def inputs(self) -> Inputs | None:
+        _check_versions(self._in_versions, "inputs", self.layer, self.index)
+        return self._inputs
+
+    @inputs.setter
+    def inputs(self, value: Inputs | None) -> None:
+        self._inputs = value
 
     @property
     def grad(self) -> Any:
@@ -114,7 +146,7 @@ class Call:
     @property
     def input_grad(self) -> Inputs:
         """Gradient w.r.t. this call's inputs (through this layer only), as :class:`Inputs`."""
-        if self._in_grad is None or self.inputs is None:
+        if self._in_grad is None or self._inputs is None:
             raise NoGradientError(
                 f"input gradients of {self.layer!r} were not captured; use capture(..., inputs=True, grads=True)"
             )
@@ -124,8 +156,8 @@ class Call:
         return Inputs(tuple(g[0]), dict(g[1]))
 
     def _raw_inputs_structure(self) -> tuple[Any, Any]:
-        assert self.inputs is not None
-        return (self.inputs.args, self.inputs.kwargs)
+        assert self._inputs is not None
+        return (self._inputs.args, self._inputs.kwargs)
 
     def __repr__(self) -> str:
         from ._nested import describe

@@ -58,7 +58,9 @@ class _Recorder:
         self.counts: dict[str, itertools.count[int]] = {}
         self.hooks: list[_OutputHook] = []
         self.warned: set[str] = set()
-        self.simple = detach and not clone and to is None and not grads
+        # the common case (a plain tensor, detached, no device move, no gradient) takes the
+        # lean path in _OutputHook: one detach (and one clone), one tuple, one append
+        self.simple = detach and to is None and not grads
 
     def materialize(self, name: str) -> list[Call]:
         """The recorded calls of ``name`` as :class:`Call` objects."""
@@ -81,18 +83,28 @@ class _Recorder:
         for h in self.hooks:
             h.counter = itertools.count()
 
-    def store(self, value: Any, versions: list[tuple[torch.Tensor, int]] | None) -> Any:
-        detach, clone, to = self.detach, self.clone, self.to
+    def store(
+        self,
+        value: Any,
+        versions: list[tuple[torch.Tensor, int]] | None,
+        final: bool = False,
+    ) -> Any:
+        """What is kept of ``value``: detached (unless ``detach=False``) and copied (unless
+        ``clone=False``; a copy to another device with ``to=`` is already a copy). Zero-copy
+        tensors are listed in ``versions`` with their version counter, so a later in-place change
+        is reported when the value is read. ``final``: the forward pass ends right after this
+        call (``stop=True``), so nothing can change the value: no copy is needed."""
+        detach, clone, to = self.detach, self.clone and not final, self.to
 
         def one(t: torch.Tensor) -> Any:
             if detach:
                 t = t.detach()
+            if to is not None and t.device != to:
+                return move(t, to)  # a copy on the device's stream: ordered before later writes
             if clone:
-                t = t.clone()
-            elif to is None and versions is not None and not t.is_inference():
+                return t.clone()
+            if versions is not None and not t.is_inference():
                 versions.append((t, t._version))
-            if to is not None:
-                return move(t, to)
             return t
 
         if value.__class__ is torch.Tensor:
@@ -133,36 +145,75 @@ class _Recorder:
 
 class _OutputHook(_Hook):
     """Forward hook recording a layer's outputs. The common case (a tensor output, detached, no
-    gradient) takes a lean path: one detach, one tuple, one append (the benchmark goal is <= 1.3x
-    the cost of a hand-written ``acts[name] = out.detach()`` hook)."""
+    gradient, no stop) takes a lean path: one detach, one clone (none when zero-copy), one tuple,
+    one append (the benchmark goal is <= 1.15x the cost of the same hand-written hook)."""
 
-    __slots__ = ("counter", "entries", "finish", "last", "name", "rec", "scope_", "track")
+    __slots__ = (
+        "clone",
+        "counter",
+        "entries",
+        "finish",
+        "last",
+        "lean",
+        "name",
+        "rec",
+        "scope_",
+        "track",
+    )
 
     def __init__(self, rec: _Recorder, scope: HookScope, name: str, finish: Any) -> None:
-        super().__init__(None, "", "", "", 0)  # type: ignore[arg-type]
+        # _Hook's other fields are set by HookScope when the hook is registered
+        self.fn = None  # type: ignore[assignment]
         self.rec, self.scope_, self.name, self.finish = rec, scope, name, finish
         self.entries: list[Any] = rec.calls.setdefault(name, [])
         self.counter = itertools.count()
         self.last = rec.keep == "last"
-        self.track = not rec.clone and rec.detach
+        self.clone = rec.clone
+        self.track = not rec.clone
+        self.lean = rec.simple and finish is None
         rec.hooks.append(self)
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if graph_task_id() != -1:  # activation checkpointing re-running forward (PITFALL 27)
             return None
+        entry: Any
+        if self.lean and output.__class__ is torch.Tensor:
+            if self.clone:
+                entry = (next(self.counter), output.detach().clone(), None)
+            else:
+                t = output.detach()
+                try:
+                    entry = (next(self.counter), t, t._version)
+                except RuntimeError:  # inference tensors have no version counter
+                    entry = (next(self.counter), t, None)
+            entries = self.entries
+            if self.last and entries:
+                entries[0] = entry
+            else:
+                entries.append(entry)
+            return None
+        return self._record(output)
+
+    def _record(self, output: Any) -> None:
         rec = self.rec
         index = next(self.counter)
-        entry: Any
+        finish = self.finish
+        # the call that completes stop=True ends the forward right after this hook: nothing can
+        # change its output any more, so it is kept without a copy (and still version-checked)
+        final = finish is not None and finish.final(self.name)
         if output.__class__ is torch.Tensor and rec.simple:
             t = output.detach()
-            try:
-                entry = (index, t, t._version)
-            except RuntimeError:  # inference tensors have no version counter
-                entry = (index, t, None)
+            if self.clone and not final:
+                entry = (index, t.clone(), None)
+            else:
+                try:
+                    entry = (index, t, t._version)
+                except RuntimeError:  # inference tensors have no version counter
+                    entry = (index, t, None)
         else:
             entry = call = Call(self.name, index)
-            versions: list[tuple[torch.Tensor, int]] | None = [] if self.track else None
-            call._output = rec.store(output, versions)
+            versions: list[tuple[torch.Tensor, int]] | None = [] if self.track or final else None
+            call._output = rec.store(output, versions, final)
             call._versions = versions
             if rec.want_grads:
                 call._grad, _ = rec.attach_grads(self.scope_, self.name, output, f"{self.name!r}")
@@ -171,9 +222,30 @@ class _OutputHook(_Hook):
             entries[0] = entry
         else:
             entries.append(entry)
-        if self.finish is not None:
-            self.finish(self.name)
+        if finish is not None:
+            finish(self.name)
         return None
+
+
+class _Finish:
+    """Counts down the layers a ``stop=True`` scope waits for; raises the stop signal at zero."""
+
+    __slots__ = ("pending", "signal")
+
+    def __init__(self, names: Any, signal: Any) -> None:
+        self.pending, self.signal = set(names), signal
+
+    def final(self, name: str) -> bool:
+        """Whether ``name`` finishing now ends the forward pass."""
+        pending = self.pending
+        return len(pending) == 1 and name in pending
+
+    def __call__(self, name: str) -> None:
+        pending = self.pending
+        if pending and name in pending:
+            pending.discard(name)
+            if not pending:
+                raise self.signal()
 
 
 class Capture(Mapping[str, Any]):
@@ -206,29 +278,20 @@ class Capture(Mapping[str, Any]):
     # -- hooks ----------------------------------------------------------------------------------
     def _register(self, named: dict[str, nn.Module]) -> None:
         rec, scope = self._rec, self._scope
-        pending: set[str] | None = set(named) if self._stop else None
-        stop_signal = scope.stop_signal
-
-        def finish(name: str) -> None:
-            if pending is not None and name in pending:
-                pending.discard(name)
-                if not pending:
-                    raise stop_signal()
-
-        for name, module in named.items():
-            if rec.want_inputs:
+        finish = _Finish(named, scope.stop_signal) if self._stop else None
+        if rec.want_inputs:
+            for name, module in named.items():
                 self._register_with_inputs(name, module, finish)
-            else:
-                scope.add_forward(
-                    module,
-                    _OutputHook(rec, scope, name, finish if pending is not None else None),
-                    layer=name,
-                )
+        else:
+            scope.add_forward_many(
+                (module, _OutputHook(rec, scope, name, finish), name)
+                for name, module in named.items()
+            )
 
-    def _register_with_inputs(self, name: str, module: nn.Module, finish: Any) -> None:
+    def _register_with_inputs(self, name: str, module: nn.Module, finish: _Finish | None) -> None:
         rec, scope = self._rec, self._scope
         stack: list[Call] = []
-        track_versions = not rec.clone and rec.detach
+        track_versions = not rec.clone
 
         def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if in_backward():
@@ -246,19 +309,25 @@ class Capture(Mapping[str, Any]):
                 call._in_grad, _ = rec.attach_grads(scope, name, replaced, f"inputs of {name!r}")
             versions: list[tuple[torch.Tensor, int]] | None = [] if track_versions else None
             a, k = replaced if replaced is not None else (args, kwargs)
+            # copied before forward runs: the layer itself may change its input (ReLU(inplace=True))
             call.inputs = Inputs(rec.store(tuple(a), versions), rec.store(dict(k), versions))
+            call._in_versions = versions
             return replaced
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
             if in_backward() or not stack:
                 return
             call = stack.pop()
-            versions: list[tuple[torch.Tensor, int]] | None = [] if track_versions else None
-            call._output = rec.store(output, versions)
+            final = finish is not None and finish.final(name)
+            versions: list[tuple[torch.Tensor, int]] | None = (
+                [] if track_versions or final else None
+            )
+            call._output = rec.store(output, versions, final)
             call._versions = versions
             if rec.want_grads:
                 call._grad, _ = rec.attach_grads(scope, name, output, f"{name!r}")
-            finish(name)
+            if finish is not None:
+                finish(name)
 
         scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
         scope.add_forward(module, post, layer=name, with_kwargs=True)
@@ -360,16 +429,16 @@ class _InputView(Mapping[str, Inputs]):
 
     def __getitem__(self, layer: str) -> Inputs:
         call = self._cap.last(layer)
-        if call.inputs is None:
+        if call._inputs is None:
             raise LayerNotRunError(
                 f"inputs of {layer!r} were not captured; use capture(..., inputs=True)"
             )
-        return Inputs(
-            tuple(map_tensors(ready, call.inputs.args)), map_tensors(ready, call.inputs.kwargs)
-        )
+        inputs = call.inputs
+        assert inputs is not None
+        return Inputs(tuple(map_tensors(ready, inputs.args)), map_tensors(ready, inputs.kwargs))
 
     def __iter__(self) -> Iterator[str]:
-        return (n for n in self._cap if self._cap.last(n).inputs is not None)
+        return (n for n in self._cap if self._cap.last(n)._inputs is not None)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -382,7 +451,7 @@ def capture(
     inputs: bool = False,
     grads: bool = False,
     detach: bool = True,
-    clone: bool = False,
+    clone: bool = True,
     to: str | torch.device | None = None,
     stop: bool = False,
     keep: Literal["all", "last"] = "all",
@@ -400,7 +469,13 @@ def capture(
             ``inputs=True`` (``cap.last(name).input_grad``). Uses tensor hooks, so in-place ops
             (``ReLU(inplace=True)``) are fine; never the legacy backward hook.
         detach: store detached tensors (the default; keeps no autograd graph alive).
-        clone: store copies, immune to later in-place changes by the model.
+        clone: store copies (the default), so what you read is what the layer returned or
+            received even when the model changes that tensor in place later (``out += identity``
+            in a residual block, ``ReLU(inplace=True)``). ``clone=False`` keeps the model's own
+            tensors (zero-copy: no extra memory or copy time); reading one that the model changed
+            in place since then gives the changed values and an :class:`InPlaceModifiedWarning`.
+            No copy is made where none is needed: with ``to=`` another device (the transfer is
+            the copy), and for the layer whose call ends a ``stop=True`` forward pass.
         to: move stored tensors to this device (asynchronous from CUDA to CPU).
         stop: end the forward pass as soon as every selected layer has run once (the exception
             used for that is swallowed when the ``with`` block exits). A selected layer that never

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from ._capture import Call, Inputs
 from ._errors import HookscopeError, NoGradientError
+from ._nested import iter_tensors, map_tensors
 from ._scope import HookScope, check_model
 from ._select import resolve
 
@@ -19,10 +20,15 @@ __all__ = ["TensorGrads", "observe", "tensor_grads"]
 def observe(model: nn.Module, layers: Any, fn: Callable[[Call], Any]) -> HookScope:
     """Call ``fn(call)`` after every call of the selected layers, while the scope is active.
 
-    ``call`` is a :class:`Call` holding the layer name, call index, inputs and the (not detached)
-    output. ``fn``'s return value is ignored, so ``lambda c: c.output.register_hook(f)`` (which
-    returns a handle) cannot replace the output by accident (PITFALL 11); use :func:`edit` to
-    change values.
+    ``call`` is a :class:`Call` holding the layer name, call index, inputs and output. The output
+    is the layer's own tensor (not detached, not copied: ``fn`` can register a gradient hook on
+    it), and while ``fn`` runs it is exactly what the layer returned. To keep it, keep a copy
+    (``call.output.detach().clone()``) or use :func:`capture`: reading ``call.output`` after the
+    model changed it in place raises an :class:`InPlaceModifiedWarning`. The inputs are detached
+    copies taken before the layer ran, so they are what it received even when it changes its
+    input in place (``ReLU(inplace=True)``). ``fn``'s return value is ignored, so
+    ``lambda c: c.output.register_hook(f)`` (which returns a handle) cannot replace the output by
+    accident (PITFALL 11); use :func:`edit` to change values.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -37,16 +43,42 @@ def observe(model: nn.Module, layers: Any, fn: Callable[[Call], Any]) -> HookSco
     named = resolve(model, layers)
     scope = HookScope("observe")
     counts: dict[str, int] = {}
-    for name, module in named.items():
 
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any, name: str = name) -> None:
+    def snapshot(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone()
+
+    for name, module in named.items():
+        received: list[Inputs] = []
+
+        def pre(
+            module: nn.Module, args: Any, kwargs: Any, received: list[Inputs] = received
+        ) -> None:
+            received.append(
+                Inputs(map_tensors(snapshot, tuple(args)), map_tensors(snapshot, dict(kwargs)))
+            )
+
+        def hook(
+            module: nn.Module,
+            args: Any,
+            kwargs: Any,
+            output: Any,
+            name: str = name,
+            received: list[Inputs] = received,
+        ) -> None:
+            if not received:
+                return
+            inputs = received.pop()
             index = counts.get(name, 0)
             counts[name] = index + 1
             call = Call(name, index)
             call._output = output
-            call.inputs = Inputs(tuple(args), dict(kwargs))
+            call._versions = [
+                (t, t._version) for _, t in iter_tensors(output) if not t.is_inference()
+            ]
+            call.inputs = inputs
             fn(call)  # return value deliberately ignored
 
+        scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
         scope.add_forward(module, hook, layer=name, with_kwargs=True)
     return scope
 

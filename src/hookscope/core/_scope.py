@@ -16,7 +16,8 @@ import itertools
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -226,6 +227,8 @@ class HookScope:
         self.id = next(_scope_ids)
         self.active = True
         self._handles: list[RemovableHandle] = []
+        # hooks placed by add_forward_many: (the module's hook dict, the hook's id)
+        self._direct: list[tuple[dict[int, Any], int]] = []
         self._on_remove: list[Callable[[], None]] = []
 
     # -- registration -------------------------------------------------------------------------
@@ -267,6 +270,30 @@ class HookScope:
                 hook, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call
             )
         )
+
+    def add_forward_many(self, hooks: Iterable[tuple[nn.Module, _Hook, str]]) -> None:
+        """Plain forward hooks ``(module, hook, layer)``, many at once: what a capture of every leaf
+        registers. Same effect as :meth:`add_forward` per hook, without a handle object per hook.
+
+        ``register_forward_hook`` without options does one thing: it puts the hook in the module's
+        ``_forward_hooks`` under an id from ``RemovableHandle.next_id``, in order. This does the
+        same, keeps ``(dict, id)`` for :meth:`remove`, and falls back to the public method for a
+        module whose class overrides it (or whose hook dict is not a plain dict).
+        """
+        if not self.active:
+            raise RuntimeError(f"{self!r} was removed; create a new scope to add hooks")
+        owner, scope_id, direct = self.owner, self.id, self._direct
+        public = nn.Module.register_forward_hook
+        for module, hook, layer in hooks:
+            hook.owner, hook.kind, hook.layer, hook.scope_id = owner, "forward", layer, scope_id
+            d = module.__dict__.get("_forward_hooks")
+            if type(module).register_forward_hook is not public or d.__class__ is not OrderedDict:
+                self._keep(module.register_forward_hook(hook))
+                continue
+            hid = RemovableHandle.next_id
+            RemovableHandle.next_id = hid + 1
+            d[hid] = hook
+            direct.append((d, hid))
 
     def add_forward_pre(
         self,
@@ -342,7 +369,7 @@ class HookScope:
     @property
     def num_hooks(self) -> int:
         """Number of hooks this scope holds on modules and parameters."""
-        return len(self._handles)
+        return len(self._handles) + len(self._direct)
 
     def stop_signal(self) -> _StopSignal:
         """The exception a hook raises to end the forward pass early; this scope swallows it."""
@@ -356,6 +383,9 @@ class HookScope:
         handles, self._handles = self._handles, []
         for h in handles:
             h.remove()
+        direct, self._direct = self._direct, []
+        for d, hid in direct:
+            d.pop(hid, None)
         callbacks, self._on_remove = self._on_remove, []
         for cb in callbacks:
             cb()
@@ -371,9 +401,7 @@ class HookScope:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
-        return (
-            f"<{type(self).__name__} {self.owner!r} #{self.id} {state}, {len(self._handles)} hooks>"
-        )
+        return f"<{type(self).__name__} {self.owner!r} #{self.id} {state}, {self.num_hooks} hooks>"
 
 
 def locate_errors(model: nn.Module) -> HookScope:

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from ..core._progress import Progress
+from ..core._progress import progress_bar
 from ..core._scope import check_model
 from ..core._select import resolve
 from ._data import (
@@ -194,7 +194,8 @@ def extract(
         device: where to run (default: the model's device); the model is moved back after.
         resume: continue an unfinished run in ``out`` (or return a finished one). ``False``
             starts over, overwriting ``out``'s features.
-        progress: show a progress line (samples/s, ETA) on stderr when it is a terminal.
+        progress: show a progress bar (samples/s, ETA): tqdm's widget in a Jupyter notebook, a
+            bar on stderr when it is a terminal, nothing otherwise. ``False`` turns it off.
         on_error: a sample whose loading raises: ``"raise"`` stops with an :class:`ExtractError`
             naming it (work done so far is kept); ``"skip"`` records it in the manifest's
             ``skipped`` list and goes on. A skipped sample's row holds NaN (0 for integer
@@ -439,7 +440,7 @@ def _run_shard(
         num_workers=num_workers,
         **kw,
     )
-    bar = Progress(total, done=rows_done, enabled=progress)
+    bar = progress_bar(total, initial=rows_done, enabled=progress, desc="extract", unit="samples")
     try:
         with torch.inference_mode():
             for batch in loader:

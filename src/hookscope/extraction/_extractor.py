@@ -21,6 +21,12 @@ class FeatureExtractor(nn.Module):
     costs nothing. Hooks exist only during a call; the model carries none in between. Outputs keep
     their autograd graph (``detach=False`` by default), so the extractor can be trained through.
 
+    Each value is what the layer returned, even when the model changes that tensor in place
+    before the last selected layer runs (``out += identity`` after a residual block's last norm):
+    outputs are copied (``clone=True``), except the one whose call ends the forward pass, which
+    nothing can change any more. ``clone=False`` returns the model's own tensors (zero-copy) and
+    raises an :class:`InPlaceModifiedWarning` for each one the model changed in place.
+
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
@@ -30,7 +36,13 @@ class FeatureExtractor(nn.Module):
     """
 
     def __init__(
-        self, model: nn.Module, layers: Any, *, detach: bool = False, stop: bool = True
+        self,
+        model: nn.Module,
+        layers: Any,
+        *,
+        detach: bool = False,
+        clone: bool = True,
+        stop: bool = True,
     ) -> None:
         super().__init__()
         check_model(model)
@@ -38,11 +50,12 @@ class FeatureExtractor(nn.Module):
         self._named = resolve(model, layers)
         self.layers: list[str] = list(self._named)
         self.detach = detach
+        self.clone = clone
         self.stop = stop
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         rec = _Recorder(
-            inputs=False, grads=False, detach=self.detach, clone=False, to=None, keep="last"
+            inputs=False, grads=False, detach=self.detach, clone=self.clone, to=None, keep="last"
         )
         cap = Capture(self.model, self._named, rec, stop=self.stop)
         with cap:
@@ -53,7 +66,8 @@ class FeatureExtractor(nn.Module):
                 f"FeatureExtractor: layer(s) {', '.join(map(repr, missing))} of {type(self.model).__name__} "
                 "never ran during this forward pass (called via .forward() directly, or not on this input's path)"
             )
-        return {name: rec.materialize(name)[-1]._output for name in self.layers}
+        # .output: a value kept without a copy that the model changed in place is reported
+        return {name: rec.materialize(name)[-1].output for name in self.layers}
 
     def extra_repr(self) -> str:
-        return f"layers={self.layers}, stop={self.stop}"
+        return f"layers={self.layers}, stop={self.stop}, clone={self.clone}"

@@ -1,0 +1,213 @@
+"""What you read is what the layer returned (PITFALL 28): capture, Call, FeatureExtractor, observe
+and the CAM methods give a layer's output and inputs as they were, even when the model changes
+those tensors in place afterwards; the zero-copy mode (``clone=False``) says when it cannot."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+from torchvision.models.feature_extraction import create_feature_extractor
+
+import hookscope as hs
+
+RESNET_LAYERS = ["layer2.1.bn2", "layer3.3.conv2"]  # bn2's output gets `out += identity` later
+
+
+@pytest.fixture(scope="module")
+def resnet34():
+    torch.manual_seed(0)
+    model = torchvision.models.resnet34(weights=None).eval()
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = create_feature_extractor(model, return_nodes=RESNET_LAYERS)(x)
+    return model, x, ref
+
+
+def test_capture_resnet34_residual_site_equals_fx(resnet34):
+    model, x, ref = resnet34
+    with torch.no_grad(), hs.capture(model, RESNET_LAYERS) as cap:
+        model(x)
+    for n in RESNET_LAYERS:
+        assert torch.equal(cap[n], ref[n]), n
+    # the zero-copy mode sees the residual sum instead, and says so
+    with torch.no_grad(), hs.capture(model, RESNET_LAYERS, clone=False) as cap0:
+        model(x)
+    with pytest.warns(hs.InPlaceModifiedWarning, match=r"'layer2\.1\.bn2' \(call 0\)"):
+        seen = cap0["layer2.1.bn2"]
+    assert (seen - ref["layer2.1.bn2"]).abs().max() > 1.0
+
+
+def test_feature_extractor_resnet34_equals_fx_and_zero_copy_warns(resnet34):
+    model, x, ref = resnet34
+    with torch.no_grad():
+        got = hs.FeatureExtractor(model, RESNET_LAYERS)(x)
+    for n in RESNET_LAYERS:
+        assert torch.equal(got[n], ref[n]), n
+    with torch.no_grad(), pytest.warns(hs.InPlaceModifiedWarning, match="layer2.1.bn2"):
+        zero = hs.FeatureExtractor(model, RESNET_LAYERS, clone=False)(x)
+    assert not torch.equal(zero["layer2.1.bn2"], ref["layer2.1.bn2"])
+    # training through it (detach=False): the copy carries the gradient to the layer's output
+    fx = hs.FeatureExtractor(model, ["layer2.1.bn2", "layer3"])
+    xg = x.clone().requires_grad_()
+    got = fx(xg)
+    (g_hs,) = torch.autograd.grad(got["layer2.1.bn2"].sum(), xg)
+    ref_fx = create_feature_extractor(model, return_nodes=["layer2.1.bn2", "layer3"])
+    (g_ref,) = torch.autograd.grad(ref_fx(xg)["layer2.1.bn2"].sum(), xg)
+    torch.testing.assert_close(g_hs, g_ref)
+
+
+class Reused(nn.Module):
+    """One Linear+Tanh used three times; the loop changes each output in place after the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act = nn.Linear(4, 4), nn.Tanh()
+
+    def forward(self, x):
+        for _ in range(3):
+            h = self.act(self.lin(x))
+            h += 1.0
+            x = h
+        return x
+
+
+def test_every_call_of_a_reused_module_is_exact():
+    torch.manual_seed(0)
+    net = Reused()
+    x = torch.randn(2, 4)
+    expect, h = [], x
+    with torch.no_grad():
+        for _ in range(3):
+            a = torch.tanh(net.lin(h))
+            expect.append(a)
+            h = a + 1.0
+        with hs.capture(net, "act", inputs=True) as cap:
+            net(x)
+    calls = cap.calls("act")
+    assert len(calls) == 3
+    for c, e in zip(calls, expect):
+        assert torch.equal(c.output, e)
+    assert torch.equal(calls[1].inputs.args[0], net.lin(expect[0] + 1.0))
+
+
+def test_inputs_are_what_the_layer_received_even_when_it_changes_them():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(inplace=True))
+    x = torch.randn(4, 3)
+    with torch.no_grad():
+        pre = net[0](x)
+        assert (pre < 0).any()
+        with hs.capture(net, "1", inputs=True) as cap:
+            net(x)
+    assert torch.equal(cap.inputs["1"].args[0], pre)
+    assert torch.equal(cap["1"], pre.clamp(min=0))
+    with torch.no_grad(), hs.capture(net, "1", inputs=True, clone=False) as cap0:
+        net(x)
+    with pytest.warns(hs.InPlaceModifiedWarning, match="inputs of '1'"):
+        got = cap0.inputs["1"].args[0]
+    assert torch.equal(got, pre.clamp(min=0))
+
+
+def test_zero_copy_reads_without_a_change_do_not_warn_and_share_memory():
+    net = nn.Sequential(nn.Linear(3, 5), nn.ReLU())
+    x = torch.randn(4, 3)
+    kept = []
+    h = net[0].register_forward_hook(lambda m, i, o: kept.append(o))
+    try:
+        with torch.no_grad(), hs.capture(net, ["0", "1"], clone=False) as cap:
+            net(x)
+    finally:
+        h.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cap["0"].data_ptr() == kept[0].data_ptr()
+    with torch.no_grad(), hs.capture(net, ["0", "1"]) as cap1:
+        net(x)
+    assert cap1["0"].data_ptr() != cap1["1"].data_ptr() and torch.equal(cap1["0"], cap["0"])
+
+
+class Swallows(nn.Module):
+    """A model that catches every exception around an in-place layer, then changes its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.b = nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        try:
+            self.act(h)  # in place: its output is h itself
+        except Exception:
+            pass
+        h += 100.0
+        return self.b(h)
+
+
+def test_stop_layer_is_kept_without_a_copy_and_a_swallowed_stop_is_reported():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 2))
+    x = torch.randn(2, 3)
+    seen = []
+    h = net[0].register_forward_hook(lambda m, i, o: seen.append(o))
+    try:
+        with torch.no_grad():
+            out = hs.FeatureExtractor(net, ["0"])(x)
+    finally:
+        h.remove()
+    # the call that ends the forward needs no copy: nothing runs after it
+    assert out["0"].data_ptr() == seen[0].data_ptr() and torch.equal(out["0"], net[0](x))
+    # a model that swallows the stop signal runs on and changes the value: reported, not silent
+    torch.manual_seed(0)
+    m = Swallows()
+    with torch.no_grad(), pytest.warns(hs.InPlaceModifiedWarning, match="'act' \\(call 0\\)"):
+        got = hs.FeatureExtractor(m, ["act"])(x)
+    assert torch.equal(got["act"], m.lin(x).clamp(min=0) + 100.0)
+
+
+def test_observe_inputs_are_exact_and_a_kept_output_warns_once_changed():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 5), nn.ReLU(inplace=True), nn.Linear(5, 1))
+    x = torch.randn(4, 3)
+    calls = []
+    with torch.no_grad():
+        pre = net[0](x)
+        with hs.observe(net, ["0", "1"], calls.append):
+            net(x)
+    first, relu = calls
+    assert torch.equal(relu.inputs.args[0], pre)  # what ReLU received, before it changed it
+    assert torch.equal(relu.output, pre.clamp(min=0))
+    with pytest.warns(hs.InPlaceModifiedWarning, match="output of '0'"):
+        _ = first.output  # the read warns: the ReLU changed it after the call
+
+
+class Residual(nn.Module):
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.inplace = inplace
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(3)
+        self.conv2 = nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = self.bn(self.conv(x))
+        if self.inplace:
+            h += x
+        else:
+            h = h + x
+        return self.conv2(h).mean((2, 3))
+
+
+def test_multi_layer_cam_reads_activations_as_returned():
+    torch.manual_seed(0)
+    a, b = Residual(True).eval(), Residual(False).eval()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 3, 8, 8)
+    got = hs.EigenCAM(a, ["bn", "conv2"])(x)
+    ref = hs.EigenCAM(b, ["bn", "conv2"])(x)
+    torch.testing.assert_close(got, ref)
+    single = hs.EigenCAM(b, ["bn"])(x)
+    assert not torch.allclose(single, ref)  # both layers count: the test is not vacuous
