@@ -89,5 +89,7 @@ def test_feature_maps_errors():
 
 
 def test_missing_extra_names_the_install_command():
-    with pytest.raises(ImportError, match=r"pip install hookscope\[viz\]"):
+    with pytest.raises(
+        ImportError, match=r"needs no_such_plotting_library_xyz.*pip install 'hookscope\[viz\]'"
+    ):
         _viz._need("no_such_plotting_library_xyz")

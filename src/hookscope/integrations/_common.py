@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
+
+from ..core._optional import need as _need
 
 __all__ = ["inner_optimizer", "need"]
 
 
 def need(module: str, extra: str) -> Any:
-    """Import ``module`` or raise one line naming the pip install."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ImportError(
-            f"this integration needs {module}, which is not installed: "
-            f"pip install 'hookscope[{extra}]'"
-        ) from None
+    """Import the host framework ``module`` or raise one line naming the pip install."""
+    return _need(module, extra, "this integration")
 
 
 def inner_optimizer(optimizer: Any) -> Any:

@@ -9,18 +9,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ..core._optional import need
+
 __all__ = ["JsonlSink", "MlflowSink", "TensorBoardSink", "WandbSink", "as_sink"]
-
-
-def _need(module: str, extra: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ImportError(
-            f"this sink needs {module}, which is not installed: pip install 'hookscope[{extra}]'"
-        ) from None
 
 
 class JsonlSink:
@@ -127,7 +118,7 @@ class WandbSink:
     """
 
     def __init__(self, run: Any = None, *, prefix: str = "hookscope", step_offset: int = 0) -> None:
-        wandb = _need("wandb", "wandb")
+        wandb = need("wandb", "wandb", "WandbSink")
         run = run if run is not None else wandb.run
         if run is None:
             raise ValueError("WandbSink: no active wandb run; call wandb.init() first or pass run=")
@@ -151,7 +142,7 @@ class MlflowSink:
     """
 
     def __init__(self, run_id: str | None = None, *, prefix: str = "hookscope") -> None:
-        self._mlflow = _need("mlflow", "mlflow")
+        self._mlflow = need("mlflow", "mlflow", "MlflowSink")
         if run_id is None:
             active = self._mlflow.active_run()
             if active is None:

@@ -14,20 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from ..core._errors import HookscopeError
+from ..core._optional import need
 
 __all__ = ["feature_maps", "overlay"]
 
 
 def _need(module: str) -> Any:
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        top = module.split(".")[0]
-        raise ImportError(
-            f"this needs {top}, which is not installed; install the pictures extra: pip install hookscope[viz]"
-        ) from None
+    return need(module, "viz", "drawing pictures")
 
 
 def _colormap_lut(colormap: str) -> np.ndarray:
