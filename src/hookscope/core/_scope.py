@@ -278,7 +278,8 @@ class HookScope:
         ``register_forward_hook`` without options does one thing: it puts the hook in the module's
         ``_forward_hooks`` under an id from ``RemovableHandle.next_id``, in order. This does the
         same, keeps ``(dict, id)`` for :meth:`remove`, and falls back to the public method for a
-        module whose class overrides it (or whose hook dict is not a plain dict).
+        module whose class overrides it (or whose hook dict is not a plain dict) and for a module
+        inside a compiled region (its calls must be routed, see :meth:`_place`).
         """
         if not self.active:
             raise RuntimeError(f"{self!r} was removed; create a new scope to add hooks")
@@ -287,8 +288,12 @@ class HookScope:
         for module, hook, layer in hooks:
             hook.owner, hook.kind, hook.layer, hook.scope_id = owner, "forward", layer, scope_id
             d = module.__dict__.get("_forward_hooks")
-            if type(module).register_forward_hook is not public or d.__class__ is not OrderedDict:
-                self._keep(module.register_forward_hook(hook))
+            if (
+                type(module).register_forward_hook is not public
+                or d.__class__ is not OrderedDict
+                or region_of(module) is not None
+            ):
+                self._keep(module.register_forward_hook(self._place(module, hook)))
                 continue
             hid = RemovableHandle.next_id
             RemovableHandle.next_id = hid + 1
