@@ -261,10 +261,10 @@ class Monitor:
 
                     scope.add_forward(module, hook, layer=name)
 
+                # each call of the model starts a micro-batch (as micro_batch(), which this hook
+                # cannot call: it must hold no reference to the monitor or the model)
                 def new_pass(module: nn.Module, args: Any) -> None:
-                    if (
-                        gate[0] and not in_backward()
-                    ):  # (not self.micro_batch(): no reference to the model)
+                    if gate[0] and not in_backward():
                         state.counts.clear()
                         state.passes += 1
 

@@ -18,8 +18,9 @@ class MonitorRecord:
 
     Attributes:
         step: the step index (0 for the first ``step()``).
-        layers: ``{layer: {stat: value}}`` in call order; a layer called again in the same step
-            appears as ``"layer#1"``, ``"layer#2"``. Stats: ``mean``, ``std``, ``absmax``,
+        layers: ``{layer: {stat: value}}`` in call order; a layer called again in the same
+            forward pass appears as ``"layer#1"``, ``"layer#2"``; the forward passes of one
+            optimizer step (micro-batches, or several calls of the model) add to the same entries. Stats: ``mean``, ``std``, ``absmax``,
             ``zeros`` (fraction exactly zero), ``nonfinite`` (count), ``saturated`` (fraction, for
             Tanh/Sigmoid-like layers), ``grad_norm`` and ``grad_absmax`` (gradient w.r.t. the
             output, unscaled when a ``GradScaler`` is given; under torch.distributed, of the mean
