@@ -4,20 +4,16 @@ DistributedSampler (the union of its replicas), and resumes with another world s
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, SubsetRandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import hookscope as hs
+from _dist import WORLD, launch
 from test_extract import Interrupting, TokenNet, reference
-
-WORLD = 2
 
 
 def make() -> tuple[TokenNet, TensorDataset]:
@@ -44,27 +40,14 @@ def test_subset_sampler_rows_land_at_their_dataset_index(tmp_path):
     assert feats.manifest["valid"] == 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, tmp: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        net, data = make()
-        # resume, on 2 processes, the run one process started
-        hs.extract(net, data, "conv", os.path.join(tmp, "resumed"), batch_size=2, progress=False)
-        # a DistributedSampler (shuffled, drop_last: one sample is in no replica)
-        sampler = DistributedSampler(data, WORLD, rank, shuffle=True, seed=3, drop_last=True)
-        loader = DataLoader(data, batch_size=2, sampler=sampler)
-        hs.extract(net, loader, "head", os.path.join(tmp, "sampled"), progress=False)
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, tmp: str) -> None:
+    net, data = make()
+    # resume, on 2 processes, the run one process started
+    hs.extract(net, data, "conv", os.path.join(tmp, "resumed"), batch_size=2, progress=False)
+    # a DistributedSampler (shuffled, drop_last: one sample is in no replica)
+    sampler = DistributedSampler(data, WORLD, rank, shuffle=True, seed=3, drop_last=True)
+    loader = DataLoader(data, batch_size=2, sampler=sampler)
+    hs.extract(net, loader, "head", os.path.join(tmp, "sampled"), progress=False)
 
 
 @pytest.mark.distributed
@@ -74,10 +57,7 @@ def test_distributed_sampler_and_resume_with_another_world_size(tmp_path):
         hs.extract(
             net, Interrupting(data, 5), "conv", tmp_path / "resumed", batch_size=2, progress=False
         )
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(
-        _worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True, start_method=method
-    )
+    launch(_worker, str(tmp_path))
     ref = reference(net, data.tensors[0])
     resumed = hs.load_features(tmp_path / "resumed")
     assert resumed.valid.all()

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import hookscope as hs
+from _dist import WORLD, assert_records_close, launch, read_jsonl
 
-WORLD = 2
 MAX_NORM = 0.05
 VALUE = 0.02
 
@@ -31,31 +28,6 @@ def make_model() -> nn.Module:
 def make_data(steps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     return torch.randn(steps, 8, 5, generator=g), torch.randn(steps, 8, 1, generator=g)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, port: int, fn: Callable[..., None], args: tuple) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        fn(rank, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def launch(fn: Callable[..., None], *args: object) -> None:
-    """Run ``fn(rank, *args)`` on 2 gloo ranks (fork: no second torch import; see test_monitor_ddp)."""
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(
-        _entry, args=(free_port(), fn, args), nprocs=WORLD, join=True, start_method=method
-    )
 
 
 def fsdp_model() -> nn.Module:
@@ -258,30 +230,6 @@ def _monitor_worker(rank: int, tmp: str) -> None:
         f.write(",".join(layers))
 
 
-def read_jsonl(path) -> list[dict]:
-    import json
-
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def assert_records_close(got: list[dict], ref: list[dict]) -> None:
-    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(STEPS))
-    for d, r in zip(got, ref):
-        assert d["layers"].keys() == r["layers"].keys() and d["params"].keys() == r["params"].keys()
-        for group in ("layers", "params"):
-            for name, stats in r[group].items():
-                assert stats.keys() == d[group][name].keys(), (group, name)
-                for k, v in stats.items():
-                    assert math.isclose(d[group][name][k], v, rel_tol=1e-4, abs_tol=1e-7), (
-                        group,
-                        name,
-                        k,
-                        d[group][name][k],
-                        v,
-                    )
-
-
 @pytest.mark.distributed
 def test_fsdp2_monitor_equals_one_process_on_the_combined_batch(tmp_path):
     launch(_monitor_worker, str(tmp_path))
@@ -290,7 +238,7 @@ def test_fsdp2_monitor_equals_one_process_on_the_combined_batch(tmp_path):
     got, ref = read_jsonl(tmp_path / "rank0.jsonl"), read_jsonl(tmp_path / "single.jsonl")
     assert read_jsonl(tmp_path / "rank1.jsonl") == []  # written once, by rank 0
     assert set(ref[0]["params"]) == {f"{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")}
-    assert_records_close(got, ref)
+    assert_records_close(got, ref, STEPS)
     # a NaN made by layer '1' (Sqrt of a negative): the sentinel and find_nonfinite name it on
     # every rank, as in one process
     torch.manual_seed(0)
@@ -331,8 +279,8 @@ def test_tensor_parallel_monitor_equals_one_process(tmp_path):
     train(make_tp_model(), xs, ys, str(tmp_path / "single.jsonl"))
     ref = read_jsonl(tmp_path / "single.jsonl")
     assert set(ref[0]["layers"]) == {"0", "1", "2", "3", "4"}  # sharded ('0', '1') and replicated
-    assert_records_close(read_jsonl(tmp_path / "rank0.jsonl"), ref)
-    assert_records_close(read_jsonl(tmp_path / "dtrank0.jsonl"), ref)
+    assert_records_close(read_jsonl(tmp_path / "rank0.jsonl"), ref, STEPS)
+    assert_records_close(read_jsonl(tmp_path / "dtrank0.jsonl"), ref, STEPS)
 
 
 class CopyingLinear(nn.Module):
