@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import sys
+import time
 
 import pytest
 import torch
@@ -195,6 +196,15 @@ def test_hf_trainer_callback_reaches_mlflow_through_report_to(tmp_path, monkeypa
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:" + str(tmp_path / "mlruns"))
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "hookscope")
     monkeypatch.setenv("HF_MLFLOW_LOG_ARTIFACTS", "0")
+    from transformers.integrations import integration_utils as iu
+
+    setup = iu.MLflowCallback.setup
+
+    def synchronous_setup(self, *a, **k):  # HF logs asynchronously; read-back needs every write
+        setup(self, *a, **k)
+        self._async_log = False
+
+    monkeypatch.setattr(iu.MLflowCallback, "setup", synchronous_setup)
     base, seen = _net(), []
     trainer = _hf_trainer(tmp_path, base, seen, ["mlflow"])
     cb = HookscopeTrainerCallback(trainer, every=1, alerts="off")
@@ -206,13 +216,24 @@ def test_hf_trainer_callback_reaches_mlflow_through_report_to(tmp_path, monkeypa
     for got, rec in zip(cb.records, want):
         _assert_same(got.scalars(), rec)
         assert got.params["net.0.weight"]["grad_norm"] > 0  # read before the Trainer zeroed them
+    mlflow.flush_async_logging()  # HF's MLflowCallback logs metrics asynchronously
     mlflow.set_tracking_uri("file:" + str(tmp_path / "mlruns"))
     client = mlflow.MlflowClient()
     (exp,) = [e for e in client.search_experiments() if e.name == "hookscope"]
     (run,) = client.search_runs([exp.experiment_id])
+
+    def history(key: str) -> dict[int, float]:
+        # HF's MLflowCallback logs asynchronously: wait (up to 10 s) for both steps to land
+        for _ in range(100):
+            hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+            if len(hist) >= 2:
+                break
+            time.sleep(0.1)
+        return hist
+
     for rec in cb.records:  # equal to the hand loop's (above)
         for key, value in rec.scalars().items():
-            hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+            hist = history(key)
             assert len(hist) == 2, key  # HF logs at its global step: 1, 2
             assert _close(hist[rec.step + 1], value, 1e-12), (key, hist, value)
 
