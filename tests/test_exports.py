@@ -89,6 +89,25 @@ def test_import_loads_no_optional_extra():
     assert out.stdout.strip() == "[]"
 
 
+def test_a_plain_model_does_not_import_dtensor():
+    """A Monitor or a capture on a model without DTensor parameters leaves
+    ``torch.distributed.tensor`` unimported (importing it costs ~0.5 s; no DTensor can exist
+    without it), while one on a DTensor parameter still sees it (tests/test_sharded.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, hookscope as hs; net = hs.DemoNet(); "
+        "mon = hs.Monitor(net, alerts='off', sentinel=True); "
+        "net(torch.randn(2, 3, 16, 16)).sum().backward(); mon.step(); mon.close(); "
+        "cap = hs.capture(net, 'stage1.1', grads=True)\n"
+        "with cap: net(torch.randn(2, 3, 16, 16)).sum().backward()\n"
+        "print('torch.distributed.tensor' in sys.modules, tuple(cap.grads['stage1.1'].shape))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False (2, 16, 16, 16)"
+
+
 def test_only_the_core_scope_registers_hooks():
     """Every hook goes through ``core._scope.HookScope`` (removed on exit, listed as hookscope's):
     no other module calls a ``register_*hook*`` function (docstrings are not code)."""

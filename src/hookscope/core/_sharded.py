@@ -20,6 +20,7 @@ hookscope cannot prove fires would be a silent no-op.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -44,13 +45,21 @@ __all__ = [
 
 
 @functools.cache
-def dtensor_class() -> type | None:
-    """``torch.distributed.tensor.DTensor``, or ``None`` where torch.distributed is unavailable."""
+def _dtensor_import() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except Exception:  # torch built without distributed support
         return None
     return DTensor
+
+
+def dtensor_class() -> type | None:
+    """``torch.distributed.tensor.DTensor``, or ``None`` where torch.distributed is unavailable
+    or ``torch.distributed.tensor`` was never imported (then no DTensor can exist, and importing
+    it here would cost ~0.5 s of a first ``Monitor`` or scope)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return None
+    return _dtensor_import()
 
 
 def is_dtensor(t: Any) -> bool:
