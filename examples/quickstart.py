@@ -41,7 +41,7 @@ def main() -> None:
         model(x)
 
     print("\n3. capture outputs and gradients (every call of the reused ReLU is kept)")
-    with hs.capture(model, ["conv2", "relu", "fc"], grads=True, clone=True) as cap:
+    with hs.capture(model, ["conv2", "relu", "fc"], grads=True) as cap:
         F.cross_entropy(model(x), y).backward()
     for call in cap.calls("relu"):
         print(

@@ -274,7 +274,7 @@ def run_maps(args: argparse.Namespace) -> int:
         )
     name = next(iter(named))
     x = x.to(next(iter(model.parameters()), x).device)
-    with torch.no_grad(), capture(model, named, stop=True, clone=True) as cap:
+    with torch.no_grad(), capture(model, named, stop=True) as cap:
         model(x)
     act = first_tensor(cap[name])
     if act is None:

@@ -78,7 +78,7 @@ def spatial_children(model: nn.Module, x: torch.Tensor) -> list[str]:
     names = [n for n, _ in model.named_children()]
     if not names:
         return []
-    with torch.no_grad(), capture(model, names, clone=True) as cap:
+    with torch.no_grad(), capture(model, names) as cap:
         model(x)
         missing = set(cap.missing)
     ran = [n for n in names if n not in missing]
@@ -127,7 +127,7 @@ def maps_section(
         if not layers:
             s.note = "no top-level layer of this model outputs a (B, C, H, W) map; nothing to draw"
             return
-        with torch.no_grad(), capture(model, layers, clone=True) as cap:
+        with torch.no_grad(), capture(model, layers) as cap:
             model(x1)
         figs = [
             Figure(shown, "input image", scale=max(1, 192 // max(1, shown.shape[0])), width=240)
