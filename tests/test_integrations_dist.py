@@ -1,9 +1,16 @@
-"""The trainer callbacks on every rank: Lightning ``strategy="ddp"`` and the Hugging Face Trainer
-under DDP (gloo, 2 CPU processes on loopback, started by ``_dist.launch`` with the environment
-variables a launcher like torchrun sets, so the trainers start no processes of their own), with
-gradient accumulation. What reaches the run's own logger on rank 0 equals a one-process
-hand-written loop (``Monitor``) on the same weights and the combined micro-batches of both ranks;
-no other rank writes."""
+"""The trainer callbacks on every rank: Lightning ``strategy="ddp"``, Lightning's
+``ModelParallelStrategy`` with FSDP2 (``fully_shard``), and the Hugging Face Trainer under DDP
+(gloo, 2 CPU processes on loopback, started by ``_dist.launch`` with the environment variables a
+launcher like torchrun sets, so the trainers start no processes of their own), with gradient
+accumulation. What reaches the run's own logger on rank 0 equals a one-process hand-written loop
+(``Monitor``) on the same weights and the combined micro-batches of both ranks; no other rank
+writes.
+
+Not here: the HF Trainer's FSDP2 (``fsdp_config={"fsdp_version": 2}``). Accelerate 1.15 turns
+FSDP on only for GPU-like devices (``AcceleratorState``: the ``MULTI_GPU``, ``MULTI_XPU``, ...
+branch); on CPU it keeps ``MULTI_CPU`` and the Trainer wraps the model in DDP instead (checked:
+``trainer.model_wrapped`` is ``DistributedDataParallel`` with plain parameters), so a CPU test
+would test DDP twice."""
 
 from __future__ import annotations
 
@@ -93,12 +100,14 @@ def _unflatten(step: int, scalars: dict[str, float], prefix: str = "hookscope") 
     return rec
 
 
-# -- Lightning strategy="ddp" -------------------------------------------------------------------
+# -- Lightning: DDP and FSDP2 ------------------------------------------------------------------
 
 
-def _lightning_worker(rank: int, tmp: str) -> None:
+def _lightning_worker(rank: int, tmp: str, strategy_name: str) -> None:
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger, Logger
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
 
     from hookscope.integrations.lightning import HookscopeCallback
 
@@ -122,6 +131,13 @@ def _lightning_worker(rank: int, tmp: str) -> None:
             super().__init__()
             self.net = _net()
 
+        def configure_model(self):  # ModelParallelStrategy: FSDP2 over the data-parallel mesh
+            if strategy_name == "fsdp2":
+                mesh = self.device_mesh["data_parallel"]
+                for i in (0, 2, 4):
+                    fully_shard(self.net[i], mesh=mesh)
+                fully_shard(self.net, mesh=mesh)
+
         def training_step(self, batch, i):
             seen.append(batch[2].clone())
             return F.cross_entropy(self.net(batch[0]), batch[1])
@@ -137,7 +153,11 @@ def _lightning_worker(rank: int, tmp: str) -> None:
         accelerator="cpu",
         devices=WORLD,
         num_nodes=1,
-        strategy="ddp",
+        strategy=(
+            "ddp"
+            if strategy_name == "ddp"
+            else ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1)
+        ),
         max_steps=STEPS,
         accumulate_grad_batches=ACCUM,
         callbacks=[cb],
@@ -147,8 +167,14 @@ def _lightning_worker(rank: int, tmp: str) -> None:
         enable_checkpointing=False,
     )
     trainer.fit(Module(), loader)
+    sharded = isinstance(cb.monitor.model.net[0].weight, torch.distributed.tensor.DTensor)
     torch.save(
-        {"seen": seen, "calls": calls, "records": [r.to_dict() for r in cb.records]},
+        {
+            "seen": seen,
+            "calls": calls,
+            "records": [r.to_dict() for r in cb.records],
+            "sharded": sharded,
+        },
         os.path.join(tmp, f"rank{rank}.pt"),
     )
 
@@ -165,10 +191,14 @@ def _read_csv(tmp: str) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_lightning_ddp_rank0_logs_the_combined_batch_statistics(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_lightning_rank0_logs_the_combined_batch_statistics(tmp_path, strategy):
+    """``strategy="ddp"``, and ``ModelParallelStrategy`` sharding the module with FSDP2's
+    ``fully_shard`` (the monitor then reads DTensor parameters)."""
     pytest.importorskip("lightning")
-    launch(_lightning_worker, str(tmp_path), timeout=120)
+    launch(_lightning_worker, str(tmp_path), strategy, timeout=120)
     out = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert [o["sharded"] for o in out] == [strategy == "fsdp2"] * WORLD
     # Lightning trains on a DistributedSampler(shuffle=True, seed=0): one permutation of the
     # samples (its generator seeded with seed + epoch), and rank r takes every WORLD-th from r
     order = torch.randperm(N, generator=torch.Generator().manual_seed(0))
