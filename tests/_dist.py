@@ -6,6 +6,7 @@ import json
 import math
 import os
 import socket
+import time
 from collections.abc import Callable
 
 import torch
@@ -32,14 +33,24 @@ def _entry(rank: int, port: int, fn: Callable[..., None], args: tuple) -> None:
         dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., None], *args: object) -> None:
+def launch(fn: Callable[..., None], *args: object, timeout: float = 300.0) -> None:
     """Run ``fn(rank, *args)`` on 2 gloo ranks. fork: the children need not import torch again
     (several seconds each on a busy machine); they use one thread, so the parent's thread pool is
-    never needed after the fork."""
+    never needed after the fork. A rank still running after ``timeout`` seconds (one waiting in a
+    collective the others never reach) is killed and the test fails, instead of hanging."""
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(
-        _entry, args=(free_port(), fn, args), nprocs=WORLD, join=True, start_method=method
+    ctx = mp.start_processes(
+        _entry, args=(free_port(), fn, args), nprocs=WORLD, join=False, start_method=method
     )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+            raise AssertionError(f"ranks {alive} still running after {timeout:.0f} s: a hang")
 
 
 def read_jsonl(path: object) -> list[dict]:

@@ -95,7 +95,12 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
         record, self._pending = self._pending, None
         trainer = self._trainer() if self._trainer is not None else None
         if record is not None and trainer is not None and state.is_world_process_zero:
+            # trainer.log clears control.should_log (its on_log does): the Trainer would then
+            # skip its own loss log of this step, and under DDP only rank 0 would skip that
+            # log's all-gather of the loss, so the other ranks would wait forever
+            should_log = control.should_log
             trainer.log(record.scalars(self.prefix))
+            control.should_log = trainer.control.should_log = should_log
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.monitor is not None:
