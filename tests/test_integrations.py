@@ -162,10 +162,10 @@ class _HFModel(nn.Module):
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
 
 
-def _hf_trainer(tmp_path, base, seen, report_to):
+def _hf_trainer(tmp_path, base, seen, report_to, fp16=False, data=None, device="cpu", **kw):
     from transformers import Trainer, TrainingArguments
 
-    x, y = _data(16)
+    x, y = data if data is not None else _data(16)
     ds = [{"x": x[i], "labels": y[i]} for i in range(16)]
     args = TrainingArguments(
         output_dir=str(tmp_path / "hf"),
@@ -179,10 +179,12 @@ def _hf_trainer(tmp_path, base, seen, report_to):
         max_grad_norm=0.0,
         logging_steps=1,
         report_to=report_to,
-        use_cpu=True,
+        use_cpu=device == "cpu",
+        fp16=fp16,
         save_strategy="no",
         disable_tqdm=True,
         seed=0,
+        **kw,
     )
     return Trainer(model=_HFModel(copy.deepcopy(base), seen), args=args, train_dataset=ds)
 
@@ -278,6 +280,203 @@ def test_accelerate_accumulate_one_record_per_optimizer_step():
     assert [r.step for r in got] == [0, 1]
     for g, w in zip(got, want):
         _assert_same(g.scalars(), w)
+
+
+# -- fp16 with a GradScaler: unscaled records, and a step the scaler skips ------------------------
+#
+# On the CPU, Lightning takes fp16 through its MixedPrecision plugin with a CPU GradScaler. Accelerate
+# (and the HF Trainer on it) turn fp16 off on the CPU without a word (Accelerator(cpu=True,
+# mixed_precision="fp16") has scaler=None and no autocast: plain fp32), so the CPU tests give the
+# Accelerator the CPU GradScaler and autocast it would build on a GPU (its own fp16 code path then
+# runs as on CUDA); the CUDA variants use the real flags and run where a GPU is.
+
+_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 flags need CUDA")
+_DEVICES = ["cpu", pytest.param("cuda", marks=_cuda)]
+
+
+def _net16() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
+    )
+
+
+def _data16() -> tuple[torch.Tensor, torch.Tensor]:
+    """16 samples; the third micro-batch of 4 (the first of optimizer step 1) is 1000x larger: its
+    forward stays finite in fp16, its scaled backward overflows, so the scaler skips step 1."""
+    x, y = _data(16)
+    x[8:12] *= 1e3
+    return x, y
+
+
+def _hand_loop_fp16(
+    net: nn.Module, steps: list, init_scale: float, device: str = "cpu", norm: bool = False
+) -> tuple[list[hs.MonitorRecord], list[dict[str, float]], list[float]]:
+    """Monitor in a plain fp16 loop with a GradScaler; also each step's parameter gradient norms
+    unscaled by hand (``p.grad.norm() / scale`` before ``scaler.step``) and the scale after it.
+    ``norm``: measure the gradient norm as the HF Trainer does (``clip_grad_norm_(..., inf)``,
+    which on an overflow multiplies every gradient by inf/inf = NaN)."""
+    net = net.to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale)
+    hand, scales = [], []
+    with hs.Monitor(net, scaler=scaler, alerts="off") as mon:
+        for micro in steps:
+            for x, y in micro:
+                with torch.autocast(device, dtype=torch.float16):
+                    loss = F.cross_entropy(net(x.to(device)), y.to(device))
+                scaler.scale(loss / len(micro)).backward()
+            s = scaler.get_scale()
+            hand.append({n: p.grad.double().norm().item() / s for n, p in net.named_parameters()})
+            if norm:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(net.parameters(), math.inf)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            mon.step(opt)
+            opt.zero_grad()
+        return list(mon.records), hand, scales
+
+
+def _check_fp16(
+    got: list[hs.MonitorRecord],
+    base: nn.Module,
+    seen: list,
+    init_scale: float,
+    device: str,
+    norm: bool = False,
+) -> None:
+    """``got`` (a trainer's records, on ``seen`` micro-batches) equals the plain fp16 loop's."""
+    want, hand, scales = _hand_loop_fp16(
+        copy.deepcopy(base), [seen[:2], seen[2:]], init_scale, device, norm
+    )
+    assert init_scale != 1 and scales == [init_scale, init_scale / 2]  # step 1 was skipped
+    assert [r.step for r in got] == [0, 1]
+    assert [r.skipped for r in want] == [False, True]
+    assert [r.skipped for r in got] == [False, True]
+    for g, w in zip(got, want):
+        _assert_same(g.scalars(), w, 1e-5)
+    params = [{n.removeprefix("net."): d for n, d in r.params.items()} for r in got]
+    # unscaled: step 0's gradient norms are the scaled .grad over the scale, by hand
+    for n, v in hand[0].items():
+        assert _close(params[0][n]["grad_norm"], v, 1e-6), n
+    # the skipped step: the non-finite gradients are recorded as such (never as "no gradient"),
+    # the weights did not move, and the scalars say it
+    bad = sorted(n for n, v in hand[1].items() if not math.isfinite(v))
+    got_bad = sorted(n for n, d in params[1].items() if not math.isfinite(d["grad_norm"]))
+    assert bad and got_bad == (sorted(hand[1]) if norm else bad)
+    assert all(d["update_ratio"] == 0.0 for d in params[1].values())
+    assert [r.scalars()["hookscope/skipped"] for r in got] == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_lightning_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    base, (x, y), seen = _net16(), _data16(), []
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(base)
+
+        def training_step(self, batch, i):
+            seen.append((batch[0].clone(), batch[1].clone()))
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    init = 2.0**10
+    scaler = torch.amp.GradScaler(device, init_scale=init)
+    cb = HookscopeCallback(every=1, alerts="off")
+    trainer = L.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=2,
+        # on a GPU precision="16-mixed" builds the same plugin (with init_scale 2**16)
+        plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],
+        callbacks=[cb],
+        logger=False,
+        accelerator=device,
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    trainer.fit(Module(), loader)
+    assert cb.monitor is not None and cb.monitor.scaler is scaler
+    assert len(seen) == 4
+    _check_fp16(cb.records, base, seen, init, device)
+
+
+def _cpu_fp16(accelerator, init_scale: float) -> None:
+    """Give a CPU Accelerator (which turned fp16 off) the GradScaler and autocast of its fp16 path."""
+    assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None  # what it does
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    accelerator.native_amp = True
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_hf_trainer_fp16_grad_scaler_records_unscaled_and_skipped_steps(tmp_path, device):
+    pytest.importorskip("transformers")
+    from hookscope.integrations.transformers import HookscopeTrainerCallback
+
+    base, seen = _net16(), []
+    trainer = _hf_trainer(
+        tmp_path,
+        base,
+        seen,
+        "none",
+        fp16=True,
+        data=_data16(),
+        device=device,
+        train_sampling_strategy="sequential",  # the large micro-batch third
+    )
+    if device == "cpu":
+        _cpu_fp16(trainer.accelerator, 2.0**10)
+    init = trainer.accelerator.scaler.get_scale()
+    cb = HookscopeTrainerCallback(trainer, every=1, alerts="off")
+    trainer.add_callback(cb)
+    trainer.train()
+    assert cb.monitor is not None and cb.monitor.scaler is trainer.accelerator.scaler
+    assert len(seen) == 4
+    # the Trainer measures the gradient norm (clip_grad_norm_ with max_norm=inf) before the step:
+    # on the overflow step that turns every gradient into NaN; the record says what .grad holds
+    _check_fp16(cb.records, base, seen, init, device, norm=True)
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_accelerate_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
+    accelerate = pytest.importorskip("accelerate")
+    base, (x, y) = _net16(), _data16()
+    acc = accelerate.Accelerator(
+        cpu=device == "cpu", mixed_precision="fp16", gradient_accumulation_steps=2
+    )
+    if device == "cpu":
+        _cpu_fp16(acc, 2.0**10)
+    init = acc.scaler.get_scale()
+    net = copy.deepcopy(base)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    net, opt, loader = acc.prepare(net, opt, loader)
+    seen = []
+    with hs.Monitor(net, scaler=acc.scaler, alerts="off") as mon:
+        for xb, yb in loader:
+            with acc.accumulate(net):
+                seen.append((xb, yb))
+                acc.backward(F.cross_entropy(net(xb), yb))
+                opt.step()
+                if acc.sync_gradients:
+                    mon.step(opt.optimizer)
+                opt.zero_grad()
+        got = list(mon.records)
+    assert opt.step_was_skipped  # Accelerate's own word on the last step (step 1)
+    _check_fp16(got, base, seen, init, device)
 
 
 # -- W&B and MLflow sinks in a plain loop -------------------------------------------------------

@@ -101,7 +101,11 @@ class Monitor:
             (Conv, Linear, normalisations, ReLU, pooling); :func:`find_nonfinite` checks all.
         allow: layers allowed to produce infinities (e.g. a ``-inf`` attention mask); NaN is
             always reported. ``"<input>"`` allows an infinite model input.
-        scaler: the ``torch.amp.GradScaler`` in use, so gradients are reported unscaled.
+        scaler: the ``torch.amp.GradScaler`` in use, so gradients are reported unscaled. A step
+            the scaler skips (a gradient of the optimizer's parameters is Inf/NaN, so the weights
+            do not change and the scale is lowered) is recorded with ``record.skipped = True``:
+            its gradient statistics are the non-finite values that made it skip, its
+            ``update_ratio`` is 0, and the sentinel does not report its backward Inf.
         alerts: ``"warn"`` (:class:`MonitorWarning`), ``"log"`` (logger ``hookscope.monitor``),
             ``"both"`` or ``"off"``; alerts are in ``record.alerts`` in every case.
         histograms: bins of device-side activation and gradient histograms (0: none); a
@@ -327,6 +331,10 @@ class Monitor:
         self._attach()
         return record
 
+    def _scaler_on(self) -> bool:
+        scaler = self.scaler
+        return scaler is not None and (not hasattr(scaler, "is_enabled") or scaler.is_enabled())
+
     def _scaled(self, optimizer: Any) -> bool:
         """Are the ``.grad`` still multiplied by the scaler's scale?"""
         scaler, st = self.scaler, self._state
@@ -372,6 +380,21 @@ class Monitor:
                 ws = [p for _, p in self._params]
                 pidx = put(param_stats(ws, [p.grad for p in ws], self._before))
         sidx = put(st.scale.double()) if st.scale is not None else -1
+        # with a GradScaler: did it skip this step? It does when any gradient of the optimizer's
+        # parameters is not finite; the norms of those the monitor does not read come along here
+        kidx, mine, scaling = -1, [], self._scaler_on()
+        if scaling:
+            ids = {id(p): n for n, p in self._params} if pidx >= 0 else {}
+            ps = (
+                [p for g in optimizer.param_groups for p in g["params"]]
+                if optimizer is not None
+                else [p for _, p in self._params]
+            )
+            mine = [ids[id(p)] for p in ps if id(p) in ids]
+            rest = [local(p.grad) for p in ps if id(p) not in ids and p.grad is not None]
+            if rest:
+                kidx = put(torch.stack(torch._foreach_norm(rest, 2)).double())
+        has = [p.grad is not None for _, p in self._params]
         if not parts:
             return MonitorRecord(step)
         ranks = _gather(parts, hosts)  # one host transfer (after one all_gather if distributed)
@@ -424,13 +447,19 @@ class Monitor:
             for j, (pname, _) in enumerate(self._params):
                 gn, wn, un, bn = row[4 * j : 4 * j + 4]
                 d = {}
-                if not math.isnan(gn):
+                if has[j]:  # a NaN gradient is reported as NaN, never as "no gradient"
                     d["grad_norm"] = gn / pscale
                 d["weight_norm"] = wn
                 if optimizer is not None and self._before is not None:
                     d["update_ratio"] = un / bn if bn > 0 else (0.0 if un == 0 else math.inf)
                 params[pname] = d
-        rec = MonitorRecord(step, layers, params, histograms=hists)
+        skipped = None
+        if scaling:
+            norms = [params[n].get("grad_norm", 0.0) for n in mine]
+            if kidx >= 0:
+                norms += [v for r in ranks for v in vals(r, kidx)]
+            skipped = not all(math.isfinite(v) for v in norms)
+        rec = MonitorRecord(step, layers, params, histograms=hists, skipped=skipped)
         rec.alerts = diagnose(step, layers, params, self._prev, self.thresholds, self._allowed)
         self._prev = (layers, params)
         return rec

@@ -31,6 +31,8 @@ class MonitorRecord:
         alerts: diagnoses of this step (:class:`Alert`).
         nonfinite: where the first NaN/Inf came from (sentinel mode), or ``None``.
         histograms: ``{tag: (bucket_limits, counts)}`` when histograms were requested.
+        skipped: with a ``GradScaler``, whether it skipped this optimizer step (non-finite
+            gradients: the weights did not change); ``None`` without one.
     """
 
     step: int
@@ -39,12 +41,14 @@ class MonitorRecord:
     alerts: list[Alert] = field(default_factory=list)
     nonfinite: NonFiniteOrigin | None = None
     histograms: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    skipped: bool | None = None
 
     def scalars(self, prefix: str = "hookscope") -> dict[str, float]:
         """The record as flat scalars for a tracker: ``"{prefix}/{layer}/{stat}"`` and
         ``"{prefix}/params/{parameter}/{stat}"``. A repeated call ``"layer#1"`` is named
         ``"layer.call1"`` (``#`` is not allowed in MLflow metric names); the root module is
-        ``"<root>"``.
+        ``"<root>"``. With a ``GradScaler``, ``"{prefix}/skipped"`` is 1.0 for a step it skipped,
+        else 0.0.
 
         Example:
             >>> from hookscope import MonitorRecord
@@ -59,6 +63,8 @@ class MonitorRecord:
         for pname, stats in self.params.items():
             for k, v in stats.items():
                 out[f"{prefix}/params/{pname}/{k}"] = v
+        if self.skipped is not None:
+            out[f"{prefix}/skipped"] = float(self.skipped)
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -91,5 +97,6 @@ class MonitorRecord:
                 "params": self.params,
                 "alerts": [a.to_dict() for a in self.alerts],
                 "nonfinite": nf,
+                "skipped": self.skipped,
             }
         )
