@@ -11,8 +11,12 @@ import glob
 import importlib
 import json
 import math
+import re
 import sys
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -477,6 +481,187 @@ def test_accelerate_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
         got = list(mon.records)
     assert opt.step_was_skipped  # Accelerate's own word on the last step (step 1)
     _check_fp16(got, base, seen, init, device)
+
+
+@pytest.mark.parametrize("order", ["before_scaler_step", "after_update"])
+def test_plain_loop_records_the_step_a_grad_scaler_skips(order):
+    """What the trainer tests above compare against: in a plain loop, ``record.skipped`` says
+    whether the scaler skipped the step, whenever ``step()`` is called; ``None`` without one."""
+    x, y = _data16()
+    net = _net16()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    got, skipped_by_scaler = [], []
+    with hs.Monitor(net, scaler=scaler, alerts="off", sentinel=True) as mon:
+        for i in range(0, 16, 8):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(net(x[i : i + 8]), y[i : i + 8])
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            if order == "before_scaler_step":
+                got.append(mon.step(opt))
+            scaler.step(opt)
+            scaler.update()
+            skipped_by_scaler.append(scaler.get_scale() < before)
+            if order == "after_update":
+                got.append(mon.step(opt))
+            opt.zero_grad()
+    assert skipped_by_scaler == [False, True]
+    assert [r.skipped for r in got] == [False, True]
+    assert [r.to_dict()["skipped"] for r in got] == [False, True]
+    # an overflow the scaler handles is not a NaN/Inf origin for the sentinel
+    assert [r.nonfinite for r in got] == [None, None] and mon.nonfinite is None
+    assert not all(math.isfinite(d["grad_norm"]) for d in got[1].params.values())
+    with hs.Monitor(_net16(), alerts="off") as mon:
+        F.cross_entropy(mon.model(x), y).backward()
+        assert mon.step().skipped is None
+        assert "hookscope/skipped" not in mon.records[-1].scalars()
+
+
+def test_a_nan_parameter_gradient_is_reported_as_nan_not_as_missing():
+    net = _net16()
+    x, y = _data(8)
+    with hs.Monitor(net, alerts="off") as mon:
+        F.cross_entropy(net(x), y).backward()
+        net[2].weight.grad[0, 0] = math.nan
+        net[4].bias.grad = None
+        rec = mon.step()
+    assert math.isnan(rec.params["2.weight"]["grad_norm"])
+    assert "grad_norm" not in rec.params["4.bias"]  # no gradient: no value, never a fake one
+    assert _close(rec.params["0.weight"]["grad_norm"], net[0].weight.grad.norm().item(), 1e-6)
+
+
+# -- the sentinel through the trainers -------------------------------------------------------
+
+
+@contextmanager
+def _nonfinite_warnings() -> Iterator[list[str]]:
+    """The messages of the NonFiniteWarnings raised inside (the other monitor alerts, such as the
+    layer's non-finite output count, are let through unchecked)."""
+    out: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield out
+    out += [str(w.message) for w in caught if issubclass(w.category, hs.NonFiniteWarning)]
+
+
+class _Boom(nn.Module):
+    """Identity, except on its ``at``-th call (0-based): there it takes the log of its input, a
+    NaN wherever the input is negative (a real op, so the backward has NaN too)."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x.log() if self.calls - 1 == self.at else x * 1.0
+
+
+def _boom_net(at: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 16), nn.Tanh(), _Boom(at), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
+    )
+
+
+def _sentinel_reference(base: nn.Module, steps: list) -> tuple[list, hs.NonFiniteOrigin]:
+    """A plain loop with ``Monitor(sentinel=True)``, and ``find_nonfinite`` run on a copy of the
+    model just before the micro-batch that makes the NaN (the 3rd: step 1's first)."""
+    net = copy.deepcopy(base)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    found = None
+    with (
+        _nonfinite_warnings() as warned,
+        hs.Monitor(net, every=1, alerts="warn", sentinel=True) as mon,
+    ):
+        for micro in steps:
+            for x, y in micro:
+                if net[2].calls == net[2].at:
+                    probe = copy.deepcopy(net)
+                    found = hs.find_nonfinite(
+                        probe, x, loss_fn=lambda out, y=y: F.cross_entropy(out, y)
+                    )
+                (F.cross_entropy(net(x), y) / len(micro)).backward()
+            opt.step()
+            mon.step(opt)
+            opt.zero_grad()
+        recs = list(mon.records)
+    assert len(warned) == 1 and re.match(r"step 1: NAN .* layer '2' \(_Boom\)", warned[0])
+    assert found is not None
+    return recs, found
+
+
+def _check_sentinel(records: list[hs.MonitorRecord], first, want: list, found) -> None:
+    def strip(o: hs.NonFiniteOrigin | None) -> tuple | None:
+        if o is None:
+            return None
+        return (o.layer.removeprefix("net."), o.phase, o.call, o.kind, o.module_type, o.stats)
+
+    assert [strip(r.nonfinite) for r in records] == [None, strip(want[1].nonfinite)]
+    assert strip(records[1].nonfinite)[:5] == ("2", "forward", 0, "nan", "_Boom")
+    assert strip(first) == strip(want[1].nonfinite)
+    assert (found.layer, found.phase, found.kind) == ("2", "forward", "nan")
+    assert _close(found.stats["output_absmax"], want[1].nonfinite.stats["output_absmax"])
+
+
+def test_lightning_callback_sentinel_names_the_nan_layer_and_step():
+    L = pytest.importorskip("lightning")
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    base, (x, y), seen = _boom_net(at=2), _data(16), []
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(base)
+
+        def training_step(self, batch, i):
+            seen.append((batch[0].clone(), batch[1].clone()))
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = HookscopeCallback(every=1, alerts="warn", sentinel=True)
+    trainer = L.Trainer(
+        max_steps=2,
+        accumulate_grad_batches=2,
+        callbacks=[cb],
+        logger=False,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    # the NaN loss does not stop the run; the origin is reported as a warning at the step
+    with _nonfinite_warnings() as warned:
+        trainer.fit(Module(), loader)
+    assert len(warned) == 1 and re.match(r"step 1: NAN .* layer 'net\.2' \(_Boom\)", warned[0])
+    assert len(seen) == 4 and trainer.global_step == 2
+    want, found = _sentinel_reference(base, [seen[:2], seen[2:]])
+    _check_sentinel(cb.records, cb.monitor.nonfinite, want, found)
+
+
+def test_hf_trainer_callback_sentinel_names_the_nan_layer_and_step(tmp_path):
+    pytest.importorskip("transformers")
+    from hookscope.integrations.transformers import HookscopeTrainerCallback
+
+    base, seen = _boom_net(at=2), []
+    trainer = _hf_trainer(tmp_path, base, seen, "none")
+    cb = HookscopeTrainerCallback(trainer, every=1, alerts="warn", sentinel=True)
+    trainer.add_callback(cb)
+    with _nonfinite_warnings() as warned:  # the NaN loss does not stop the run
+        trainer.train()
+    assert len(warned) == 1 and re.match(r"step 1: NAN .* layer 'net\.2' \(_Boom\)", warned[0])
+    assert len(seen) == 4 and trainer.state.global_step == 2
+    want, found = _sentinel_reference(base, [seen[:2], seen[2:]])
+    _check_sentinel(cb.records, cb.monitor.nonfinite, want, found)
+    # the record also reached trainer.log (so every report_to integration) with its NaN values
+    logged = [h for h in trainer.state.log_history if "hookscope/net.2/nonfinite" in h]
+    assert [h["hookscope/net.2/nonfinite"] > 0 for h in logged] == [False, True]
 
 
 # -- W&B and MLflow sinks in a plain loop -------------------------------------------------------
