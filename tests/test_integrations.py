@@ -186,9 +186,8 @@ def _hf_trainer(tmp_path, base, seen, report_to, fp16=False, data=None, device="
         use_cpu=device == "cpu",
         fp16=fp16,
         save_strategy="no",
-        disable_tqdm=True,
         seed=0,
-        **kw,
+        **{"disable_tqdm": True, **kw},
     )
     return Trainer(model=_HFModel(copy.deepcopy(base), seen), args=args, train_dataset=ds)
 
@@ -255,6 +254,55 @@ def test_hf_callback_without_the_trainer_says_where_records_go(tmp_path):
     with pytest.warns(hs.HookscopeWarning, match="not to report_to"):
         trainer.train()
     assert len(cb.records) == 2
+
+
+@pytest.mark.parametrize("console", [False, True])
+@pytest.mark.parametrize("printer", ["ProgressCallback", "PrinterCallback"])
+def test_hf_records_reach_on_log_but_not_the_console_unless_asked(
+    tmp_path, capsys, printer, console
+):
+    pytest.importorskip("transformers")
+    from transformers import TrainerCallback
+
+    from hookscope.integrations.transformers import HookscopeTrainerCallback
+
+    class Tracker(TrainerCallback):  # stands for any report_to integration: it sees on_log
+        def __init__(self) -> None:
+            self.logs: list[dict] = []
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.logs.append({"step": state.global_step, **logs})
+
+    base, seen = _net(), []
+    # disable_tqdm=False: the Trainer prints logs through ProgressCallback, else PrinterCallback
+    trainer = _hf_trainer(tmp_path, base, seen, "none", disable_tqdm=printer == "PrinterCallback")
+    assert any(type(c).__name__ == printer for c in trainer.callback_handler.callbacks)
+    tracker = Tracker()
+    trainer.add_callback(tracker)
+    cb = HookscopeTrainerCallback(trainer, every=1, alerts="off", console=console)
+    trainer.add_callback(cb)
+    n_callbacks = len(trainer.callback_handler.callbacks)
+    capsys.readouterr()
+    trainer.train()
+    out = "".join(capsys.readouterr())
+    assert len(trainer.callback_handler.callbacks) == n_callbacks  # the printers are back
+    # the Trainer's own loss is still logged at every step (logging_steps=1) and printed as
+    # before; the records are printed only when asked
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2]
+    assert out.count("'loss'") == 2
+    assert ("hookscope/" in out) == console
+    # every other callback (report_to integrations among them) and log_history got each record
+    want = [r.scalars() for r in cb.records]
+    assert len(want) == 2
+    got = [
+        {k: v for k, v in d.items() if k.startswith("hookscope/")}
+        for d in tracker.logs
+        if any(k.startswith("hookscope/") for k in d)
+    ]
+    assert got == want
+    assert [d["step"] for d in tracker.logs if "hookscope/net.0/mean" in d] == [1, 2]
+    hist = [h for h in trainer.state.log_history if "hookscope/net.0/mean" in h]
+    assert [{k: h[k] for k in w} for h, w in zip(hist, want)] == want
 
 
 # -- Accelerate ---------------------------------------------------------------------------------

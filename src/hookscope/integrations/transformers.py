@@ -5,7 +5,10 @@ statistics cover the ``k`` micro-batches and its parameter gradients are the acc
 read in ``on_optimizer_step`` (after ``optimizer.step()``, before the Trainer zeroes them: at
 ``on_step_end`` they are already gone). Evaluation and saving between steps are not recorded.
 Given the ``Trainer``, each record is also passed to ``trainer.log``, so it reaches every
-``report_to`` integration (TensorBoard, W&B, MLflow, ...) and ``trainer.state.log_history``.
+``report_to`` integration (TensorBoard, W&B, MLflow, ...), every other callback's ``on_log`` and
+``trainer.state.log_history``, but not the console: the Trainer's ``PrinterCallback`` and
+``ProgressCallback`` print every value of every log, hundreds per record (``console=True``
+prints them).
 
 Example:
     >>> from hookscope.integrations.transformers import HookscopeTrainerCallback
@@ -38,6 +41,7 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
             only, and a warning says so when training starts.
         layers: what to watch (see :func:`hookscope.find`); default every leaf module.
         prefix: the logged scalars' name prefix.
+        console: also print each record's scalars through the Trainer's console printers.
         **monitor_kwargs: the other :class:`~hookscope.Monitor` arguments (``every``, ``stats``,
             ``sinks``, ``sentinel``, ``alerts``, ...); ``scaler`` is the Trainer's (fp16).
     """
@@ -48,12 +52,14 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
         layers: Any = None,
         *,
         prefix: str = "hookscope",
+        console: bool = False,
         **monitor_kwargs: Any,
     ) -> None:
         if "scaler" in monitor_kwargs:
             raise TypeError("HookscopeTrainerCallback takes the GradScaler from the Trainer")
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         self.layers, self.prefix, self.monitor_kwargs = layers, prefix, monitor_kwargs
+        self.console = console
         self.monitor: Monitor | None = None
         self._pending: MonitorRecord | None = None
 
@@ -99,9 +105,26 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
             # skip its own loss log of this step, and under DDP only rank 0 would skip that
             # log's all-gather of the loss, so the other ranks would wait forever
             should_log = control.should_log
-            trainer.log(record.scalars(self.prefix))
+            _log(trainer, record.scalars(self.prefix), self.console)
             control.should_log = trainer.control.should_log = should_log
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _log(trainer: Any, logs: dict[str, float], console: bool) -> None:
+    """``trainer.log(logs)``; unless ``console``, with the console printers left out of that one
+    call (the handler's list of callbacks is swapped for a filtered copy and put back: the loop
+    that is running this callback's ``on_step_end`` iterates the original list, untouched)."""
+    handler = trainer.callback_handler
+    callbacks = handler.callbacks
+    if not console:
+        handler.callbacks = [c for c in callbacks if not isinstance(c, _CONSOLE)]
+    try:
+        trainer.log(logs)
+    finally:
+        handler.callbacks = callbacks
+
+
+_CONSOLE = (_tf.PrinterCallback, _tf.ProgressCallback)  # each prints every value of every log
