@@ -422,6 +422,10 @@ def _check_fp16(
     assert [r.scalars()["hookscope/skipped"] for r in got] == [0.0, 1.0]
 
 
+def _cpu_scaler() -> torch.amp.GradScaler:
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+
 @pytest.mark.parametrize("device", _DEVICES)
 def test_lightning_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
     L = pytest.importorskip("lightning")
@@ -443,14 +447,16 @@ def test_lightning_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    init = 2.0**10
-    scaler = torch.amp.GradScaler(device, init_scale=init)
     cb = HookscopeCallback(every=1, alerts="off")
+    if device == "cpu":
+        # precision="16-mixed" on the CPU: Lightning warns "AMP with fp16 is not supported on
+        # CPU. Using `precision='bf16-mixed'` instead."; its fp16 plugin runs there when given
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=_cpu_scaler())]}
+    else:
+        precision = {"precision": "16-mixed"}
     trainer = L.Trainer(
         max_steps=2,
         accumulate_grad_batches=2,
-        # on a GPU precision="16-mixed" builds the same plugin (with init_scale 2**16)
-        plugins=[MixedPrecision("16-mixed", device, scaler=scaler)],
         callbacks=[cb],
         logger=False,
         accelerator=device,
@@ -458,7 +464,10 @@ def test_lightning_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
+        **precision,
     )
+    scaler = trainer.precision_plugin.scaler
+    init = scaler.get_scale()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     trainer.fit(Module(), loader)
     assert cb.monitor is not None and cb.monitor.scaler is scaler
@@ -466,10 +475,10 @@ def test_lightning_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
     _check_fp16(cb.records, base, seen, init, device)
 
 
-def _cpu_fp16(accelerator, init_scale: float) -> None:
+def _cpu_fp16(accelerator) -> None:
     """Give a CPU Accelerator (which turned fp16 off) the GradScaler and autocast of its fp16 path."""
     assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None  # what it does
-    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    accelerator.scaler = _cpu_scaler()
     accelerator.native_amp = True
 
 
@@ -490,7 +499,7 @@ def test_hf_trainer_fp16_grad_scaler_records_unscaled_and_skipped_steps(tmp_path
         train_sampling_strategy="sequential",  # the large micro-batch third
     )
     if device == "cpu":
-        _cpu_fp16(trainer.accelerator, 2.0**10)
+        _cpu_fp16(trainer.accelerator)
     init = trainer.accelerator.scaler.get_scale()
     cb = HookscopeTrainerCallback(trainer, every=1, alerts="off")
     trainer.add_callback(cb)
@@ -510,7 +519,7 @@ def test_accelerate_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
         cpu=device == "cpu", mixed_precision="fp16", gradient_accumulation_steps=2
     )
     if device == "cpu":
-        _cpu_fp16(acc, 2.0**10)
+        _cpu_fp16(acc)
     init = acc.scaler.get_scale()
     net = copy.deepcopy(base)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
