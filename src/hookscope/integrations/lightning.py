@@ -3,7 +3,11 @@
 One record per **optimizer step**: with ``accumulate_grad_batches=k`` a record's layer statistics
 cover the ``k`` micro-batches of the step and its parameter gradients are the accumulated ones
 (read after ``optimizer.step()``, before Lightning zeroes them at the next step's first
-micro-batch), unscaled under ``precision="16-mixed"``. Forward passes between steps (validation,
+micro-batch), unscaled under ``precision="16-mixed"`` (a step its GradScaler skips has
+``record.skipped``; on the CPU, where Lightning turns the flag into bf16, pass
+``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``). The
+sentinel (``sentinel=True``) names the first layer to produce a NaN/Inf and the step, in
+``record.nonfinite`` and a ``NonFiniteWarning``. Forward passes between steps (validation,
 the sanity check) are not recorded. Records go to every logger of the trainer
 (``Logger.log_metrics``: CSV, TensorBoard, W&B, MLflow, ...) at the record's step, and to the
 monitor's own sinks; under DDP statistics are reduced across ranks and rank 0 writes.

@@ -10,6 +10,10 @@ Given the ``Trainer``, each record is also passed to ``trainer.log``, so it reac
 ``ProgressCallback`` print every value of every log, hundreds per record (``console=True``
 prints them).
 
+With ``fp16`` the Trainer measures the gradient norm before each optimizer step
+(``clip_grad_norm_``), which on a step the GradScaler skips multiplies every gradient by
+inf/inf = NaN: that step's record has NaN ``grad_norm`` values and ``skipped=True``.
+
 Example:
     >>> from hookscope.integrations.transformers import HookscopeTrainerCallback
     >>> trainer = Trainer(model=model, args=args, train_dataset=ds)  # doctest: +SKIP
