@@ -305,6 +305,40 @@ def test_hf_records_reach_on_log_but_not_the_console_unless_asked(
     assert [{k: h[k] for k in w} for h, w in zip(hist, want)] == want
 
 
+def test_hf_log_history_false_keeps_records_out_of_the_saved_state_only(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import TrainerCallback
+
+    from hookscope.integrations.transformers import HookscopeTrainerCallback
+
+    class Tracker(TrainerCallback):
+        def __init__(self) -> None:
+            self.logs: list[dict] = []
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.logs.append(dict(logs))
+
+    base, seen = _net(), []
+    trainer = _hf_trainer(tmp_path, base, seen, "none")
+    tracker = Tracker()
+    trainer.add_callback(tracker)
+    cb = HookscopeTrainerCallback(trainer, every=1, alerts="off", log_history=False)
+    trainer.add_callback(cb)
+    trainer.train()
+    want = [r.scalars() for r in cb.records]
+    assert len(want) == 2
+    # report_to integrations (any on_log) still get every record ...
+    got = [
+        {k: v for k, v in d.items() if k.startswith("hookscope/")}
+        for d in tracker.logs
+        if any(k.startswith("hookscope/") for k in d)
+    ]
+    assert got == want
+    # ... the history (saved in trainer_state.json) has none, and keeps the Trainer's own logs
+    assert not any(k.startswith("hookscope/") for h in trainer.state.log_history for k in h)
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2]
+
+
 # -- Accelerate ---------------------------------------------------------------------------------
 
 
@@ -473,6 +507,21 @@ def test_lightning_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
     assert cb.monitor is not None and cb.monitor.scaler is scaler
     assert len(seen) == 4
     _check_fp16(cb.records, base, seen, init, device)
+
+
+def test_hf_fp16_on_the_cpu_without_a_scaler_warns_that_the_run_is_fp32(tmp_path):
+    pytest.importorskip("transformers")
+    from hookscope.core._errors import HookscopeWarning
+    from hookscope.integrations.transformers import HookscopeTrainerCallback
+
+    base, seen = _net(), []
+    trainer = _hf_trainer(tmp_path, base, seen, "none", fp16=True)
+    assert trainer.accelerator.scaler is None  # what Accelerate does with fp16 on the CPU
+    cb = HookscopeTrainerCallback(trainer, every=1, alerts="off")
+    trainer.add_callback(cb)
+    with pytest.warns(HookscopeWarning, match=r"fp16=True.*no GradScaler.*bf16=True"):
+        trainer.train()
+    assert len(cb.records) == 2 and not any(r.skipped for r in cb.records)
 
 
 def _cpu_fp16(accelerator) -> None:

@@ -8,7 +8,9 @@ Given the ``Trainer``, each record is also passed to ``trainer.log``, so it reac
 ``report_to`` integration (TensorBoard, W&B, MLflow, ...), every other callback's ``on_log`` and
 ``trainer.state.log_history``, but not the console: the Trainer's ``PrinterCallback`` and
 ``ProgressCallback`` print every value of every log, hundreds per record (``console=True``
-prints them).
+prints them). ``log_history`` is saved in ``trainer_state.json`` at every checkpoint: a record
+holds a few scalars per watched layer and parameter, so a long run with ``every=1`` makes that
+file large; ``log_history=False`` keeps the records out of it (they still reach ``report_to``).
 
 With ``fp16`` the Trainer measures the gradient norm before each optimizer step
 (``clip_grad_norm_``), which on a step the GradScaler skips multiplies every gradient by
@@ -46,6 +48,8 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
         layers: what to watch (see :func:`hookscope.find`); default every leaf module.
         prefix: the logged scalars' name prefix.
         console: also print each record's scalars through the Trainer's console printers.
+        log_history: keep each record in ``trainer.state.log_history`` (and so in every
+            checkpoint's ``trainer_state.json``), as ``trainer.log`` does with any log.
         **monitor_kwargs: the other :class:`~hookscope.Monitor` arguments (``every``, ``stats``,
             ``sinks``, ``sentinel``, ``alerts``, ...); ``scaler`` is the Trainer's (fp16).
     """
@@ -57,13 +61,14 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
         *,
         prefix: str = "hookscope",
         console: bool = False,
+        log_history: bool = True,
         **monitor_kwargs: Any,
     ) -> None:
         if "scaler" in monitor_kwargs:
             raise TypeError("HookscopeTrainerCallback takes the GradScaler from the Trainer")
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         self.layers, self.prefix, self.monitor_kwargs = layers, prefix, monitor_kwargs
-        self.console = console
+        self.console, self.log_history = console, log_history
         self.monitor: Monitor | None = None
         self._pending: MonitorRecord | None = None
 
@@ -85,6 +90,14 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
                 stacklevel=2,
             )
         scaler = getattr(getattr(trainer, "accelerator", None), "scaler", None)
+        if trainer is not None and getattr(args, "fp16", False) and scaler is None:
+            warnings.warn(
+                "TrainingArguments(fp16=True), but the Trainer's Accelerator has no GradScaler "
+                "(on the CPU, Accelerate turns fp16 off without a word): the run and its records "
+                "are fp32; use bf16=True on the CPU, or a GPU for fp16",
+                HookscopeWarning,
+                stacklevel=2,
+            )
         self.monitor = Monitor(model, self.layers, scaler=scaler, **self.monitor_kwargs)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -109,7 +122,7 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
             # skip its own loss log of this step, and under DDP only rank 0 would skip that
             # log's all-gather of the loss, so the other ranks would wait forever
             should_log = control.should_log
-            _log(trainer, record.scalars(self.prefix), self.console)
+            _log(trainer, record.scalars(self.prefix), self.console, self.log_history)
             control.should_log = trainer.control.should_log = should_log
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
@@ -117,18 +130,24 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
             self.monitor.close()
 
 
-def _log(trainer: Any, logs: dict[str, float], console: bool) -> None:
+def _log(trainer: Any, logs: dict[str, float], console: bool, history: bool) -> None:
     """``trainer.log(logs)``; unless ``console``, with the console printers left out of that one
     call (the handler's list of callbacks is swapped for a filtered copy and put back: the loop
-    that is running this callback's ``on_step_end`` iterates the original list, untouched)."""
+    that is running this callback's ``on_step_end`` iterates the original list, untouched);
+    unless ``history``, the entry ``trainer.log`` appended to ``log_history`` is taken out."""
     handler = trainer.callback_handler
     callbacks = handler.callbacks
     if not console:
         handler.callbacks = [c for c in callbacks if not isinstance(c, _CONSOLE)]
+    history_list = trainer.state.log_history
+    before = len(history_list)
     try:
         trainer.log(logs)
     finally:
         handler.callbacks = callbacks
+        if not history:
+            # trainer.log appends exactly one entry ({**logs, "step": ...}) before on_log
+            del history_list[before:]
 
 
 _CONSOLE = (_tf.PrinterCallback, _tf.ProgressCallback)  # each prints every value of every log
