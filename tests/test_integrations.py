@@ -38,6 +38,17 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """Accelerate keeps one process-wide state (mixed precision, accumulation) that refuses a
+    later Accelerator with other flags: each test starts and ends without one."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(True)
+        state.GradientState._reset_state()
+
+
 def _net() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -587,6 +598,50 @@ def test_accelerate_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
         got = list(mon.records)
     assert opt.step_was_skipped  # Accelerate's own word on the last step (step 1)
     _check_fp16(got, base, seen, init, device)
+
+
+def _accelerate_fp16_records(pass_scaler: bool, unwrap: bool) -> list:
+    accelerate = pytest.importorskip("accelerate")
+    base, (x, y) = _net16(), _data16()
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=2)
+    _cpu_fp16(acc)
+    net = copy.deepcopy(base)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    net, opt, loader = acc.prepare(net, opt, loader)
+    kw = {"scaler": acc.scaler} if pass_scaler else {}
+    with hs.Monitor(net, alerts="off", **kw) as mon:
+        for xb, yb in loader:
+            with acc.accumulate(net):
+                acc.backward(F.cross_entropy(net(xb), yb))
+                opt.step()
+                if acc.sync_gradients:
+                    mon.step(opt.optimizer if unwrap else opt)
+                opt.zero_grad()
+        return list(mon.records)
+
+
+def test_monitor_reads_through_an_accelerated_optimizer_and_adopts_its_scaler():
+    """``mon.step(accelerated_optimizer)`` equals ``mon.step(torch_optimizer)``; a Monitor not
+    given the Accelerator's GradScaler warns at the first step (whose output gradients are still
+    scaled: the warning says so) and records the later steps as if it had been given it."""
+    want = _accelerate_fp16_records(pass_scaler=True, unwrap=True)
+    assert [r.skipped for r in want] == [False, True]  # _data16: the scaler skips step 1
+    wrapped = _accelerate_fp16_records(pass_scaler=True, unwrap=False)
+    assert [r.skipped for r in wrapped] == [False, True]
+    for got, w in zip(wrapped, want, strict=True):
+        _assert_same(got.scalars(), w, rel=0)
+    with pytest.warns(hs.MonitorWarning, match=r"step 0: .*GradScaler the Monitor was not given"):
+        late = _accelerate_fp16_records(pass_scaler=False, unwrap=False)
+    assert [r.skipped for r in late] == [False, True]
+    _assert_same(late[1].scalars(), want[1], rel=0)
+    # the first step: parameter gradients (unscaled by scaler.step) agree; output gradients are
+    # the scaled ones, as the warning said
+    p0, w0 = late[0].scalars(), want[0].scalars()
+    pk = [k for k in w0 if "/params/" in k and k.endswith("grad_norm")]
+    assert pk and all(p0[k] == w0[k] for k in pk)
+    gk = [k for k in w0 if k.endswith("/grad_norm") and "/params/" not in k]
+    assert gk and any(p0[k] != w0[k] for k in gk)
 
 
 @pytest.mark.parametrize("order", ["before_scaler_step", "after_update"])

@@ -310,10 +310,15 @@ class Monitor:
 
         Call it after ``optimizer.step()`` (with a ``GradScaler``: after ``scaler.step(opt)``,
         before or after ``scaler.update()``) and before ``optimizer.zero_grad()``. Passing the
-        optimizer adds each parameter's update-to-weight ratio.
+        optimizer adds each parameter's update-to-weight ratio. A wrapper with an ``optimizer``
+        attribute (Accelerate's ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``)
+        is read through to the torch optimizer; if it carries an enabled ``GradScaler`` that the
+        monitor was not given, a warning says so and the monitor uses it from the next step.
         """
         if self._closed:
             return None
+        if optimizer is not None:
+            optimizer = self._inner_optimizer(optimizer)
         step, logged = self._step, self._logged(self._step)
         origin = self._sentinel_check() if self._tracker is not None else None
         record = None
@@ -330,6 +335,28 @@ class Monitor:
         self._step += 1
         self._attach()
         return record
+
+    def _inner_optimizer(self, optimizer: Any) -> Any:
+        """The torch optimizer behind a wrapper; adopts (with a warning) the wrapper's scaler."""
+        scaler = None
+        while True:
+            scaler = scaler or getattr(optimizer, "scaler", None)
+            inner = getattr(optimizer, "optimizer", None)
+            if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
+                break
+            optimizer = inner
+        enabled = scaler is not None and (not hasattr(scaler, "is_enabled") or scaler.is_enabled())
+        if enabled and self.scaler is None and hasattr(scaler, "get_scale"):
+            warnings.warn(
+                f"step {self._step}: the optimizer steps through a GradScaler the Monitor was not "
+                "given, so this step's output-gradient statistics are multiplied by its scale; "
+                "it is used from the next step on. Pass it from the start: "
+                "Monitor(model, ..., scaler=accelerator.scaler)",
+                MonitorWarning,
+                stacklevel=3,
+            )
+            self.scaler = scaler
+        return optimizer
 
     def _scaler_on(self) -> bool:
         scaler = self.scaler
