@@ -270,6 +270,14 @@ def test_jsonl_tensorboard_and_callable_sinks(tmp_path):
     assert "activations/0" in ea.Tags()["histograms"]
 
 
+def test_jsonl_sink_makes_its_folder(tmp_path):
+    path = tmp_path / "runs" / "a" / "m.jsonl"
+    sink = hs.JsonlSink(path)
+    sink(hs.MonitorRecord(step=2, layers={"fc": {"mean": 0.25}}))
+    sink.close()
+    assert json.loads(path.read_text())["layers"] == {"fc": {"mean": 0.25}}
+
+
 def test_grad_flow_plot_png(tmp_path):
     net = mlp()
     with hs.Monitor(net, alerts="off") as mon:

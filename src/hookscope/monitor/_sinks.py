@@ -15,7 +15,8 @@ __all__ = ["JsonlSink", "MlflowSink", "TensorBoardSink", "WandbSink", "as_sink"]
 
 
 class JsonlSink:
-    """Append each record as one JSON line (``record.to_dict()``) to ``path``.
+    """Append each record as one JSON line (``record.to_dict()``) to ``path`` (its folder is
+    made if missing, as TensorBoard's writer does).
 
     Example:
         >>> import tempfile, os, json, hookscope as hs
@@ -30,6 +31,9 @@ class JsonlSink:
 
     def __init__(self, path: str | os.PathLike[str], *, append: bool = True) -> None:
         self.path = os.fspath(path)
+        folder = os.path.dirname(self.path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
 
     def __call__(self, record: Any) -> None:
