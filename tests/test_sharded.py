@@ -249,6 +249,63 @@ def test_fsdp2_monitor_equals_one_process_on_the_combined_batch(tmp_path):
         assert (tmp_path / f"nan{rank}.txt").read_text().split(",") == list(want)
 
 
+# -- FSDP1 (FullyShardedDataParallel): refused for parameter statistics, layers exact ------------
+LAYER_STATS = ("activations", "gradients")
+
+
+def train_layers(model: nn.Module, xs: torch.Tensor, ys: torch.Tensor, out: str) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sink = hs.JsonlSink(out, append=False)
+    with hs.Monitor(model, stats=LAYER_STATS, sinks=[sink], alerts="off") as mon:
+        for x, y in zip(xs, ys):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            mon.step(opt)
+            opt.zero_grad()
+
+
+def _fsdp1_worker(rank: int, tmp: str) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    xs, ys = make_data(STEPS)
+    for orig in (False, True):
+        model = FSDP(make_model(), device_id=torch.device("cpu"), use_orig_params=orig)
+        with pytest.raises(hs.UnsupportedTensorError) as err:
+            hs.Monitor(model)
+        with open(os.path.join(tmp, f"err{rank}-{orig}.txt"), "w") as f:
+            f.write(str(err.value))
+        train_layers(
+            model,
+            xs.chunk(WORLD, dim=1)[rank],
+            ys.chunk(WORLD, dim=1)[rank],
+            os.path.join(tmp, f"rank{rank}-{orig}.jsonl"),
+        )
+        del model
+
+
+@pytest.mark.distributed
+def test_fsdp1_monitor_refuses_parameter_stats_and_records_layers_exactly(tmp_path):
+    """FSDP1 keeps parameters as flat shards: parameter statistics used to be silently missing
+    (use_orig_params=False) or one rank's slice (True); now refused by name. The layer
+    statistics equal one process on the combined batch."""
+    launch(_fsdp1_worker, str(tmp_path))
+    xs, ys = make_data(STEPS)
+    train_layers(make_model(), xs, ys, str(tmp_path / "single.jsonl"))
+    ref = read_jsonl(tmp_path / "single.jsonl")
+    for orig in (False, True):
+        for rank in range(WORLD):
+            msg = (tmp_path / f"err{rank}-{orig}.txt").read_text()
+            assert "FSDP1 FullyShardedDataParallel ('<root>')" in msg
+            assert "fully_shard" in msg and "stats=('activations', 'gradients')" in msg
+        got = read_jsonl(tmp_path / f"rank0-{orig}.jsonl")
+        assert read_jsonl(tmp_path / f"rank1-{orig}.jsonl") == []  # written once, by rank 0
+        prefix = "_fsdp_wrapped_module."
+        for d in got:
+            d["layers"] = {k.removeprefix(prefix): v for k, v in d["layers"].items()}
+        assert set(ref[0]["layers"]) == {str(i) for i in range(5)}
+        assert_records_close(got, ref, STEPS)
+
+
 # -- tensor parallel ------------------------------------------------------------------------------
 def make_tp_model() -> nn.Module:
     torch.manual_seed(0)

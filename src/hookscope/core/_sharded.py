@@ -37,6 +37,7 @@ __all__ = [
     "as_sharded_like",
     "check_tensor_type",
     "dtensor_class",
+    "fsdp1_wrappers",
     "fsdp_managed",
     "is_dtensor",
     "local",
@@ -60,6 +61,21 @@ def dtensor_class() -> type | None:
     if "torch.distributed.tensor" not in sys.modules:
         return None
     return _dtensor_import()
+
+
+def fsdp1_wrappers(model: nn.Module) -> list[str]:
+    """Names of the FSDP1 ``FullyShardedDataParallel`` wrappers in ``model`` (``""``: the root).
+
+    FSDP1 keeps each wrapper's parameters as one flat, sharded ``FlatParameter``: the original
+    parameters are either gone from ``named_parameters()`` (``use_orig_params=False``) or plain
+    tensors holding 1-D slices of the local shard (``use_orig_params=True``), so nothing in their
+    type says they are shards. Found by class, looked up only if a program imported FSDP1.
+    """
+    mod = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    cls = getattr(mod, "FullyShardedDataParallel", None) if mod is not None else None
+    if cls is None:
+        return []
+    return [name for name, m in model.named_modules() if isinstance(m, cls)]
 
 
 def is_dtensor(t: Any) -> bool:

@@ -22,10 +22,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..core._compiled import named_parameters
+from ..core._errors import UnsupportedTensorError
 from ..core._nested import iter_tensors
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import find, resolve
-from ..core._sharded import local
+from ..core._sharded import fsdp1_wrappers, local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
 from ._nonfinite import NonFiniteOrigin, _Tracker
 from ._record import MonitorRecord
@@ -165,6 +166,8 @@ class Monitor:
         )
         self.records: deque[MonitorRecord] = deque(maxlen=keep)
         self.nonfinite: NonFiniteOrigin | None = None
+        if "parameters" in self.stats:
+            _refuse_fsdp1(self.model)
         self._params = self._select_params() if "parameters" in self.stats else []
         check_params(self._params)
         self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
@@ -635,3 +638,22 @@ def _gather(parts: list[Vec], hosts: list[float]) -> list[list[float]]:
     out = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(out, flat)
     return torch.stack(out).tolist()
+
+
+def _refuse_fsdp1(model: nn.Module) -> None:
+    """FSDP1 parameters are flat shards the monitor cannot reduce to full-tensor norms: say so
+    at creation, instead of recording no parameters or the norms of one rank's slices."""
+    wrappers = fsdp1_wrappers(model)
+    if not wrappers:
+        return
+    shown = ", ".join(repr(w or "<root>") for w in wrappers[:3]) + (
+        f" and {len(wrappers) - 3} more" if len(wrappers) > 3 else ""
+    )
+    raise UnsupportedTensorError(
+        f"the model is wrapped in FSDP1 FullyShardedDataParallel ({shown}): its parameters are "
+        "flat shards, so parameter statistics would be missing (use_orig_params=False) or those "
+        "of this rank's slice (use_orig_params=True). Shard with FSDP2 instead "
+        "(torch.distributed.fsdp.fully_shard; Lightning ModelParallelStrategy; Accelerate/HF "
+        "fsdp_version=2), or record the layers only: "
+        "Monitor(model, stats=('activations', 'gradients'))"
+    )
