@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 import weakref
 
 import pytest
@@ -398,3 +399,20 @@ def test_expanded_and_strided_tensors_are_read_as_their_values():
         assert v[2:] == [float(d.abs().max()), float(torch.count_nonzero(d)), float(d.numel())]
         norm, mn, mx = grad_stats(x)
         assert math.isclose(norm, float(d.norm()), rel_tol=1e-6) and (mn, mx) == (d.min(), d.max())
+
+
+def test_old_style_weight_norm_is_not_taken_for_fsdp1():
+    """``torch.nn.utils.weight_norm`` leaves ``weight`` a plain tensor, as FSDP1 does with
+    ``use_orig_params=False``: only the latter is refused (tests/test_sharded.py)."""
+    import torch.distributed.fsdp  # FSDP1 imported, no process group
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        net = nn.Sequential(nn.utils.weight_norm(nn.Linear(4, 3)), nn.ReLU(), nn.Linear(3, 1))
+    with hs.Monitor(net, alerts="off") as mon:
+        net(torch.randn(5, 4)).sum().backward()
+        rec = mon.step()
+    assert set(rec.params) == {"0.weight_g", "0.weight_v", "0.bias", "2.weight", "2.bias"}
+    assert math.isclose(
+        rec.params["0.weight_v"]["grad_norm"], float(net[0].weight_v.grad.norm()), rel_tol=1e-6
+    )

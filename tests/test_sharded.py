@@ -272,8 +272,11 @@ def _fsdp1_worker(rank: int, tmp: str) -> None:
         model = FSDP(make_model(), device_id=torch.device("cpu"), use_orig_params=orig)
         with pytest.raises(hs.UnsupportedTensorError) as err:
             hs.Monitor(model)
+        # the module inside the wrapper (what trainers give their callbacks): found all the same
+        with pytest.raises(hs.UnsupportedTensorError) as inner:
+            hs.Monitor(model.module)
         with open(os.path.join(tmp, f"err{rank}-{orig}.txt"), "w") as f:
-            f.write(str(err.value))
+            f.write(str(err.value) + "\n" + str(inner.value))
         train_layers(
             model,
             xs.chunk(WORLD, dim=1)[rank],
@@ -294,9 +297,14 @@ def test_fsdp1_monitor_refuses_parameter_stats_and_records_layers_exactly(tmp_pa
     ref = read_jsonl(tmp_path / "single.jsonl")
     for orig in (False, True):
         for rank in range(WORLD):
-            msg = (tmp_path / f"err{rank}-{orig}.txt").read_text()
-            assert "FSDP1 FullyShardedDataParallel ('<root>')" in msg
-            assert "fully_shard" in msg and "stats=('activations', 'gradients')" in msg
+            msg, inner = (tmp_path / f"err{rank}-{orig}.txt").read_text().split("\n")
+            assert "wrapped in FSDP1 FullyShardedDataParallel ('<root>')" in msg
+            if orig:  # the original parameters carry FSDP1's mark
+                assert "parameters are managed by FSDP1" in inner and "'0.weight'" in inner
+            else:  # the parameters are gone: plain tensor views in their place
+                assert "weights are plain tensors" in inner and "'0.weight', '0.bias'" in inner
+            for m in (msg, inner):
+                assert "fully_shard" in m and "stats=('activations', 'gradients')" in m
         got = read_jsonl(tmp_path / f"rank0-{orig}.jsonl")
         assert read_jsonl(tmp_path / f"rank1-{orig}.jsonl") == []  # written once, by rank 0
         prefix = "_fsdp_wrapped_module."

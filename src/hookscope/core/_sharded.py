@@ -37,6 +37,7 @@ __all__ = [
     "as_sharded_like",
     "check_tensor_type",
     "dtensor_class",
+    "fsdp1_loaded",
     "fsdp1_wrappers",
     "fsdp_managed",
     "is_dtensor",
@@ -61,6 +62,11 @@ def dtensor_class() -> type | None:
     if "torch.distributed.tensor" not in sys.modules:
         return None
     return _dtensor_import()
+
+
+def fsdp1_loaded() -> bool:
+    """Has this program imported FSDP1 (``FullyShardedDataParallel``)?"""
+    return "torch.distributed.fsdp.fully_sharded_data_parallel" in sys.modules
 
 
 def fsdp1_wrappers(model: nn.Module) -> list[str]:

@@ -26,7 +26,7 @@ from ..core._errors import UnsupportedTensorError
 from ..core._nested import iter_tensors
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import find, resolve
-from ..core._sharded import fsdp1_wrappers, local
+from ..core._sharded import fsdp1_loaded, fsdp1_wrappers, local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
 from ._nonfinite import NonFiniteOrigin, _Tracker
 from ._record import MonitorRecord
@@ -166,9 +166,9 @@ class Monitor:
         )
         self.records: deque[MonitorRecord] = deque(maxlen=keep)
         self.nonfinite: NonFiniteOrigin | None = None
-        if "parameters" in self.stats:
-            _refuse_fsdp1(self.model)
         self._params = self._select_params() if "parameters" in self.stats else []
+        if "parameters" in self.stats:
+            _refuse_fsdp1(self.model, self.named, self._params)
         check_params(self._params)
         self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
         layer_stats = "activations" in self.stats or "gradients" in self.stats
@@ -640,19 +640,38 @@ def _gather(parts: list[Vec], hosts: list[float]) -> list[list[float]]:
     return torch.stack(out).tolist()
 
 
-def _refuse_fsdp1(model: nn.Module) -> None:
+def _refuse_fsdp1(
+    model: nn.Module,
+    layers: Mapping[str, nn.Module],
+    params: list[tuple[str, nn.Parameter]],
+) -> None:
     """FSDP1 parameters are flat shards the monitor cannot reduce to full-tensor norms: say so
-    at creation, instead of recording no parameters or the norms of one rank's slices."""
-    wrappers = fsdp1_wrappers(model)
-    if not wrappers:
+    at creation, instead of recording no parameters or the norms of one rank's slices. Found by
+    the wrapper in the model, or (a model given without its wrapper, as trainers hand callbacks
+    the unwrapped module) by what FSDP1 leaves on the parameters: the ``_fsdp_flattened`` mark
+    of ``use_orig_params=True``, or a ``weight``/``bias`` that is no longer a registered
+    parameter but a plain tensor view (``use_orig_params=False``)."""
+    found = [repr(w or "<root>") for w in fsdp1_wrappers(model)]
+    what = "the model is wrapped in FSDP1 FullyShardedDataParallel"
+    if not found:
+        found = [repr(n) for n, p in params if getattr(p, "_fsdp_flattened", False)]
+        what = "parameters are managed by FSDP1 FullyShardedDataParallel"
+    if not found and fsdp1_loaded() and dist.is_available() and dist.is_initialized():
+        # (only then: old-style torch.nn.utils.weight_norm also leaves a plain-tensor weight)
+        found = [
+            repr(f"{name}.{attr}" if name else attr)
+            for name, m in layers.items()
+            for attr in ("weight", "bias")
+            if isinstance(m.__dict__.get(attr), torch.Tensor)
+        ]
+        what = "layer weights are plain tensors, not parameters (FSDP1, use_orig_params=False?)"
+    if not found:
         return
-    shown = ", ".join(repr(w or "<root>") for w in wrappers[:3]) + (
-        f" and {len(wrappers) - 3} more" if len(wrappers) > 3 else ""
-    )
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
     raise UnsupportedTensorError(
-        f"the model is wrapped in FSDP1 FullyShardedDataParallel ({shown}): its parameters are "
-        "flat shards, so parameter statistics would be missing (use_orig_params=False) or those "
-        "of this rank's slice (use_orig_params=True). Shard with FSDP2 instead "
+        f"{what} ({shown}): FSDP1 keeps parameters as flat shards, so parameter statistics "
+        "would be missing (use_orig_params=False) or those of this rank's slice "
+        "(use_orig_params=True). Shard with FSDP2 instead "
         "(torch.distributed.fsdp.fully_shard; Lightning ModelParallelStrategy; Accelerate/HF "
         "fsdp_version=2), or record the layers only: "
         "Monitor(model, stats=('activations', 'gradients'))"
