@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -272,6 +273,30 @@ def _fsdp1_worker(rank: int, tmp: str) -> None:
         model = FSDP(make_model(), device_id=torch.device("cpu"), use_orig_params=orig)
         with pytest.raises(hs.UnsupportedTensorError) as err:
             hs.Monitor(model)
+        # gradient edits: refused when attached (the flat parameter, or the original ones)
+        # summary: counts this rank's flat shards, and says so
+        with pytest.warns(hs.HookscopeWarning, match=r"FSDP1 .*\('<root>'\).*this rank's"):
+            s = hs.summary(model, xs[0, :2])
+        assert s.totals.params < sum(p.numel() for p in make_model().parameters())
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:  # the module alone cannot run (its weights are 1-D slices outside forward)
+                hs.summary(model.module, xs[0, :2])
+            except RuntimeError as e:
+                assert "must be a matrix" in str(e) or "size" in str(e)
+        # inside the wrapper: found by FSDP1's marks on the original parameters
+        # (use_orig_params=True) or on the FlatParameter it registers on that module (False)
+        said = [w for w in seen if "FSDP1" in str(w.message)]
+        assert len(said) == 1
+        fsdp1_edits = [
+            lambda m: hs.clip_grads(m, max_norm=MAX_NORM),
+            lambda m: hs.clip_grads(m, value=VALUE),
+            lambda m: hs.edit_grads(m, {"*": hs.ops.zero()}),
+        ]
+        for attach in fsdp1_edits:
+            with pytest.raises(hs.UnsupportedTensorError, match=r"managed by FSDP1.*fully_shard"):
+                attach(model)
+            assert not hs.hooks_on(model)
         # the module inside the wrapper (what trainers give their callbacks): found all the same
         with pytest.raises(hs.UnsupportedTensorError) as inner:
             hs.Monitor(model.module)

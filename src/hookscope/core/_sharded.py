@@ -37,6 +37,7 @@ __all__ = [
     "as_sharded_like",
     "check_tensor_type",
     "dtensor_class",
+    "fsdp1_found",
     "fsdp1_loaded",
     "fsdp1_wrappers",
     "fsdp_managed",
@@ -82,6 +83,15 @@ def fsdp1_wrappers(model: nn.Module) -> list[str]:
     if cls is None:
         return []
     return [name for name, m in model.named_modules() if isinstance(m, cls)]
+
+
+def fsdp1_found(model: nn.Module) -> list[str]:
+    """The FSDP1 wrappers in ``model`` (:func:`fsdp1_wrappers`), else the parameters FSDP1 marked
+    as its own (``use_orig_params=True``: ``model`` is the module inside a wrapper)."""
+    if not fsdp1_loaded():
+        return []
+    found = [w or "<root>" for w in fsdp1_wrappers(model)]
+    return found or [n for n, p in model.named_parameters() if getattr(p, "_fsdp_flattened", False)]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -205,6 +215,14 @@ def add_param_grad_editor(
     run although ``.grad`` changed."""
     what = f"parameter {name!r}"
     check_tensor_type(param, what)
+    if getattr(param, "_fsdp_flattened", False):
+        raise UnsupportedTensorError(
+            f"{what} is managed by FSDP1 (FullyShardedDataParallel): its gradient is reduced "
+            "and sharded outside autograd, as one flat tensor per wrapper, so an edit could not "
+            "act on this parameter's full gradient. Shard with FSDP2 instead "
+            "(torch.distributed.fsdp.fully_shard; Lightning ModelParallelStrategy; Accelerate/HF "
+            "fsdp_version=2), where edits act on the full reduced gradient"
+        )
     if check is not None:
         check.watch(name, param)
         edit = on_grad

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -12,9 +13,11 @@ import torch
 import torch.nn as nn
 
 from ..core._compiled import compiled_regions, named_modules
+from ..core._errors import HookscopeWarning
 from ..core._inventory import has_global_hooks
 from ..core._nested import describe_call, iter_tensors
 from ..core._scope import HookScope, _Hook, check_model, in_backward, model_device, note_exception
+from ..core._sharded import fsdp1_found
 from ._flops import OpCounter, native_rule, no_dispatch, warm_up
 from ._format import parse_columns
 from ._rows import CallRecord, SummaryRow, SummaryTotals, build_rows, collapse
@@ -262,6 +265,17 @@ def summary(
         (128, {'': [2, 4]})
     """
     check_model(model)
+    fsdp1 = fsdp1_found(model)
+    if fsdp1:
+        shown = ", ".join(repr(n) for n in fsdp1[:3]) + (" ..." if len(fsdp1) > 3 else "")
+        warnings.warn(
+            f"the model is sharded by FSDP1 FullyShardedDataParallel ({shown}): its parameters "
+            "are this rank's flat shards, so the parameter counts are this rank's (padded), not "
+            "the model's. Summarize the model before wrapping it, or shard with FSDP2 "
+            "(fully_shard: DTensor parameters are counted whole)",
+            HookscopeWarning,
+            stacklevel=2,
+        )
     if depth is not None and (not isinstance(depth, int) or depth < 0):
         raise ValueError(f"depth must be a non-negative int or None; got {depth!r}")
     cols = parse_columns(columns)
