@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from . import _ops as ops
 from ._compiled import named_modules, named_parameters
-from ._errors import HookscopeError, HookscopeWarning, LayerNotFoundError
+from ._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_names
 from ._gradcheck import FireCheck
 from ._nested import iter_tensors
 from ._scope import HookScope, check_model
@@ -217,10 +217,9 @@ def _warn_ddp_local(model: nn.Module | None, what: str, names: list[str]) -> Non
     ddp = nn.parallel.DistributedDataParallel
     if not any(isinstance(m, ddp) for m in model.modules()):
         return
-    shown = ", ".join(repr(n) for n in names[:3]) + (" ..." if len(names) > 3 else "")
     warnings.warn(
         f"{what} on a DistributedDataParallel model edits each rank's own gradient of "
-        f"{shown} before DDP averages them over the ranks, so the result is not the same edit "
+        f"{some_names(names)} before DDP averages them over the ranks, so the result is not the same edit "
         "of the averaged gradient (what one process on the combined batch would get). For "
         "clipping the averaged gradient call torch.nn.utils.clip_grad_norm_ / clip_grad_value_ "
         "after backward, or shard with FSDP2 (fully_shard), where hookscope edits the reduced "

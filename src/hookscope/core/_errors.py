@@ -17,6 +17,7 @@ __all__ = [
     "NoGradientError",
     "UnsupportedModelError",
     "UnsupportedTensorError",
+    "some_names",
 ]
 
 
@@ -61,3 +62,8 @@ class HookscopeWarning(UserWarning):
 
 class InPlaceModifiedWarning(HookscopeWarning):
     """A captured tensor was modified in place by the model after it was captured."""
+
+
+def some_names(names: list[str], n: int = 3) -> str:
+    """The first ``n`` names for a message: ``"'a', 'b', 'c' ..."``."""
+    return ", ".join(repr(x) for x in names[:n]) + (" ..." if len(names) > n else "")

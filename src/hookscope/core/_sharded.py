@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,8 +37,10 @@ __all__ = [
     "as_sharded_like",
     "check_tensor_type",
     "dtensor_class",
+    "FSDP2_INSTEAD",
     "fsdp1_found",
     "fsdp1_loaded",
+    "fsdp1_marked",
     "fsdp1_wrappers",
     "fsdp_managed",
     "is_dtensor",
@@ -65,9 +67,18 @@ def dtensor_class() -> type | None:
     return _dtensor_import()
 
 
+_FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
+
+# what to do instead of FSDP1, for the messages that refuse or warn about it
+FSDP2_INSTEAD = (
+    "Shard with FSDP2 instead (torch.distributed.fsdp.fully_shard; Lightning "
+    "ModelParallelStrategy; Accelerate/HF fsdp_version=2)"
+)
+
+
 def fsdp1_loaded() -> bool:
     """Has this program imported FSDP1 (``FullyShardedDataParallel``)?"""
-    return "torch.distributed.fsdp.fully_sharded_data_parallel" in sys.modules
+    return _FSDP1_MODULE in sys.modules
 
 
 def fsdp1_wrappers(model: nn.Module) -> list[str]:
@@ -78,20 +89,25 @@ def fsdp1_wrappers(model: nn.Module) -> list[str]:
     tensors holding 1-D slices of the local shard (``use_orig_params=True``), so nothing in their
     type says they are shards. Found by class, looked up only if a program imported FSDP1.
     """
-    mod = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
-    cls = getattr(mod, "FullyShardedDataParallel", None) if mod is not None else None
+    cls = getattr(sys.modules.get(_FSDP1_MODULE), "FullyShardedDataParallel", None)
     if cls is None:
         return []
     return [name for name, m in model.named_modules() if isinstance(m, cls)]
 
 
+def fsdp1_marked(params: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the parameters FSDP1 marked as its own: its ``FlatParameter`` and, with
+    ``use_orig_params=True``, the original parameters (views into it)."""
+    return [n for n, p in params if getattr(p, "_fsdp_flattened", False)]
+
+
 def fsdp1_found(model: nn.Module) -> list[str]:
-    """The FSDP1 wrappers in ``model`` (:func:`fsdp1_wrappers`), else the parameters FSDP1 marked
-    as its own (``use_orig_params=True``: ``model`` is the module inside a wrapper)."""
+    """The FSDP1 wrappers in ``model`` (:func:`fsdp1_wrappers`), else its parameters FSDP1 marked
+    (:func:`fsdp1_marked`: ``model`` is the module inside a wrapper)."""
     if not fsdp1_loaded():
         return []
     found = [w or "<root>" for w in fsdp1_wrappers(model)]
-    return found or [n for n, p in model.named_parameters() if getattr(p, "_fsdp_flattened", False)]
+    return found or fsdp1_marked(model.named_parameters())
 
 
 def is_dtensor(t: Any) -> bool:
@@ -215,13 +231,12 @@ def add_param_grad_editor(
     run although ``.grad`` changed."""
     what = f"parameter {name!r}"
     check_tensor_type(param, what)
-    if getattr(param, "_fsdp_flattened", False):
+    if fsdp1_marked([(name, param)]):
         raise UnsupportedTensorError(
             f"{what} is managed by FSDP1 (FullyShardedDataParallel): its gradient is reduced "
             "and sharded outside autograd, as one flat tensor per wrapper, so an edit could not "
-            "act on this parameter's full gradient. Shard with FSDP2 instead "
-            "(torch.distributed.fsdp.fully_shard; Lightning ModelParallelStrategy; Accelerate/HF "
-            "fsdp_version=2), where edits act on the full reduced gradient"
+            f"act on this parameter's full gradient. {FSDP2_INSTEAD}, where edits act on the "
+            "full reduced gradient"
         )
     if check is not None:
         check.watch(name, param)

@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..monitor import Monitor, MonitorRecord
-from ._common import inner_optimizer, need
+from ._common import need
 
 _pl = need("lightning.pytorch", "lightning")
 
@@ -106,8 +106,8 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
         if self.monitor is None:
             return
         if self._stepped is not None:
-            optimizer, self._stepped = inner_optimizer(self._stepped), None
-            self.monitor.step(optimizer)
+            optimizer, self._stepped = self._stepped, None
+            self.monitor.step(optimizer)  # reads through LightningOptimizer
         self.monitor.pause()  # until the next training batch: validation is not recorded
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

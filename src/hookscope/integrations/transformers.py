@@ -31,7 +31,7 @@ from typing import Any
 
 from ..core._errors import HookscopeWarning
 from ..monitor import Monitor, MonitorRecord
-from ._common import inner_optimizer, need
+from ._common import need
 
 _tf = need("transformers", "transformers")
 
@@ -108,8 +108,7 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
         self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any
     ) -> None:
         if self.monitor is not None:
-            opt = inner_optimizer(optimizer) if optimizer is not None else None
-            self._pending = self.monitor.step(opt)
+            self._pending = self.monitor.step(optimizer)  # reads through AcceleratedOptimizer
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.monitor is None:

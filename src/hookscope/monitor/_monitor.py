@@ -22,11 +22,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..core._compiled import named_parameters
-from ..core._errors import UnsupportedTensorError
+from ..core._errors import UnsupportedTensorError, some_names
 from ..core._nested import iter_tensors
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import find, resolve
-from ..core._sharded import fsdp1_loaded, fsdp1_wrappers, local
+from ..core._sharded import FSDP2_INSTEAD, fsdp1_loaded, fsdp1_marked, fsdp1_wrappers, local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
 from ._nonfinite import NonFiniteOrigin, _Tracker
 from ._record import MonitorRecord
@@ -166,8 +166,9 @@ class Monitor:
         )
         self.records: deque[MonitorRecord] = deque(maxlen=keep)
         self.nonfinite: NonFiniteOrigin | None = None
-        self._params = self._select_params() if "parameters" in self.stats else []
+        self._params = []
         if "parameters" in self.stats:
+            self._params = self._select_params()
             _refuse_fsdp1(self.model, self.named, self._params)
         check_params(self._params)
         self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
@@ -348,8 +349,7 @@ class Monitor:
             if inner is None or inner is optimizer or not hasattr(inner, "param_groups"):
                 break
             optimizer = inner
-        enabled = scaler is not None and (not hasattr(scaler, "is_enabled") or scaler.is_enabled())
-        if enabled and self.scaler is None and hasattr(scaler, "get_scale"):
+        if _enabled(scaler) and self.scaler is None and hasattr(scaler, "get_scale"):
             warnings.warn(
                 f"step {self._step}: the optimizer steps through a GradScaler the Monitor was not "
                 "given, so this step's output-gradient statistics are multiplied by its scale; "
@@ -361,14 +361,10 @@ class Monitor:
             self.scaler = scaler
         return optimizer
 
-    def _scaler_on(self) -> bool:
-        scaler = self.scaler
-        return scaler is not None and (not hasattr(scaler, "is_enabled") or scaler.is_enabled())
-
     def _scaled(self, optimizer: Any) -> bool:
         """Are the ``.grad`` still multiplied by the scaler's scale?"""
         scaler, st = self.scaler, self._state
-        if scaler is None or (hasattr(scaler, "is_enabled") and not scaler.is_enabled()):
+        if not _enabled(scaler):
             return False
         states = getattr(scaler, "_per_optimizer_states", None)
         if states is None:
@@ -412,7 +408,7 @@ class Monitor:
         sidx = put(st.scale.double()) if st.scale is not None else -1
         # with a GradScaler: did it skip this step? It does when any gradient of the optimizer's
         # parameters is not finite; the norms of those the monitor does not read come along here
-        kidx, mine, scaling = -1, [], self._scaler_on()
+        kidx, mine, scaling = -1, [], _enabled(self.scaler)
         if scaling:
             ids = {id(p): n for n, p in self._params} if pidx >= 0 else {}
             ps = (
@@ -640,6 +636,11 @@ def _gather(parts: list[Vec], hosts: list[float]) -> list[list[float]]:
     return torch.stack(out).tolist()
 
 
+def _enabled(scaler: Any) -> bool:
+    """Is ``scaler`` a GradScaler that scales (``GradScaler(enabled=False)`` does not)?"""
+    return scaler is not None and (not hasattr(scaler, "is_enabled") or scaler.is_enabled())
+
+
 def _refuse_fsdp1(
     model: nn.Module,
     layers: Mapping[str, nn.Module],
@@ -648,18 +649,18 @@ def _refuse_fsdp1(
     """FSDP1 parameters are flat shards the monitor cannot reduce to full-tensor norms: say so
     at creation, instead of recording no parameters or the norms of one rank's slices. Found by
     the wrapper in the model, or (a model given without its wrapper, as trainers hand callbacks
-    the unwrapped module) by what FSDP1 leaves on the parameters: the ``_fsdp_flattened`` mark
-    of ``use_orig_params=True``, or a ``weight``/``bias`` that is no longer a registered
-    parameter but a plain tensor view (``use_orig_params=False``)."""
-    found = [repr(w or "<root>") for w in fsdp1_wrappers(model)]
+    the unwrapped module) by what FSDP1 leaves on the parameters: its mark
+    (:func:`fsdp1_marked`, ``use_orig_params=True``), or a ``weight``/``bias`` that is no longer
+    a registered parameter but a plain tensor view (``use_orig_params=False``)."""
+    found = [w or "<root>" for w in fsdp1_wrappers(model)]
     what = "the model is wrapped in FSDP1 FullyShardedDataParallel"
     if not found:
-        found = [repr(n) for n, p in params if getattr(p, "_fsdp_flattened", False)]
+        found = fsdp1_marked(params)
         what = "parameters are managed by FSDP1 FullyShardedDataParallel"
     if not found and fsdp1_loaded() and dist.is_available() and dist.is_initialized():
         # (only then: old-style torch.nn.utils.weight_norm also leaves a plain-tensor weight)
         found = [
-            repr(f"{name}.{attr}" if name else attr)
+            f"{name}.{attr}" if name else attr
             for name, m in layers.items()
             for attr in ("weight", "bias")
             if isinstance(m.__dict__.get(attr), torch.Tensor)
@@ -667,12 +668,9 @@ def _refuse_fsdp1(
         what = "layer weights are plain tensors, not parameters (FSDP1, use_orig_params=False?)"
     if not found:
         return
-    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
     raise UnsupportedTensorError(
-        f"{what} ({shown}): FSDP1 keeps parameters as flat shards, so parameter statistics "
-        "would be missing (use_orig_params=False) or those of this rank's slice "
-        "(use_orig_params=True). Shard with FSDP2 instead "
-        "(torch.distributed.fsdp.fully_shard; Lightning ModelParallelStrategy; Accelerate/HF "
-        "fsdp_version=2), or record the layers only: "
+        f"{what} ({some_names(found)}): FSDP1 keeps parameters as flat shards, so parameter "
+        "statistics would be missing (use_orig_params=False) or those of this rank's slice "
+        f"(use_orig_params=True). {FSDP2_INSTEAD}, or record the layers only: "
         "Monitor(model, stats=('activations', 'gradients'))"
     )

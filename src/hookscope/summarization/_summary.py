@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..core._compiled import compiled_regions, named_modules
-from ..core._errors import HookscopeWarning
+from ..core._errors import HookscopeWarning, some_names
 from ..core._inventory import has_global_hooks
 from ..core._nested import describe_call, iter_tensors
 from ..core._scope import HookScope, _Hook, check_model, in_backward, model_device, note_exception
@@ -267,11 +267,10 @@ def summary(
     check_model(model)
     fsdp1 = fsdp1_found(model)
     if fsdp1:
-        shown = ", ".join(repr(n) for n in fsdp1[:3]) + (" ..." if len(fsdp1) > 3 else "")
         warnings.warn(
-            f"the model is sharded by FSDP1 FullyShardedDataParallel ({shown}): its parameters "
-            "are this rank's flat shards, so the parameter counts are this rank's (padded), not "
-            "the model's. Summarize the model before wrapping it, or shard with FSDP2 "
+            f"the model is sharded by FSDP1 FullyShardedDataParallel ({some_names(fsdp1)}): "
+            "its parameters are this rank's flat shards, so the parameter counts are this "
+            "rank's (padded), not the model's. Summarize the model before wrapping it, or shard with FSDP2 "
             "(fully_shard: DTensor parameters are counted whole)",
             HookscopeWarning,
             stacklevel=2,
