@@ -97,16 +97,9 @@ def _assert_same(got: dict[str, float], want: hs.MonitorRecord, rel: float = 2e-
 # -- Lightning ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_lightning_callback_one_record_per_optimizer_step_in_the_csv_logger(tmp_path, precision):
-    L = pytest.importorskip("lightning")
-    from lightning.pytorch.loggers import CSVLogger
-
-    from hookscope.integrations.lightning import HookscopeCallback
-
-    base = _net()
-    x, y = _data(16)
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+def _lightning_module(base: nn.Module, seen: list):
+    """A LightningModule training a copy of ``base``, noting each micro-batch in ``seen``."""
+    import lightning as L
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -123,24 +116,51 @@ def test_lightning_callback_one_record_per_optimizer_step_in_the_csv_logger(tmp_
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
+    return Module()
+
+
+def _lightning_trainer(cb, **kw):
+    """2 optimizer steps of 2 micro-batches on the CPU, ``cb`` the only callback."""
+    import lightning as L
+
+    return L.Trainer(
+        **{
+            "max_steps": 2,
+            "accumulate_grad_batches": 2,
+            "callbacks": [cb],
+            "logger": False,
+            "accelerator": "cpu",
+            "devices": 1,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "enable_checkpointing": False,
+            **kw,
+        }
+    )
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightning_callback_one_record_per_optimizer_step_in_the_csv_logger(tmp_path, precision):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    base = _net()
+    x, y = _data(16)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     cb = HookscopeCallback(every=1, alerts="off")
-    trainer = L.Trainer(
-        max_steps=2,
-        accumulate_grad_batches=2,
+    trainer = _lightning_trainer(
+        cb,
         precision=precision,
-        callbacks=[cb],
         logger=CSVLogger(tmp_path),
-        accelerator="cpu",
-        devices=1,
         val_check_interval=2,
         limit_val_batches=1,
         num_sanity_val_steps=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
-    trainer.fit(Module(), loader, loader)
+    trainer.fit(_lightning_module(base, seen), loader, loader)
     assert len(seen) == 4
     want = _hand_loop(
         copy.deepcopy(base),
@@ -473,24 +493,12 @@ def _cpu_scaler() -> torch.amp.GradScaler:
 
 @pytest.mark.parametrize("device", _DEVICES)
 def test_lightning_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
-    L = pytest.importorskip("lightning")
+    pytest.importorskip("lightning")
     from lightning.pytorch.plugins import MixedPrecision
 
     from hookscope.integrations.lightning import HookscopeCallback
 
     base, (x, y), seen = _net16(), _data16(), []
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = copy.deepcopy(base)
-
-        def training_step(self, batch, i):
-            seen.append((batch[0].clone(), batch[1].clone()))
-            return F.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     cb = HookscopeCallback(every=1, alerts="off")
     if device == "cpu":
@@ -499,22 +507,11 @@ def test_lightning_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
         precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=_cpu_scaler())]}
     else:
         precision = {"precision": "16-mixed"}
-    trainer = L.Trainer(
-        max_steps=2,
-        accumulate_grad_batches=2,
-        callbacks=[cb],
-        logger=False,
-        accelerator=device,
-        devices=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        **precision,
-    )
+    trainer = _lightning_trainer(cb, accelerator=device, **precision)
     scaler = trainer.precision_plugin.scaler
     init = scaler.get_scale()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    trainer.fit(Module(), loader)
+    trainer.fit(_lightning_module(base, seen), loader)
     assert cb.monitor is not None and cb.monitor.scaler is scaler
     assert len(seen) == 4
     _check_fp16(cb.records, base, seen, init, device)
@@ -767,39 +764,17 @@ def _check_sentinel(records: list[hs.MonitorRecord], first, want: list, found) -
 
 
 def test_lightning_callback_sentinel_names_the_nan_layer_and_step():
-    L = pytest.importorskip("lightning")
+    pytest.importorskip("lightning")
     from hookscope.integrations.lightning import HookscopeCallback
 
     base, (x, y), seen = _boom_net(at=2), _data(16), []
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = copy.deepcopy(base)
-
-        def training_step(self, batch, i):
-            seen.append((batch[0].clone(), batch[1].clone()))
-            return F.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     cb = HookscopeCallback(every=1, alerts="warn", sentinel=True)
-    trainer = L.Trainer(
-        max_steps=2,
-        accumulate_grad_batches=2,
-        callbacks=[cb],
-        logger=False,
-        accelerator="cpu",
-        devices=1,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+    trainer = _lightning_trainer(cb)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
     # the NaN loss does not stop the run; the origin is reported as a warning at the step
     with _nonfinite_warnings() as warned:
-        trainer.fit(Module(), loader)
+        trainer.fit(_lightning_module(base, seen), loader)
     assert len(warned) == 1 and re.match(r"step 1: NAN .* layer 'net\.2' \(_Boom\)", warned[0])
     assert len(seen) == 4 and trainer.global_step == 2
     want, found = _sentinel_reference(base, [seen[:2], seen[2:]])

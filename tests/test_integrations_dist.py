@@ -239,8 +239,36 @@ class _HFModel(nn.Module):
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
 
 
+def _hf_trainer(out: str, seen: list, **kw):
+    """An HF Trainer of ``_HFModel`` on ``_data()``: ACCUM micro-batches of BATCH per rank,
+    STEPS optimizer steps of plain SGD (constant rate, no decay, no clipping), a log each step."""
+    from transformers import Trainer, TrainingArguments
+
+    x, y = _data()
+    ds = [{"x": x[i], "labels": y[i], "idx": torch.tensor(i)} for i in range(N)]
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUM,
+        max_steps=STEPS,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        **kw,
+    )
+    return Trainer(model=_HFModel(seen), args=args, train_dataset=ds)
+
+
 def _hf_worker(rank: int, tmp: str) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     from hookscope.integrations.transformers import HookscopeTrainerCallback
 
@@ -257,27 +285,7 @@ def _hf_worker(rank: int, tmp: str) -> None:
             if "loss" in logs:
                 loss_logs.append((state.global_step, logs["loss"]))
 
-    x, y = _data()
-    ds = [{"x": x[i], "labels": y[i], "idx": torch.tensor(i)} for i in range(N)]
-    args = TrainingArguments(
-        output_dir=os.path.join(tmp, "hf"),
-        per_device_train_batch_size=BATCH,
-        gradient_accumulation_steps=ACCUM,
-        max_steps=STEPS,
-        learning_rate=0.1,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        ddp_backend="gloo",
-    )
-    trainer = Trainer(model=_HFModel(seen), args=args, train_dataset=ds)
+    trainer = _hf_trainer(os.path.join(tmp, "hf"), seen, ddp_backend="gloo")
     cb = HookscopeTrainerCallback(trainer, every=1, alerts="off")
     trainer.add_callback(cb)
     trainer.add_callback(Collect())
@@ -328,29 +336,11 @@ def test_hf_trainer_keeps_its_own_loss_log_beside_the_records(tmp_path):
     """trainer.log (how records reach report_to) clears control.should_log; the callback keeps
     the Trainer's own log of the step: the same as a run without the callback."""
     pytest.importorskip("transformers")
-    from transformers import Trainer, TrainingArguments
 
     from hookscope.integrations.transformers import HookscopeTrainerCallback
 
-    x, y = _data()
-    ds = [{"x": x[i], "labels": y[i], "idx": torch.tensor(i)} for i in range(N)]
-
     def own_logs(callback: bool) -> list[dict]:
-        args = TrainingArguments(
-            output_dir=str(tmp_path / f"hf{callback}"),
-            per_device_train_batch_size=BATCH,
-            gradient_accumulation_steps=ACCUM,
-            max_steps=STEPS,
-            learning_rate=0.1,
-            optim="sgd",
-            logging_steps=1,
-            report_to="none",
-            use_cpu=True,
-            save_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-        )
-        trainer = Trainer(model=_HFModel([]), args=args, train_dataset=ds)
+        trainer = _hf_trainer(str(tmp_path / f"hf{callback}"), [])
         if callback:
             trainer.add_callback(HookscopeTrainerCallback(trainer, every=1, alerts="off"))
         trainer.train()
