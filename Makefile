@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO   := $(VENV)/.installed-demo
 
-.PHONY: demo test test-fast lint bench clean venv
+.PHONY: demo test test-fast lint bench docs clean venv
 
 venv: $(STAMP)
 
@@ -29,7 +29,7 @@ demo: $(DEMO)
 	$(VENV)/bin/hookscope demo
 
 test: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff check src tests benchmarks examples docs
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
@@ -37,12 +37,20 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
-	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff check src tests benchmarks examples docs
 	$(VENV)/bin/lint-imports
-	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m ruff format --check src tests benchmarks examples docs
+
+# the site: guides, executed tutorials, the API reference from hookscope.__all__; warnings are errors
+DOCS_OUT := docs/_build/html
+docs: $(STAMP)
+	MPLBACKEND=Agg HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m sphinx -W --keep-going -b html \
+		-d docs/_build/doctrees docs $(DOCS_OUT)
+	@echo "site: $(DOCS_OUT)/index.html"
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .ruff_cache docs/_build docs/api \
+		docs/auto_tutorials
