@@ -61,6 +61,7 @@ napoleon_use_ivar = True  # "Attributes:" as fields: no clash with documented pr
 myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence"]
 
+from picture_scraper import PictureScraper  # noqa: E402
 from tutorial_order import TutorialOrder  # noqa: E402
 
 sphinx_gallery_conf = {
@@ -73,7 +74,7 @@ sphinx_gallery_conf = {
     "only_warn_on_example_error": False,
     "plot_gallery": "True",
     "download_all_examples": False,
-    "image_scrapers": ("matplotlib",),
+    "image_scrapers": ("matplotlib", PictureScraper()),
     "matplotlib_animations": False,
     "capture_repr": ("_repr_html_", "__repr__"),
     "remove_config_comments": True,

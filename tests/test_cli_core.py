@@ -34,9 +34,11 @@ def model_file(tmp_path):
 def test_trace_prints_every_call(model_file, capsys):
     assert main(["trace", f"{model_file}:Tiny(width=5)", "--input", "2,3"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == ["fc1", "act", "fc2", "<root>"]
-    assert "[2, 3] -> [2, 5]" in lines[0] and "float32 cpu" in lines[0]
-    assert "[2, 5] -> [2, 2]" in lines[2]
+    # a header, then the calls in the order they started: the model above its layers
+    assert [line.split()[0] for line in lines] == ["layer", "<root>", "fc1", "act", "fc2"]
+    assert lines[0].split()[1:4] == ["#", "type", "ms"]
+    assert "[2, 3] -> [2, 5]" in lines[2] and lines[2].split()[4:6] == ["float32", "cpu"]
+    assert "[2, 5] -> [2, 2]" in lines[4] and "[2, 3] -> [2, 2]" in lines[1]
 
 
 @pytest.mark.parametrize(

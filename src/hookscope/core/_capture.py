@@ -257,6 +257,8 @@ class Capture(Mapping[str, Any]):
         grads: mapping ``{layer: gradient w.r.t. the output of its last call}``.
         inputs: mapping ``{layer: Inputs(args, kwargs) of its last call}``.
         layers: the layers that were selected, in model order.
+        stopped: ``True`` once a ``stop=True`` scope ended the forward pass early (the rest of
+            the ``with`` block was skipped).
     """
 
     def __init__(
@@ -267,6 +269,7 @@ class Capture(Mapping[str, Any]):
         self.layers: list[str] = list(named)
         self._scope = HookScope("capture")
         self._stop = stop
+        self.stopped = False
         self.grads = _GradView(self)
         self.inputs = _InputView(self)
         try:
@@ -338,6 +341,7 @@ class Capture(Mapping[str, Any]):
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         suppressed = self._scope.__exit__(exc_type, exc, tb)
+        self.stopped = self.stopped or bool(suppressed)
         if self._stop and exc is None:
             missing = self.missing
             if missing:
@@ -477,9 +481,13 @@ def capture(
             No copy is made where none is needed: with ``to=`` another device (the transfer is
             the copy), and for the layer whose call ends a ``stop=True`` forward pass.
         to: move stored tensors to this device (asynchronous from CUDA to CPU).
-        stop: end the forward pass as soon as every selected layer has run once (the exception
-            used for that is swallowed when the ``with`` block exits). A selected layer that never
-            runs raises :class:`LayerNotRunError` at exit.
+        stop: end the forward pass as soon as every selected layer has run once. It ends by
+            raising an exception inside the model, which the ``with`` block swallows at its end:
+            **the rest of the block is skipped** (``out = model(x)`` is never assigned, code
+            after it never runs). ``cap.stopped`` is ``True`` afterwards when that happened. For
+            a call that returns normally, use :class:`FeatureExtractor` (``fx(x)`` returns
+            ``{layer: output}`` and stops early too). A selected layer that never runs raises
+            :class:`LayerNotRunError` at exit.
         keep: ``"all"`` keeps every call; ``"last"`` only the latest per layer (long loops).
 
     Example:

@@ -15,9 +15,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["describe", "describe_call", "first_tensor", "iter_tensors", "map_tensors"]
+__all__ = [
+    "Shapes",
+    "call_shapes",
+    "describe",
+    "describe_call",
+    "first_tensor",
+    "format_shapes",
+    "iter_tensors",
+    "map_tensors",
+    "shapes",
+]
 
 Path = tuple[Any, ...]
+# The one form of shapes that trace, summary (rows, tables, JSON) and TraceEvent use: one tensor's
+# shape as a list of ints; several tensors (a nested value, or a call's inputs) as
+# ``{dotted path: shape}``.
+Shapes = list[int] | dict[str, list[int]]
 
 
 def _is_namedtuple(obj: Any) -> bool:
@@ -110,3 +124,53 @@ def describe_call(args: Any, kwargs: Any = None) -> str:
         f"{k}={describe(v)}" for k, v in (kwargs or {}).items() if first_tensor(v) is not None
     ]
     return ", ".join(parts) if parts else "no tensor inputs"
+
+
+def _key(path: Path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def shapes(obj: Any) -> Shapes:
+    """The shapes of a value in hookscope's one form: a tensor gives its shape as a list; a nested
+    value gives ``{dotted path: shape}`` (``"0"``, ``"logits"``, ``"hidden_states.2"``), ``{}``
+    when it holds no tensor.
+
+    >>> shapes(torch.zeros(2, 3)), shapes((torch.zeros(2), {"h": torch.zeros(1, 4)}))
+    ([2, 3], {'0': [2], '1.h': [1, 4]})
+    """
+    if isinstance(obj, torch.Tensor):
+        return list(obj.shape)
+    return {_key(p): list(t.shape) for p, t in iter_tensors(obj)}
+
+
+def call_shapes(args: Any, kwargs: Any = None) -> Shapes:
+    """The shapes of a call's inputs in the same form: one positional tensor and no keyword
+    tensor gives its shape; otherwise ``{path: shape}`` with positional paths (``"0"``,
+    ``"1.h"``) and keyword names (``"attention_mask"``).
+
+    >>> call_shapes((torch.zeros(2, 3),)), call_shapes((torch.zeros(2),), {"mask": torch.zeros(2)})
+    ([2, 3], {'0': [2], 'mask': [2]})
+    """
+    if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):
+        return list(args[0].shape)
+    out = {_key((i, *p)): list(t.shape) for i, a in enumerate(args) for p, t in iter_tensors(a)}
+    out.update(
+        {
+            _key((k, *p)): list(t.shape)
+            for k, v in (kwargs or {}).items()
+            for p, t in iter_tensors(v)
+        }
+    )
+    return out
+
+
+def format_shapes(s: Shapes) -> str:
+    """The text of :func:`shapes` / :func:`call_shapes`, as trace and summary print it:
+    ``[2, 3]``, or ``0:[2], mask:[2]`` for several tensors, ``-`` for none.
+
+    >>> format_shapes([2, 3]), format_shapes({"0": [2], "mask": [2]}), format_shapes({})
+    ('[2, 3]', '0:[2], mask:[2]', '-')
+    """
+    if isinstance(s, list):
+        return "[" + ", ".join(map(str, s)) + "]"
+    return ", ".join(f"{k}:[{', '.join(map(str, v))}]" for k, v in s.items()) or "-"

@@ -10,46 +10,63 @@ from typing import Any, TextIO
 import torch
 import torch.nn as nn
 
-from ._nested import first_tensor, iter_tensors
+from ._nested import Shapes, call_shapes, first_tensor, format_shapes, shapes
 from ._scope import HookScope, check_model, note_exception
 from ._select import resolve
 
 __all__ = ["Trace", "TraceEvent", "trace"]
 
 
-def _shape(obj: Any) -> str:
-    shapes = [list(t.shape) for _, t in iter_tensors(obj)]
-    if not shapes:
-        return "-"
-    if len(shapes) == 1 and isinstance(obj, torch.Tensor):
-        return str(shapes[0])
-    return "(" + ", ".join(str(s) for s in shapes) + ")"
+def _fit(text: str, width: int) -> str:
+    """``text`` in ``width`` characters: a longer one keeps its end (the most specific part)."""
+    return text if len(text) <= width else "…" + text[len(text) - width + 1 :]
 
 
 @dataclass
 class TraceEvent:
-    """One traced call: what :func:`trace` printed, as data."""
+    """One traced call: what :func:`trace` printed, as data.
+
+    ``input_shapes`` and ``output_shapes`` are in hookscope's one form of shapes (the same as
+    :class:`SummaryRow`'s): one tensor's shape as a list (``[2, 4]``); several tensors as
+    ``{path: shape}`` (positional paths ``"0"``, keyword names, paths into the output such as
+    ``"logits"``). ``raised`` is ``True`` for a call that ended with an exception.
+    """
 
     layer: str
     index: int
     type: str
     depth: int
-    input_shapes: str
-    output_shapes: str
+    input_shapes: Shapes
+    output_shapes: Shapes
     dtype: str
     device: str
     ms: float
+    raised: bool = False
 
     def format(self, width: int = 28, type_width: int = 16) -> str:
-        name = ("  " * self.depth + (self.layer or "<root>")).ljust(width)
+        """The printed line: columns ``width`` (name, indented by depth) and ``type_width`` wide;
+        longer names and types are shortened from the left with ``…``."""
+        name = _fit("  " * self.depth + (self.layer or "<root>"), width)
+        if self.raised:
+            return f"{name:<{width}} {self.index:>3d} {_fit(self.type, type_width):<{type_width}}  raised"
         return (
-            f"{name} #{self.index:<2d} {self.type:<{type_width}s} {self.input_shapes} -> {self.output_shapes}"
-            f"  {self.dtype} {self.device}  {self.ms:.3f} ms"
+            f"{name:<{width}} {self.index:>3d} {_fit(self.type, type_width):<{type_width}} "
+            f"{self.ms:>9.3f}  {self.dtype:<8} {self.device:<6} "
+            f"{format_shapes(self.input_shapes)} -> {format_shapes(self.output_shapes)}"
         )
 
 
+def header(width: int = 28, type_width: int = 16) -> str:
+    """The column titles :func:`trace` prints above its first line."""
+    return (
+        f"{'layer':<{width}} {'#':>3} {'type':<{type_width}} {'ms':>9}  {'dtype':<8} {'device':<6} "
+        "input -> output shapes"
+    )
+
+
 class Trace(HookScope):
-    """The scope returned by :func:`trace`; ``.events`` holds every call as a :class:`TraceEvent`."""
+    """The scope returned by :func:`trace`; ``.events`` holds every call as a :class:`TraceEvent`,
+    in the order the calls started (a container before its children)."""
 
     def __init__(self, owner: str = "trace") -> None:
         super().__init__(owner)
@@ -64,8 +81,15 @@ def trace(
     sync: bool = False,
     quiet: bool = False,
 ) -> Trace:
-    """Print each layer call as it completes: name, call index, type, input and output shapes,
-    dtype, device and inclusive time. Indentation shows nesting.
+    """Print each layer call: name (indented by nesting), call index, type, inclusive time,
+    dtype, device, input and output shapes, under a header line.
+
+    Lines come in the order the calls *started*, so a container is printed above its children,
+    as a tree. A line is printed as soon as its call and every call that started before it have
+    returned: a traced leaf layer prints at once, and a container's line (with the lines of its
+    children) when the container returns. A call that raised is printed with ``raised``.
+    Names longer than the name column are shortened from the left with ``…``
+    (``.events`` keeps them whole).
 
     ``layers`` selects what to print (default: every module). ``sync=True`` synchronises CUDA
     around each call for exact GPU timings (off by default: no host sync in hooks). An exception
@@ -75,31 +99,59 @@ def trace(
         >>> import torch, torch.nn as nn, hookscope as hs, io
         >>> net = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
         >>> out = io.StringIO()
-        >>> with hs.trace(net, file=out):
+        >>> with hs.trace(net, file=out) as tr:
         ...     _ = net(torch.zeros(4, 2))
         >>> [line.split()[0] for line in out.getvalue().splitlines()]
-        ['0', '1', '<root>']
+        ['layer', '<root>', '0', '1']
+        >>> tr.events[1].input_shapes, tr.events[1].output_shapes
+        ([4, 2], [4, 3])
     """
     check_model(model)
     named = resolve(model, layers)
-    stream = file
     scope = Trace("trace")
     depth_of = {name: (0 if name == "" else name.count(".") + 1) for name in named}
     if "" not in named:
         shallow = min(depth_of.values(), default=0)
         depth_of = {k: v - shallow for k, v in depth_of.items()}
     counts: dict[str, int] = {}
-    width = min(40, max((len(n) + 2 * depth_of[n] for n in named), default=10) + 2)
+    width = min(60, max((len(n or "<root>") + 2 * depth_of[n] for n in named), default=10))
+    width = max(width, len("layer"))
     type_width = min(24, max((len(type(m).__name__) for m in named.values()), default=8))
+    # calls in the order they started; each slot is filled when its call returns, and printed
+    # once every slot before it is filled
+    slots: list[TraceEvent | None] = []
+    printed = [0]
+    started_header = [False]
+
+    def emit(line: str) -> None:
+        if quiet:
+            return
+        if not started_header[0]:
+            started_header[0] = True
+            print(header(width, type_width), file=file or sys.stdout, flush=True)
+        print(line, file=file or sys.stdout, flush=True)
+
+    def flush() -> None:
+        while printed[0] < len(slots) and slots[printed[0]] is not None:
+            ev = slots[printed[0]]
+            printed[0] += 1
+            scope.events.append(ev)  # type: ignore[arg-type]
+            emit(ev.format(width, type_width))  # type: ignore[union-attr]
+        if printed[0] == len(slots):
+            slots.clear()
+            printed[0] = 0
 
     for name, module in named.items():
-        starts: list[float] = []
+        starts: list[tuple[float, int]] = []
 
-        def pre(module: nn.Module, args: Any, kwargs: Any, starts: list[float] = starts) -> None:
+        def pre(
+            module: nn.Module, args: Any, kwargs: Any, starts: list[tuple[float, int]] = starts
+        ) -> None:
             t = first_tensor((args, kwargs))
             if sync and t is not None and t.is_cuda:
                 torch.cuda.synchronize(t.device)
-            starts.append(time.perf_counter())
+            slots.append(None)
+            starts.append((time.perf_counter(), len(slots) - 1))
 
         def post(
             module: nn.Module,
@@ -107,39 +159,43 @@ def trace(
             kwargs: Any,
             output: Any,
             name: str = name,
-            starts: list[float] = starts,
+            starts: list[tuple[float, int]] = starts,
         ) -> None:
             if not starts:
                 return
-            start = starts.pop()
-            if sys.exc_info()[1] is not None and output is None:
+            start, slot = starts.pop()
+            index = counts.get(name, 0)
+            counts[name] = index + 1
+            raised = sys.exc_info()[1] is not None and output is None
+            if raised:
                 note_exception(name, module, args, kwargs)
-                return
             t = first_tensor(output)
             if sync and t is not None and t.is_cuda:
                 torch.cuda.synchronize(t.device)
             ms = (time.perf_counter() - start) * 1e3
-            index = counts.get(name, 0)
-            counts[name] = index + 1
-            ev = TraceEvent(
+            slots[slot] = TraceEvent(
                 layer=name,
                 index=index,
                 type=type(module).__name__,
                 depth=depth_of[name],
-                input_shapes=_shape(args[0] if len(args) == 1 and not kwargs else (args, kwargs)),
-                output_shapes=_shape(output),
+                input_shapes=call_shapes(args, kwargs),
+                output_shapes=shapes(output),
                 dtype=str(t.dtype).replace("torch.", "") if t is not None else "-",
                 device=str(t.device) if t is not None else "-",
                 ms=ms,
+                raised=raised,
             )
-            scope.events.append(ev)
-            if not quiet:
-                print(
-                    ev.format(width, type_width),
-                    file=stream if stream is not None else sys.stdout,
-                    flush=True,
-                )
+            flush()
 
         scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
         scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
+
+    def finish() -> None:  # calls that never returned (hooks removed mid-call): print the rest
+        for ev in slots[printed[0] :]:
+            if ev is not None:
+                scope.events.append(ev)
+                emit(ev.format(width, type_width))
+        slots.clear()
+
+    scope.on_remove(finish)
     return scope

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 
+from ..core._nested import format_shapes
 from ._rows import SummaryRow
 
 __all__ = [
@@ -46,26 +47,6 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _shape(s: list[int]) -> str:
-    return "[" + ", ".join(map(str, s)) + "]"
-
-
-def fmt_inputs(shapes: dict[str, list[int]]) -> str:
-    parts = []
-    for k, s in shapes.items():
-        if k[:1].isdigit():
-            parts.append(_shape(s) if "." not in k else f"{k}:{_shape(s)}")
-        else:
-            parts.append(f"{k}={_shape(s)}")
-    return ", ".join(parts) or "-"
-
-
-def fmt_outputs(shapes: dict[str, list[int]]) -> str:
-    if list(shapes) == [""]:
-        return _shape(shapes[""])
-    return ", ".join(f"{k}:{_shape(s)}" for k, s in shapes.items()) or "-"
-
-
 HEAD = {
     "name": "Layer",
     "type": "Type",
@@ -84,9 +65,9 @@ def cell(row: SummaryRow, col: str) -> str:
     if col == "type":
         return row.type
     if col == "input":
-        return fmt_inputs(row.input_shapes)
+        return format_shapes(row.input_shapes)
     if col == "output":
-        return fmt_outputs(row.output_shapes)
+        return format_shapes(row.output_shapes)
     if col == "params":
         return (fmt_int(row.params) + ("*" if row.shared_params else "")) if row.params else "--"
     if col == "trainable":

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from ..core._nested import Shapes
+
 __all__ = ["CallRecord", "SummaryRow", "SummaryTotals", "build_rows", "collapse"]
 
 
@@ -16,9 +18,10 @@ __all__ = ["CallRecord", "SummaryRow", "SummaryTotals", "build_rows", "collapse"
 class SummaryRow:
     """One call of one module, in call order (a module called 3 times has 3 rows).
 
-    ``input_shapes`` keys are positional paths (``"0"``, ``"1.h"``) and keyword names
-    (``"attention_mask"``); ``output_shapes`` keys are paths into the output (``""`` for a bare
-    tensor, ``"0"``, ``"last_hidden_state"``). ``params``/``trainable`` count the module's own and
+    Shapes are in hookscope's one form (the same as :class:`TraceEvent`'s): a single tensor's
+    shape as a list (``[2, 4]``); several tensors as ``{path: shape}``, where ``input_shapes``
+    keys are positional paths (``"0"``, ``"1.h"``) and keyword names (``"attention_mask"``) and
+    ``output_shapes`` keys are paths into the output (``"0"``, ``"last_hidden_state"``). ``params``/``trainable`` count the module's own and
     its children's parameters; ``shared_params`` of those were already counted by an earlier row
     that is not an ancestor (tied weights, a repeated call): totals count them once. ``flops`` are
     the FLOPs of operators run by this call itself, not inside a child row (so rows sum to the
@@ -30,8 +33,8 @@ class SummaryRow:
     depth: int
     call: int
     calls: int
-    input_shapes: dict[str, list[int]]
-    output_shapes: dict[str, list[int]]
+    input_shapes: Shapes
+    output_shapes: Shapes
     params: int
     trainable: int
     shared_params: int
@@ -93,8 +96,8 @@ class CallRecord:
         self.time = 0.0
         self.t0 = 0.0
         self.ev: Any = None
-        self.shapes: dict[str, list[int]] = {}
-        self.out_shapes: dict[str, list[int]] = {}
+        self.shapes: Shapes = {}
+        self.out_shapes: Shapes = {}
         self.out_bytes = 0
         self.rule: Any = None  # the FLOP rule of a leaf layer run with the dispatch mode off
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 from ..core._compiled import compiled_regions, named_modules
 from ..core._errors import HookscopeWarning, some_names
 from ..core._inventory import has_global_hooks
-from ..core._nested import describe_call, iter_tensors
+from ..core._nested import call_shapes, format_shapes, iter_tensors
 from ..core._scope import HookScope, _Hook, check_model, in_backward, model_device, note_exception
 from ..core._sharded import fsdp1_found
 from ._flops import OpCounter, native_rule, no_dispatch, warm_up
@@ -28,20 +28,6 @@ __all__ = ["Summary", "SummaryRow", "SummaryTotals", "summary"]
 
 def _key(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path)
-
-
-def _shapes(args: Any, kwargs: Any) -> dict[str, list[int]]:
-    if not kwargs and len(args) == 1 and args[0].__class__ is torch.Tensor:  # the common case
-        return {"0": list(args[0].shape)}
-    out = {_key((i, *p)): list(t.shape) for i, a in enumerate(args) for p, t in iter_tensors(a)}
-    out.update(
-        {
-            _key((k, *p)): list(t.shape)
-            for k, v in (kwargs or {}).items()
-            for p, t in iter_tensors(v)
-        }
-    )
-    return out
 
 
 def make_inputs(input_size: Any, dtypes: Any, device: torch.device) -> list[torch.Tensor]:
@@ -150,7 +136,7 @@ class _Recorder:
         stack = self.stack
         parent = stack[-1] if stack else None
         c = CallRecord(name, module, len(stack), parent[1] if parent else -1)
-        c.shapes = _shapes(args, kw)
+        c.shapes = call_shapes(args, kw)
         if parent is not None:
             parent[0].children += 1
         stack.append((c, len(self.calls)))
@@ -188,7 +174,7 @@ class _Recorder:
                 self.counter.total_flops += n
                 self.counter._track(output)  # its new tensors, as the dispatcher would
         if output.__class__ is torch.Tensor:  # the common case
-            c.out_shapes[""] = list(output.shape)
+            c.out_shapes = list(output.shape)
             c.out_bytes = output.numel() * output.element_size()
             return
         if output is None and sys.exc_info()[1] is not None:
@@ -262,7 +248,7 @@ def summary(
         >>> [(r.label, r.params, r.flops) for r in s.rows]
         [('<root>', 36, 0), ('0', 36, 128), ('1', 0, 0)]
         >>> s.totals.flops, s.rows[1].output_shapes
-        (128, {'': [2, 4]})
+        (128, [2, 4])
     """
     check_model(model)
     fsdp1 = fsdp1_found(model)
@@ -349,4 +335,5 @@ def summary(
     ]
     if depth is not None:
         rows = collapse(rows, depth)
-    return Summary(type(model).__name__, describe_call(inputs, kwargs), rows, totals, cols, never)
+    shown = format_shapes(call_shapes(inputs, kwargs))
+    return Summary(type(model).__name__, shown, rows, totals, cols, never)

@@ -68,6 +68,19 @@ class Summary:
     def _cols(self, columns: Sequence[str] | None) -> list[str]:
         return ["name", *(self.columns if columns is None else columns)]
 
+    @staticmethod
+    def legend(cols: Sequence[str]) -> list[str]:
+        """What the columns count: params and time include the children, FLOPs do not."""
+        lines = []
+        inclusive = [HEAD[c] for c in ("params", "trainable", "time") if c in cols]
+        if inclusive:
+            lines.append(f"{', '.join(inclusive)}: inclusive (the module and its children)")
+        if "flops" in cols:
+            lines.append(
+                "FLOPs: exclusive (what the row ran itself; rows add up to the total; -- = none)"
+            )
+        return lines
+
     def footer(self, *, columns: Sequence[str] | None = None) -> list[str]:
         """The totals as lines of text."""
         t = self.totals
@@ -79,6 +92,7 @@ class Summary:
             f"Activations: {fmt_bytes(t.activation_bytes)} (outputs of innermost layers)",
             f"Peak memory of the forward: {fmt_bytes(t.peak_memory_bytes)} ({t.peak_memory_measure})",
         ]
+        lines.extend(self.legend(cols))
         if "time" in cols:
             lines.append(
                 f"Time: {t.time_ms:.3f} ms (one forward on {t.device}, hooks and FLOP counting on)"
