@@ -84,7 +84,9 @@ def add_model_arguments(
 ) -> None:
     """The MODEL positional and the --input/--dtype/--device options shared by subcommands."""
     p.add_argument(
-        "model", metavar="MODEL", help="package.module:callable, path/to/file.py:Name, or demo"
+        "model",
+        metavar="MODEL",
+        help="package.module:callable, path/to/file.py:Name, hf:path/to/config.json, or demo",
     )
     if inputs:
         p.add_argument(

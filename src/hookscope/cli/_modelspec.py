@@ -1,4 +1,5 @@
-"""Naming a model on the command line: ``package.module:callable``, ``file.py:Name`` or ``demo``."""
+"""Naming a model on the command line: ``package.module:callable``, ``file.py:Name``, ``hf:CONFIG``
+or ``demo``."""
 
 from __future__ import annotations
 
@@ -51,6 +52,11 @@ def load_model(spec: str) -> nn.Module:
       ``torchvision.models:resnet50(num_classes=10)``. A class or factory is called; an
       ``nn.Module`` instance is used as is.
     * ``path/to/file.py:Name``: the same, from a Python file.
+    * ``hf:CONFIG[@AutoClass]``: a Hugging Face model with random weights, built by
+      ``AutoClass.from_config`` (``AutoModel`` unless named) from ``CONFIG``: a ``config.json``
+      (or a folder holding one), or a transformers config class with arguments, e.g.
+      ``hf:GPT2Config(n_layer=2, n_embd=64, n_head=2)@AutoModelForCausalLM``. Nothing is
+      downloaded.
 
     Raises :class:`ModelSpecError` with one line saying what went wrong.
     """
@@ -60,10 +66,12 @@ def load_model(spec: str) -> nn.Module:
         except ImportError:
             raise ModelSpecError("the built-in demo model is not available in this build") from None
         return load_demo_model()
+    if spec.startswith("hf:"):
+        return _load_hf(spec[3:])
     if ":" not in spec:
         raise ModelSpecError(
             f"model {spec!r}: expected 'package.module:callable' (e.g. torchvision.models:resnet50), "
-            "'path/to/file.py:Name' or 'demo'"
+            "'path/to/file.py:Name', 'hf:path/to/config.json' or 'demo'"
         )
     where, _, target = spec.rpartition(":")
     name, kwargs = _split_call(target)
@@ -110,6 +118,55 @@ def load_model(spec: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"{spec!r} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def _load_hf(ref: str) -> nn.Module:
+    """``hf:CONFIG[@AutoClass]`` (see :func:`load_model`)."""
+    config_ref, _, auto = ref.rpartition("@") if "@" in ref else (ref, "", "AutoModel")
+    try:
+        import transformers
+    except ImportError:
+        raise ModelSpecError(
+            "hf: models need transformers: pip install 'hookscope[transformers]'"
+        ) from None
+    name, kwargs = _split_call(config_ref)
+    if "(" in config_ref or (not config_ref.endswith(".json") and hasattr(transformers, name)):
+        cls = getattr(transformers, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
+            raise ModelSpecError(
+                f"hf:{ref}: {name!r} is not a transformers config class (e.g. BertConfig, GPT2Config)"
+            )
+        try:
+            config = cls(**kwargs)
+        except Exception as e:
+            raise ModelSpecError(f"hf:{ref}: {name}(...) failed: {type(e).__name__}: {e}") from None
+    else:
+        path = Path(config_ref)
+        path = path / "config.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ModelSpecError(
+                f"hf:{ref}: no config file {str(path)!r}; give a config.json, a folder holding "
+                "one, or a config class such as hf:BertConfig(num_hidden_layers=2)"
+            )
+        try:
+            config = transformers.AutoConfig.from_pretrained(str(path))
+        except Exception as e:
+            raise ModelSpecError(f"hf:{ref}: cannot read {str(path)!r}: {e}") from None
+    builder = getattr(transformers, auto, None)
+    if builder is None or not hasattr(builder, "from_config"):
+        raise ModelSpecError(
+            f"hf:{ref}: {auto!r} is not a transformers Auto class "
+            "(e.g. AutoModel, AutoModelForCausalLM, AutoModelForImageClassification)"
+        )
+    try:
+        return builder.from_config(config)
+    except Exception as e:
+        raise ModelSpecError(f"hf:{ref}: {auto}.from_config failed: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
