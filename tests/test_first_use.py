@@ -237,8 +237,9 @@ def test_cli_hf_spec_errors_are_one_line(tmp_path):
 
 
 # -- the README -----------------------------------------------------------------------------------
-def test_readme_lightning_example_stops_and_shows_the_file_spec():
-    text = README.read_text()
-    lightning = text[text.index("L.Trainer(") :]
+def test_lightning_example_stops_and_the_readme_shows_the_file_spec():
+    trainers = (README.parent / "docs" / "guide" / "trainers.md").read_text()
+    lightning = trainers[trainers.index("L.Trainer(") :]
     assert "max_epochs=" in lightning[: lightning.index("trainer.fit")]
-    assert "file.py:Name" in text and "hf:" in text
+    text = README.read_text()
+    assert "file.py:Name" in text and "hf:path/to/config.json" in text

@@ -139,7 +139,8 @@ print(sorted(callback.records[-1].layers)[:4])
 # :class:`~hookscope.integrations.transformers.HookscopeTrainerCallback` the same way::
 #
 #     from hookscope.integrations.transformers import HookscopeTrainerCallback
-#     trainer = Trainer(model=model, args=TrainingArguments(..., gradient_accumulation_steps=4))
+#     args = TrainingArguments("out", gradient_accumulation_steps=4)
+#     trainer = Trainer(model=model, args=args, train_dataset=data)
 #     trainer.add_callback(HookscopeTrainerCallback(trainer, every=10))
 #     trainer.train()
 #
