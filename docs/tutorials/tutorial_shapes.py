@@ -39,9 +39,10 @@ except hs.LayerNotFoundError as e:
 # %%
 # Trace every call
 # ----------------
-# One line per call, printed as the call *starts* so that a container comes before its
-# children, and filled in when it returns: name (indented by depth), call index, type, input and
-# output shapes, dtype, device and the call's inclusive time.
+# A header, then one line per call in the order the calls *started*, so a container comes
+# before its children: name (indented by depth), call index, type, the call's inclusive time,
+# dtype, device, input and output shapes. A line appears as soon as its call (and every call
+# started before it) has returned.
 with hs.trace(model) as tr:
     model(x)
 
