@@ -6,6 +6,7 @@ their styles and pictures."""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import json
 import os
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -44,8 +46,6 @@ BROWSER_FLAGS = [
     "--disable-sync",
     "--virtual-time-budget=10000",
 ]
-
-pytestmark = pytest.mark.slow
 
 
 class _Page(HTMLParser):
@@ -102,6 +102,7 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_every_tutorial_ran_and_shows_its_output(site):
     assert TUTORIALS, "no docs/tutorials/tutorial_*.py"
     index = (site / "auto_tutorials" / "index.html").read_text(encoding="utf-8")
@@ -138,6 +139,7 @@ def _public() -> list[str]:
     return names
 
 
+@pytest.mark.slow
 def test_every_public_name_has_an_api_entry(site):
     ids: dict[str, str] = {}
     for page in sorted((site / "api").glob("*.html")):
@@ -157,6 +159,7 @@ def test_every_public_name_has_an_api_entry(site):
     assert "cap.stopped" in core and "the rest of the block is skipped" in core
 
 
+@pytest.mark.slow
 def test_no_broken_internal_link(site):
     pages = {p: _parse(p) for p in site.rglob("*.html")}
     broken = []
@@ -185,6 +188,7 @@ _PROBE = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     CHROMIUM is None, reason="chromium is not installed (.ci/run installs Debian's chromium)"
 )
@@ -224,3 +228,53 @@ def test_pages_render_in_headless_chromium(site, tmp_path):
             "tutorial_gradcam",
         ):
             assert len(r["imgs"]) >= 2, f"{rel}: its figures are missing"
+
+
+# -- the API generator alone (fast): a package another branch adds appears without an edit ----------
+def _generator():
+    spec = importlib.util.spec_from_file_location(
+        "hookscope_api", DOCS / "_ext" / "hookscope_api.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_api_groups_follow_the_packages_and_take_a_new_one(monkeypatch):
+    gen = _generator()
+    groups = {g.package: g for g in gen.collect()}
+    # the packages docs/ARCHITECTURE.md names, in its order, core first
+    assert list(groups)[:6] == ["core", "summarization", "cam", "monitor", "extraction", "viz"]
+    assert ("autofunction", "hookscope.capture") in groups["core"].entries
+    assert ("automodule", "hookscope.ops") in groups["core"].entries  # ops is core's public face
+    assert ("autodata", "hookscope.Selector") in groups["core"].entries  # a typing alias
+    assert ("autoclass", "hookscope.integrations.lightning.HookscopeCallback") in groups[
+        "integrations"
+    ].entries
+    every = {t for g in groups.values() for _, t in g.entries}
+    assert every >= {f"hookscope.{n}" for n in hookscope.__all__ if n != "ops"}
+
+    # a new product package (as hookscope.steering will be): its own page, titled by its docstring
+    pkg = types.ModuleType("hookscope.steering")
+    pkg.__doc__ = "Steering: add vectors to activations while a model runs.\n\nMore text."
+    pkg.__path__ = []
+
+    def steer(model):
+        """Steer a model."""
+
+    steer.__module__ = "hookscope.steering._steer"
+    pkg.steer = steer
+    pkg.__all__ = ["steer"]
+    monkeypatch.setitem(sys.modules, "hookscope.steering", pkg)
+    monkeypatch.setattr(hookscope, "steer", steer, raising=False)
+    monkeypatch.setattr(hookscope, "__all__", [*hookscope.__all__, "steer"])
+    groups = {g.package: g for g in gen.collect()}
+    new = groups["steering"]
+    assert new.entries == [("autofunction", "hookscope.steer")]
+    assert new.lead == "Steering: add vectors to activations while a model runs."
+    order = list(groups)
+    assert order.index("viz") < order.index("steering") < order.index("demo")
+    page = gen._page(new)
+    assert page.splitlines()[0] == "Steering (``hookscope.steering``)"
+    assert ".. autofunction:: hookscope.steer" in page
