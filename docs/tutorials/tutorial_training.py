@@ -40,7 +40,7 @@ rec = mon.records[-1]
 print(len(mon.records), "records; step", rec.step)
 print("stage3.3:", {k: round(v, 4) for k, v in rec.layers["stage3.3"].items()})
 print("head.2.weight:", {k: round(v, 5) for k, v in rec.params["head.2.weight"].items()})
-print("alerts:", [a.message for r in mon.records for a in r.alerts][:3])
+print("alerts:", [a.message for r in mon.records for a in r.alerts] or "none")
 
 # %%
 # The gradient flow: the norm of each parameter's gradient, mean and max over the records.
@@ -91,7 +91,8 @@ with warnings.catch_warnings(record=True) as caught:
         F.cross_entropy(broken(x), y).backward()
         mon.step()
 print(mon.records[0].nonfinite)
-print([type(w.message).__name__ for w in caught])
+first = next(w for w in caught if isinstance(w.message, hs.NonFiniteWarning))
+print(type(first.message).__name__, "|", str(first.message)[:120])
 
 # %%
 # Inside a trainer
