@@ -278,3 +278,53 @@ def test_api_groups_follow_the_packages_and_take_a_new_one(monkeypatch):
     page = gen._page(new)
     assert page.splitlines()[0] == "Steering (``hookscope.steering``)"
     assert ".. autofunction:: hookscope.steer" in page
+
+
+@pytest.mark.slow
+def test_a_tutorial_that_raises_fails_the_build_and_a_new_one_is_picked_up(tmp_path):
+    """The site's gallery settings on a two-tutorial project: a new ``tutorial_*.py`` is run and
+    listed with no other edit, and one that raises stops the build naming it."""
+    src = tmp_path / "src"
+    (src / "tutorials").mkdir(parents=True)
+    shutil.copy(DOCS / "tutorials" / "GALLERY_HEADER.rst", src / "tutorials")
+    (src / "conf.py").write_text(
+        "import runpy\n"
+        f"site = runpy.run_path({str(DOCS / 'conf.py')!r})\n"
+        "extensions = ['sphinx_gallery.gen_gallery']\n"
+        "sphinx_gallery_conf = site['sphinx_gallery_conf']\n"
+        "suppress_warnings = site['suppress_warnings']\n"
+        "exclude_patterns = site['exclude_patterns']\n"
+    )
+    (src / "index.rst").write_text("Site\n====\n\n.. toctree::\n\n   auto_tutorials/index\n")
+    (src / "tutorials" / "tutorial_zzz_new.py").write_text(
+        '"""\nA new tutorial\n==============\n\nAdded by another branch.\n"""\n\n# %%\nprint(6 * 7)\n'
+    )
+    (src / "tutorials" / "notes.py").write_text('"""\nNot a tutorial\n==============\n"""\n')
+
+    def build() -> subprocess.CompletedProcess:
+        env = dict(os.environ, MPLBACKEND="Agg")
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+        return subprocess.run(
+            [*SPHINX, str(src), str(tmp_path / "html")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+
+    ok = build()
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    page = (tmp_path / "html" / "auto_tutorials" / "tutorial_zzz_new.html").read_text()
+    assert (
+        "42" in page
+        and "tutorial_zzz_new.html"
+        in (tmp_path / "html" / "auto_tutorials" / "index.html").read_text()
+    )
+    assert not (tmp_path / "html" / "auto_tutorials" / "notes.html").exists()
+
+    (src / "tutorials" / "tutorial_boom.py").write_text(
+        '"""\nBoom\n====\n\nRaises.\n"""\n\n# %%\nraise ValueError("the tutorial is broken")\n'
+    )
+    failed = build()
+    assert failed.returncode != 0
+    assert "tutorial_boom.py" in failed.stderr and "the tutorial is broken" in failed.stderr
