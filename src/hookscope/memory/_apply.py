@@ -53,11 +53,18 @@ class _CheckpointedForward:
             )
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        return None
+    def __deepcopy__(self, memo: dict[int, Any]) -> _CheckpointedForward | None:
+        # the copy of the module is already in memo (deepcopy registers an object before its
+        # state): the copy is checkpointed like the original, on its own weights
+        twin = memo.get(id(self.ref()))
+        return None if twin is None else _CheckpointedForward(twin, self.kind, self.policy)
 
     def __reduce__(self) -> Any:
-        return (type(None), ())
+        module = self.ref()
+        raise HookscopeError(
+            f"a {type(module).__name__} checkpointed by hs.apply_checkpointing cannot be pickled: "
+            "call the handle's remove() first (or save the state_dict)"
+        )
 
 
 class CheckpointHandle:
