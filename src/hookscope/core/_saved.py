@@ -25,7 +25,6 @@ about the run changes.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,7 @@ from ._scope import HookScope, graph_task_id
 __all__ = ["CallInputs", "SaveEvent", "SavedTensors", "storage_key"]
 
 
-def storage_key(t: torch.Tensor) -> tuple[tuple[str, int], int] | None:
+def storage_key(t: torch.Tensor) -> tuple[tuple[torch.device, int], int] | None:
     """``((device, data pointer), bytes)`` of a tensor's storage; None without one (size 0, or a
     tensor subclass without storage)."""
     try:
@@ -49,14 +48,14 @@ def storage_key(t: torch.Tensor) -> tuple[tuple[str, int], int] | None:
     n = st.nbytes()
     if n == 0:
         return None
-    return (str(t.device), st.data_ptr()), n
+    return (t.device, st.data_ptr()), n
 
 
 @dataclass(frozen=True)
 class SaveEvent:
     """One tensor saved for backward: its storage, the storage's bytes, the module calls running."""
 
-    key: tuple[str, int]
+    key: tuple[torch.device, int]
     nbytes: int
     stack: tuple[str, ...]  # module names, outermost first ('' is the root)
     param: bool  # the storage is a parameter's or a buffer's
@@ -68,7 +67,7 @@ class CallInputs:
 
     module: str
     stack: tuple[str, ...]
-    inputs: list[tuple[tuple[str, int], int]] = field(default_factory=list)
+    inputs: list[tuple[tuple[torch.device, int], int]] = field(default_factory=list)
 
 
 class SavedTensors:
@@ -77,7 +76,7 @@ class SavedTensors:
     Use as ``with SavedTensors(model) as rec: loss = ...; rec.forward_done(); loss.backward()``.
     """
 
-    def __init__(self, model: nn.Module, *, ops: bool = False) -> None:
+    def __init__(self, model: nn.Module, *, ops: bool = False, backward_ops: bool = False) -> None:
         self.model = model
         self.events: list[SaveEvent] = []
         self.calls: list[CallInputs] = []
@@ -91,12 +90,14 @@ class SavedTensors:
         self.stack: list[str] = []
         self.scope = HookScope("memory_profile")
         self.ops = ops
+        self.backward_ops = backward_ops  # keep the dispatch mode on in backward (peak there)
+        self.peak_backward_measured = False
         self.live = 0
         self.peak_forward = 0
         self.peak_backward = 0
         self.live_end_forward = 0
         self.phase = "forward"
-        self._seen: dict[tuple[str, int], Any] = {}
+        self._seen: dict[tuple[torch.device, int], Any] = {}
         self._mode: Any = None
         self._hooks: Any = None
 
@@ -149,10 +150,16 @@ class SavedTensors:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def forward_done(self) -> None:
-        """Mark the end of the forward pass (the loss is computed); backward follows."""
+        """Mark the end of the forward pass (the loss is computed); backward follows. Without
+        ``backward_ops`` the dispatch mode ends here (it costs a Python call per operation)."""
         self.live_end_forward = self.live
         self.phase = "backward"
         self.peak_backward = self.live
+        if self._mode is not None and not self.backward_ops:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+        else:
+            self.peak_backward_measured = self._mode is not None
 
     def __enter__(self) -> SavedTensors:
         self._attach()
@@ -182,18 +189,18 @@ class SavedTensors:
             self._seen.clear()
 
     # -- live bytes (dispatch mode) ---------------------------------------------------------------
-    def _new_storages(self, out: Iterable[tuple[Any, torch.Tensor]]) -> None:
+    def _new_storages(self, out: Any) -> None:
         seen = self._seen
-        for _, t in out:
+        for t in [out] if out.__class__ is torch.Tensor else [t for _, t in iter_tensors(out)]:
             try:
                 st = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
                 continue
+            key = (t.device, st.data_ptr())
+            if key in seen or key in self.param_keys:
+                continue
             n = st.nbytes()
             if n == 0:
-                continue
-            key = (str(t.device), st.data_ptr())
-            if key in seen or key in self.param_keys:
                 continue
             seen[key] = weakref.finalize(st, self._free, key, n)
             self.live += n
@@ -203,7 +210,7 @@ class SavedTensors:
             elif self.live > self.peak_backward:
                 self.peak_backward = self.live
 
-    def _free(self, key: tuple[str, int], n: int) -> None:
+    def _free(self, key: tuple[torch.device, int], n: int) -> None:
         if self._seen.pop(key, None) is not None:
             self.live -= n
 
@@ -216,6 +223,8 @@ class SavedTensors:
                 n = int(rule(*args, **kwargs, out_val=out))
             except Exception:
                 n = 0
+        elif out.__class__ is torch.Tensor:
+            n = out.numel()  # one per output element for an op without a FLOP rule
         else:
             n = sum(t.numel() for _, t in iter_tensors(out))
         name = self.stack[-1]
@@ -242,7 +251,7 @@ def _make_mode(rec: SavedTensors) -> Any:
         ) -> Any:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            rec._new_storages(iter_tensors(out))
+            rec._new_storages(out)
             if rec.phase == "forward":
                 rec._count(func, args, kwargs, out)
             return out

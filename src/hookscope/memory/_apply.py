@@ -132,7 +132,7 @@ def apply_checkpointing(
         >>> prof = hs.memory_profile(net, x)
         >>> plan = prof.plan(budget_bytes=200)
         >>> prof.total_saved_bytes, plan.modules, plan.predicted_drop
-        (224, ['1'], 64)
+        (224, ['1.1'], 64)
         >>> with hs.apply_checkpointing(net, plan):
         ...     hs.memory_profile(net, x).total_saved_bytes
         160

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..core._errors import HookscopeError
 
@@ -63,7 +63,7 @@ def saved_after(profile: MemoryProfile, chosen: Iterable[str]) -> int:
     inputs. Unique storages are counted once.
     """
     chosen = set(chosen)
-    kept: dict[tuple[str, int], int] = {}
+    kept: dict[tuple[Any, int], int] = {}
     for e in profile._events:
         if e.param or chosen.intersection(e.stack):
             continue

@@ -53,8 +53,13 @@ def _footer(p: MemoryProfile) -> list[str]:
         f"unique storages; parameters/buffers apart: {fmt_bytes(p.param_saved_bytes)} of "
         f"{fmt_bytes(p.param_bytes)})",
         f"live at end of forward: {fmt_bytes(p.live_bytes_end_forward)}; peak forward "
-        f"{fmt_bytes(p.peak_forward_bytes)}, peak backward {fmt_bytes(p.peak_backward_bytes)}"
-        " (tensors created in the step)",
+        f"{fmt_bytes(p.peak_forward_bytes)}, peak backward "
+        + (
+            fmt_bytes(p.peak_backward_bytes)
+            if p.peak_backward_bytes is not None
+            else "not measured (backward_peak=True)"
+        )
+        + " (tensors created in the step)",
         "* a storage also saved by later modules, counted once, here",
     ]
     if p.per_region:
