@@ -239,3 +239,71 @@ def test_table_and_errors():
         hs.apply_checkpointing(net, ["3"])
     with pytest.raises(ValueError, match="policy"):
         hs.apply_checkpointing(net, ["1"], kind="selective")
+
+
+def test_backward_peak_and_live_bytes_by_hand():
+    # Linear(4, 8) -> Tanh on (2, 4): the Linear output (64 B) and the Tanh output (64 B) are
+    # alive at once (the forward peak); the Linear output is then dropped (Tanh saves its output,
+    # Linear its input, which was there before), so at the loss (4 B) 68 B are alive
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+    prof = hs.memory_profile(net, torch.randn(2, 4), backward_peak=True)
+    assert prof.peak_forward_bytes == 64 + 64
+    assert prof.live_bytes_end_forward == 64 + 4
+    # backward adds Tanh's input gradient (64 B) and the weight and bias gradients (128 + 32 B)
+    # to what forward left alive: 68 + 64 + 160 at most, and the two .grad stay
+    assert 128 + 32 <= prof.peak_backward_bytes <= 68 + 64 + 128 + 32
+    assert hs.memory_profile(net, torch.randn(2, 4)).peak_backward_bytes is None
+
+
+def test_plot_and_rich():
+    rich = pytest.importorskip("rich")
+    pytest.importorskip("matplotlib")
+    import io
+
+    from rich.console import Console
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.ReLU(), nn.Linear(8, 1)))
+    prof = hs.memory_profile(net, torch.randn(2, 4))
+    fig = prof.plot(depth=1)
+    bars = fig.axes[0].patches
+    assert sorted(round(b.get_width() * (1 << 20)) for b in bars) == sorted(
+        r.saved_bytes_total for r in prof.rows if r.depth == 1 and r.saved_bytes_total
+    )
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(prof)
+    assert "saved (total)" in buf.getvalue() and rich
+
+
+def test_cli_summary_train(capsys):
+    from hookscope.cli._main import main
+    from hookscope.demo import DemoNet
+
+    assert main(["summary", "demo", "--train", "--depth", "1", "--budget", "1MB"]) == 0
+    out = capsys.readouterr().out
+    torch.manual_seed(0)
+    net = hs.load_demo_model().train()
+    x = torch.randn(tuple(DemoNet.default_input_shape), generator=torch.Generator().manual_seed(0))
+    prof = hs.memory_profile(net, x)
+    assert f"({prof.total_saved_bytes:,} bytes" in out
+    plan = prof.plan(1_000_000)
+    assert f"-> {plan.predicted_saved_bytes:,} bytes" in out
+    assert main(["summary", "demo", "--budget", "1MB"]) == 2
+    assert "--budget needs --train" in capsys.readouterr().err
+    assert main(["summary", "demo", "--train", "--budget", "4 parsecs"]) == 2
+    assert main(["summary", "demo", "--train", "--budget", "1B"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "lowest found" in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_peaks_match_allocator():
+    m = _resnet18().cuda()
+    x = torch.randn(8, 3, 64, 64, device="cuda")
+    hs.memory_profile(m, x)  # warm up (cuDNN workspaces, allocator)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    prof = hs.memory_profile(m, x, backward_peak=True)
+    torch.cuda.synchronize()
+    real = torch.cuda.max_memory_allocated() - base
+    assert abs(max(prof.peak_forward_bytes, prof.peak_backward_bytes) - real) <= 0.10 * real

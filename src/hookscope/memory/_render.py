@@ -57,7 +57,7 @@ def _footer(p: MemoryProfile) -> list[str]:
         + (
             fmt_bytes(p.peak_backward_bytes)
             if p.peak_backward_bytes is not None
-            else "not measured (backward_peak=True)"
+            else "not measured (pass backward_peak=True)"
         )
         + " (tensors created in the step)",
         "* a storage also saved by later modules, counted once, here",
