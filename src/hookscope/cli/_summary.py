@@ -8,9 +8,9 @@ import argparse
 import json
 import re
 
+from ..core._errors import HookscopeError
 from ..summarization._format import parse_columns
 from ..summarization._summary import summary
-from ..core._errors import HookscopeError
 from ._main import CLIError, _one_line, add_model_arguments, load, make_inputs
 
 
