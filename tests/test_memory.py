@@ -307,3 +307,20 @@ def test_cuda_peaks_match_allocator():
     torch.cuda.synchronize()
     real = torch.cuda.max_memory_allocated() - base
     assert abs(max(prof.peak_forward_bytes, prof.peak_backward_bytes) - real) <= 0.10 * real
+
+
+@pytest.mark.slow
+def test_tutorial_runs_and_its_plan_holds(capsys):
+    import pathlib
+    import runpy
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "tutorials" / "tutorial_memory.py"
+    ns = runpy.run_path(str(path))
+    plan, prof, after = ns["plan"], ns["prof"], ns["after"]
+    assert prof.total_saved_bytes - after.total_saved_bytes == plan.predicted_drop
+    assert after.total_saved_bytes <= plan.budget_bytes
+    assert ns["same_grads"] and {n: len(c) for n, c in ns["cap"]._rec.calls.items()} == {
+        "layer2.0.conv1": 1,
+        "layer3": 1,
+    }
+    assert "measured drop" in capsys.readouterr().out
