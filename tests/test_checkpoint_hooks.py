@@ -235,3 +235,11 @@ def test_deepcopy_and_pickle_of_checkpointed_model():
         twin[1].fc1.weight.zero_()
     b = twin[1]
     torch.testing.assert_close(b(h), h + b.fc2(b.act(b.fc1.bias.expand(5, 8))))
+
+
+def test_apply_checkpointing_after_compile_refused():
+    net = make_net()
+    compiled = torch.compile(net, backend="eager")
+    with pytest.raises(hs.HookscopeError, match=r"layer '2'.*before compiling"):
+        hs.apply_checkpointing(compiled, ["2"])
+    assert "forward" not in net[2].__dict__

@@ -95,7 +95,7 @@ def test_resnet18_exact_and_layer1_example():
     assert plan.predicted_drop >= drop * 0.95
 
 
-@pytest.mark.parametrize("fraction", [0.8, 0.45])
+@pytest.mark.parametrize("fraction", [0.5])
 def test_plan_predicted_drop_matches_measured_resnet18(fraction):
     m = _resnet18()
     x = torch.randn(2, 3, 32, 32)

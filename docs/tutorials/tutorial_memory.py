@@ -70,7 +70,9 @@ print(f"measured drop: {measured / 1e6:.2f} MB (predicted {plan.predicted_drop /
 same_grads = all(
     torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(model.parameters(), grads_before)
 )
-print(f"loss unchanged: {torch.allclose(loss_before, loss_after)}; gradients unchanged: {same_grads}")
+print(
+    f"loss unchanged: {torch.allclose(loss_before, loss_after)}; gradients unchanged: {same_grads}"
+)
 
 # %%
 # Hooks under checkpointing
@@ -78,8 +80,11 @@ print(f"loss unchanged: {torch.allclose(loss_before, loss_after)}; gradients unc
 # A checkpointed layer runs its forward again in backward. hookscope's hooks count that as the
 # same call: a capture of gradients sees one call per layer, with the gradient of the run
 # without checkpointing, also under reentrant checkpointing (whose first forward has no grad).
-with hs.apply_checkpointing(model, ["layer2", "layer3"], kind="reentrant"):
-    with hs.capture(model, ["layer2.0.conv1", "layer3"], grads=True) as cap:
-        model(x).sum().backward()
+layers = ["layer2.0.conv1", "layer3"]
+with (
+    hs.apply_checkpointing(model, ["layer2", "layer3"], kind="reentrant"),
+    hs.capture(model, layers, grads=True) as cap,
+):
+    model(x).sum().backward()
 print({name: len(cap.calls(name)) for name in cap.layers})
 print(f"gradient norm at layer3: {cap.grads['layer3'].norm():.4f}")

@@ -10,8 +10,9 @@ from typing import Any, Literal
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from ..core._compiled import named_modules
+from ..core._compiled import named_modules, region_of
 from ..core._errors import HookscopeError, LayerNotFoundError
+from ..core._scope import check_model
 from ..core._select import suggest
 from ._plan import CheckpointPlan
 
@@ -145,12 +146,19 @@ def apply_checkpointing(
             "[torch.ops.aten.mm.default]) or a policy function"
         )
     names = list(plan.modules) if isinstance(plan, CheckpointPlan) else list(plan)
+    check_model(model)  # indexes compiled regions
     modules = dict(named_modules(model))
     for name in names:
         if name not in modules:
             raise LayerNotFoundError(
                 f"apply_checkpointing: no module {name!r} in {type(model).__name__}; closest: "
                 + ", ".join(repr(n) for n in suggest(name, list(modules)))
+            )
+        if region_of(modules[name]) is not None:
+            raise HookscopeError(
+                f"apply_checkpointing: layer {name!r} is inside a torch.compile'd region, whose "
+                "compiled graph would not see the change; apply checkpointing to the model "
+                "before compiling it (torch.compile(model) after hs.apply_checkpointing)"
             )
         if not name:
             raise HookscopeError(
