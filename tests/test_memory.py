@@ -4,6 +4,7 @@ plans whose predicted drop equals the drop measured after apply_checkpointing.""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -224,6 +225,18 @@ def test_compiled_model_per_region():
     assert "per compiled region" in prof.to_text()
     with pytest.raises(hs.PlanError, match="before compiling"):
         prof.plan(0)
+    # a compiled block inside an eager model: the block is one row, its children get nothing
+    net2 = nn.Sequential(
+        nn.Linear(8, 16), nn.Sequential(nn.Tanh(), nn.Linear(16, 16), nn.Tanh()), nn.Linear(16, 4)
+    )
+    net2[1].compile(backend="aot_eager")
+    with warnings.catch_warnings():  # torch-internal: Dynamo reads .grad of a non-leaf it resumes
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not")
+        expected = reference_saved(net2, _step(net2, x))
+    prof = hs.memory_profile(net2, x)
+    assert prof.per_region and prof.total_saved_bytes == expected
+    assert prof["0"].saved_bytes == 4 * 8 * 4  # eager Linear: the input
+    assert prof["1"].saved_bytes == expected - 4 * 8 * 4 and prof["1.1"].calls == 0
 
 
 def test_table_and_errors():
