@@ -243,3 +243,26 @@ def test_apply_checkpointing_after_compile_refused():
     with pytest.raises(hs.HookscopeError, match=r"layer '2'.*before compiling"):
         hs.apply_checkpointing(compiled, ["2"])
     assert "forward" not in net[2].__dict__
+
+
+@pytest.mark.parametrize("kind", ["non_reentrant", "reentrant"])
+def test_module_shared_by_checkpointed_blocks(kind):
+    # one Tanh called in three checkpointed blocks: three calls, each paired with its own
+    # recompute (backward recomputes the blocks in reverse order)
+    def run(kind):
+        net = make_net()
+        shared = nn.Tanh()
+        for i in BLOCKS:
+            net[int(i)].act = shared
+        handle = hs.apply_checkpointing(net, BLOCKS, kind=kind) if kind else None
+        try:
+            with hs.capture(net, ["1.act"], grads=True) as cap:
+                net(X).sum().backward()
+        finally:
+            if handle is not None:
+                handle.remove()
+        return [(c.output, c.grad) for c in cap.calls("1.act")]
+
+    got, want = run(kind), run(None)
+    assert len(want) == 3 and not torch.allclose(want[0][1], want[2][1])
+    assert same(got, want)

@@ -83,6 +83,8 @@ class Recomputes:
         for i, (want, payload) in enumerate(waiting):
             if want[0] == fp[0] and bool(torch.equal(want[1], fp[1])):
                 del waiting[i]
+                if not waiting:  # nothing left: later recomputes skip the fingerprint
+                    del self.pending[layer]
                 return payload
         return None
 
