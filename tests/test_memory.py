@@ -337,3 +337,21 @@ def test_tutorial_runs_and_its_plan_holds(capsys):
         "layer3": 1,
     }
     assert "measured drop" in capsys.readouterr().out
+
+
+def test_exception_in_model_leaves_nothing_behind():
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    net = nn.Sequential(nn.Linear(4, 4), Boom())
+    g = torch.ones(4, 4)
+    net[0].weight.grad = g
+    with pytest.raises(RuntimeError, match="boom"):
+        hs.memory_profile(net, torch.randn(2, 4))
+    # no saved-tensor hooks, dispatch mode or module hook left; the grad put back
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
+    assert hs.hooks_on(net) == [] and net[0].weight.grad is g
