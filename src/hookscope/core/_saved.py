@@ -14,7 +14,8 @@ product may want to know which layer saved what (it uses ``saved_tensors_hooks``
 * the positional tensor inputs of every module call (what non-reentrant checkpointing of that
   module would keep: ``torch.utils.checkpoint`` saves them through the same hooks);
 * optionally (``ops=True``) a dispatch mode that counts each module's forward FLOPs (the rules of
-  :mod:`torch.utils.flop_counter`; one per output element for an op without a rule) and the bytes
+  :mod:`torch.utils.flop_counter`; one per output element for an op without a rule, none for a
+  view) and the bytes
   of storages created during the step that are alive at once (forward and backward peaks), with a
   weak reference per new storage.
 
@@ -223,6 +224,8 @@ class SavedTensors:
                 n = int(rule(*args, **kwargs, out_val=out))
             except Exception:
                 n = 0
+        elif getattr(func, "is_view", False):
+            n = 0  # a view computes nothing
         elif out.__class__ is torch.Tensor:
             n = out.numel()  # one per output element for an op without a FLOP rule
         else:

@@ -75,6 +75,15 @@ class CheckpointHandle:
     Attributes:
         modules: the checkpointed module names.
         kind: the checkpoint kind.
+
+    Example:
+        >>> import torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+        >>> handle = hs.apply_checkpointing(net, ["1"])
+        >>> handle
+        <CheckpointHandle non_reentrant active: ['1']>
+        >>> handle.remove(); "forward" in net[1].__dict__
+        False
     """
 
     def __init__(self, kind: str) -> None:

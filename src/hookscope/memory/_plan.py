@@ -32,6 +32,16 @@ class CheckpointPlan:
             checkpointing keeps the module's positional inputs.
         recompute_flops: forward FLOPs run again in backward.
         drops: per module, the bytes checkpointing it alone would free.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> tanhs = nn.Sequential(nn.Tanh(), nn.Tanh(), nn.Tanh())
+        >>> net = nn.Sequential(nn.Linear(4, 8), tanhs, nn.Linear(8, 1))
+        >>> prof = hs.memory_profile(net, torch.randn(2, 4))
+        >>> prof["1"].saved_bytes_total, prof.plan(160).predicted_drop
+        (192, 64)
+        >>> prof.plan(160).modules  # the middle Tanh: its output is saved by it alone
+        ['1.1']
     """
 
     modules: list[str]

@@ -36,6 +36,12 @@ class MemoryRow:
         param_saved_bytes: bytes of parameters and buffers its own operations saved (apart).
         flops: forward FLOPs of its own operations (what recomputing them costs).
         flops_total: the same with its children.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> row = hs.memory_profile(nn.Linear(4, 2), torch.randn(3, 4))[""]
+        >>> row.saved_bytes, row.flops  # the input (3*4 floats); 2*3*4*2 for the matmul
+        (48, 48)
     """
 
     name: str
@@ -77,6 +83,15 @@ class MemoryProfile:
             bytes (the dispatch mode would change what it compiles): those are 0.
         per_region: ``True`` for a ``torch.compile``'d model: what is saved is the compiled
             graph's choice, so each compiled region gets one row (its subtree is not split).
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 1)))
+        >>> prof = hs.memory_profile(net, torch.randn(2, 4))
+        >>> [(r.name, r.saved_bytes, r.saved_bytes_total) for r in prof]
+        [('', 0, 96), ('0', 32, 32), ('1', 0, 64), ('1.0', 64, 64), ('1.1', 0, 0)]
+        >>> prof["1.0"].shared  # Tanh's output is also what Linear 1.1 saves: counted once
+        True
     """
 
     model: str
