@@ -355,3 +355,36 @@ def test_exception_in_model_leaves_nothing_behind():
 
     assert _get_current_dispatch_mode() is None
     assert hs.hooks_on(net) == [] and net[0].weight.grad is g
+
+
+def test_flops_equal_torch_flop_counter_on_matmuls():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    class Attn(nn.Module):
+        def forward(self, q, k):
+            return torch.baddbmm(torch.zeros(3, 5, 5), q, k.transpose(1, 2)).bmm(q)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+            self.proj = nn.Linear(6, 6, bias=False)
+            self.attn = Attn()
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.attn(h, self.proj(h))
+
+    net, x = Net(), torch.randn(3, 5, 6)
+    with FlopCounterMode(display=False) as counter:
+        net(x)
+    ref = {
+        k.split(".", 1)[1]: sum(v.values())
+        for k, v in counter.get_flop_counts().items()
+        if "." in k
+    }
+    prof = hs.memory_profile(net, x)
+    # matmuls counted as torch counts them (2 per multiply-add); the transpose view counts nothing
+    # and the zeros tensor one per element (an op without a FLOP rule)
+    assert prof["fc"].flops == ref["fc"] and prof["proj"].flops == ref["proj"]
+    assert prof["attn"].flops == ref["attn"] + 3 * 5 * 5

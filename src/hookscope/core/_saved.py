@@ -218,13 +218,20 @@ class SavedTensors:
     def _count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         if self.phase != "forward" or not self.stack:
             return
-        rule = _flop_rules().get(func._overloadpacket)
+        packet = func._overloadpacket
+        fast = _MATMUL.get(packet.__name__)
+        if fast is not None:  # the common matmuls without the rules' tree walks (same counts)
+            a, b = args[fast], args[fast + 1]
+            n = 2 * a.numel() * b.shape[-1]
+            self.flops[self.stack[-1]] = self.flops.get(self.stack[-1], 0) + n
+            return
+        rule = _flop_rules().get(packet)
         if rule is not None:
             try:
                 n = int(rule(*args, **kwargs, out_val=out))
             except Exception:
                 n = 0
-        elif getattr(func, "is_view", False):
+        elif getattr(func, "is_view", False) or packet.__name__ in _NO_COMPUTE:
             n = 0  # a view computes nothing
         elif out.__class__ is torch.Tensor:
             n = out.numel()  # one per output element for an op without a FLOP rule
@@ -234,6 +241,11 @@ class SavedTensors:
         self.flops[name] = self.flops.get(name, 0) + n
 
 
+# matmul-like ops: index of the first matrix argument; FLOPs = 2 * numel(a) * columns(b)
+# (a: (..., m, k), b: (..., k, n)), what torch.utils.flop_counter counts for them
+_MATMUL = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}
+# views that the dispatcher does not mark as such
+_NO_COMPUTE = {"_unsafe_view", "alias", "detach", "lift_fresh"}
 _rules: list[dict[Any, Any]] = []
 
 
