@@ -251,7 +251,7 @@ def memory_profile(
         *inputs: positional inputs of the model.
         loss_fn: ``loss_fn(output) -> scalar tensor``; default: the sum of the output's tensors.
         backward_peak: also measure the peak during backward (the dispatch mode then watches
-            every backward operation too: about 2x a plain step instead of 1.1-1.9x, see
+            every backward operation too, a Python call per operation: see
             benchmarks/README.md); ``peak_backward_bytes`` is ``None`` without it.
         **kwargs: keyword inputs of the model.
 
