@@ -44,6 +44,7 @@ def test_layout_has_one_package_per_product():
         "demo",
         "extraction",
         "integrations",
+        "memory",
         "monitor",
         "summarization",
         "viz",

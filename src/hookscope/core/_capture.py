@@ -12,6 +12,7 @@ import torch.nn as nn
 from ._call import Call, Inputs, _GradSlots, _nograd_reason
 from ._errors import LayerNotFoundError, LayerNotRunError
 from ._nested import iter_tensors, map_tensors
+from ._recompute import REENTRANT_HINT, Recomputes
 from ._scope import (
     HookScope,
     _Hook,
@@ -61,6 +62,8 @@ class _Recorder:
         # the common case (a plain tensor, detached, no device move, no gradient) takes the
         # lean path in _OutputHook: one detach (and one clone), one tuple, one append
         self.simple = detach and to is None and not grads
+        # calls made inside reentrant checkpoints, whose gradients come with the recompute
+        self.recomputes = Recomputes()
 
     def materialize(self, name: str) -> list[Call]:
         """The recorded calls of ``name`` as :class:`Call` objects."""
@@ -124,13 +127,20 @@ class _Recorder:
         return call
 
     def attach_grads(
-        self, scope: HookScope, name: str, value: Any, what: str
+        self, scope: HookScope, name: str, value: Any, what: str, note: Any = None
     ) -> tuple[_GradSlots, Any]:
-        """Register gradient hooks on the tensors of ``value``; return the slots."""
+        """Register gradient hooks on the tensors of ``value``; return the slots. ``note``:
+        ``(key, call)`` to pair with the recompute when this runs in a reentrant checkpoint."""
         leaves = list(iter_tensors(value))
         needs = [t.requires_grad for _, t in leaves]
         reason = None if any(needs) else _nograd_reason()
-        if reason is not None and not torch.is_grad_enabled():
+        if (
+            reason is not None
+            and note is not None
+            and self.recomputes.note(note[0], value, note[1])
+        ):
+            reason = REENTRANT_HINT  # the gradient hooks go on the recompute (PITFALL 27)
+        elif reason is not None and not torch.is_grad_enabled():
             warn_once(
                 self.warned,
                 "nograd",
@@ -175,6 +185,10 @@ class _OutputHook(_Hook):
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if graph_task_id() != -1:  # activation checkpointing re-running forward (PITFALL 27)
+            if self.rec.recomputes.pending:  # reentrant: the gradient flows through the recompute
+                call = self.rec.recomputes.claim(self.name, output)
+                if call is not None:
+                    call._grad, _ = self.rec.attach_grads(self.scope_, self.name, output, "")
             return None
         entry: Any
         if self.lean and output.__class__ is torch.Tensor:
@@ -216,7 +230,9 @@ class _OutputHook(_Hook):
             call._output = rec.store(output, versions, final)
             call._versions = versions
             if rec.want_grads:
-                call._grad, _ = rec.attach_grads(self.scope_, self.name, output, f"{self.name!r}")
+                call._grad, _ = rec.attach_grads(
+                    self.scope_, self.name, output, f"{self.name!r}", (self.name, call)
+                )
         entries = self.entries
         if self.last and entries:
             entries[0] = entry
@@ -295,13 +311,25 @@ class Capture(Mapping[str, Any]):
         rec, scope = self._rec, self._scope
         stack: list[Call] = []
         track_versions = not rec.clone
+        in_key = name + "\0inputs"
 
         def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            if in_backward():
-                return None
+            if in_backward():  # a recompute: reentrant checkpointing's gradients flow through it
+                claimed = rec.recomputes.claim(in_key, (args, kwargs)) if rec.want_grads else None
+                if claimed is None:
+                    return None
+                replaced = identity_views(args, kwargs)
+                claimed._in_grad, _ = rec.attach_grads(scope, name, replaced, "")
+                return replaced
             call = rec.new_call(name)
             stack.append(call)
             replaced = None
+            if (
+                rec.want_grads
+                and not torch.is_grad_enabled()
+                and rec.recomputes.note(in_key, (args, kwargs), call)
+            ):
+                call._in_grad = _GradSlots(0, REENTRANT_HINT)
             if (
                 rec.want_grads
                 and torch.is_grad_enabled()
@@ -318,7 +346,12 @@ class Capture(Mapping[str, Any]):
             return replaced
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if in_backward() or not stack:
+            if in_backward():
+                claimed = rec.recomputes.claim(name, output) if rec.want_grads else None
+                if claimed is not None:
+                    claimed._grad, _ = rec.attach_grads(scope, name, output, "")
+                return
+            if not stack:
                 return
             call = stack.pop()
             final = finish is not None and finish.final(name)
@@ -328,7 +361,7 @@ class Capture(Mapping[str, Any]):
             call._output = rec.store(output, versions, final)
             call._versions = versions
             if rec.want_grads:
-                call._grad, _ = rec.attach_grads(scope, name, output, f"{name!r}")
+                call._grad, _ = rec.attach_grads(scope, name, output, f"{name!r}", (name, call))
             if finish is not None:
                 finish(name)
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 from ..core._compiled import named_parameters
 from ..core._errors import UnsupportedTensorError, some_names
 from ..core._nested import iter_tensors
+from ..core._recompute import Recomputes
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import find, resolve
 from ..core._sharded import FSDP2_INSTEAD, fsdp1_loaded, fsdp1_marked, fsdp1_wrappers, local
@@ -237,13 +238,35 @@ class Monitor:
 
         self_bounds = self._bounds
         gate = self._gate
+        recomputes = Recomputes()  # PITFALL 27: reentrant checkpointing's gradients
+
+        def grad_hook(key: str) -> Any:
+            def on_grad(g: torch.Tensor) -> None:
+                note_scale()
+                state.grads.setdefault(key, []).append(
+                    grad_stats(g if type(g) is torch.Tensor else local(g))
+                )
+
+            return on_grad
+
         try:
             if want_acts or want_grads:
                 for name, module in self.named.items():
 
                     def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                        # activation checkpointing re-running forward (PITFALL 27); paused
-                        if in_backward() or not gate[0]:
+                        if not gate[0]:  # paused
+                            return
+                        if in_backward():  # activation checkpointing re-running forward
+                            if want_grads and recomputes.pending:  # reentrant: grads flow here
+                                key = recomputes.claim(name, output)
+                                if key is not None:
+                                    t = next(
+                                        t for _, t in iter_tensors(output) if t.is_floating_point()
+                                    )
+                                    if t.requires_grad:
+                                        scope.add_activation_grad_hook(
+                                            t, grad_hook(key), layer=name
+                                        )
                             return
                         t = next(
                             (t for _, t in iter_tensors(output) if t.is_floating_point()), None
@@ -258,14 +281,9 @@ class Monitor:
                             v, h = act_stats(x, self_bounds.get(name), margin, bins, scratch)
                             state.acts.setdefault(key, []).append((x.numel(), v, h))
                         if want_grads and t.requires_grad:
-
-                            def on_grad(g: torch.Tensor, key: str = key) -> None:
-                                note_scale()
-                                state.grads.setdefault(key, []).append(
-                                    grad_stats(g if type(g) is torch.Tensor else local(g))
-                                )
-
-                            scope.add_activation_grad_hook(t, on_grad, layer=name)
+                            scope.add_activation_grad_hook(t, grad_hook(key), layer=name)
+                        elif want_grads:  # inside a reentrant checkpoint: hooked on the recompute
+                            recomputes.note(name, output, key)
 
                     scope.add_forward(module, hook, layer=name)
 

@@ -15,6 +15,7 @@ layers that may produce infinities on purpose (``-inf`` attention masks); a NaN 
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -24,7 +25,9 @@ import torch
 import torch.nn as nn
 
 from ..core._compiled import named_modules
+from ..core._errors import HookscopeWarning
 from ..core._nested import first_tensor, iter_tensors, map_tensors
+from ..core._recompute import in_reentrant_checkpoint
 from ..core._scope import HookScope, check_model, identity_views, in_backward
 from ..core._select import find
 from ..core._sharded import is_dtensor, local
@@ -152,6 +155,7 @@ class _Tracker:
         self.detail, self.skip_safe = detail, skip_safe
         self.types = {name: type(m).__name__ for name, m in named_modules(model)}
         self.scope = HookScope(owner)
+        self.warned_reentrant = False
         self.reset()
         try:
             for name, module in named_modules(model):
@@ -217,6 +221,16 @@ class _Tracker:
             gouts: list[list[Any]] = []
             stack.append((call, vin, gouts))
             if not check_grads or not torch.is_grad_enabled():
+                if check_grads and not tracker.warned_reentrant and in_reentrant_checkpoint():
+                    tracker.warned_reentrant = True
+                    warnings.warn(
+                        f"{tracker.scope.owner}: layer {name!r} runs inside a reentrant activation "
+                        "checkpoint (use_reentrant=True), whose forward runs under no_grad: a "
+                        "NaN/Inf made in its backward is not located (forward ones still are). "
+                        "Checkpoint with use_reentrant=False (hs.apply_checkpointing's default)",
+                        HookscopeWarning,
+                        stacklevel=2,
+                    )
                 return None
             if not any(t.requires_grad for _, t in iter_tensors((args, kwargs))):
                 return None
