@@ -31,6 +31,9 @@ KNOWN = [
     ("monitor", "Training health", "Per-layer statistics, alerts, sinks, the NaN/Inf origin."),
     ("extraction", "Feature extraction", "FeatureExtractor and extract() to disk."),
     ("viz", "Pictures", "CAM overlays and feature-map grids."),
+    ("patching", "Activation patching", "Patching sweeps and attribution patching on any model."),
+    ("steering", "Steering", "Steering vectors and steering inside generate()."),
+    ("memory", "Training memory", "Bytes saved for backward per module; checkpointing plans."),
 ]
 TAIL = [
     ("demo", "Demo model and data", "The built-in demo CNN and its data set."),
