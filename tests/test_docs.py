@@ -255,28 +255,28 @@ def test_api_groups_follow_the_packages_and_take_a_new_one(monkeypatch):
     every = {t for g in groups.values() for _, t in g.entries}
     assert every >= {f"hookscope.{n}" for n in hookscope.__all__ if n != "ops"}
 
-    # a new product package (as hookscope.steering will be): its own page, titled by its docstring
-    pkg = types.ModuleType("hookscope.steering")
-    pkg.__doc__ = "Steering: add vectors to activations while a model runs.\n\nMore text."
+    # a new product package that the generator does not know: its own page, titled by its docstring
+    pkg = types.ModuleType("hookscope.probing")
+    pkg.__doc__ = "Probing: linear probes on activations.\n\nMore text."
     pkg.__path__ = []
 
     def steer(model):
         """Steer a model."""
 
-    steer.__module__ = "hookscope.steering._steer"
+    steer.__module__ = "hookscope.probing._probe"
     pkg.steer = steer
     pkg.__all__ = ["steer"]
-    monkeypatch.setitem(sys.modules, "hookscope.steering", pkg)
+    monkeypatch.setitem(sys.modules, "hookscope.probing", pkg)
     monkeypatch.setattr(hookscope, "steer", steer, raising=False)
     monkeypatch.setattr(hookscope, "__all__", [*hookscope.__all__, "steer"])
     groups = {g.package: g for g in gen.collect()}
-    new = groups["steering"]
+    new = groups["probing"]
     assert new.entries == [("autofunction", "hookscope.steer")]
-    assert new.lead == "Steering: add vectors to activations while a model runs."
+    assert new.lead == "Probing: linear probes on activations."
     order = list(groups)
-    assert order.index("viz") < order.index("steering") < order.index("demo")
+    assert order.index("viz") < order.index("probing") < order.index("demo")
     page = gen._page(new)
-    assert page.splitlines()[0] == "Steering (``hookscope.steering``)"
+    assert page.splitlines()[0] == "Probing (``hookscope.probing``)"
     assert ".. autofunction:: hookscope.steer" in page
 
 
