@@ -7,7 +7,8 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,18 @@ def _entry(rank: int, port: int, fn: Callable[..., None], args: tuple) -> None:
         fn(rank, *args)
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """This process at one intra-op thread, like the ranks :func:`launch` starts: a CPU kernel's
+    last bits depend on the thread count, so byte-for-byte comparisons with the ranks need it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def launch(fn: Callable[..., None], *args: object, timeout: float = 300.0) -> None:
