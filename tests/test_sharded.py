@@ -345,6 +345,18 @@ def make_tp_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 1))
 
 
+def make_zero_tp_model() -> nn.Module:
+    """Layer '0' outputs zeros (an all-zero shard on every rank) and, with a constant layer '2',
+    its output gradient is the same on every rank too: values alone cannot tell these shards from
+    a replicated output; the plan can."""
+    model = make_tp_model()
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+        model[2].weight.fill_(0.1)
+    return model
+
+
 def _tp_worker(rank: int, tmp: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -360,6 +372,18 @@ def _tp_worker(rank: int, tmp: str) -> None:
         plan = {"0": colwise, "2": RowwiseParallel()}
         model = parallelize_module(make_tp_model(), mesh, plan)
         train(model, xs, ys, os.path.join(tmp, f"{tag}rank{rank}.jsonl"))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    model = parallelize_module(make_zero_tp_model(), mesh, plan)
+    train(model, xs, ys, os.path.join(tmp, f"zerorank{rank}.jsonl"))
+    # an output the plan declares Partial (its shards are not its values): refused, named
+    from torch.distributed.tensor import Partial
+
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Partial())}
+    model = parallelize_module(make_tp_model(), mesh, plan)
+    with hs.Monitor(model, alerts="off"), pytest.raises(hs.UnsupportedTensorError) as e:
+        model(xs[0])
+    with open(os.path.join(tmp, f"partial{rank}.txt"), "w") as f:
+        f.write(str(e.value))
 
 
 @pytest.mark.distributed
@@ -371,6 +395,15 @@ def test_tensor_parallel_monitor_equals_one_process(tmp_path):
     assert set(ref[0]["layers"]) == {"0", "1", "2", "3", "4"}  # sharded ('0', '1') and replicated
     assert_records_close(read_jsonl(tmp_path / "rank0.jsonl"), ref, STEPS)
     assert_records_close(read_jsonl(tmp_path / "dtrank0.jsonl"), ref, STEPS)
+    # all-zero shards with equal gradients on both ranks: still two shards ('0', '1': the output
+    # gradient norm of the whole output, sqrt(2) times a rank's), not one replicated copy
+    train(make_zero_tp_model(), xs, ys, str(tmp_path / "zero.jsonl"))
+    zero = read_jsonl(tmp_path / "zero.jsonl")
+    assert zero[0]["layers"]["0"]["absmax"] == 0.0 and zero[0]["layers"]["0"]["grad_norm"] > 0
+    assert_records_close(read_jsonl(tmp_path / "zerorank0.jsonl"), zero, STEPS)
+    for rank in range(WORLD):
+        said = (tmp_path / f"partial{rank}.txt").read_text()
+        assert "layer '2' is declared Partial" in said and "Declare Shard or Replicate" in said
 
 
 class CopyingLinear(nn.Module):
