@@ -23,11 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+def _entry(rank: int, port: int, fn: Callable[..., None], args: tuple, world: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, *args)
     finally:
@@ -46,14 +46,16 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def launch(fn: Callable[..., None], *args: object, timeout: float = 300.0) -> None:
-    """Run ``fn(rank, *args)`` on 2 gloo ranks. fork: the children need not import torch again
+def launch(
+    fn: Callable[..., None], *args: object, timeout: float = 300.0, world: int = WORLD
+) -> None:
+    """Run ``fn(rank, *args)`` on ``world`` (2) gloo ranks. fork: the children need not import torch again
     (several seconds each on a busy machine); they use one thread, so the parent's thread pool is
     never needed after the fork. A rank still running after ``timeout`` seconds (one waiting in a
     collective the others never reach) is killed and the test fails, instead of hanging."""
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.start_processes(
-        _entry, args=(free_port(), fn, args), nprocs=WORLD, join=False, start_method=method
+        _entry, args=(free_port(), fn, args, world), nprocs=world, join=False, start_method=method
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):

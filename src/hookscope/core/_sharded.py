@@ -48,6 +48,7 @@ __all__ = [
     "is_dtensor",
     "local",
     "output_kind",
+    "plan_mesh",
     "replication",
 ]
 
@@ -176,7 +177,7 @@ def replication(t: torch.Tensor, what: str) -> int:
     ``local sum / replication`` over every rank gives the full tensor's sum.
 
     Raises :class:`UnsupportedTensorError` for a ``Partial`` placement (the shards are not the
-    values) or a mesh that does not span every rank.
+    values) or a mesh whose size does not divide the world's.
     """
     import torch.distributed as dist
 
@@ -184,12 +185,15 @@ def replication(t: torch.Tensor, what: str) -> int:
     if not is_dtensor(t):
         return world
     mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
-    if mesh.size() != world:
+    if world % mesh.size():
         raise UnsupportedTensorError(
             f"{what} is a DTensor on a mesh of {mesh.size()} ranks in a world of {world}: "
-            "hookscope reduces its statistics over the whole world and needs a mesh that spans it"
+            "hookscope reduces its statistics over the whole world and needs a mesh whose copies "
+            "tile it"
         )
-    copies = 1
+    # a mesh smaller than the world is one dimension of a larger one (FSDP2 over the data-parallel
+    # dimension of a 2-D mesh): each of its world / size copies holds the same values
+    copies = world // mesh.size()
     for dim, placement in enumerate(placements):
         if placement.is_partial():
             raise UnsupportedTensorError(
@@ -251,6 +255,22 @@ def declared_output(module: nn.Module) -> str | None:
                 kind = _layouts_kind(layouts)
                 if kind is not None:
                     return kind
+    return None
+
+
+def plan_mesh(module: nn.Module) -> Any:
+    """The device mesh a tensor-parallel plan applied to ``module`` with (the one its output hook
+    redistributes over), or ``None`` for a module the plan does not name."""
+    if declared_output(module) is None:
+        return None
+    for hook in list(module._forward_hooks.values()):
+        code = getattr(hook, "__code__", None)
+        cells = getattr(hook, "__closure__", None) or ()
+        if code is None or "device_mesh" not in code.co_freevars:
+            continue
+        mesh = cells[code.co_freevars.index("device_mesh")].cell_contents
+        if hasattr(mesh, "get_local_rank"):
+            return mesh
     return None
 
 

@@ -175,7 +175,9 @@ class Monitor:
         check_params(self._params)
         self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
         layer_stats = "activations" in self.stats or "gradients" in self.stats
-        self._tp = layer_stats and tensor_parallel(inner, list(named_parameters(inner)))
+        # tensor parallel (alone, or with FSDP2 on a 2-D mesh): (data-parallel size, each rank's
+        # tensor-parallel coordinate)
+        self._tp = tensor_parallel(inner) if layer_stats else None
         self._layouts = TPLayouts(inner) if self._tp else None
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
         self._step = 0
@@ -466,7 +468,9 @@ class Monitor:
             for k, hk in zip(ks, hks):  # each micro-batch: its per-rank pieces
                 ns_k, vs_k = [r[ho + hk] for r in ranks], [vals(r, k) for r in ranks]
                 if self._tp:  # the same batch on every rank: replicated or sharded outputs
-                    ns_k, vs_k = tp_pieces(ns_k, vs_k, st.kinds.get(key) == "replicate")
+                    ns_k, vs_k = tp_pieces(
+                        ns_k, vs_k, st.kinds.get(key) == "replicate", self._tp[1]
+                    )
                 ns += ns_k
                 vs += vs_k
             layers[key] = combine_acts(ns, vs)
@@ -477,16 +481,19 @@ class Monitor:
         # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
         # rank's output gradient is divided by the world size: the same values as one process
         # running the combined batch.
-        # (Tensor parallel: one batch, no averaging; output gradients replicated or sharded.)
+        # (Tensor parallel: one batch per data-parallel group, averaged over those groups only;
+        # output gradients replicated or sharded.)
         # Micro-batches are not divided: a loop that accumulates divides each micro-batch's loss
         # by their number itself (the mean over the combined batch).
-        gscale = scale if self._tp else scale * len(ranks)
+        gscale = scale * (self._tp[0] if self._tp else len(ranks))
         for key, ks in layout_g:
             gs = []
             for k in ks:
                 gs_k = [vals(r, k) for r in ranks]
                 if self._tp:
-                    gs_k = tp_pieces([0.0] * len(gs_k), gs_k, st.kinds.get(key) == "replicate")[1]
+                    gs_k = tp_pieces(
+                        [0.0] * len(gs_k), gs_k, st.kinds.get(key) == "replicate", self._tp[1]
+                    )[1]
                 gs += gs_k
             layers.setdefault(key, {}).update(combine_grads(gs, gscale))
         params: dict[str, dict[str, float]] = {}

@@ -22,10 +22,10 @@ from ..core._errors import UnsupportedTensorError
 from ..core._sharded import (
     check_tensor_type,
     declared_output,
-    fsdp_managed,
     is_dtensor,
     local,
     output_kind,
+    plan_mesh,
     replication,
 )
 from ._stats import param_stats
@@ -87,33 +87,53 @@ def check_params(params: Sequence[tuple[str, torch.Tensor]]) -> None:
         replication(p, f"parameter {name!r}")
 
 
-def tensor_parallel(model: torch.nn.Module, params: Sequence[tuple[str, torch.Tensor]]) -> bool:
-    """Is ``model`` split by tensor parallelism (``DTensor`` parameters not managed by FSDP2)?
+def tensor_parallel(model: torch.nn.Module) -> tuple[int, list[int]] | None:
+    """``(data-parallel size, each rank's tensor-parallel coordinate)`` for a model split by a
+    tensor-parallel plan (``parallelize_module``), alone or with FSDP2 on a 2-D mesh; else None.
 
-    Then every rank runs the same batch, and a layer's output is either replicated (the same on
-    every rank, e.g. after a ``RowwiseParallel`` layer) or a shard of the full output (after a
-    ``ColwiseParallel`` layer). Raises for FSDP2 combined with tensor parallelism (2-D meshes),
-    whose layer statistics mix both rules.
+    Ranks with the same data-parallel coordinate run the same batch, and a layer's output is
+    either replicated over the tensor-parallel dimension (after a ``RowwiseParallel`` layer) or a
+    shard of the full output (after a ``ColwiseParallel`` layer): see :class:`TPLayouts`. The
+    coordinates are gathered once (every rank builds its monitor).
     """
-    tp = [n for n, p in params if is_dtensor(p) and not fsdp_managed(model, n)]
-    fsdp = [n for n, p in params if is_dtensor(p) and fsdp_managed(model, n)]
-    if tp and fsdp:
+    import torch.distributed as dist
+
+    meshes = {id(m): m for m in map(plan_mesh, model.modules()) if m is not None}
+    if not meshes:
+        return None
+    if len(meshes) > 1 and len({tuple(m.mesh.flatten().tolist()) for m in meshes.values()}) > 1:
         raise UnsupportedTensorError(
-            f"Monitor: parameters {tp[:2]} are tensor-parallel DTensors and {fsdp[:2]} are sharded "
-            "by FSDP2 in the same model; layer statistics of a 2-D (data x tensor) parallel model "
-            "are not supported. Monitor parameters only: stats=('parameters',)"
+            "Monitor: the tensor-parallel plan of this model uses several device meshes; layer "
+            "statistics need one. Monitor parameters only: stats=('parameters',)"
         )
-    return bool(tp)
+    tp = next(iter(meshes.values()))
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if tp.ndim != 1 or world % tp.size():
+        raise UnsupportedTensorError(
+            f"Monitor: the tensor-parallel mesh {tp} does not tile the world of {world} ranks; "
+            "layer statistics need a 1-D tensor-parallel mesh (a dimension of the world's mesh). "
+            "Monitor parameters only: stats=('parameters',)"
+        )
+    coords: list[Any] = [None] * world
+    if world > 1:
+        dist.all_gather_object(coords, tp.get_local_rank())
+    else:
+        coords = [0]
+    return world // tp.size(), [int(c) for c in coords]
 
 
 def tp_pieces(
-    ns: list[float], vs: list[list[float]], replicated: bool
+    ns: list[float], vs: list[list[float]], replicated: bool, coords: list[int]
 ) -> tuple[list[float], list[list[float]]]:
-    """Under tensor parallelism, a layer's per-rank ``(count, statistics)``: one rank's for a
-    replicated output (counting each copy would repeat its values), else every rank's (disjoint
-    shards of the full output, combined as one tensor). ``replicated`` comes from
-    :class:`TPLayouts`, never from comparing the values (an all-zero shard looks replicated)."""
-    return (ns[:1], vs[:1]) if replicated else (ns, vs)
+    """Under tensor parallelism, a layer's per-rank ``(count, statistics)``: for a replicated
+    output, those of the ranks at tensor-parallel coordinate 0 (one per data-parallel group:
+    counting each copy would repeat its values), else every rank's (disjoint shards of the full
+    output, combined as one tensor). ``replicated`` comes from :class:`TPLayouts`, never from
+    comparing the values (an all-zero shard looks replicated)."""
+    if not replicated:
+        return ns, vs
+    keep = [i for i, c in enumerate(coords) if c == 0]
+    return [ns[i] for i in keep], [vs[i] for i in keep]
 
 
 class TPLayouts:
