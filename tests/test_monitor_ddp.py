@@ -115,6 +115,14 @@ def _ddp_edit_worker(rank: int, tmp: str) -> None:
             loss(ddp(mine[0][0]), mine[0][1]).backward()
         loss(ddp(mine[1][0]), mine[1][1]).backward()
     out["no_sync"] = _grads(ddp)
+    # the user's own communication hook (DDP allows one): hookscope needs none, edits its result
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = nn.parallel.DistributedDataParallel(make_model())
+    ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+    with hs.clip_grads(ddp, max_norm=MAX_NORM):
+        loss(ddp(mine[0][0]), mine[0][1]).backward()
+    out["comm_hook"] = _grads(ddp)
     # .grad as views into DDP's buckets: the same as "accumulate"
     ddp = nn.parallel.DistributedDataParallel(make_model(), gradient_as_bucket_view=True)
     with hs.clip_grads(ddp, value=VALUE):
@@ -167,6 +175,7 @@ def _reference_grads() -> dict[str, dict[str, torch.Tensor]]:
             n: t.clamp(-VALUE, VALUE) + g1[n].clamp(-VALUE, VALUE) for n, t in g0.items()
         },
         "no_sync": {n: clip(t + g1[n]) for n, t in g0.items()},
+        "comm_hook": {n: clip(t) for n, t in g0.items()},
         "bucket_view": {
             n: t.clamp(-VALUE, VALUE) + g1[n].clamp(-VALUE, VALUE) for n, t in g0.items()
         },
