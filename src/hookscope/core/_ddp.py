@@ -61,6 +61,7 @@ class DDPGradEditor:
         self._unreduced = False  # .grad holds micro-steps accumulated under no_sync()
         self._started = False
         scope.add_forward(ddp, self._on_forward, layer=layer)
+        scope.on_remove(self._abandon)
         check.at_start(self._start)
         check.at_end(self._end)
 
@@ -99,6 +100,17 @@ class DDPGradEditor:
                 param.grad = None  # DDP writes this backward's averaged gradient alone
             else:
                 entry[1] += 1
+
+    def _abandon(self) -> None:
+        """The scope is removed: a backward pass that never reached its end (it raised) leaves
+        the .grad it set aside; put it back where nothing replaced it."""
+        if not self._started:
+            return
+        self._started = False
+        for param, _ in self._edits.values():
+            entry = _held.pop(id(param), None)
+            if entry is not None and entry[0] is not None and param.grad is None:
+                param.grad = entry[0]
 
     def _end(self) -> None:
         if not self._started:
