@@ -35,7 +35,7 @@ else:  # tensor parallel: every rank runs the same batch on its slice of the lay
     model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 opt = torch.optim.SGD(model.parameters(), lr=0.05)
-clip = hs.clip_grads(model, max_norm=1.0)  # per parameter, on the full (unsharded) gradient
+clip = hs.clip_grads(model, max_norm=1.0)  # per parameter, on the full, averaged gradient
 with hs.Monitor(model, every=5, sinks=[hs.JsonlSink(f"stats-{mode}.jsonl")], sentinel=True) as mon:
     for step in range(20):
         g = torch.Generator().manual_seed(step if mode == "tp" else step * world + rank)

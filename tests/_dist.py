@@ -7,7 +7,8 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -22,25 +23,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, port: int, fn: Callable[..., None], args: tuple) -> None:
+def _entry(rank: int, port: int, fn: Callable[..., None], args: tuple, world: int) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, *args)
     finally:
         dist.destroy_process_group()
 
 
-def launch(fn: Callable[..., None], *args: object, timeout: float = 300.0) -> None:
-    """Run ``fn(rank, *args)`` on 2 gloo ranks. fork: the children need not import torch again
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """This process at one intra-op thread, like the ranks :func:`launch` starts: a CPU kernel's
+    last bits depend on the thread count, so byte-for-byte comparisons with the ranks need it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def launch(
+    fn: Callable[..., None], *args: object, timeout: float = 300.0, world: int = WORLD
+) -> None:
+    """Run ``fn(rank, *args)`` on ``world`` (2) gloo ranks. fork: the children need not import torch again
     (several seconds each on a busy machine); they use one thread, so the parent's thread pool is
     never needed after the fork. A rank still running after ``timeout`` seconds (one waiting in a
     collective the others never reach) is killed and the test fails, instead of hanging."""
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     ctx = mp.start_processes(
-        _entry, args=(free_port(), fn, args), nprocs=WORLD, join=False, start_method=method
+        _entry, args=(free_port(), fn, args, world), nprocs=world, join=False, start_method=method
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
@@ -68,6 +83,9 @@ def assert_records_close(got: list[dict], ref: list[dict], steps: int) -> None:
                 assert stats.keys() == d[group][name].keys(), (group, name)
                 for k, v in stats.items():
                     got_v = d[group][name][k]
+                    if isinstance(v, str):  # "inf", "nan" in JSON
+                        assert got_v == v, (group, name, k, got_v, v)
+                        continue
                     assert math.isclose(got_v, v, rel_tol=1e-4, abs_tol=1e-7), (
                         group,
                         name,

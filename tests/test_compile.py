@@ -145,6 +145,20 @@ def test_stop_ends_the_compiled_forward_early():
     with hs.capture(cm, ["relu", "head"], stop=True) as cap:
         cm(X)
     assert len(cap.calls("relu")) == 2 and len(cap.calls("head")) == 1
+    # stopped after block.fc: the layers after it (block.act, the second relu, head) never run
+    returned = []
+    with (
+        hs.capture(cm, ["block.act", "head"]) as later,
+        hs.capture(cm, ["inp", "block.fc"], stop=True) as cap,
+    ):
+        returned.append(cm(X))
+    assert returned == []  # the call ended by the stop signal, swallowed by its scope
+    assert later.calls("block.act") == [] and later.calls("head") == []
+    with hs.capture(eager, ["inp", "block.fc"]) as ref:
+        eager(X)
+    for k in ("inp", "block.fc"):
+        assert len(cap.calls(k)) == 1
+        torch.testing.assert_close(cap[k], ref[k], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("form", ["wrapper", "in_place"])
@@ -198,16 +212,24 @@ def test_monitor_records_equal_eager(form):
                 opt.step()
                 mon.step()
         recs[key] = list(mon.records)
-    assert [r.step for r in recs["compiled"]] == [0, 2]
-    for a, b in zip(recs["compiled"], recs["eager"]):
+    assert_records_equal(recs["compiled"], recs["eager"], steps=[0, 2])
+
+
+PARAMS = ["inp.weight", "inp.bias", "block.fc.weight", "block.fc.bias", "head.weight", "head.bias"]
+
+
+def assert_records_equal(got: list, want: list, steps: list[int]) -> None:
+    """Monitor records of the compiled model equal the eager model's: as many, the same steps,
+    the same layers, parameters and statistics (every parameter has some), the same values."""
+    assert [r.step for r in got] == [r.step for r in want] == steps
+    for a, b in zip(got, want, strict=True):
         assert list(a.layers) == list(b.layers) and a.layers
-        assert not any("_orig_mod" in n for n in list(a.layers) + list(a.params))
-        for layer in a.layers:
-            for stat, v in a.layers[layer].items():
-                assert v == pytest.approx(b.layers[layer][stat], rel=1e-5, abs=1e-7), (layer, stat)
-        for p in a.params:
-            for stat, v in a.params[p].items():
-                assert v == pytest.approx(b.params[p][stat], rel=1e-5, abs=1e-7), (p, stat)
+        assert sorted(a.params) == sorted(b.params) == sorted(PARAMS)
+        for group, ref in (("layers", b.layers), ("params", b.params)):
+            for name, stats in getattr(a, group).items():
+                assert stats and stats.keys() == ref[name].keys(), (group, name)
+                for stat, v in stats.items():
+                    assert v == pytest.approx(ref[name][stat], rel=1e-5, abs=1e-7), (name, stat)
 
 
 def test_find_nonfinite_names_the_layer():
@@ -451,13 +473,85 @@ def test_monitor_with_accumulation_on_a_compiled_model_equals_eager(form):
                 mon.step(opt)
                 opt.zero_grad()
         recs[key] = list(mon.records)
-    assert [r.step for r in recs["compiled"]] == [0, 1]
-    for a, b in zip(recs["compiled"], recs["eager"]):
-        assert (
-            list(a.layers)
-            == list(b.layers)
-            == ["inp", "relu", "block.fc", "block.act", "relu#1", "head"]
-        )
-        for layer in a.layers:
-            for stat, v in a.layers[layer].items():
-                assert v == pytest.approx(b.layers[layer][stat], rel=1e-5, abs=1e-7), (layer, stat)
+    assert_records_equal(recs["compiled"], recs["eager"], steps=[0, 1])
+    for r in recs["compiled"]:
+        assert list(r.layers) == ["inp", "relu", "block.fc", "block.act", "relu#1", "head"]
+
+
+def test_two_threads_calling_a_compiled_model_while_a_scope_routes_it():
+    """Routed calls run one at a time: the second thread waits for the first, both get the eager
+    values, and the model's forward and Dynamo's config are left as found (without the lock the
+    second call saved the first one's swapped forward and put it back for good)."""
+    import threading
+
+    cm, eager, _ = compiled("wrapper", backend="eager")
+    cm(X)
+    config = dict(dynamo.config.get_config_copy())
+    a_inside, b_inside = threading.Event(), threading.Event()
+    overlapped: list[bool] = []
+
+    def pause(value: torch.Tensor) -> None:  # an edit that keeps the value, waiting in thread A
+        if threading.current_thread().name == "A":
+            a_inside.set()
+            overlapped.append(b_inside.wait(0.5))  # B cannot get inside while A runs
+        else:
+            b_inside.set()
+
+    outs = {}
+
+    def run(name: str) -> None:
+        if name == "B":
+            a_inside.wait(30)
+        outs[name] = cm(X)
+
+    with hs.capture(cm, ["block.fc"]) as cap, hs.edit(cm, {"block.fc": pause}):
+        threads = [threading.Thread(target=run, args=(n,), name=n) for n in "AB"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert overlapped == [False] and b_inside.is_set()
+    with hs.capture(eager, ["block.fc"]) as ref:
+        want = eager(X)
+    for name in "AB":
+        torch.testing.assert_close(outs[name], want, rtol=0, atol=0)
+    assert len(cap.calls("block.fc")) == 2
+    for c in cap.calls("block.fc"):
+        torch.testing.assert_close(c.output, ref["block.fc"], rtol=0, atol=0)
+    assert "forward" not in cm._orig_mod.__dict__  # no hooked variant left behind
+    assert cm.__dict__["forward"].__name__ != "routed"
+    assert dict(dynamo.config.get_config_copy()) == config
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_deepcopy_of_a_compiled_model_with_a_scope_open(form):
+    """The copy runs its own weights with inert hooks (the original's capture gets nothing from
+    it); a scope on the copy records the copy's values; the original keeps being routed."""
+    cm, eager, pre = compiled(form, backend="eager")
+    cm(X)
+    layer = pre + "block.fc"
+    with hs.capture(cm, [layer]) as cap:
+        twin = copy.deepcopy(cm)
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(2.0)
+        got = twin(X)
+        assert cap.calls(layer) == []
+        with hs.capture(twin, [layer]) as on_copy:
+            got_hooked = twin(X)
+        cm(X)
+    assert len(cap.calls(layer)) == 1 and len(on_copy.calls(layer)) == 1
+    ref_twin = copy.deepcopy(eager)
+    with torch.no_grad():
+        for p in ref_twin.parameters():
+            p.mul_(2.0)
+    with hs.capture(ref_twin, [layer]) as ref:
+        want = ref_twin(X)
+    with hs.capture(eager, [layer]) as ref_orig:
+        eager(X)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_hooked, want, rtol=0, atol=0)
+    torch.testing.assert_close(on_copy[layer], ref[layer], rtol=0, atol=0)
+    torch.testing.assert_close(cap[layer], ref_orig[layer], rtol=0, atol=0)
+    assert {i.feature for i in hs.hooks_on(twin)} == {"capture (inert copy)"}
+    assert hs.remove_hooks(twin) >= 1

@@ -885,24 +885,33 @@ def test_mlflow_sink_file_store_holds_the_monitor_values(tmp_path, monkeypatch):
             opt.zero_grad()
         recs = list(mon.records)
     client = mlflow.MlflowClient()
+    assert [r.step for r in recs] == [0, 1]
+    keys = set(recs[0].scalars())
+    assert keys == set(recs[1].scalars()) and len(keys) >= 10
+    assert set(client.get_run(run.info.run_id).data.metrics) == keys  # nothing missing or extra
+    compared = 0
     for rec in recs:
         for key, value in rec.scalars().items():
             hist = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+            assert sorted(hist) == [0, 1], key
             assert _close(hist[rec.step], value, 1e-12), key
+            compared += 1
+    assert compared == 2 * len(keys)
 
 
-def test_sinks_need_an_active_run():
+def test_sinks_need_an_active_run(monkeypatch):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     import mlflow
     import wandb
 
-    if wandb.run is None:
-        with pytest.raises(ValueError, match="wandb.init"):
-            hs.WandbSink()
-    if mlflow.active_run() is None:
-        with pytest.raises(ValueError, match="mlflow.start_run"):
-            hs.MlflowSink()
+    # no run, whatever another test or the environment left active
+    monkeypatch.setattr(wandb, "run", None)
+    monkeypatch.setattr(mlflow, "active_run", lambda: None)
+    with pytest.raises(ValueError, match="wandb.init"):
+        hs.WandbSink()
+    with pytest.raises(ValueError, match="mlflow.start_run"):
+        hs.MlflowSink()
 
 
 # -- extras ------------------------------------------------------------------------------------

@@ -96,10 +96,12 @@ def _edit_worker(rank: int, tmp: str) -> None:
         torch.save(out, os.path.join(tmp, "grads.pt"))
 
 
-def reference_grads() -> dict[str, dict[str, torch.Tensor]]:
+def reference_grads(
+    factory: Callable[[], nn.Module] = make_model,
+) -> dict[str, dict[str, torch.Tensor]]:
     """Independent of hookscope: torch.autograd.grad on the combined batch, edited by hand."""
     xs, ys = make_data(2)
-    model = make_model()
+    model = factory()
     names = [n for n, _ in model.named_parameters()]
     g, g2 = (
         dict(
@@ -345,6 +347,18 @@ def make_tp_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 1))
 
 
+def make_zero_tp_model() -> nn.Module:
+    """Layer '0' outputs zeros (an all-zero shard on every rank) and, with a constant layer '2',
+    its output gradient is the same on every rank too: values alone cannot tell these shards from
+    a replicated output; the plan can."""
+    model = make_tp_model()
+    with torch.no_grad():
+        model[0].weight.zero_()
+        model[0].bias.zero_()
+        model[2].weight.fill_(0.1)
+    return model
+
+
 def _tp_worker(rank: int, tmp: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -360,6 +374,18 @@ def _tp_worker(rank: int, tmp: str) -> None:
         plan = {"0": colwise, "2": RowwiseParallel()}
         model = parallelize_module(make_tp_model(), mesh, plan)
         train(model, xs, ys, os.path.join(tmp, f"{tag}rank{rank}.jsonl"))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    model = parallelize_module(make_zero_tp_model(), mesh, plan)
+    train(model, xs, ys, os.path.join(tmp, f"zerorank{rank}.jsonl"))
+    # an output the plan declares Partial (its shards are not its values): refused, named
+    from torch.distributed.tensor import Partial
+
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Partial())}
+    model = parallelize_module(make_tp_model(), mesh, plan)
+    with hs.Monitor(model, alerts="off"), pytest.raises(hs.UnsupportedTensorError) as e:
+        model(xs[0])
+    with open(os.path.join(tmp, f"partial{rank}.txt"), "w") as f:
+        f.write(str(e.value))
 
 
 @pytest.mark.distributed
@@ -371,6 +397,15 @@ def test_tensor_parallel_monitor_equals_one_process(tmp_path):
     assert set(ref[0]["layers"]) == {"0", "1", "2", "3", "4"}  # sharded ('0', '1') and replicated
     assert_records_close(read_jsonl(tmp_path / "rank0.jsonl"), ref, STEPS)
     assert_records_close(read_jsonl(tmp_path / "dtrank0.jsonl"), ref, STEPS)
+    # all-zero shards with equal gradients on both ranks: still two shards ('0', '1': the output
+    # gradient norm of the whole output, sqrt(2) times a rank's), not one replicated copy
+    train(make_zero_tp_model(), xs, ys, str(tmp_path / "zero.jsonl"))
+    zero = read_jsonl(tmp_path / "zero.jsonl")
+    assert zero[0]["layers"]["0"]["absmax"] == 0.0 and zero[0]["layers"]["0"]["grad_norm"] > 0
+    assert_records_close(read_jsonl(tmp_path / "zerorank0.jsonl"), zero, STEPS)
+    for rank in range(WORLD):
+        said = (tmp_path / f"partial{rank}.txt").read_text()
+        assert "layer '2' is declared Partial" in said and "Declare Shard or Replicate" in said
 
 
 class CopyingLinear(nn.Module):
@@ -410,3 +445,75 @@ def test_a_gradient_hook_that_never_fires_is_reported_at_the_end_of_backward(att
         for _ in range(3):
             lin(torch.full((3, 2), 10.0)).sum().backward()
     assert float(lin.weight.grad.abs().max()) < 3.001e-3  # 3 clamped (or zeroed) steps
+
+
+# -- 2-D mesh: FSDP2 over the data-parallel dimension, tensor parallel over the other ---------------
+def mesh_2d_model(factory: Callable[[], nn.Module] = make_tp_model) -> tuple[nn.Module, int]:
+    """``factory()`` split colwise/rowwise over 'tp' and sharded by FSDP2 over 'dp' of a 2x2
+    mesh; returns it and this rank's data-parallel coordinate."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = parallelize_module(
+        factory(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
+    fully_shard(model, mesh=mesh["dp"])
+    return model, mesh["dp"].get_local_rank()
+
+
+def _mesh_2d_worker(rank: int, tmp: str) -> None:
+    xs, ys = make_data(STEPS)
+    model, dp = mesh_2d_model()
+    # each data-parallel group runs its half of the batch (the same within a tensor-parallel group)
+    train(
+        model, xs.chunk(2, dim=1)[dp], ys.chunk(2, dim=1)[dp], os.path.join(tmp, f"r{rank}.jsonl")
+    )
+    out = {}
+    for key, attach in EDITS.items():
+        model, dp = mesh_2d_model()
+        x, y = xs[0].chunk(2)[dp], ys[0].chunk(2)[dp]
+        with attach(model):
+            nn.functional.mse_loss(model(x), y).backward()
+        out[key] = full_grads(model)
+    torch.manual_seed(0)
+    bad, dp = mesh_2d_model(
+        lambda: nn.Sequential(nn.Linear(5, 4), Sqrt(), nn.Linear(4, 4), nn.Linear(4, 1))
+    )
+    out["nan"] = nan_origins(bad, xs[0].chunk(2)[dp])
+    torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp2_with_tensor_parallel_on_a_2x2_mesh_equals_one_process(tmp_path):
+    """4 gloo ranks: Monitor layer and parameter statistics, the sentinel, clip_grads and
+    edit_grads equal one process on the combined batch."""
+    launch(_mesh_2d_worker, str(tmp_path), world=4)
+    xs, ys = make_data(STEPS)
+    train(make_tp_model(), xs, ys, str(tmp_path / "single.jsonl"))
+    ref = read_jsonl(tmp_path / "single.jsonl")
+    assert set(ref[0]["layers"]) == {"0", "1", "2", "3", "4"}
+    assert set(ref[0]["params"]) == {f"{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")}
+    assert_records_close(read_jsonl(tmp_path / "r0.jsonl"), ref, STEPS)
+    for rank in range(1, 4):
+        assert read_jsonl(tmp_path / f"r{rank}.jsonl") == []  # written once, by rank 0
+    want = reference_grads(make_tp_model)
+    torch.manual_seed(0)
+    bad = nn.Sequential(nn.Linear(5, 4), Sqrt(), nn.Linear(4, 4), nn.Linear(4, 1))
+    nan = nan_origins(bad, xs[0])
+    assert nan == ("1", "1")
+    for rank in range(4):
+        got = torch.load(tmp_path / f"out{rank}.pt")
+        assert tuple(got.pop("nan")) == nan
+        for key in EDITS:
+            assert got[key].keys() == want[key].keys()
+            for name, t in want[key].items():
+                torch.testing.assert_close(
+                    got[key][name], t, rtol=1e-5, atol=1e-7, msg=f"{rank} {key} {name}"
+                )

@@ -122,8 +122,9 @@ def _fx_nodes(model: nn.Module) -> set[str] | None:
         return None
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+def _assert_same(a: torch.Tensor, b: torch.Tensor, msg: str) -> None:
+    """Exactly equal (shape, dtype, values); a NaN matches only a NaN at the same place."""
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{msg}: {m}")
 
 
 def _check(model: nn.Module, size: int) -> None:
@@ -137,7 +138,7 @@ def _check(model: nn.Module, size: int) -> None:
     with torch.no_grad():
         got = hs.FeatureExtractor(model, layers)(x)
     for n in layers:
-        assert _same(got[n], truth[n]), f"{n}: differs from the layer's own output"
+        _assert_same(got[n], truth[n], f"{n}: differs from the layer's own output")
     if nodes is not None:
         from torchvision.models.feature_extraction import create_feature_extractor
 
@@ -147,7 +148,7 @@ def _check(model: nn.Module, size: int) -> None:
             _graph_out_of_place(fx)
             ref = fx(x)
         for n in layers:
-            assert _same(got[n], ref[n]), f"{n}: differs from torchvision's FX extractor"
+            _assert_same(got[n], ref[n], f"{n}: differs from torchvision's FX extractor")
     s = hs.summary(model, x)
     assert s.totals.params == unique_params(model)
 

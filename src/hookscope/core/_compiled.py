@@ -19,6 +19,14 @@ eager hookscope's; everything between hooked layers stays compiled. One variant 
 nothing. The root's own hooks run outside the variant, eagerly, around its compiled ``forward``.
 A ``fullgraph=True`` region cannot break its graph: that region runs eagerly while the
 scope is open, with a :class:`HookscopeWarning` naming the layers.
+
+A routed call swaps the root's ``forward`` and patches Dynamo's (process-wide) config and warning
+filters for its duration, so routed calls run one at a time, under one lock: a compiled model
+called from several threads while a scope is open gives every thread the exact values, one call
+after the other, and leaves the model and Dynamo's config as found. ``copy.deepcopy`` of a
+compiled model with a scope open works: the copy's hooks are inert (see ``core._scope``), a
+``torch.compile`` wrapper is rebuilt around the copied module, and a module compiled in place
+is copied uncompiled (PyTorch drops ``_compiled_call_impl`` when copying).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import threading
 import types
 import warnings
 import weakref
@@ -168,6 +177,11 @@ def _isolated(ctx: Any) -> Any:
     return twin
 
 
+# routed calls swap module attributes and patch process-wide settings: one at a time (reentrant:
+# a hook may call another compiled model)
+_routing = threading.RLock()
+
+
 class Region:
     """One compiled part of a model, and how hookscope routes its calls while hooks are on it."""
 
@@ -247,6 +261,10 @@ class Region:
         self._saved = None
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
+        with _routing:
+            return self._call_routed(*args, **kwargs)
+
+    def _call_routed(self, *args: Any, **kwargs: Any) -> Any:
         root = self.root
         if self.ctx is None or self.fullgraph:
             if self.fullgraph and not self._warned:
@@ -258,7 +276,7 @@ class Region:
                     "that region eagerly while its hooks are on it (exact values, eager speed). "
                     "Compile without fullgraph=True to keep the rest of the region compiled",
                     HookscopeWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
             return root._call_impl(*args, **kwargs) if self.in_place else root(*args, **kwargs)
         key = (frozenset(self.hooked), len(root) if isinstance(root, nn.Sequential) else -1)
@@ -297,7 +315,7 @@ class Region:
             "module(...) for this input, or the compiled code skipped them; to get exact values "
             "anyway run the call under torch.compiler.set_stance('force_eager')",
             HookscopeWarning,
-            stacklevel=5,
+            stacklevel=6,
         )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -13,7 +12,7 @@ import torch.nn as nn
 
 from . import _ops as ops
 from ._compiled import named_modules, named_parameters
-from ._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_names
+from ._errors import HookscopeError, LayerNotFoundError
 from ._gradcheck import FireCheck
 from ._nested import iter_tensors
 from ._scope import HookScope, check_model
@@ -165,7 +164,10 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
     may then be ``None``). Values are ops, tensors or ``fn(grad) -> new_grad | None``.
 
     Works with in-place layers (``ReLU(inplace=True)``): gradients are edited through tensor
-    hooks, never through module backward hooks.
+    hooks, never through module backward hooks. Distributed, a parameter edit acts on the
+    gradient one process on the combined batch would have: under ``DistributedDataParallel`` on
+    the averaged gradient (after DDP's all-reduce; once per step under ``no_sync()``
+    accumulation), under FSDP2 on the reduced gradient, under tensor parallelism on the full one.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -179,12 +181,9 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
         check_model(model)
     scope = HookScope("edit_grads")
     check: FireCheck | None = None
-    local_edits: list[str] = []
     try:
         for key, fn in edits.items():
             modules, tensors = _resolve_grad_targets(model, key)
-            if not isinstance(fn, (torch.Tensor, *_AVERAGE_SAFE)):
-                local_edits += [n for n, t in tensors.items() if isinstance(t, nn.Parameter)]
             for name, module in modules.items():
                 scope.add_forward(module, _output_grad_editor(scope, name, fn), layer=name)
             for name, t in tensors.items():
@@ -200,33 +199,7 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
     except BaseException:
         scope.remove()
         raise
-    _warn_ddp_local(model, "edit_grads", local_edits)
     return scope
-
-
-# edits that commute with DDP's averaging over ranks: mean(f(g_r)) == f(mean(g_r))
-_AVERAGE_SAFE = (ops._Zero, ops._Scale, ops._Add, ops._Replace, ops._Ablate)
-
-
-def _warn_ddp_local(model: nn.Module | None, what: str, names: list[str]) -> None:
-    """Under ``DistributedDataParallel`` a parameter's gradient hook sees this rank's gradient,
-    before DDP averages it over the ranks (PITFALL 18): a non-linear edit of it (clipping,
-    clamping, any function) is not the edit of the averaged gradient one process would make."""
-    if model is None or not names:
-        return
-    ddp = nn.parallel.DistributedDataParallel
-    if not any(isinstance(m, ddp) for m in model.modules()):
-        return
-    warnings.warn(
-        f"{what} on a DistributedDataParallel model edits each rank's own gradient of "
-        f"{some_names(names)} before DDP averages them over the ranks, so the result is not the same edit "
-        "of the averaged gradient (what one process on the combined batch would get). For "
-        "clipping the averaged gradient call torch.nn.utils.clip_grad_norm_ / clip_grad_value_ "
-        "after backward, or shard with FSDP2 (fully_shard), where hookscope edits the reduced "
-        "gradient. Zeroing, scaling, adding and replacing are not affected",
-        HookscopeWarning,
-        stacklevel=3,
-    )
 
 
 def _output_grad_editor(scope: HookScope, name: str, fn: Edit) -> Callable[..., None]:
@@ -255,6 +228,8 @@ def clip_grads(
     parameter's gradient to an L2 norm of at most ``max_norm`` (per parameter, unlike
     ``torch.nn.utils.clip_grad_norm_``, which uses the global norm). ``params`` restricts it to
     parameter names/globs. Returns the scope: ``.remove()`` it (or use ``with``) to stop.
+    Distributed (DDP, FSDP2, tensor parallel), it clips the averaged, full gradient, as one
+    process on the combined batch would (see :func:`edit_grads`).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -301,5 +276,4 @@ def clip_grads(
     except BaseException:
         scope.remove()
         raise
-    _warn_ddp_local(model, "clip_grads", [n for n, p in named.items() if p.requires_grad])
     return scope

@@ -49,6 +49,7 @@ class FireCheck:
         self._starts: list[Callable[[], None]] = []
         self._ends: list[Callable[[], None]] = []
         self._scope = scope
+        self.helpers: dict[str, Any] = {}  # per-scope state of the editors that use this check
         scope.add_forward(model, self._on_forward, layer="")
 
     def watch(self, name: str, param: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ._ddp import DDPGradEditor, ddp_of
 from ._errors import HookscopeError, UnsupportedTensorError
 from ._gradcheck import FireCheck
 from ._scope import HookScope
@@ -36,6 +37,7 @@ __all__ = [
     "add_param_grad_editor",
     "as_sharded_like",
     "check_tensor_type",
+    "declared_output",
     "dtensor_class",
     "FSDP2_INSTEAD",
     "fsdp1_found",
@@ -45,6 +47,8 @@ __all__ = [
     "fsdp_managed",
     "is_dtensor",
     "local",
+    "output_kind",
+    "plan_mesh",
     "replication",
 ]
 
@@ -173,7 +177,7 @@ def replication(t: torch.Tensor, what: str) -> int:
     ``local sum / replication`` over every rank gives the full tensor's sum.
 
     Raises :class:`UnsupportedTensorError` for a ``Partial`` placement (the shards are not the
-    values) or a mesh that does not span every rank.
+    values) or a mesh whose size does not divide the world's.
     """
     import torch.distributed as dist
 
@@ -181,12 +185,15 @@ def replication(t: torch.Tensor, what: str) -> int:
     if not is_dtensor(t):
         return world
     mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
-    if mesh.size() != world:
+    if world % mesh.size():
         raise UnsupportedTensorError(
             f"{what} is a DTensor on a mesh of {mesh.size()} ranks in a world of {world}: "
-            "hookscope reduces its statistics over the whole world and needs a mesh that spans it"
+            "hookscope reduces its statistics over the whole world and needs a mesh whose copies "
+            "tile it"
         )
-    copies = 1
+    # a mesh smaller than the world is one dimension of a larger one (FSDP2 over the data-parallel
+    # dimension of a 2-D mesh): each of its world / size copies holds the same values
+    copies = world // mesh.size()
     for dim, placement in enumerate(placements):
         if placement.is_partial():
             raise UnsupportedTensorError(
@@ -196,6 +203,75 @@ def replication(t: torch.Tensor, what: str) -> int:
         if placement.is_replicate():
             copies *= mesh.size(dim)
     return copies
+
+
+def output_kind(t: torch.Tensor, what: str) -> str:
+    """``"replicate"`` or ``"shard"``: the layout a ``DTensor`` output declares by its
+    placements (replicated on every mesh dimension, or sharded on one). Raises
+    :class:`UnsupportedTensorError` for a ``Partial`` placement (the shards are not the values)."""
+    placements = t.placements  # type: ignore[attr-defined]
+    if any(p.is_partial() for p in placements):
+        raise UnsupportedTensorError(
+            f"{what} is a DTensor with a Partial placement ({placements}): its shards are not its "
+            "values. Attach hookscope after parallelize_module (its output hooks redistribute "
+            "the output first), or redistribute it to Shard/Replicate"
+        )
+    return "replicate" if all(p.is_replicate() for p in placements) else "shard"
+
+
+def _layouts_kind(layouts: Any) -> str | None:
+    first = layouts[0] if isinstance(layouts, (tuple, list)) and layouts else layouts
+    if first is None or not hasattr(first, "is_replicate"):
+        return None
+    if first.is_partial():
+        return "partial"
+    return "replicate" if first.is_replicate() else "shard"
+
+
+def declared_output(module: nn.Module) -> str | None:
+    """The layout a tensor-parallel plan declares for ``module``'s output: ``"shard"``,
+    ``"replicate"`` (or ``"partial"``), read from the output hook that ``parallelize_module``
+    placed (``ColwiseParallel`` / ``RowwiseParallel``: ``output_layouts``; ``SequenceParallel``:
+    sharded on the sequence; ``PrepareModuleOutput``: ``desired_output_layouts``). ``None`` for a
+    module the plan does not name."""
+    for hook in list(module._forward_hooks.values()):
+        for cell in getattr(hook, "__closure__", None) or ():
+            try:
+                obj = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(obj, functools.partial):
+                owner = getattr(obj.func, "__qualname__", "").split(".")[0]
+                if getattr(obj.func, "__name__", "") != "_prepare_output_fn":
+                    continue
+                if owner == "SequenceParallel":
+                    return "shard"
+                if obj.args:
+                    kind = _layouts_kind(obj.args[0])
+                    if kind is not None:
+                        return kind
+            layouts = getattr(obj, "desired_output_layouts", None)
+            if layouts is not None and type(obj).__module__.startswith("torch.distributed"):
+                kind = _layouts_kind(layouts)
+                if kind is not None:
+                    return kind
+    return None
+
+
+def plan_mesh(module: nn.Module) -> Any:
+    """The device mesh a tensor-parallel plan applied to ``module`` with (the one its output hook
+    redistributes over), or ``None`` for a module the plan does not name."""
+    if declared_output(module) is None:
+        return None
+    for hook in list(module._forward_hooks.values()):
+        code = getattr(hook, "__code__", None)
+        cells = getattr(hook, "__closure__", None) or ()
+        if code is None or "device_mesh" not in code.co_freevars:
+            continue
+        mesh = cells[code.co_freevars.index("device_mesh")].cell_contents
+        if hasattr(mesh, "get_local_rank"):
+            return mesh
+    return None
 
 
 def as_sharded_like(new: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -225,7 +301,9 @@ def add_param_grad_editor(
     """Make ``on_grad(grad) -> new_grad | None`` edit parameter ``name``'s gradient, whatever the
     parameter's kind: a tensor hook for a plain or tensor-parallel parameter (the gradient of this
     backward, before accumulation), FSDP2's post-accumulate-grad call for a ``fully_shard``ed one
-    (the reduced gradient of the combined batch, in ``param.grad``). A full plain tensor returned
+    (the reduced gradient of the combined batch, in ``param.grad``), the end of the backward pass
+    for a parameter of a ``DistributedDataParallel`` model (the averaged gradient, after DDP's
+    reducer wrote it, see :mod:`._ddp`). A full plain tensor returned
     for a ``DTensor`` gradient is laid out as the gradient. Refuses unknown tensor subclasses.
     ``check`` (a :class:`FireCheck`) raises at the end of a backward in which the hook did not
     run although ``.grad`` changed."""
@@ -248,6 +326,17 @@ def add_param_grad_editor(
 
     if model is not None and is_dtensor(param) and fsdp_managed(model, name):
         _add_fsdp_editor(scope, name, param, on_grad, check)
+        return
+    found = ddp_of(model, name) if model is not None and not is_dtensor(param) else None
+    if found is not None:  # DDP: edit the averaged gradient, after DDP's reducer (PITFALL 18)
+        assert model is not None
+        if check is None:
+            check = FireCheck(scope, model, "edit_grads")
+        prefix, ddp = found
+        editors = check.helpers.setdefault("ddp", {})
+        if id(ddp) not in editors:
+            editors[id(ddp)] = DDPGradEditor(scope, ddp, prefix, check)
+        editors[id(ddp)].add(name, param, on_grad)
         return
 
     def hook(g: torch.Tensor) -> torch.Tensor | None:

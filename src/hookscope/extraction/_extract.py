@@ -5,8 +5,10 @@ forward pass runs with one hookscope hook per requested layer, which pools the o
 device, starts its copy to the host without waiting (:mod:`._transfer`) and stops the pass after
 the last requested layer; a background thread writes the rows into memory-mapped ``.npy`` files
 and journals them (:mod:`._featstore`). Batches are global (``k * batch_size ...``) and each
-process of a ``torch.distributed`` job takes a contiguous block of them, so every batch, and thus
-every byte written, is the same whatever the number of processes or interruptions.
+process of a ``torch.distributed`` job takes a contiguous block of them, so every batch is the same
+whatever the number of processes or interruptions. The rows are thus those of an uninterrupted run
+up to the rounding of the kernels, which may depend on the number of CPU threads and the device;
+byte for byte when every process runs the same kernels (see ``extract``'s docstring).
 """
 
 from __future__ import annotations
@@ -169,11 +171,19 @@ def extract(
     it has a manifest. Everything is readable with numpy alone; :func:`load_features` opens it.
 
     The run can be killed at any moment: running the same call again (``resume=True``) continues
-    after the last batch that was durably on disk, and the finished files are byte for byte those
-    of an uninterrupted run. Under ``torch.distributed`` (e.g. ``torchrun``), each process takes a
-    contiguous block of the batches not done yet and writes its rows into the shared files
-    (``out`` must be on a file system all processes see); rank 0 writes the manifest. The result
-    is the same as one process's, and a run may resume with another number of processes.
+    after the last batch that was durably on disk. Under ``torch.distributed`` (e.g. ``torchrun``),
+    each process takes a contiguous block of the batches not done yet and writes its rows into the
+    shared files (``out`` must be on a file system all processes see); rank 0 writes the manifest;
+    a run may resume with another number of processes.
+
+    What is promised: every sample is computed in the same batch (same neighbours, same position)
+    as in an uninterrupted one-process run, whatever the interruptions and the number of
+    processes, so the finished files equal that run's within float rounding. They are byte for
+    byte identical when every process runs the same kernels: the same device and the same number
+    of CPU threads (``torch.get_num_threads()``; ``torchrun`` starts its processes with
+    ``OMP_NUM_THREADS=1``), e.g. a run resumed on the same machine with the same settings. A CPU
+    kernel's last bits can change with the thread count, so a resume at another thread count may
+    differ in the last bit of some values.
 
     Args:
         model: any ``nn.Module``; run in eval mode under ``torch.inference_mode()`` (its modes,

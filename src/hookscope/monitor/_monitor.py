@@ -32,6 +32,7 @@ from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
 from ._nonfinite import NonFiniteOrigin, _Tracker
 from ._record import MonitorRecord
 from ._sharded import (
+    TPLayouts,
     any_sharded,
     check_params,
     local_tensors,
@@ -68,6 +69,7 @@ class _StepState:
         # per layer call, one entry per micro-batch of the optimizer step
         self.acts: dict[str, list[tuple[int, Vec, torch.Tensor | None]]] = {}
         self.grads: dict[str, list[Vec]] = {}
+        self.kinds: dict[str, str] = {}  # tensor parallel: "shard" / "replicate" per layer call
         self.passes = 0
         self.scale: torch.Tensor | None = None
         self.scaler_states: Any = None
@@ -174,7 +176,10 @@ class Monitor:
         check_params(self._params)
         self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
         layer_stats = "activations" in self.stats or "gradients" in self.stats
-        self._tp = layer_stats and tensor_parallel(inner, list(named_parameters(inner)))
+        # tensor parallel (alone, or with FSDP2 on a 2-D mesh): (data-parallel size, each rank's
+        # tensor-parallel coordinate)
+        self._tp = tensor_parallel(inner) if layer_stats else None
+        self._layouts = TPLayouts(inner) if self._tp else None
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
         self._step = 0
         self._scope: HookScope | None = None
@@ -249,6 +254,7 @@ class Monitor:
 
             return on_grad
 
+        layouts = self._layouts
         try:
             if want_acts or want_grads:
                 for name, module in self.named.items():
@@ -276,6 +282,8 @@ class Monitor:
                         call = state.counts.get(name, 0)
                         state.counts[name] = call + 1
                         key = name if call == 0 else f"{name}#{call}"
+                        if layouts is not None:  # tensor parallel: sharded or replicated output
+                            state.kinds[key] = layouts.kind(name, module, args, t)
                         if want_acts:
                             x = t if type(t) is torch.Tensor else local(t)  # DTensor: shard
                             v, h = act_stats(x, self_bounds.get(name), margin, bins, scratch)
@@ -287,12 +295,33 @@ class Monitor:
 
                     scope.add_forward(module, hook, layer=name)
 
+                if layouts is not None:  # modules the plan names mark their outputs' layout
+                    monitored = {id(m) for m in self.named.values()}
+                    for name, module in layouts.plan_modules(self.model):
+                        if id(module) in monitored:
+                            continue
+
+                        def mark(
+                            module: nn.Module, args: Any, output: Any, name: str = name
+                        ) -> None:
+                            if in_backward() or not gate[0]:
+                                return
+                            t = next(
+                                (t for _, t in iter_tensors(output) if t.is_floating_point()), None
+                            )
+                            if t is not None:
+                                layouts.kind(name, module, args, t)
+
+                        scope.add_forward(module, mark, layer=name)
+
                 # each call of the model starts a micro-batch (as micro_batch(), which this hook
                 # cannot call: it must hold no reference to the monitor or the model)
                 def new_pass(module: nn.Module, args: Any) -> None:
                     if gate[0] and not in_backward():
                         state.counts.clear()
                         state.passes += 1
+                        if layouts is not None:
+                            layouts.reset()
 
                 scope.add_forward_pre(self.model, new_pass, layer="", prepend=True)
             if scaler is not None:
@@ -457,7 +486,9 @@ class Monitor:
             for k, hk in zip(ks, hks):  # each micro-batch: its per-rank pieces
                 ns_k, vs_k = [r[ho + hk] for r in ranks], [vals(r, k) for r in ranks]
                 if self._tp:  # the same batch on every rank: replicated or sharded outputs
-                    ns_k, vs_k = tp_pieces(ns_k, vs_k)
+                    ns_k, vs_k = tp_pieces(
+                        ns_k, vs_k, st.kinds.get(key) == "replicate", self._tp[1]
+                    )
                 ns += ns_k
                 vs += vs_k
             layers[key] = combine_acts(ns, vs)
@@ -468,16 +499,19 @@ class Monitor:
         # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
         # rank's output gradient is divided by the world size: the same values as one process
         # running the combined batch.
-        # (Tensor parallel: one batch, no averaging; output gradients replicated or sharded.)
+        # (Tensor parallel: one batch per data-parallel group, averaged over those groups only;
+        # output gradients replicated or sharded.)
         # Micro-batches are not divided: a loop that accumulates divides each micro-batch's loss
         # by their number itself (the mean over the combined batch).
-        gscale = scale if self._tp else scale * len(ranks)
+        gscale = scale * (self._tp[0] if self._tp else len(ranks))
         for key, ks in layout_g:
             gs = []
             for k in ks:
                 gs_k = [vals(r, k) for r in ranks]
                 if self._tp:
-                    gs_k = tp_pieces([0.0] * len(gs_k), gs_k)[1]
+                    gs_k = tp_pieces(
+                        [0.0] * len(gs_k), gs_k, st.kinds.get(key) == "replicate", self._tp[1]
+                    )[1]
                 gs += gs_k
             layers.setdefault(key, {}).update(combine_grads(gs, gscale))
         params: dict[str, dict[str, float]] = {}

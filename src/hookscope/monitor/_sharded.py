@@ -12,15 +12,34 @@ takes square roots.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from ..core._errors import UnsupportedTensorError
-from ..core._sharded import check_tensor_type, fsdp_managed, is_dtensor, local, replication
+from ..core._sharded import (
+    check_tensor_type,
+    declared_output,
+    is_dtensor,
+    local,
+    output_kind,
+    plan_mesh,
+    replication,
+)
 from ._stats import param_stats
 
-__all__ = ["any_sharded", "check_params", "local_tensors", "sharded_param_sumsq", "sum_ranks_sqrt"]
+__all__ = [
+    "TPLayouts",
+    "any_sharded",
+    "check_params",
+    "local_tensors",
+    "sharded_param_sumsq",
+    "sum_ranks_sqrt",
+    "tensor_parallel",
+    "tp_pieces",
+]
 
 
 def any_sharded(params: Sequence[tuple[str, torch.Tensor]]) -> bool:
@@ -68,29 +87,109 @@ def check_params(params: Sequence[tuple[str, torch.Tensor]]) -> None:
         replication(p, f"parameter {name!r}")
 
 
-def tensor_parallel(model: torch.nn.Module, params: Sequence[tuple[str, torch.Tensor]]) -> bool:
-    """Is ``model`` split by tensor parallelism (``DTensor`` parameters not managed by FSDP2)?
+def tensor_parallel(model: torch.nn.Module) -> tuple[int, list[int]] | None:
+    """``(data-parallel size, each rank's tensor-parallel coordinate)`` for a model split by a
+    tensor-parallel plan (``parallelize_module``), alone or with FSDP2 on a 2-D mesh; else None.
 
-    Then every rank runs the same batch, and a layer's output is either replicated (the same on
-    every rank, e.g. after a ``RowwiseParallel`` layer) or a shard of the full output (after a
-    ``ColwiseParallel`` layer). Raises for FSDP2 combined with tensor parallelism (2-D meshes),
-    whose layer statistics mix both rules.
+    Ranks with the same data-parallel coordinate run the same batch, and a layer's output is
+    either replicated over the tensor-parallel dimension (after a ``RowwiseParallel`` layer) or a
+    shard of the full output (after a ``ColwiseParallel`` layer): see :class:`TPLayouts`. The
+    coordinates are gathered once (every rank builds its monitor).
     """
-    tp = [n for n, p in params if is_dtensor(p) and not fsdp_managed(model, n)]
-    fsdp = [n for n, p in params if is_dtensor(p) and fsdp_managed(model, n)]
-    if tp and fsdp:
+    import torch.distributed as dist
+
+    meshes = {id(m): m for m in map(plan_mesh, model.modules()) if m is not None}
+    if not meshes:
+        return None
+    if len(meshes) > 1 and len({tuple(m.mesh.flatten().tolist()) for m in meshes.values()}) > 1:
         raise UnsupportedTensorError(
-            f"Monitor: parameters {tp[:2]} are tensor-parallel DTensors and {fsdp[:2]} are sharded "
-            "by FSDP2 in the same model; layer statistics of a 2-D (data x tensor) parallel model "
-            "are not supported. Monitor parameters only: stats=('parameters',)"
+            "Monitor: the tensor-parallel plan of this model uses several device meshes; layer "
+            "statistics need one. Monitor parameters only: stats=('parameters',)"
         )
-    return bool(tp)
+    tp = next(iter(meshes.values()))
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if tp.ndim != 1 or world % tp.size():
+        raise UnsupportedTensorError(
+            f"Monitor: the tensor-parallel mesh {tp} does not tile the world of {world} ranks; "
+            "layer statistics need a 1-D tensor-parallel mesh (a dimension of the world's mesh). "
+            "Monitor parameters only: stats=('parameters',)"
+        )
+    coords: list[Any] = [None] * world
+    if world > 1:
+        dist.all_gather_object(coords, tp.get_local_rank())
+    else:
+        coords = [0]
+    return world // tp.size(), [int(c) for c in coords]
 
 
-def tp_pieces(ns: list[float], vs: list[list[float]]) -> tuple[list[float], list[list[float]]]:
-    """Under tensor parallelism, a layer's per-rank ``(count, statistics)``: one rank's when every
-    rank computed the very same vector (a replicated output: counting each copy would repeat its
-    values), else every rank's (disjoint shards of the full output, combined as one tensor)."""
-    if all(v == vs[0] for v in vs[1:]) and all(n == ns[0] for n in ns[1:]):
-        return ns[:1], vs[:1]
-    return ns, vs
+def tp_pieces(
+    ns: list[float], vs: list[list[float]], replicated: bool, coords: list[int]
+) -> tuple[list[float], list[list[float]]]:
+    """Under tensor parallelism, a layer's per-rank ``(count, statistics)``: for a replicated
+    output, those of the ranks at tensor-parallel coordinate 0 (one per data-parallel group:
+    counting each copy would repeat its values), else every rank's (disjoint shards of the full
+    output, combined as one tensor). ``replicated`` comes from :class:`TPLayouts`, never from
+    comparing the values (an all-zero shard looks replicated)."""
+    if not replicated:
+        return ns, vs
+    keep = [i for i, c in enumerate(coords) if c == 0]
+    return [ns[i] for i in keep], [vs[i] for i in keep]
+
+
+class TPLayouts:
+    """Which layer outputs of a tensor-parallel model are shards and which are replicated, from
+    what the model declares, in this order:
+
+    1. a ``DTensor`` output: its placements;
+    2. a module the parallelize plan names: the plan's output layout (``ColwiseParallel``:
+       ``Shard(-1)`` by default, ``RowwiseParallel``: ``Replicate()``, ...);
+    3. an output that is the very tensor an earlier layer of this forward pass returned (a
+       container returning its last child's output): that layer's layout;
+    4. a module whose inputs include outputs of earlier layers: sharded if one of them is (an
+       elementwise layer after a ``ColwiseParallel`` one works on the shard);
+    5. otherwise the layout of the last layer that ran (the input came through functional code).
+
+    Every rank runs the same code on the same plan, so every rank decides alike.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.declared = {id(m): k for m in model.modules() if (k := declared_output(m)) is not None}
+        self._marks: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self._last = "replicate"
+
+    def plan_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        """The modules the plan names (hooked to mark their outputs even when not monitored)."""
+        return [(n, m) for n, m in model.named_modules() if id(m) in self.declared]
+
+    def reset(self) -> None:
+        """A new forward pass."""
+        self._marks.clear()
+        self._last = "replicate"
+
+    def _known(self, t: Any) -> str | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        mark = self._marks.get(id(t))
+        return mark[1] if mark is not None and mark[0]() is t else None
+
+    def kind(self, name: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> str:
+        """``"shard"`` or ``"replicate"`` for output ``t`` of layer ``name``; remembers it."""
+        what = f"the output of layer {name!r}"
+        if is_dtensor(t):
+            k = output_kind(t, what)
+        else:
+            declared = self.declared.get(id(module))
+            if declared == "partial":
+                raise UnsupportedTensorError(
+                    f"{what} is declared Partial by the tensor-parallel plan: its shards are not "
+                    "its values, so its statistics cannot be combined. Declare Shard or Replicate "
+                    "output layouts for it, or exclude it from the monitored layers"
+                )
+            k = declared or self._known(t)
+            if k is None:
+                ins = [self._known(a) for a in (args if isinstance(args, tuple) else (args,))]
+                ins = [x for x in ins if x is not None]
+                k = ("shard" if "shard" in ins else "replicate") if ins else self._last
+        self._marks[id(t)] = (weakref.ref(t), k)
+        self._last = k
+        return k
