@@ -45,6 +45,7 @@ def test_layout_has_one_package_per_product():
         "extraction",
         "integrations",
         "monitor",
+        "steering",
         "summarization",
         "viz",
     }
@@ -63,6 +64,8 @@ CORE = [
     "core._inventory",
     "core._ops",
     "ops",
+    "steering._steer",
+    "steering._vector",
 ]
 
 

@@ -39,7 +39,9 @@ from .core import (
     LayerNotRunError,
     NoGradientError,
     Selector,
+    SequenceError,
     TensorGrads,
+    TokenSequence,
     Trace,
     TraceEvent,
     UnsupportedModelError,
@@ -80,6 +82,7 @@ from .monitor import (
     find_nonfinite,
     plot_grad_flow,
 )
+from .steering import Steering, steer, steering_vector
 from .summarization import Summary, SummaryRow, SummaryTotals, summary
 from .viz import feature_maps, overlay
 
@@ -121,12 +124,15 @@ __all__ = [
     "ReshapeError",
     "ScoreCAM",
     "Selector",
+    "SequenceError",
+    "Steering",
     "Summary",
     "SummaryRow",
     "SummaryTotals",
     "TensorBoardSink",
     "TensorGrads",
     "Thresholds",
+    "TokenSequence",
     "Trace",
     "TraceEvent",
     "UnsupportedModelError",
@@ -153,6 +159,8 @@ __all__ = [
     "overlay",
     "plot_grad_flow",
     "remove_hooks",
+    "steer",
+    "steering_vector",
     "summary",
     "tensor_grads",
     "trace",
