@@ -61,11 +61,12 @@ class TokenSequence(NamedTuple):
 class _Step:
     """One call of the root model: where its tokens sit."""
 
-    __slots__ = ("batch", "marks", "n", "perm", "real", "seq", "start", "tokens")
+    __slots__ = ("_real", "batch", "marks", "mask", "n", "perm", "seq", "start", "tokens")
 
     def __init__(self, start: int, n: int, batch: int, seq: int) -> None:
         self.start, self.n, self.batch, self.seq = start, n, batch, seq
-        self.real: torch.Tensor | None = None  # [batch, start + n] bool, None: every column real
+        self.mask: Any = None  # the attention mask the call got (read when needed)
+        self._real: Any = _UNREAD
         self.tokens: torch.Tensor | None = None
         self.perm: tuple[torch.Tensor, torch.Tensor] | None = None  # (row map, matched) on device
         self.marks: dict[str, int] = {}
@@ -73,6 +74,16 @@ class _Step:
     @property
     def end(self) -> int:
         return self.start + self.n
+
+    @property
+    def real(self) -> torch.Tensor | None:
+        """``[batch, start + n]`` bool: the real-token columns so far (None: every column)."""
+        if self._real is _UNREAD:
+            self._real = _mask_2d(self.mask, self.end)
+        return self._real
+
+
+_UNREAD = object()
 
 
 def _mask_2d(mask: Any, width: int) -> torch.Tensor | None:
@@ -152,11 +163,13 @@ class TokenTracker:
             self._seq += 1
             self.prompt_end = n
         step = _Step(start, n, batch, self._seq)
-        step.real = _mask_2d(mask, step.end)
+        step.mask = mask
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # a static cache's buffer: read now
+            step.real  # noqa: B018
         step.tokens = tokens.detach().clone() if tokens is not None else None
         step.marks = {name: count() for name, count in self.marks.items()}
         after = self._after
-        if after is not None and prev is not None and start > 0 and prev.batch == batch:
+        if after is not None and prev is not None and start > 0 and prev.batch == batch > 1:
             keys = _cache_keys(cache)
             col = after[1]
             if keys is not None and keys.shape[0] == batch and keys.shape[2] > col:
@@ -169,7 +182,7 @@ class TokenTracker:
 
     def _post(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         step = self.current
-        if step is None or in_backward():
+        if step is None or step.batch == 1 or in_backward():  # one row cannot be reordered
             return
         keys = _cache_keys(kwargs.get("past_key_values"))
         col = step.end - 1
