@@ -25,7 +25,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import hookscope as hs
 
 torch.manual_seed(0)
-WORDS = "<pad> <unk> <eos> the a cat dog went to park store love hate good bad happy sad i you we very".split()
+WORDS = ["<pad>", "<unk>", "<eos>", "the", "a", "cat", "dog", "went", "to", "park", "store"]
+WORDS += ["love", "hate", "good", "bad", "happy", "sad", "i", "you", "we", "very"]
 config = GPT2Config(
     vocab_size=len(WORDS), n_positions=64, n_embd=64, n_layer=4, n_head=4,
     bos_token_id=2, eos_token_id=2, pad_token_id=0, attn_implementation="eager",
@@ -68,7 +69,8 @@ for b in range(2):
 # The second row's prompt was left-padded by 3; in ``seq`` its tokens start at position 0 like
 # the first row's, and the mask ends it 3 positions earlier. The values are those of one forward
 # over the final sequence (the last generated token never ran through the model):
-ids, mask = out[:, :-1], torch.cat([prompts["attention_mask"], torch.ones(2, 7, dtype=torch.long)], 1)
+ids = out[:, :-1]
+mask = torch.cat([prompts["attention_mask"], torch.ones(2, 7, dtype=torch.long)], 1)
 with hs.capture(model, "transformer.h.3") as ref:
     model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
 for b in range(2):
@@ -106,6 +108,7 @@ with (
     model.generate(**prompts, max_new_tokens=8, do_sample=False)
 moved = cap2.sequence("transformer.h.3")
 same = (moved.tokens == seq.tokens).all(1)
-print("prompt positions unchanged:", torch.allclose(moved.values[:, :3], seq.values[:, :3], atol=1e-6))
+unchanged = torch.allclose(moved.values[:, :3], seq.values[:, :3], atol=1e-6)
+print("prompt positions unchanged:", unchanged)
 print("rows whose tokens changed:", (~same).nonzero().flatten().tolist())
 print("hooks left on the model:", hs.hooks_on(model))
