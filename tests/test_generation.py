@@ -153,6 +153,41 @@ def test_sequence_refuses_a_layer_called_twice_per_model_call():
         cap.sequence("lin")
 
 
+class _Toy(nn.Module):
+    """Embedding -> block -> (pool, branch): a branch that runs on prompts only, and a pooled
+    output without a token axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.block, self.branch = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.block(self.emb(input_ids))
+        if input_ids.shape[1] > 1:
+            h = self.branch(h)
+        return h.mean(1)
+
+
+def test_sequence_refuses_what_it_cannot_align():
+    net = _Toy()
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with hs.capture(net, ["block", "branch", ""], sequence=True) as cap:
+        net(ids, attention_mask=torch.ones(2, 3))
+        net(ids[:, :1], attention_mask=torch.ones(2, 4))  # one cached step: the branch skips it
+    seq = cap.sequence("block")
+    torch.testing.assert_close(seq.values[:, :3], net.block(net.emb(ids)))
+    torch.testing.assert_close(seq.values[:, 3], net.block(net.emb(ids[:, 0])))
+    with pytest.raises(hs.SequenceError, match="'branch' ran 0 times during model call 1"):
+        cap.sequence("branch")
+    with pytest.raises(hs.SequenceError, match=r"has shape \(2, 4\); sequence\(\) needs"):
+        cap.sequence("")
+    with hs.capture(net, "block", sequence=True) as cap:
+        net(ids, attention_mask=torch.ones(2, 3))
+        net(ids[:1, :1], attention_mask=torch.ones(1, 4))  # a row dropped between calls
+    with pytest.raises(hs.SequenceError, match="batch changed"):
+        cap.sequence("block")
+
+
 # -- steering vectors -----------------------------------------------------------------------------
 PAIRS = [
     ("i love the cat", "i hate the cat"),

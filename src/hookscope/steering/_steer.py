@@ -55,6 +55,8 @@ class Steering(HookScope):
                 stacklevel=3,
             )
 
+    close = remove
+
 
 def _first(output: Any, name: str) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
