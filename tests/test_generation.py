@@ -372,6 +372,15 @@ def test_steer_is_never_silent():
         hs.steer(model, {"transformer.h.0": torch.ones(64)}, positions=rows3),
     ):
         model(ids)
+    toy = _Toy()  # a steered layer that does not run in a call (as under a compiled forward)
+    with (
+        pytest.warns(
+            hs.HookscopeWarning, match="'branch' did not run during model call 1.*disable_compile"
+        ),
+        hs.steer(toy, {"branch": torch.ones(4)}),
+    ):
+        toy(torch.tensor([[1, 2, 3]]))
+        toy(torch.tensor([[4]]))
     with pytest.raises(ValueError, match="'all', 'prompt', 'generated'"):
         hs.steer(model, {"transformer.h.0": torch.ones(64)}, positions="last")
     with pytest.raises(hs.LayerNotFoundError):

@@ -241,8 +241,11 @@ def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSeque
         k = counts[i + 1] - counts[i]
         if k != 1:
             why = (
-                "it did not run (a compiled forward hookscope was not given ignores hooks: "
-                "compile with model.compile() or torch.compile(model) and give hookscope that)"
+                "it did not run. A compiled forward that hookscope was not given ignores hooks: "
+                "transformers' generate() compiles the forward by itself for a static cache on a "
+                "GPU (pass disable_compile=True to generate), and so does model.forward = "
+                "torch.compile(model.forward); compile with model.compile() or "
+                "torch.compile(model) instead, which hookscope routes"
                 if k == 0
                 else "it ran several times in that call; sequence() needs one call per model call"
             )

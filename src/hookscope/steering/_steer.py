@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
+from ..core._compiled import strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._scope import HookScope, _Hook, check_model
 from ..core._select import Selector, find
@@ -34,6 +35,34 @@ class Steering(HookScope):
         self.positions: Any = "all"
         self.layers: list[str] = []
         self._failed = False
+        self.model_calls = 0
+        self.hooks: list[_SteerHook] = []
+        self._seen: list[int] = []
+        self._skipped: set[str] = set()
+
+    def _on_model_call(self, module: nn.Module, args: Any) -> None:
+        """Before each model call: did every steered layer run during the previous one?"""
+        self._check_ran()
+        self.model_calls += 1
+        self._seen = [h.count for h in self.hooks]
+
+    def _check_ran(self) -> None:
+        if not self.model_calls or not self._seen:
+            return
+        missed = [h.name for h, c in zip(self.hooks, self._seen) if h.count == c]
+        new = [n for n in missed if n not in self._skipped]
+        if new:
+            self._skipped.update(new)
+            warnings.warn(
+                f"steer: layers {some_names(new)} did not run during model call "
+                f"{self.model_calls - 1}, so that call was not steered. A compiled forward that "
+                "hookscope was not given ignores hooks: transformers' generate() compiles the "
+                "forward by itself for a static cache on a GPU (pass disable_compile=True to "
+                "generate), and so does model.forward = torch.compile(model.forward); compile "
+                "with model.compile() or torch.compile(model) instead, which hookscope routes",
+                HookscopeWarning,
+                stacklevel=3,
+            )
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         self._failed = exc is not None
@@ -42,6 +71,8 @@ class Steering(HookScope):
     def remove(self) -> None:
         check = self.active and not self._failed
         super().remove()
+        if check:
+            self._check_ran()
         if check and self.ran and not self.steered:
             warnings.warn(
                 f"steer(positions={self.positions!r}): layers {some_names(self.layers)} ran "
@@ -79,7 +110,7 @@ def _replace(output: Any, new: torch.Tensor) -> Any:
 class _SteerHook(_Hook):
     """Forward hook adding ``scale * vector`` (or removing ``scale`` times the projection on it)."""
 
-    __slots__ = ("_cache", "mode", "name", "scale", "scope_", "select", "vector")
+    __slots__ = ("_cache", "count", "mode", "name", "scale", "scope_", "select", "vector")
 
     def __init__(
         self,
@@ -94,6 +125,7 @@ class _SteerHook(_Hook):
         self.name, self.vector, self.scale, self.mode = name, vector, scale, mode
         self.select, self.scope_ = select, scope
         self._cache: tuple[torch.device, torch.dtype, torch.Tensor] | None = None
+        self.count = 0
 
     def _delta(self, h: torch.Tensor) -> torch.Tensor:
         c = self._cache
@@ -121,6 +153,7 @@ class _SteerHook(_Hook):
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         h = _first(output, self.name)
+        self.count += 1
         scope = self.scope_
         scope.ran += 1
         sel = self.select()
@@ -272,8 +305,11 @@ def steer(
             tracker = TokenTracker()
             tracker.attach(scope, model, reorders=False)
         select = _selector(positions, tracker)
+        scope.add_forward_pre(strip_compiled(model), scope._on_model_call, layer="")
         for name, module, vec in plan:
-            scope.add_forward(module, _SteerHook(name, vec, scale, mode, select, scope), layer=name)
+            hook = _SteerHook(name, vec, scale, mode, select, scope)
+            scope.hooks.append(hook)
+            scope.add_forward(module, hook, layer=name)
     except BaseException:
         scope.remove()
         raise
