@@ -237,6 +237,28 @@ def test_steering_vector_equals_steering_vectors_and_a_hand_computation():
         torch.testing.assert_close(got, torch.stack(diffs).mean(0), atol=ATOL, rtol=0)
 
 
+def test_steering_vector_runs_one_forward_per_batch_of_pairs_stopped_after_the_layer():
+    model = tiny_gpt2(n_layer=3)
+    calls = {"model": 0, "h.2": 0, "rows": []}
+
+    def on_model(m, args, kwargs):
+        calls["model"] += 1
+        calls["rows"].append(kwargs["input_ids"].shape[0])
+
+    handles = [
+        model.register_forward_pre_hook(on_model, with_kwargs=True),
+        model.transformer.h[2].register_forward_pre_hook(lambda m, a: calls.__setitem__("h.2", 1)),
+    ]
+    try:
+        pos = [[3, 4, 5], [6], [7, 8], [9, 10, 11, 12], [13]]
+        neg = [[5, 4], [6, 6], [8], [9], [14, 15]]
+        hs.steering_vector(model, pos, neg, "transformer.h.1", batch_size=2)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == {"model": 3, "h.2": 0, "rows": [4, 4, 2]}
+
+
 def test_steering_vector_errors():
     model = tiny_gpt2()
     with pytest.raises(hs.HookscopeError, match="3 positive and 2 negative"):
