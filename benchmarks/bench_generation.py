@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,6 +50,25 @@ def _stats(runs: dict[str, list[float]]) -> dict[str, dict[str, float]]:
         stat: {k: (min(v) if stat == "min" else statistics.median(v)) for k, v in runs.items()}
         for stat in ("min", "median")
     }
+
+
+def _timed(contenders: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Wall seconds per call from ``_timing.samples`` (interleaved, rotated), and beside them
+    each call's CPU seconds of this thread (``<name> cpu``): with one intra-op thread all the
+    work runs here, and CPU time does not count the time the shared machine's other processes
+    hold the cores, which wall time does."""
+    cpu: dict[str, list[float]] = {k: [] for k in contenders}
+
+    def wrap(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            t = time.thread_time()
+            fn()
+            cpu[name].append(time.thread_time() - t)
+
+        return run
+
+    wall = samples({k: wrap(k, f) for k, f in contenders.items()}, rounds=rounds)
+    return {**wall, **{f"{k} cpu": v[-rounds:] for k, v in cpu.items()}}
 
 
 def generation_rows(name: str, model, tokens: int, rounds: int) -> list[list[object]]:
@@ -91,7 +112,7 @@ def generation_rows(name: str, model, tokens: int, rounds: int) -> list[list[obj
         with hs.steer(model, vec, scale=2.0, positions="generated"):
             model.generate(ids, **kw)
 
-    runs = samples(
+    runs = _timed(
         {
             "bare": bare,
             "raw": raw_hooks,
@@ -103,11 +124,14 @@ def generation_rows(name: str, model, tokens: int, rounds: int) -> list[list[obj
     )
     rows = []
     for stat, got in _stats(runs).items():
-        b = got["bare"]
-        rows.append(
-            [name, stat, f"{b * 1e3:.1f}", f"{got['raw'] / b:.3f}×", f"{got['capture'] / b:.3f}×",
-             f"{got['steer'] / b:.3f}×", f"{got['steer-gen'] / b:.3f}×"]
-        )  # fmt: skip
+        for clock in ("wall", "cpu"):
+            k = "" if clock == "wall" else " cpu"
+            b = got["bare" + k]
+            rows.append(
+                [name, f"{clock} {stat}", f"{b * 1e3:.1f}", f"{got['raw' + k] / b:.3f}×",
+                 f"{got['capture' + k] / b:.3f}×", f"{got['steer' + k] / b:.3f}×",
+                 f"{got['steer-gen' + k] / b:.3f}×"]
+            )  # fmt: skip
     return rows
 
 
@@ -138,13 +162,13 @@ def vector_rows(rounds: int) -> list[list[object]]:
     def theirs_1() -> None:
         train_steering_vector(model, tok, pairs, layers=[2])
 
-    runs = samples(
+    runs = _timed(
         {"fwd": one_forward, "ours": ours, "sv32": theirs_32, "sv1": theirs_1}, rounds=rounds
     )
     return [
-        ["32 pairs, 4×256 GPT-2, layer 2", stat, f"{got['fwd'] * 1e3:.2f}", f"{got['ours'] * 1e3:.2f}",
-         f"{got['sv32'] * 1e3:.2f}", f"{got['sv1'] * 1e3:.2f}"]
+        ["32 pairs, 4×256 GPT-2, layer 2", f"{clock} {stat}", *(f"{got[c + k] * 1e3:.2f}" for c in ("fwd", "ours", "sv32", "sv1"))]
         for stat, got in _stats(runs).items()
+        for clock, k in (("wall", ""), ("cpu", " cpu"))
     ]  # fmt: skip
 
 
@@ -162,11 +186,11 @@ def main() -> None:
     rows: list[list[object]] = []
     for name, make in models:
         rows += generation_rows(name, make(), a.tokens, a.rounds)
-        print(rows[-2:], flush=True)
+        print(rows[-4:], flush=True)
     print(f"\ngreedy generation of {a.tokens} tokens, 4 layers captured / 1 layer steered")
     print(
         table(
-            ["model", "of rounds", "bare generate (ms)", "raw hooks, 4 layers", "hs.capture(sequence=True) 4 layers + sequence()",
+            ["model", "clock, of rounds", "bare generate (ms)", "raw hooks, 4 layers", "hs.capture(sequence=True) 4 layers + sequence()",
              "hs.steer all", "hs.steer generated"],
             rows,
         )
@@ -175,7 +199,7 @@ def main() -> None:
     print("\nsteering vector from 32 prompt pairs (ms)")
     print(
         table(
-            ["job", "of rounds", "one forward (64 rows)", "hs.steering_vector", "steering-vectors batch 32",
+            ["job", "clock, of rounds", "one forward (64 rows)", "hs.steering_vector", "steering-vectors batch 32",
              "steering-vectors batch 1"],
             vrows,
         )

@@ -24,6 +24,7 @@ is taken to start a new sequence at each call; a cache hookscope cannot read (no
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, NamedTuple
 
 import torch
@@ -285,25 +286,58 @@ def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
                 "per call instead"
             )
         rowmaps[i - 1] = idx.to(device)[rowmaps[i]]
-    values = ref.new_zeros((batch, width, *ref.shape[2:]))
-    tokens: torch.Tensor | None = torch.full((batch, width), -1, dtype=torch.long, device=device)
-    for step, part, rows in zip(steps, parts, rowmaps):
+    for part in parts:
         if part.shape[0] != batch:
             raise SequenceError(
                 f"the batch changed from {part.shape[0]} to {batch} rows between model calls; "
                 "sequence() needs the same rows throughout"
             )
+    contiguous = all(a.end == b.start for a, b in itertools.pairwise(steps)) and steps[0].start == 0
+    if contiguous and all(s.perm is None for s in steps[1:]):  # the common case: one cat
+        values = torch.cat([p.to(device) for p in parts], 1)
+        toks = [s.tokens for s in steps]
+        tokens = (
+            None if any(t is None for t in toks) else torch.cat([t.to(device) for t in toks], 1)
+        )
+    else:
+        values, tokens = _scatter(steps, parts, rowmaps, batch, width, ref)
+    real = torch.ones(batch, width, dtype=torch.bool, device=device)
+    hi = 0  # the latest mask of each column wins: walk back from the last call
+    for step, rows in zip(reversed(steps), reversed(rowmaps)):
+        r = step.real
+        if r is not None and step.end > hi:
+            real[:, hi : step.end] = r[:, hi : step.end].to(device)[rows]
+            hi = step.end
+    return _realign(values, real, tokens)
+
+
+def _scatter(
+    steps: list[_Step],
+    parts: list[torch.Tensor],
+    rowmaps: list[torch.Tensor],
+    batch: int,
+    width: int,
+    ref: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each call's values at its columns, rows followed through reorders; later calls win."""
+    device = ref.device
+    values = ref.new_zeros((batch, width, *ref.shape[2:]))
+    tokens: torch.Tensor | None = torch.full((batch, width), -1, dtype=torch.long, device=device)
+    for step, part, rows in zip(steps, parts, rowmaps):
         values[:, step.start : step.end] = part.to(device)[rows]
         if tokens is not None:
             if step.tokens is None:
                 tokens = None
             else:
                 tokens[:, step.start : step.end] = step.tokens.to(device)[rows]
-    real = torch.ones(batch, width, dtype=torch.bool, device=device)
-    for step, rows in zip(steps, rowmaps):  # the latest mask of each column wins
-        if step.real is not None:
-            real[:, : step.end] = step.real.to(device)[rows]
-    # move each row's real tokens to the front: column = position (real tokens before it)
+    return values, tokens
+
+
+def _realign(
+    values: torch.Tensor, real: torch.Tensor, tokens: torch.Tensor | None
+) -> TokenSequence:
+    """Move each row's real tokens to the front: column = position (real tokens before it)."""
+    batch, device = values.shape[0], values.device
     lengths = real.sum(1)
     out_w = int(lengths.max())
     pos = real.long().cumsum(1) - 1
