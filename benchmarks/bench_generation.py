@@ -135,6 +135,69 @@ def generation_rows(name: str, model, tokens: int, rounds: int) -> list[list[obj
     return rows
 
 
+def hook_work_rows(model, tokens: int, reps: int = 2000) -> list[list[object]]:
+    """The work hookscope adds per generated token, timed on its own (min of 5 runs of ``reps``
+    calls, thread CPU time): the hooks called directly on the arguments of a real decode step,
+    and ``sequence()`` per token. Free of the load noise that swamps whole-generate ratios."""
+    ids = torch.randint(3, 1000, (1, 8), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    layers = [f"transformer.h.{i}" for i in range(4)]
+    seen: list[tuple[dict, torch.Tensor]] = []
+    h = model.transformer.h[1].register_forward_hook(
+        lambda m, a, o: seen.append(o) if len(seen) < 3 else None
+    )
+    step_kwargs: list[dict] = []
+    h2 = model.register_forward_pre_hook(
+        lambda m, a, k: step_kwargs.append(k) if len(step_kwargs) < 3 else None, with_kwargs=True
+    )
+    try:
+        bare = float("inf")
+        for _ in range(3):
+            t0 = time.thread_time()
+            model.generate(ids, **kw)
+            bare = min(bare, (time.thread_time() - t0) / tokens)
+    finally:
+        h.remove()
+        h2.remove()
+    out, kwargs = seen[2], step_kwargs[2]  # a decode step: one token
+
+    def per_call(fn: Callable[[], object]) -> float:
+        best = float("inf")
+        for _ in range(5):
+            t = time.thread_time()
+            for _ in range(reps):
+                fn()
+            best = min(best, (time.thread_time() - t) / reps)
+        return best
+
+    with hs.capture(model, layers, sequence=True) as cap:
+        model.generate(ids, **kw)
+        tracker = cap._tokens
+        layer_hook = next(
+            f for f in model.transformer.h[1]._forward_hooks.values() if hasattr(f, "entries")
+        )
+        pre = per_call(lambda: (tracker._pre(model, (), kwargs), tracker.steps.pop()))
+        rec = per_call(lambda: (layer_hook(None, (), out), layer_hook.entries.pop()))
+    t = time.thread_time()
+    for n in layers:
+        cap.sequence(n)
+    seq = (time.thread_time() - t) / tokens
+    vec = torch.randn(model.config.n_embd)
+    with hs.steer(model, {"transformer.h.1": vec}) as st:
+        steer_hook = next(iter(model.transformer.h[1]._forward_hooks.values()))
+        steer = per_call(lambda: steer_hook(None, (), out))
+        root_pre = per_call(lambda: st._on_model_call(model, ()))
+    cap_total = pre + 4 * rec + seq
+    steer_total = root_pre + steer
+    us = lambda x: f"{x * 1e6:.1f}"  # noqa: E731
+    return [
+        ["capture(sequence=True), 4 layers", us(bare), f"tracker {us(pre)} + 4 × layer {us(rec)} + sequence() {us(seq)}",
+         us(cap_total), f"{1 + cap_total / bare:.3f}×"],
+        ["steer, 1 layer", us(bare), f"model-call check {us(root_pre)} + layer {us(steer)}",
+         us(steer_total), f"{1 + steer_total / bare:.3f}×"],
+    ]  # fmt: skip
+
+
 def vector_rows(rounds: int) -> list[list[object]]:
     from steering_vectors import train_steering_vector
 
@@ -177,9 +240,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="the small model only")
+    ap.add_argument("--hook-work", action="store_true", help="only the per-token hook work")
     a = ap.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
+    if a.hook_work:
+        hrows = hook_work_rows(gpt2(4, 256, 4, 1000), a.tokens)
+        print(table(["job", "bare per token", "parts", "hookscope per token", "ratio"], hrows))
+        return
     models = [("GPT-2 4×256 (vocab 1000)", lambda: gpt2(4, 256, 4, 1000))]
     if not a.quick:
         models.append(("GPT-2 small shape 12×768 (vocab 50257)", lambda: gpt2(12, 768, 12, 50257)))
@@ -195,6 +263,14 @@ def main() -> None:
             rows,
         )
     )  # fmt: skip
+    hrows = hook_work_rows(gpt2(4, 256, 4, 1000), a.tokens)
+    print("\nhookscope's own work per generated token (GPT-2 4×256, CPU time, µs)")
+    print(
+        table(
+            ["job", "bare generate per token", "parts", "hookscope per token", "bare + hookscope"],
+            hrows,
+        )
+    )
     vrows = vector_rows(a.rounds)
     print("\nsteering vector from 32 prompt pairs (ms)")
     print(
