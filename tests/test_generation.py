@@ -97,6 +97,16 @@ def test_sequence_of_a_hand_written_kv_cache_loop():
             mask = torch.cat([mask, torch.ones_like(step_ids)], 1)
     rows, tokens = _reference(model, ["model.layers.1"], seq, enc["attention_mask"])
     _check_rows(cap.sequence("model.layers.1"), rows["model.layers.1"], tokens)
+    # a mask that does not cover the cached tokens: refused, not guessed
+    cache = DynamicCache()
+    with hs.capture(model, "model.layers.1", sequence=True) as cap, torch.no_grad():
+        model(input_ids=ids, attention_mask=enc["attention_mask"], past_key_values=cache)
+        model(input_ids=ids[:, -1:], attention_mask=torch.ones(2, 1), past_key_values=cache)
+    with pytest.raises(
+        hs.SequenceError,
+        match="model call 1 .* 1 columns wide for 1 new tokens, but the KV cache held 6",
+    ):
+        cap.sequence("model.layers.1")
 
 
 def test_sequence_follows_beam_search_reorders():

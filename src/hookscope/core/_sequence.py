@@ -17,7 +17,8 @@ pre-hook on the root model that reads, for each model call, where its tokens sit
   compared, on the device and without a host sync, with what it held after the previous call.
 
 A token's *position* is the number of real tokens before it in its row (what ``generate`` passes
-as ``position_ids``). Limits: a model called with neither a mask, a cache nor ``cache_position``
+as ``position_ids``). A 2-D mask whose width disagrees with the cache's length is not guessed
+from: :meth:`Capture.sequence` raises naming the call. Limits: a model called with neither a mask, a cache nor ``cache_position``
 is taken to start a new sequence at each call; a cache hookscope cannot read (not a Hugging Face
 ``Cache``) is not checked for reorders.
 """
@@ -62,11 +63,23 @@ class TokenSequence(NamedTuple):
 class _Step:
     """One call of the root model: where its tokens sit."""
 
-    __slots__ = ("_real", "batch", "marks", "mask", "n", "perm", "seq", "start", "tokens")
+    __slots__ = (
+        "_real",
+        "batch",
+        "conflict",
+        "marks",
+        "mask",
+        "n",
+        "perm",
+        "seq",
+        "start",
+        "tokens",
+    )
 
     def __init__(self, start: int, n: int, batch: int, seq: int) -> None:
         self.start, self.n, self.batch, self.seq = start, n, batch, seq
         self.mask: Any = None  # the attention mask the call got (read when needed)
+        self.conflict: str | None = None  # why the call's columns are uncertain
         self._real: Any = _UNREAD
         self.tokens: torch.Tensor | None = None
         self.perm: tuple[torch.Tensor, torch.Tensor] | None = None  # (row map, matched) on device
@@ -150,10 +163,18 @@ class TokenTracker:
             return
         batch, n = x.shape[0], x.shape[1]
         mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
+        cached = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else None
+        conflict = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             start = mask.shape[1] - n
-        elif cache is not None and hasattr(cache, "get_seq_length"):
-            start = int(cache.get_seq_length())
+            if cached is not None and cached != start:
+                conflict = (
+                    f"its attention mask is {mask.shape[1]} columns wide for {n} new tokens, but "
+                    f"the KV cache held {cached} tokens before it (a mask must cover the cached "
+                    "and the new tokens, as generate() passes it)"
+                )
+        elif cached is not None:
+            start = cached
         elif isinstance(kwargs.get("cache_position"), torch.Tensor):
             start = int(kwargs["cache_position"][0])
         else:
@@ -164,6 +185,7 @@ class TokenTracker:
             self._seq += 1
             self.prompt_end = n
         step = _Step(start, n, batch, self._seq)
+        step.conflict = conflict
         step.mask = mask
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # a static cache's buffer: read now
             step.real  # noqa: B018
@@ -224,6 +246,12 @@ def _tokens_upto(steps: list[_Step], seq: int, end: int) -> torch.Tensor | None:
 
 def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSequence:
     """Put the recorded calls of layer ``name`` (``outputs``, in order) into one sequence."""
+    for i, step in enumerate(tracker.steps):
+        if step.conflict is not None:
+            raise SequenceError(
+                f"sequence({name!r}): model call {i} cannot be placed in the sequence: "
+                f"{step.conflict}"
+            )
     seqs = sorted({s.seq for s in tracker.steps})
     if not seqs:
         raise SequenceError(
