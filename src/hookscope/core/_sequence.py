@@ -67,6 +67,7 @@ class _Step:
         "_real",
         "batch",
         "conflict",
+        "device",
         "marks",
         "mask",
         "n",
@@ -80,6 +81,7 @@ class _Step:
         self.start, self.n, self.batch, self.seq = start, n, batch, seq
         self.mask: Any = None  # the attention mask the call got (read when needed)
         self.conflict: str | None = None  # why the call's columns are uncertain
+        self.device = torch.device("cpu")  # where the call's inputs are
         self._real: Any = _UNREAD
         self.tokens: torch.Tensor | None = None
         self.perm: tuple[torch.Tensor, torch.Tensor] | None = None  # (row map, matched) on device
@@ -186,6 +188,7 @@ class TokenTracker:
             self.prompt_end = n
         step = _Step(start, n, batch, self._seq)
         step.conflict = conflict
+        step.device = x.device
         step.mask = mask
         if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # a static cache's buffer: read now
             step.real  # noqa: B018
@@ -227,9 +230,9 @@ class TokenTracker:
             return None
         real = step.real
         if real is None:
-            pos = torch.arange(step.start, step.end).expand(step.batch, step.n)
-            return pos, None
-        pos = real.cumsum(1) - 1
+            pos = torch.arange(step.start, step.end, device=step.device)
+            return pos.expand(step.batch, step.n), None
+        pos = real.to(step.device).cumsum(1) - 1
         return pos[:, step.start :], real[:, step.start :]
 
 

@@ -174,7 +174,7 @@ class _SteerHook(_Hook):
                     f"call has {tuple(sel.shape)} (batch, tokens); positions other than 'all' need "
                     "outputs shaped [batch, tokens, features]"
                 )
-            new = h + delta * sel.unsqueeze(-1).to(h.dtype)
+            new = h + delta * sel.unsqueeze(-1).to(device=h.device, dtype=h.dtype)
         return _replace(output, new)
 
 
@@ -234,7 +234,7 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
 
 
 def _dev(step: Any) -> torch.device:
-    return step.tokens.device if step.tokens is not None else torch.device("cpu")
+    return step.device
 
 
 def steer(
