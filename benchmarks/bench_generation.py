@@ -241,6 +241,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="the small model only")
     ap.add_argument("--hook-work", action="store_true", help="only the per-token hook work")
+    ap.add_argument("--big-only", action="store_true", help="only the GPT-2-small shape")
     a = ap.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -251,6 +252,8 @@ def main() -> None:
     models = [("GPT-2 4×256 (vocab 1000)", lambda: gpt2(4, 256, 4, 1000))]
     if not a.quick:
         models.append(("GPT-2 small shape 12×768 (vocab 50257)", lambda: gpt2(12, 768, 12, 50257)))
+    if a.big_only:
+        models = models[1:]
     rows: list[list[object]] = []
     for name, make in models:
         rows += generation_rows(name, make(), a.tokens, a.rounds)
@@ -263,6 +266,8 @@ def main() -> None:
             rows,
         )
     )  # fmt: skip
+    if a.big_only:
+        return
     hrows = hook_work_rows(gpt2(4, 256, 4, 1000), a.tokens)
     print("\nhookscope's own work per generated token (GPT-2 4×256, CPU time, µs)")
     print(
