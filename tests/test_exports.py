@@ -46,6 +46,7 @@ def test_layout_has_one_package_per_product():
         "integrations",
         "memory",
         "monitor",
+        "steering",
         "summarization",
         "viz",
     }
@@ -64,6 +65,8 @@ CORE = [
     "core._inventory",
     "core._ops",
     "ops",
+    "steering._steer",
+    "steering._vector",
 ]
 
 

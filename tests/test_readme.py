@@ -67,3 +67,31 @@ def test_readme_links_resolve():
     for target in re.findall(r"\]\(([^)#]+)\)", text):
         if not target.startswith("http"):
             assert (README.parent / target).exists(), target
+
+
+def _section(title: str, page: pathlib.Path = README) -> str:
+    text = page.read_text()
+    start = text.index("```python", text.index(title)) + len("```python")
+    return text[start : text.index("```", start)]
+
+
+def test_generation_guide_runs_and_its_comments_hold():
+    import sys
+
+    sys.path.insert(0, str(README.parent / "tests"))
+    from _lm import tiny_gpt2, word_tokenizer
+
+    model, tok = tiny_gpt2(n_layer=6), word_tokenizer("left")
+    ns: dict = {"model": model, "tok": tok}
+    page = README.parent / "docs" / "guide" / "generation.md"
+    code = _section("# Language models: generation, steering vectors, steering", page)
+    exec(compile(code, "docs/guide/generation.md", "exec"), ns)
+    seq, out, steered = ns["seq"], ns["out"], ns["steered"]
+    assert seq.values.shape == (2, 13, 64) and seq.mask.sum(1).tolist() == [13, 9]
+    # row 0 (no padding) equals one forward over its final sequence
+    with hs.capture(model, "transformer.h.5") as ref:
+        model(out[:1, :-1])
+    torch.testing.assert_close(seq.values[0], ref["transformer.h.5"][0], atol=1e-5, rtol=0)
+    assert seq.tokens[0].tolist() == out[0, :-1].tolist()
+    assert list(ns["vec"]) == ["transformer.h.3"] and not torch.equal(out, steered)
+    assert hs.hooks_on(model) == []

@@ -39,7 +39,9 @@ from .core import (
     LayerNotRunError,
     NoGradientError,
     Selector,
+    SequenceError,
     TensorGrads,
+    TokenSequence,
     Trace,
     TraceEvent,
     UnsupportedModelError,
@@ -89,6 +91,7 @@ from .monitor import (
     find_nonfinite,
     plot_grad_flow,
 )
+from .steering import Steering, steer, steering_vector
 from .summarization import Summary, SummaryRow, SummaryTotals, summary
 from .viz import feature_maps, overlay
 
@@ -135,12 +138,15 @@ __all__ = [
     "ReshapeError",
     "ScoreCAM",
     "Selector",
+    "SequenceError",
+    "Steering",
     "Summary",
     "SummaryRow",
     "SummaryTotals",
     "TensorBoardSink",
     "TensorGrads",
     "Thresholds",
+    "TokenSequence",
     "Trace",
     "TraceEvent",
     "UnsupportedModelError",
@@ -169,6 +175,8 @@ __all__ = [
     "overlay",
     "plot_grad_flow",
     "remove_hooks",
+    "steer",
+    "steering_vector",
     "summary",
     "tensor_grads",
     "trace",

@@ -18,6 +18,7 @@ from ._inventory import HookInfo, hooks_on, remove_hooks
 from ._observe import TensorGrads, observe, tensor_grads
 from ._scope import HookScope
 from ._select import Selector, find, resolve
+from ._sequence import SequenceError, TokenSequence
 from ._trace import Trace, TraceEvent, trace
 
 __all__ = [
@@ -34,9 +35,11 @@ __all__ = [
     "LayerNotRunError",
     "NoGradientError",
     "Selector",
+    "SequenceError",
     "Trace",
     "TraceEvent",
     "TensorGrads",
+    "TokenSequence",
     "UnsupportedModelError",
     "UnsupportedTensorError",
     "capture",

@@ -23,9 +23,10 @@ from ._scope import (
     warn_once,
 )
 from ._select import resolve, suggest
+from ._sequence import SequenceError, TokenSequence, TokenTracker, assemble
 from ._transfer import move, ready
 
-__all__ = ["Call", "Capture", "Inputs", "capture"]
+__all__ = ["Call", "Capture", "Inputs", "TokenSequence", "capture"]
 
 _NEVER_RAN_HINT = (
     "it was never called through module(...) while the scope was open. PyTorch runs hooks only "
@@ -278,7 +279,12 @@ class Capture(Mapping[str, Any]):
     """
 
     def __init__(
-        self, model: nn.Module, named: dict[str, nn.Module], recorder: _Recorder, stop: bool
+        self,
+        model: nn.Module,
+        named: dict[str, nn.Module],
+        recorder: _Recorder,
+        stop: bool,
+        sequence: bool = False,
     ) -> None:
         self._model_type = type(model).__name__
         self._rec = recorder
@@ -288,8 +294,14 @@ class Capture(Mapping[str, Any]):
         self.stopped = False
         self.grads = _GradView(self)
         self.inputs = _InputView(self)
+        self._tokens: TokenTracker | None = None
         try:
             self._register(named)
+            if sequence:
+                self._tokens = TokenTracker(
+                    {n: recorder.calls.setdefault(n, []).__len__ for n in named}
+                )
+                self._tokens.attach(self._scope, model)
         except BaseException:
             self._scope.remove()
             raise
@@ -427,6 +439,40 @@ class Capture(Mapping[str, Any]):
     def clear(self) -> None:
         """Drop every recorded call (keeps the hooks)."""
         self._rec.clear()
+        if self._tokens is not None:
+            self._tokens.clear()
+
+    def sequence(self, layer: str) -> TokenSequence:
+        """``layer``'s values over the whole token sequence, aligned by token position.
+
+        Needs ``capture(..., sequence=True)``. Around ``model.generate()`` or any loop of
+        KV-cached forward calls, the calls of ``layer`` (the prompt, then one token per call) are
+        put together into ``values[batch, positions, ...]`` (the hidden-state tensor: the first
+        tensor of a tuple output), where ``values[b, p]`` belongs to row ``b``'s ``p``-th real
+        token: left padding is taken out, so rows of different prompt lengths line up, and
+        ``mask[b, p]`` says which slots hold a real token (``False`` past a row's end, where
+        ``values`` is zero). ``tokens`` gives the token ids in the same layout. Beam search's
+        reorder of rows between calls is followed: row ``b`` is the history of row ``b`` of the
+        last model call. The last token ``generate`` returns was never run through the model, so
+        a row holds one position fewer than the returned sequence. See
+        :mod:`hookscope.core._sequence` for how positions are read and the limits.
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> net = nn.Sequential(nn.Embedding(10, 3), nn.Linear(3, 2))
+            >>> with hs.capture(net, "0", sequence=True) as cap:
+            ...     _ = net(torch.tensor([[4, 5, 6]]))
+            >>> seq = cap.sequence("0")
+            >>> seq.values.shape, seq.mask.tolist(), seq.tokens.tolist()
+            (torch.Size([1, 3, 3]), [[True, True, True]], [[4, 5, 6]])
+        """
+        self._check(layer)
+        if self._tokens is None:
+            raise SequenceError(
+                f"sequence({layer!r}) needs the token positions of each model call: open the "
+                "capture with hs.capture(model, layers, sequence=True)"
+            )
+        return assemble(self._tokens, layer, [c.output for c in self._rec.materialize(layer)])
 
     def __getitem__(self, layer: str) -> Any:
         return self.last(layer).output
@@ -492,6 +538,7 @@ def capture(
     to: str | torch.device | None = None,
     stop: bool = False,
     keep: Literal["all", "last"] = "all",
+    sequence: bool = False,
 ) -> Capture:
     """Record the outputs (and optionally inputs and gradients) of layers, every call, in order.
 
@@ -522,6 +569,9 @@ def capture(
             ``{layer: output}`` and stops early too). A selected layer that never runs raises
             :class:`LayerNotRunError` at exit.
         keep: ``"all"`` keeps every call; ``"last"`` only the latest per layer (long loops).
+        sequence: also read where each model call's tokens sit (a pre-hook on the root model),
+            so that :meth:`Capture.sequence` can align the calls of ``model.generate()`` or of a
+            KV-cached loop token by token.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -536,8 +586,10 @@ def capture(
     named = resolve(model, layers)
     if keep not in ("all", "last"):
         raise ValueError(f"keep must be 'all' or 'last', got {keep!r}")
+    if sequence and (keep != "all" or stop):
+        raise ValueError("capture(sequence=True) needs every call: use keep='all' and stop=False")
     device = torch.device(to) if to is not None else None
     recorder = _Recorder(
         inputs=inputs, grads=grads, detach=detach, clone=clone, to=device, keep=keep
     )
-    return Capture(model, named, recorder, stop)
+    return Capture(model, named, recorder, stop, sequence)

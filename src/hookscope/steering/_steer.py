@@ -1,0 +1,318 @@
+"""``steer``: add a vector to (or project a direction out of) layer outputs at chosen positions."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+from ..core._compiled import strip_compiled
+from ..core._errors import HookscopeError, HookscopeWarning, some_names
+from ..core._scope import HookScope, _Hook, check_model
+from ..core._select import Selector, find
+from ..core._sequence import TokenTracker
+
+__all__ = ["Steering", "steer"]
+
+Positions = Literal["all", "prompt", "generated"] | int | torch.Tensor
+_NAMED = ("all", "prompt", "generated")
+
+
+class Steering(HookScope):
+    """The scope :func:`steer` returns: removes its hooks on exit, like every hookscope scope.
+
+    On a clean exit it warns when the steered layers ran but no position was ever selected
+    (``positions="generated"`` around a plain forward, ``"prompt"`` after the prompt only).
+    """
+
+    def __init__(self) -> None:
+        super().__init__("steer")
+        self.ran = 0  # calls of steered layers
+        self.steered = 0  # calls in which at least one position may have been steered
+        self.positions: Any = "all"
+        self.layers: list[str] = []
+        self._failed = False
+        self.model_calls = 0
+        self.hooks: list[_SteerHook] = []
+        self._seen: list[int] = []
+        self._skipped: set[str] = set()
+
+    def _on_model_call(self, module: nn.Module, args: Any) -> None:
+        """Before each model call: did every steered layer run during the previous one?"""
+        self._check_ran()
+        self.model_calls += 1
+        self._seen = [h.count for h in self.hooks]
+
+    def _check_ran(self) -> None:
+        if not self.model_calls or not self._seen:
+            return
+        missed = [h.name for h, c in zip(self.hooks, self._seen) if h.count == c]
+        new = [n for n in missed if n not in self._skipped]
+        if new:
+            self._skipped.update(new)
+            warnings.warn(
+                f"steer: layers {some_names(new)} did not run during model call "
+                f"{self.model_calls - 1}, so that call was not steered. A compiled forward that "
+                "hookscope was not given ignores hooks: transformers' generate() compiles the "
+                "forward by itself for a static cache on a GPU (pass disable_compile=True to "
+                "generate), and so does model.forward = torch.compile(model.forward); compile "
+                "with model.compile() or torch.compile(model) instead, which hookscope routes",
+                HookscopeWarning,
+                stacklevel=3,
+            )
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        self._failed = exc is not None
+        return super().__exit__(exc_type, exc, tb)
+
+    def remove(self) -> None:
+        check = self.active and not self._failed
+        super().remove()
+        if check:
+            self._check_ran()
+        if check and self.ran and not self.steered:
+            warnings.warn(
+                f"steer(positions={self.positions!r}): layers {some_names(self.layers)} ran "
+                f"{self.ran} times but no position was steered "
+                + (
+                    "(the model only ran on prompts: 'generated' steers the tokens generate() adds)"
+                    if self.positions == "generated"
+                    else "(every call was past the prompt)"
+                ),
+                HookscopeWarning,
+                stacklevel=3,
+            )
+
+    close = remove
+
+
+def _first(output: Any, name: str) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise HookscopeError(
+        f"steer: layer {name!r} returned {type(output).__name__}, not a tensor or a tuple whose "
+        "first item is the hidden-state tensor; steer the layer that returns the hidden states "
+        "(e.g. the decoder block, or its attention/MLP submodule)"
+    )
+
+
+def _replace(output: Any, new: torch.Tensor) -> Any:
+    if isinstance(output, torch.Tensor):
+        return new
+    return type(output)([new, *output[1:]])
+
+
+class _SteerHook(_Hook):
+    """Forward hook adding ``scale * vector`` (or removing ``scale`` times the projection on it)."""
+
+    __slots__ = ("_cache", "count", "mode", "name", "scale", "scope_", "select", "vector")
+
+    def __init__(
+        self,
+        name: str,
+        vector: torch.Tensor,
+        scale: float,
+        mode: str,
+        select: Callable[[], Any],
+        scope: Steering,
+    ) -> None:
+        self.fn = None  # type: ignore[assignment]
+        self.name, self.vector, self.scale, self.mode = name, vector, scale, mode
+        self.select, self.scope_ = select, scope
+        self._cache: tuple[torch.device, torch.dtype, torch.Tensor] | None = None
+        self.count = 0
+
+    def _delta(self, h: torch.Tensor) -> torch.Tensor:
+        c = self._cache
+        if c is not None and c[0] == h.device and c[1] == h.dtype:
+            return c[2]
+        v = self.vector
+        if v.shape != (h.shape[-1],):
+            raise HookscopeError(
+                f"steer: the vector for layer {self.name!r} has shape {tuple(v.shape)}, but the "
+                f"layer's hidden states have {h.shape[-1]} features (shape {tuple(h.shape)}); "
+                f"give a vector of shape ({h.shape[-1]},)"
+            )
+        v = v.detach().to(device=h.device, dtype=h.dtype)
+        if self.mode == "add":
+            d = self.scale * v
+        else:
+            norm = v.norm()
+            if float(norm) == 0.0:
+                raise HookscopeError(
+                    f"steer(mode='ablate'): the direction for layer {self.name!r} is zero"
+                )
+            d = v / norm
+        self._cache = (h.device, h.dtype, d)
+        return d
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        h = _first(output, self.name)
+        self.count += 1
+        scope = self.scope_
+        scope.ran += 1
+        sel = self.select()
+        if sel is False:
+            return None
+        scope.steered += 1
+        d = self._delta(h)
+        if self.mode == "add":
+            delta = d
+        else:
+            delta = (h @ d).unsqueeze(-1) * d * (-self.scale)
+        if sel is None:
+            new = h + delta
+        else:
+            if h.dim() < 2 or sel.shape != h.shape[:2]:
+                raise HookscopeError(
+                    f"steer: layer {self.name!r} output has shape {tuple(h.shape)}, but the model "
+                    f"call has {tuple(sel.shape)} (batch, tokens); positions other than 'all' need "
+                    "outputs shaped [batch, tokens, features]"
+                )
+            new = h + delta * sel.unsqueeze(-1).to(device=h.device, dtype=h.dtype)
+        return _replace(output, new)
+
+
+def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]:
+    """``select()`` for the current model call: None (every position), False (none) or a bool
+    tensor ``[batch, tokens]``."""
+    if tracker is None:
+        return lambda: None
+
+    def named() -> Any:
+        step = tracker.current
+        if step is None:
+            raise HookscopeError(
+                f"steer(positions={positions!r}) needs token inputs: the model was called "
+                "without input_ids or inputs_embeds"
+            )
+        end = tracker.prompt_end
+        if step.end <= end:  # prompt tokens only
+            return None if positions == "prompt" else False
+        if step.start >= end:
+            return False if positions == "prompt" else None
+        cols = torch.arange(step.start, step.end, device=_dev(step))
+        sel = (cols < end) if positions == "prompt" else (cols >= end)
+        return sel.expand(step.batch, step.n)
+
+    def from_k() -> Any:
+        got = tracker.positions()
+        if got is None:
+            raise HookscopeError(
+                f"steer(positions={positions!r}) needs token inputs: the model was called "
+                "without input_ids or inputs_embeds"
+            )
+        pos, _ = got
+        return pos.to(_dev(tracker.current)) >= positions
+
+    def from_mask() -> Any:
+        got = tracker.positions()
+        if got is None:
+            raise HookscopeError("steer(positions=mask) needs token inputs (input_ids)")
+        pos, _ = got
+        m = positions if positions.dim() == 2 else positions.expand(pos.shape[0], -1)
+        if m.shape[0] != pos.shape[0]:
+            raise HookscopeError(
+                f"steer: the positions mask has {m.shape[0]} rows but the model was called on "
+                f"{pos.shape[0]} rows (beam search and num_return_sequences multiply the rows)"
+            )
+        m = m.to(pos.device)
+        width = m.shape[1]
+        inside = (pos >= 0) & (pos < width)
+        return m.gather(1, pos.clamp(0, width - 1)) & inside
+
+    if isinstance(positions, str):
+        return named
+    if isinstance(positions, int):
+        return from_k
+    return from_mask
+
+
+def _dev(step: Any) -> torch.device:
+    return step.device
+
+
+def steer(
+    model: nn.Module,
+    vectors: Mapping[Selector, torch.Tensor],
+    *,
+    scale: float = 1.0,
+    positions: Positions = "all",
+    mode: Literal["add", "ablate"] = "add",
+) -> Steering:
+    """Steer a model while the returned scope is active: add ``scale * vector`` to each layer's
+    output (for a tuple output, to its first item, the hidden states), or with ``mode="ablate"``
+    project the vector's direction out (``h - scale * (h·u) u``, ``u`` the unit vector).
+
+    Works in plain forwards and in ``model.generate()`` (dynamic or static KV cache, sampling,
+    beam search, a compiled model). ``positions`` selects the tokens, counted over the whole
+    sequence (prompt and generated tokens) per row, padding taken out:
+
+    * ``"all"`` (the default): every position of every call (padded slots too; they are masked
+      out of attention, so real tokens see the same result);
+    * ``"prompt"`` / ``"generated"``: the tokens of the first call of a sequence (the prompt) /
+      the tokens ``generate`` adds;
+    * an int ``k``: token positions ``k`` and later (as ``steering-vectors``' ``min_token_index``,
+      but also for tokens generated with the KV cache);
+    * a bool mask ``[batch, positions]`` (or ``[positions]`` for every row): ``mask[b, p]``
+      steers row ``b``'s ``p``-th token; positions past the mask's end are not steered.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Embedding(5, 2), nn.Identity())
+        >>> with hs.steer(net, {"0": torch.tensor([1.0, 0.0])}, scale=2.0, positions=1):
+        ...     out = net(torch.tensor([[3, 3]]))
+        >>> (out - net(torch.tensor([[3, 3]])))[0].tolist()
+        [[0.0, 0.0], [2.0, 0.0]]
+    """
+    check_model(model)
+    if mode not in ("add", "ablate"):
+        raise ValueError(f"steer: mode must be 'add' or 'ablate', got {mode!r}")
+    if isinstance(positions, str) and positions not in _NAMED:
+        raise ValueError(
+            f"steer: positions must be 'all', 'prompt', 'generated', an int or a bool mask; got {positions!r}"
+        )
+    if isinstance(positions, bool) or not isinstance(positions, (str, int, torch.Tensor)):
+        raise TypeError(
+            f"steer: positions must be 'all', 'prompt', 'generated', an int or a bool mask; got {type(positions).__name__}"
+        )
+    if isinstance(positions, torch.Tensor) and (
+        positions.dtype != torch.bool or positions.dim() not in (1, 2)
+    ):
+        raise ValueError(
+            f"steer: a positions mask must be a bool tensor [batch, positions] or [positions]; got {positions.dtype} of shape {tuple(positions.shape)}"
+        )
+    plan: list[tuple[str, nn.Module, torch.Tensor]] = []
+    for sel, vec in vectors.items():
+        if not isinstance(vec, torch.Tensor) or vec.dim() != 1:
+            raise HookscopeError(
+                f"steer: the vector for {sel!r} must be a 1-D tensor (one value per feature); got "
+                f"{type(vec).__name__} {tuple(getattr(vec, 'shape', ()))}"
+            )
+        for name, module in find(model, sel).items():
+            plan.append((name, module, vec))
+    scope = Steering()
+    scope.positions = positions
+    scope.layers = [n for n, _, _ in plan]
+    try:
+        tracker = None
+        if not (isinstance(positions, str) and positions == "all"):
+            tracker = TokenTracker()
+            tracker.attach(scope, model, reorders=False)
+        select = _selector(positions, tracker)
+        scope.add_forward_pre(strip_compiled(model), scope._on_model_call, layer="")
+        for name, module, vec in plan:
+            hook = _SteerHook(name, vec, scale, mode, select, scope)
+            scope.hooks.append(hook)
+            scope.add_forward(module, hook, layer=name)
+    except BaseException:
+        scope.remove()
+        raise
+    if isinstance(positions, (int, torch.Tensor)):
+        scope.steered = 1  # data-dependent: not checked (it would need a host sync per call)
+    return scope

@@ -1,0 +1,129 @@
+"""``steering_vector``: the mean activation difference of contrastive prompt pairs (CAA, ActAdd)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core._capture import capture
+from ..core._errors import HookscopeError
+from ..core._nested import first_tensor
+from ..core._scope import check_model, model_device
+from ..core._select import resolve
+
+__all__ = ["steering_vector"]
+
+Prompts = Sequence[str] | Sequence[Sequence[int]] | Sequence[torch.Tensor]
+
+
+def _ids(prompts: Any, tokenizer: Any, what: str) -> list[torch.Tensor]:
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise HookscopeError(
+                    f"steering_vector: {what}[{i}] is a string; pass tokenizer= to tokenize it, "
+                    "or give token ids"
+                )
+            p = tokenizer(p)["input_ids"]
+        t = torch.as_tensor(p, dtype=torch.long).flatten()
+        if t.numel() == 0:
+            raise HookscopeError(f"steering_vector: {what}[{i}] has no tokens")
+        out.append(t)
+    return out
+
+
+def _accepts(model: nn.Module, name: str) -> bool:
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+@torch.no_grad()
+def steering_vector(
+    model: nn.Module,
+    positive: Prompts,
+    negative: Prompts,
+    layers: Any,
+    *,
+    read: int = -1,
+    tokenizer: Any = None,
+    batch_size: int = 32,
+) -> dict[str, torch.Tensor]:
+    """A steering vector per layer: the mean over pairs of ``act(positive[i]) - act(negative[i])``.
+
+    ``act`` is the layer's output (its hidden-state tensor: the first item of a tuple output) at
+    token ``read`` of the prompt (``-1``: its last token; counted in the prompt's own tokens, so
+    prompts of different lengths are handled). Prompts are strings (with ``tokenizer=``, called
+    as ``tokenizer(prompt)``) or token ids. Each batch of ``batch_size`` pairs is one forward pass
+    (positives and negatives together, padded on the right, which a causal model's real tokens
+    never see), stopped after the last selected layer. This is what ``steering-vectors``'
+    ``train_steering_vector(model, tokenizer, pairs, layers=[i], read_token_index=read)`` computes
+    for layer ``i`` of the decoder blocks; here layers are named as everywhere in hookscope.
+
+    Returns ``{layer: vector}`` (shape ``[features]``), ready for :func:`steer`.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Embedding(4, 2))
+        >>> v = hs.steering_vector(net, [[1, 2]], [[1, 3]], "0")["0"]
+        >>> torch.equal(v, net[0].weight[2] - net[0].weight[3])
+        True
+    """
+    check_model(model)
+    if len(positive) != len(negative):
+        raise HookscopeError(
+            f"steering_vector: {len(positive)} positive and {len(negative)} negative prompts; "
+            "give one negative per positive (pairs)"
+        )
+    if not len(positive):
+        raise HookscopeError("steering_vector: no prompt pairs given")
+    if batch_size < 1:
+        raise ValueError(f"steering_vector: batch_size must be >= 1, got {batch_size}")
+    named = resolve(model, layers)
+    pos_ids, neg_ids = _ids(positive, tokenizer, "positive"), _ids(negative, tokenizer, "negative")
+    pad = getattr(tokenizer, "pad_token_id", None) or 0
+    device = model_device(model)
+    with_mask = _accepts(model, "attention_mask")
+    diffs: dict[str, list[torch.Tensor]] = {n: [] for n in named}
+    for lo in range(0, len(pos_ids), batch_size):
+        rows = pos_ids[lo : lo + batch_size] + neg_ids[lo : lo + batch_size]
+        half = len(rows) // 2
+        lengths = torch.tensor([len(r) for r in rows])
+        index = torch.where(torch.tensor(read) < 0, lengths + read, torch.tensor(read))
+        bad = ((index < 0) | (index >= lengths)).nonzero().flatten().tolist()
+        if bad:
+            r = bad[0]
+            which = "positive" if r < half else "negative"
+            raise HookscopeError(
+                f"steering_vector: read={read} is outside {which}[{lo + r % half}], which has "
+                f"{int(lengths[r])} tokens; read must be in [-{int(lengths[r])}, {int(lengths[r]) - 1}]"
+            )
+        ids = torch.full((len(rows), int(lengths.max())), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = r
+            mask[i, : len(r)] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        with capture(model, named, stop=True) as cap:
+            if with_mask:
+                model(input_ids=ids, attention_mask=mask)
+            else:
+                model(ids)
+        arange = torch.arange(len(rows), device=device)
+        for name in named:
+            h = first_tensor(cap[name])
+            if h is None or h.dim() < 3 or h.shape[:2] != ids.shape:
+                raise HookscopeError(
+                    f"steering_vector: layer {name!r} returned {None if h is None else tuple(h.shape)}"
+                    f" for token ids of shape {tuple(ids.shape)}; it needs [batch, tokens, features]"
+                )
+            acts = h[arange, index.to(device)]
+            diffs[name].append(acts[:half] - acts[half:])
+    return {name: torch.cat(d).mean(dim=0) for name, d in diffs.items()}
