@@ -260,24 +260,24 @@ def test_api_groups_follow_the_packages_and_take_a_new_one(monkeypatch):
     pkg.__doc__ = "Probing: linear probes on activations.\n\nMore text."
     pkg.__path__ = []
 
-    def steer(model):
-        """Steer a model."""
+    def probe(model):
+        """Probe a model."""
 
-    steer.__module__ = "hookscope.probing._probe"
-    pkg.steer = steer
-    pkg.__all__ = ["steer"]
+    probe.__module__ = "hookscope.probing._probe"
+    pkg.probe = probe
+    pkg.__all__ = ["probe"]
     monkeypatch.setitem(sys.modules, "hookscope.probing", pkg)
-    monkeypatch.setattr(hookscope, "steer", steer, raising=False)
-    monkeypatch.setattr(hookscope, "__all__", [*hookscope.__all__, "steer"])
+    monkeypatch.setattr(hookscope, "probe", probe, raising=False)
+    monkeypatch.setattr(hookscope, "__all__", [*hookscope.__all__, "probe"])
     groups = {g.package: g for g in gen.collect()}
     new = groups["probing"]
-    assert new.entries == [("autofunction", "hookscope.steer")]
+    assert new.entries == [("autofunction", "hookscope.probe")]
     assert new.lead == "Probing: linear probes on activations."
     order = list(groups)
     assert order.index("viz") < order.index("probing") < order.index("demo")
     page = gen._page(new)
     assert page.splitlines()[0] == "Probing (``hookscope.probing``)"
-    assert ".. autofunction:: hookscope.steer" in page
+    assert ".. autofunction:: hookscope.probe" in page
 
 
 @pytest.mark.slow
