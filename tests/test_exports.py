@@ -45,6 +45,7 @@ def test_layout_has_one_package_per_product():
         "extraction",
         "integrations",
         "monitor",
+        "patching",
         "summarization",
         "viz",
     }

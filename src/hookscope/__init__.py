@@ -28,6 +28,7 @@ from .cam import (
 from .core import (
     Call,
     Capture,
+    HeadSplitError,
     HookConflictError,
     HookInfo,
     HookScope,
@@ -44,6 +45,7 @@ from .core import (
     TraceEvent,
     UnsupportedModelError,
     UnsupportedTensorError,
+    blocks,
     capture,
     clip_grads,
     edit,
@@ -80,6 +82,7 @@ from .monitor import (
     find_nonfinite,
     plot_grad_flow,
 )
+from .patching import PatchMetric, PatchingError, attribution_patch, patch_sweep
 from .summarization import Summary, SummaryRow, SummaryTotals, summary
 from .viz import feature_maps, overlay
 
@@ -97,6 +100,7 @@ __all__ = [
     "Features",
     "GradCAM",
     "GradCAMPlusPlus",
+    "HeadSplitError",
     "HiResCAM",
     "HookConflictError",
     "HookInfo",
@@ -118,6 +122,8 @@ __all__ = [
     "NoGradientError",
     "NonFiniteOrigin",
     "NonFiniteWarning",
+    "PatchMetric",
+    "PatchingError",
     "ReshapeError",
     "ScoreCAM",
     "Selector",
@@ -134,6 +140,8 @@ __all__ = [
     "WandbSink",
     "XGradCAM",
     "__version__",
+    "attribution_patch",
+    "blocks",
     "cam_methods",
     "capture",
     "clip_grads",
@@ -151,6 +159,7 @@ __all__ = [
     "observe",
     "ops",
     "overlay",
+    "patch_sweep",
     "plot_grad_flow",
     "remove_hooks",
     "summary",

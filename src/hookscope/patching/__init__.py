@@ -1,7 +1,8 @@
 """Activation patching at sweep scale: ``patch_sweep`` (layers x positions x heads in batched
 passes), ``attribution_patch`` (every site from two forwards and one backward), a heat map."""
 
+from ._attribution import attribution_patch
 from ._inputs import PatchingError
-from ._sweep import Metric, patch_sweep
+from ._sweep import PatchMetric, patch_sweep
 
-__all__ = ["Metric", "PatchingError", "patch_sweep"]
+__all__ = ["PatchMetric", "PatchingError", "attribution_patch", "patch_sweep"]

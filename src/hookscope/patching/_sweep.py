@@ -18,9 +18,9 @@ from ..core._scope import HookScope, check_model, model_device
 from ._inputs import PatchingError, as_kwargs, batch_size, check_aligned
 from ._sites import Site, get_act, grid, patched, resolve_sites, set_act, site_masks, view
 
-__all__ = ["Metric", "patch_sweep"]
+__all__ = ["PatchMetric", "check_training", "patch_sweep", "prepare", "record", "sweep_layer"]
 
-Metric = Callable[[Any], Any]
+PatchMetric = Callable[[Any], Any]
 """``metric(output) -> scalar``: the model's output for one site's rows (as many rows as the
 input batch; a tensor, or a ``ModelOutput`` with its ``.logits``)."""
 
@@ -130,9 +130,9 @@ def _sweep_site(
     site: Site,
     over: tuple[str, ...],
     sizes: tuple[int, ...],
-    chunks: list[range],
+    chunks: list[Sequence[int]],
     clean: torch.Tensor,
-    metric: Metric,
+    metric: PatchMetric,
     batch: int,
     start: str,
     start_at: Literal["input", "output"],
@@ -163,7 +163,7 @@ def _sweep_site(
         else:
             scope.add_forward(module, post, layer=site.point)
 
-        def run(chunk: range) -> Any:
+        def run(chunk: Sequence[int]) -> Any:
             k = len(chunk)
             fan.reset(k)
             state.update(k=k, calls=0)
@@ -190,7 +190,7 @@ def _sweep_site(
             got = [_scalar(metric(rows_of(out, j, batch, k * batch)), site.layer) for j in range(k)]
             del out
             if verify and ci == 0 and k > 1:
-                ref = _scalar(metric(run(range(chunk[0], chunk[0] + 1))), site.layer)
+                ref = _scalar(metric(run([chunk[0]])), site.layer)
                 if not _close(got[0], ref, clean.dtype):
                     raise _Mismatch(
                         f"the metric of site 0 was {float(got[0]):.6g} batched and "
@@ -200,11 +200,59 @@ def _sweep_site(
     return values
 
 
+def sweep_layer(
+    model: nn.Module,
+    dst: dict[str, Any],
+    site: Site,
+    over: tuple[str, ...],
+    sizes: tuple[int, ...],
+    chunks: list[Sequence[int]],
+    clean: torch.Tensor,
+    metric: PatchMetric,
+    batch: int,
+) -> list[torch.Tensor]:
+    """The metric of each site in ``chunks`` (one pass per chunk) at one layer: rows fanned out
+    from the site's block, or, where that does not reproduce a site patched alone, from the
+    model's inputs (tiled), with a warning."""
+    args = (model, dst, site, over, sizes, chunks, clean, metric, batch)
+    try:
+        return _sweep_site(*args, site.start, site.start_at, verify=True)
+    except _Mismatch as e:
+        warnings.warn(
+            f"patch_sweep: rows batched from {site.start!r} on did not reproduce a site patched "
+            f"alone at layer {site.layer!r} ({e}); that layer ran with the model's inputs tiled "
+            "instead (exact, slower)",
+            HookscopeWarning,
+            stacklevel=3,
+        )
+    try:
+        return _sweep_site(*args, "", "input", verify=False)
+    except _Mismatch as e2:
+        raise PatchingError(
+            f"patch_sweep at layer {site.layer!r}: the model fails on a batch of several copies "
+            f"of its inputs ({e2}); pass rows= equal to the batch size to run one site per pass"
+        ) from e2
+
+
+def check_training(model: nn.Module, what: str) -> None:
+    """Refuse a model in training mode with active dropout: every run would differ."""
+    drop = [
+        n
+        for n, m in named_modules(model)
+        if m.training and isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
+    ]
+    if drop:
+        raise PatchingError(
+            f"{what}: the model is in training mode and dropout ({drop[0]!r}, p={dict(named_modules(model))[drop[0]].p}) "
+            "makes every run differ, so a patch's effect would be noise; call model.eval() first"
+        )
+
+
 def patch_sweep(
     model: nn.Module,
     clean: Any,
     corrupt: Any,
-    metric: Metric,
+    metric: PatchMetric,
     layers: Any,
     *,
     at: Literal["output", "input"] = "output",
@@ -247,6 +295,7 @@ def patch_sweep(
         torch.Size([2, 3])
     """
     src, dst, batch = prepare(model, clean, corrupt, reverse)
+    check_training(model, "patch_sweep")
     sites, over_t = resolve_sites(
         model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
     )
@@ -258,25 +307,7 @@ def patch_sweep(
             clean_act = acts[site.point]
             sizes = grid(site, over_t, clean_act.shape)
             chunks = plan(math.prod(sizes), batch, bytes_per_row=per_row, rows=rows, budget=budget)
-            args = (model, dst, site, over_t, sizes, chunks, clean_act, metric, batch)
-            try:
-                vals = _sweep_site(*args, site.start, site.start_at, verify=True)
-            except _Mismatch as e:
-                warnings.warn(
-                    f"patch_sweep: rows batched from {site.start!r} on did not reproduce a "
-                    f"site patched alone at layer {site.layer!r} ({e}); that layer ran with the "
-                    "model's inputs tiled instead (exact, slower)",
-                    HookscopeWarning,
-                    stacklevel=2,
-                )
-                try:
-                    vals = _sweep_site(*args, "", "input", verify=False)
-                except _Mismatch as e2:
-                    raise PatchingError(
-                        f"patch_sweep at layer {site.layer!r}: the model fails on a batch of "
-                        f"several copies of its inputs ({e2}); pass rows= equal to the batch size "
-                        "to run one site per pass"
-                    ) from e2
+            vals = sweep_layer(model, dst, site, over_t, sizes, chunks, clean_act, metric, batch)
             results.append(torch.stack(vals).view(sizes))
     shapes = {tuple(r.shape) for r in results}
     if len(shapes) > 1:
