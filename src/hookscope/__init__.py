@@ -82,7 +82,7 @@ from .monitor import (
     find_nonfinite,
     plot_grad_flow,
 )
-from .patching import PatchMetric, PatchingError, attribution_patch, patch_sweep
+from .patching import PatchingError, PatchMetric, attribution_patch, patch_sweep
 from .summarization import Summary, SummaryRow, SummaryTotals, summary
 from .viz import feature_maps, overlay
 

@@ -27,8 +27,9 @@ def blocks(model: nn.Module, child: str | None = None) -> dict[str, nn.Module]:
     """The repeated blocks of ``model`` as ``{name: module}``, in order; with ``child``, that
     submodule of every block (``"attn"`` gives ``{"transformer.h.0.attn": ..., ...}``).
 
-    The blocks are the children of one class of the module that has at least two of them and,
-    among such modules, holds the most parameters in them.
+    The blocks are the children of one class of a module (at least two of them, or any number
+    for a ``ModuleList``/``Sequential`` of one class) that, among such modules, hold the most
+    parameters.
 
     Raises:
         LayerNotFoundError: no module repeats in ``model``, or a block lacks ``child`` (the
@@ -46,11 +47,11 @@ def blocks(model: nn.Module, child: str | None = None) -> dict[str, nn.Module]:
     best: tuple[int, list[str]] = (-1, [])
     for name, m in modules.items():
         kids = list(m.named_children())
-        if len(kids) < 2:
-            continue
         counts = Counter(type(c) for _, c in kids)
+        # a list of layers counts from one layer on (a 1-layer model); elsewhere two of a class
+        least = 1 if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(counts) == 1 else 2
         for cls, n in counts.items():
-            if n < 2:
+            if n < least:
                 continue
             same = [f"{name}.{k}" if name else k for k, c in kids if type(c) is cls]
             size = sum(_params(modules[s]) for s in same if s in modules)

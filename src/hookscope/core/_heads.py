@@ -4,15 +4,16 @@ Heads are not modules (PITFALL 30): an attention module computes every head at o
 them in its output projection (``c_proj`` in GPT-2, ``o_proj`` in Llama/Qwen2, ``dense`` in
 GPT-NeoX and BERT, ``out_proj`` elsewhere). A head's output is therefore its slice of the *input*
 of that projection: ``heads`` consecutive chunks of ``head_dim`` features. :func:`head_split`
-finds the projection (a known name first, else the last Linear-like descendant whose input width
-is a multiple of the head count) and the head count (the module's own attributes, then its
+finds the projection (a known name first, else the last Linear-like descendant, not named like a
+query/key/value projection, whose input width is a multiple of the head count) and the head count (the module's own attributes, then its
 ``config``, then the model's), so grouped-query attention, where keys and values have fewer heads
 than queries, is split by the query heads, as its output projection is.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.nn as nn
@@ -22,6 +23,10 @@ from ._errors import HookscopeError
 __all__ = ["HeadSplit", "HeadSplitError", "head_split", "in_features"]
 
 PROJ_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "proj", "out", "o")
+# query/key/value projections read the module's input, not the heads: never the output projection
+_QKV = re.compile(
+    r"(^|[._])(q|k|v|qk|kv|qkv|query|key|value|c_attn|query_key_value|in_proj|wqkv)(_proj)?$", re.I
+)
 _HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "nhead")
 _DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "d_head")
 
@@ -38,7 +43,7 @@ class HeadSplit:
 
     layer: str
     proj: str
-    module: nn.Module
+    module: nn.Module = field(repr=False)
     heads: int
     head_dim: int
 
@@ -129,7 +134,11 @@ def head_split(
         chosen = named[0] if named else ""
         if not chosen:
             n_guess = heads or _count_heads(model, module, 0) or 0
-            fit = [n for n, m in children.items() if n_guess and in_features(m) % n_guess == 0]
+            fit = [
+                n
+                for n, m in children.items()
+                if n_guess and in_features(m) % n_guess == 0 and not _QKV.search(n)
+            ]
             chosen = fit[-1] if fit else ""
         if not chosen:
             raise HeadSplitError(

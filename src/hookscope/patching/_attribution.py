@@ -19,7 +19,7 @@ import torch.nn as nn
 from ..core._compiled import named_modules
 from ..core._scope import HookScope
 from ._inputs import PatchingError
-from ._sites import Site, get_act, grid, resolve_sites, set_act, view
+from ._sites import Site, grid, resolve_sites, set_act, view
 from ._sweep import PatchMetric, _check_calls, _scalar, check_training, prepare, record, sweep_layer
 
 __all__ = ["attribution_patch"]
@@ -158,7 +158,9 @@ def _exact_top(
     base_value = float(base.detach())
     with torch.no_grad():
         for li, site in enumerate(sites):
-            chosen = sorted(i - li * per_layer for i in top if li * per_layer <= i < (li + 1) * per_layer)
+            chosen = sorted(
+                i - li * per_layer for i in top if li * per_layer <= i < (li + 1) * per_layer
+            )
             if not chosen:
                 continue
             sizes = grid(site, over, clean_acts[site.point].shape)

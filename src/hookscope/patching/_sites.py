@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from ..core._blocks import blocks
-from ..core._compiled import named_modules, strip_compiled
+from ..core._compiled import strip_compiled
 from ..core._errors import LayerNotFoundError
 from ..core._heads import HeadSplit, head_split
 from ..core._nested import first_tensor, iter_tensors, map_tensors
