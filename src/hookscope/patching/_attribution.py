@@ -19,21 +19,10 @@ import torch.nn as nn
 from ..core._compiled import named_modules
 from ..core._scope import HookScope
 from ._inputs import PatchingError
-from ._sites import Site, grid, resolve_sites, set_act, view
+from ._sites import Site, grid, per_site, resolve_sites, set_act, view
 from ._sweep import PatchMetric, _check_calls, _scalar, check_training, prepare, record, sweep_layer
 
 __all__ = ["attribution_patch"]
-
-
-def _reduce(site: Site, over: tuple[str, ...], prod: torch.Tensor) -> torch.Tensor:
-    """Sum ``prod`` (batch first, heads split) over everything but the sweep axes."""
-    keep = []
-    if "position" in over:
-        keep.append(1)
-    if "head" in over:
-        keep.append(prod.ndim - 2)
-    dims = [d for d in range(prod.ndim) if d not in keep]
-    return prod.sum(dim=dims) if dims else prod
 
 
 def attribution_patch(
@@ -131,7 +120,7 @@ def attribution_patch(
         if g is None:
             g = torch.zeros_like(delta)
         prod = view(site, delta.to(torch.float32) * g.to(torch.float32))
-        scores.append(_reduce(site, over_t, prod))
+        scores.append(per_site(site, over_t, prod, torch.sum))
     out = torch.stack(scores).detach()
     if top_k is None:
         return out

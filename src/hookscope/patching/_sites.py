@@ -20,7 +20,18 @@ from ..core._nested import first_tensor, iter_tensors, map_tensors
 from ..core._select import resolve
 from ._inputs import PatchingError
 
-__all__ = ["OVER", "Site", "get_act", "resolve_sites", "set_act", "site_masks"]
+__all__ = [
+    "OVER",
+    "Site",
+    "get_act",
+    "grid",
+    "patched",
+    "per_site",
+    "resolve_sites",
+    "set_act",
+    "site_masks",
+    "view",
+]
 
 OVER = ((), ("position",), ("head",), ("position", "head"))
 
@@ -216,6 +227,26 @@ def view(site: Site, t: torch.Tensor) -> torch.Tensor:
             f"{h.head_dim}; pass n_heads= or head_proj="
         )
     return t.view(*t.shape[:-1], h.heads, h.head_dim)
+
+
+def per_site(
+    site: Site, over: tuple[str, ...], t: torch.Tensor, op: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    """``op(t, dim=...)`` over everything but the sweep axes of ``t`` (batch first, heads split):
+    ``torch.sum`` gives attribution scores, ``torch.any`` the sites where two runs differ."""
+    keep = []
+    if "position" in over:
+        keep.append(1)
+    if "head" in over:
+        keep.append(t.ndim - 2)
+    dims = [d for d in range(t.ndim) if d not in keep]
+    if not dims:
+        return t
+    if op is torch.any:  # torch.any takes one dim at a time on older torch
+        for d in sorted(dims, reverse=True):
+            t = t.any(dim=d)
+        return t
+    return op(t, dim=dims)
 
 
 def site_masks(

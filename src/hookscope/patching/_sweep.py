@@ -16,7 +16,7 @@ from ..core._nested import first_tensor, iter_tensors, map_tensors
 from ..core._rows import FanOut, default_budget, plan
 from ..core._scope import HookScope, check_model, model_device
 from ._inputs import PatchingError, as_kwargs, batch_size, check_aligned
-from ._sites import Site, get_act, grid, patched, resolve_sites, set_act, site_masks, view
+from ._sites import Site, get_act, grid, patched, per_site, resolve_sites, set_act, site_masks, view
 
 __all__ = ["PatchMetric", "check_training", "patch_sweep", "prepare", "record", "sweep_layer"]
 
@@ -285,9 +285,11 @@ def patch_sweep(
 
     Sites go into the rows of few passes: the layers before the patched one run once on the
     batch, the rows fan out from the patched layer's block on (its sites in one pass, chunked
-    to ``max_bytes``, default a share of the free memory, or to ``rows`` rows per pass). The
-    first chunk of each layer is checked against one site run alone; a model whose batch cannot
-    fan out mid-way runs with its inputs tiled instead, with a warning.
+    to ``max_bytes``, default a share of the free memory, or to ``rows`` rows per pass). A site
+    whose clean activation equals the corrupted one exactly (in a causal model, every position
+    before the first token that differs) is not run: its value is the corrupted run's metric.
+    The first chunk of each layer is checked against one site run alone; a model whose batch
+    cannot fan out mid-way runs with its inputs tiled instead, with a warning.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -305,12 +307,30 @@ def patch_sweep(
     results = []
     with torch.no_grad():
         acts, per_row, _ = record(model, src, sites, batch)
+        base_acts, _, base_out = record(model, dst, sites, batch)
+        baseline = _scalar(metric(base_out), sites[0].layer)
+        del base_out
         for site in sites:
-            clean_act = acts[site.point]
+            clean_act, base_act = acts[site.point], base_acts[site.point]
+            if clean_act.shape != base_act.shape:
+                raise PatchingError(
+                    f"the activation of {site.point!r} is {tuple(clean_act.shape)} in the clean "
+                    f"run and {tuple(base_act.shape)} in the corrupted run: they do not align"
+                )
             sizes = grid(site, over_t, clean_act.shape)
-            chunks = plan(math.prod(sizes), batch, bytes_per_row=per_row, rows=rows, budget=budget)
-            vals = sweep_layer(model, dst, site, over_t, sizes, chunks, clean_act, metric, batch)
-            results.append(torch.stack(vals).view(sizes))
+            # a site whose clean values equal the corrupted ones changes nothing: its run is the
+            # corrupted run (e.g. every position before the first differing token, causally)
+            differs = per_site(site, over_t, view(site, clean_act != base_act), torch.any)
+            todo = differs.flatten().nonzero().flatten().tolist()
+            full = baseline.to(clean_act.device).repeat(math.prod(sizes))
+            if todo:
+                parts = plan(len(todo), batch, bytes_per_row=per_row, rows=rows, budget=budget)
+                chunks = [todo[c.start : c.stop] for c in parts]
+                vals = sweep_layer(
+                    model, dst, site, over_t, sizes, chunks, clean_act, metric, batch
+                )
+                full[todo] = torch.stack(vals).to(full.device)
+            results.append(full.view(sizes))
     shapes = {tuple(r.shape) for r in results}
     if len(shapes) > 1:
         raise PatchingError(
