@@ -505,3 +505,30 @@ def test_docstring_examples_run(name):
     mod = importlib.import_module(f"hookscope.{name}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_heat_map_shows_the_values_with_layer_names_and_tokens(tmp_path):
+    model = tiny_gpt2(n_layer=2)
+    tok = word_tokenizer()
+    blocks = list(hs.blocks(model))
+    res = hs.patch_sweep(model, CLEAN, CORRUPT, logit_diff, blocks, at="input")
+    fig = hs.plot_patching(res, blocks, tokens=CLEAN[0], tokenizer=tok, path=tmp_path / "p.png")
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == tok.convert_ids_to_tokens(
+        CLEAN[0].tolist()
+    )
+    assert [t.get_text() for t in ax.get_yticklabels()] == blocks
+    assert torch.equal(torch.as_tensor(ax.images[0].get_array().data), res)
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    heads = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)
+    ax = hs.plot_patching(heads, ["a", "b"]).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()][:5] == [
+        "a h0",
+        "a h1",
+        "a h2",
+        "a h3",
+        "b h0",
+    ]
+    assert torch.equal(torch.as_tensor(ax.images[0].get_array().data)[1], heads[0, :, 1])
+    with pytest.raises(ValueError, match="3 tokens for 13 columns"):
+        hs.plot_patching(res, blocks, tokens=["a", "b", "c"])

@@ -82,7 +82,7 @@ from .monitor import (
     find_nonfinite,
     plot_grad_flow,
 )
-from .patching import PatchingError, PatchMetric, attribution_patch, patch_sweep
+from .patching import PatchingError, PatchMetric, attribution_patch, patch_sweep, plot_patching
 from .summarization import Summary, SummaryRow, SummaryTotals, summary
 from .viz import feature_maps, overlay
 
@@ -161,6 +161,7 @@ __all__ = [
     "overlay",
     "patch_sweep",
     "plot_grad_flow",
+    "plot_patching",
     "remove_hooks",
     "summary",
     "tensor_grads",

@@ -3,6 +3,7 @@ passes), ``attribution_patch`` (every site from two forwards and one backward), 
 
 from ._attribution import attribution_patch
 from ._inputs import PatchingError
+from ._plot import plot_patching
 from ._sweep import PatchMetric, patch_sweep
 
-__all__ = ["PatchMetric", "PatchingError", "attribution_patch", "patch_sweep"]
+__all__ = ["PatchMetric", "PatchingError", "attribution_patch", "patch_sweep", "plot_patching"]
