@@ -32,14 +32,16 @@ def plot_patching(
     tokenizer: Any = None,
     title: str | None = None,
     path: str | os.PathLike[str] | None = None,
+    ax: Any = None,
 ) -> Any:
     """A heat map of a :func:`patch_sweep` or :func:`attribution_patch` result.
 
     Rows are the layers (``layers``: their names, e.g. ``list(hs.blocks(model))``); columns the
     positions (labelled by ``tokens``: strings, or token ids of one prompt turned into strings by
     ``tokenizer``) or the heads. A ``[layers, positions, heads]`` result gets one row per layer
-    and head. Colours diverge around 0. Returns the matplotlib ``Figure`` (Agg canvas, nothing
-    shown); saves a PNG when ``path`` is given.
+    and head. Colours diverge around 0. Draws into ``ax`` (a matplotlib ``Axes``, e.g. from
+    ``plt.subplots()``) or a new ``Figure`` on an Agg canvas (nothing shown); returns the figure
+    and saves a PNG when ``path`` is given.
 
     Example:
         >>> import torch, hookscope as hs
@@ -73,9 +75,13 @@ def plot_patching(
         labels = [str(i) for i in range(v.shape[1])]
         columns = "position or head"
     lim = float(v.abs().max()) or 1.0
-    fig = Figure(figsize=(max(4.0, 0.45 * v.shape[1] + 2.5), max(2.5, 0.3 * v.shape[0] + 1.5)))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    if ax is None:
+        size = (max(4.0, 0.45 * v.shape[1] + 2.5), max(2.5, 0.3 * v.shape[0] + 1.5))
+        fig = Figure(figsize=size)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+    else:
+        fig = ax.figure
     im = ax.imshow(v.numpy(), cmap="RdBu", vmin=-lim, vmax=lim, aspect="auto")
     ax.set_yticks(range(len(names)), names)
     if labels is not None:
