@@ -532,3 +532,69 @@ def test_heat_map_shows_the_values_with_layer_names_and_tokens(tmp_path):
     assert torch.equal(torch.as_tensor(ax.images[0].get_array().data)[1], heads[0, :, 1])
     with pytest.raises(ValueError, match="3 tokens for 13 columns"):
         hs.plot_patching(res, blocks, tokens=["a", "b", "c"])
+
+
+class _Attn(nn.Module):
+    """An attention-like module with an output projection and no head count anywhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.o_proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.o_proj(torch.softmax(q @ k.transpose(1, 2), -1) @ v)
+
+
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(self.lin(x))
+
+
+class _FixedBatch(nn.Module):
+    """Hard-codes its batch of 2: no batched rows can work, neither fanned out nor tiled."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x)).view(2, -1)
+
+
+def test_more_paths_that_cannot_work_raise():
+    x, y = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    attn = _Attn()
+    with pytest.raises(
+        hs.HeadSplitError, match=r"how many heads '<root>' \(_Attn\).*pass n_heads="
+    ):
+        hs.patch_sweep(attn, x, y, lambda o: o.sum(), "", over=("head",))
+    got = hs.patch_sweep(attn, x, y, lambda o: o.sum(), "", over=("head",), n_heads=2)
+    ref = hand_sweep(attn, attn.o_proj, "input", {"x": x}, {"x": y}, lambda o: o.sum(), by_head(2))
+    assert torch.allclose(got[0], ref, atol=1e-5)
+    with pytest.raises(hs.HeadSplitError, match=r"head_proj='out'.*Linear-like modules there: \['o_proj', 'qkv'\]"):  # fmt: skip
+        hs.patch_sweep(attn, x, y, lambda o: o.sum(), "", over=("head",), head_proj="out")
+    with pytest.raises(hs.PatchingError, match="'lin' ran 2 times in one forward pass"):
+        hs.patch_sweep(_Twice(), x, y, lambda o: o.sum(), "lin")
+    with (
+        pytest.raises(hs.PatchingError, match="fails on a batch of several copies.*rows="),
+        pytest.warns(hs.HookscopeWarning, match="inputs tiled"),
+    ):
+        hs.patch_sweep(_FixedBatch(), x, y, lambda o: o.sum(), "a")
+    ok = hs.patch_sweep(_FixedBatch(), x, y, lambda o: o.sum(), "a", rows=2)  # one site per pass
+    assert ok.shape == (1, 3)
+    with pytest.raises(hs.PatchingError, match=r"over='position' needs .*\(2, 8\)"):
+        hs.patch_sweep(nn.Linear(8, 8), x[:, 0], y[:, 0], lambda o: o.sum(), "")
+    with pytest.raises(hs.PatchingError, match="without a gradient"):
+        hs.attribution_patch(attn, x, y, lambda o: o.sum().detach(), "", n_heads=2)
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
+        hs.attribution_patch(attn, x, y, lambda o: o.sum(), "", top_k=0)
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        hs.patch_sweep(attn, x, y, lambda o: o.sum(), "", rows=0)
+    with pytest.raises(TypeError, match="clean must be a tensor of token ids or a dict"):
+        hs.patch_sweep(attn, [1, 2], y, lambda o: o.sum(), "")
