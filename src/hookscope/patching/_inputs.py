@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..core._compiled import strip_compiled
 from ..core._errors import HookscopeError
 
-__all__ = ["PatchingError", "as_kwargs", "batch_size", "check_aligned", "run"]
+__all__ = ["PatchingError", "as_kwargs", "batch_size", "check_aligned"]
 
 
 class PatchingError(HookscopeError):
@@ -117,7 +117,3 @@ def check_aligned(model: nn.Module, clean: dict[str, Any], corrupt: dict[str, An
                 f"{_positions(differ)}; pad both prompts to the same positions and pass their "
                 "attention_mask"
             )
-
-
-def run(model: nn.Module, kwargs: dict[str, Any]) -> Any:
-    return model(**kwargs)
