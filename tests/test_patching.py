@@ -596,5 +596,8 @@ def test_more_paths_that_cannot_work_raise():
         hs.attribution_patch(attn, x, y, lambda o: o.sum(), "", top_k=0)
     with pytest.raises(ValueError, match="rows must be >= 1"):
         hs.patch_sweep(attn, x, y, lambda o: o.sum(), "", rows=0)
+    bn = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(3))
+    with pytest.raises(hs.PatchingError, match=r"batch norm \('1'\).*model.eval\(\)"):
+        hs.patch_sweep(bn, x, y, lambda o: o.sum(), "0")
     with pytest.raises(TypeError, match="clean must be a tensor of token ids or a dict"):
         hs.patch_sweep(attn, [1, 2], y, lambda o: o.sum(), "")

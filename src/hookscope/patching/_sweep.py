@@ -237,16 +237,19 @@ def sweep_layer(
 
 
 def check_training(model: nn.Module, what: str) -> None:
-    """Refuse a model in training mode with active dropout: every run would differ."""
-    drop = [
-        n
-        for n, m in named_modules(model)
-        if m.training and isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0
-    ]
-    if drop:
+    """Refuse a model in training mode where that changes values: active dropout (every run
+    differs) or batch norm (batch statistics would mix the rows of different sites)."""
+    for name, m in named_modules(model):
+        if not m.training:
+            continue
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            why = f"dropout ({name!r}, p={m.p}) makes every run differ, so a patch's effect would be noise"
+        elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+            why = f"batch norm ({name!r}) normalises with the batch's statistics, which would mix the rows of different sites"
+        else:
+            continue
         raise PatchingError(
-            f"{what}: the model is in training mode and dropout ({drop[0]!r}, p={dict(named_modules(model))[drop[0]].p}) "
-            "makes every run differ, so a patch's effect would be noise; call model.eval() first"
+            f"{what}: the model is in training mode and {why}; call model.eval() first"
         )
 
 
