@@ -152,3 +152,41 @@ def tl_bridge(model, tokenizer=None, name: str = "gpt2"):
     return TransformerBridge.boot_transformers(
         name, hf_model=copy.deepcopy(model), tokenizer=tokenizer or word_tokenizer()
     )
+
+
+def tiny_neox(n_layer: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0):
+    """A random-weight ``GPTNeoXForCausalLM`` (fused query_key_value, output projection ``dense``)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(
+        vocab_size=len(WORDS),
+        hidden_size=hidden,
+        num_hidden_layers=n_layer,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+        bos_token_id=EOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return GPTNeoXForCausalLM(cfg).eval()
+
+
+def tiny_bert(n_layer: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0):
+    """A random-weight ``BertModel`` encoder (heads in ``attention.output.dense``'s input)."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(
+        vocab_size=len(WORDS),
+        hidden_size=hidden,
+        num_hidden_layers=n_layer,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return BertModel(cfg).eval()

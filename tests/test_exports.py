@@ -46,6 +46,7 @@ def test_layout_has_one_package_per_product():
         "integrations",
         "memory",
         "monitor",
+        "patching",
         "steering",
         "summarization",
         "viz",

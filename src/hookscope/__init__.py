@@ -28,6 +28,7 @@ from .cam import (
 from .core import (
     Call,
     Capture,
+    HeadSplitError,
     HookConflictError,
     HookInfo,
     HookScope,
@@ -46,6 +47,7 @@ from .core import (
     TraceEvent,
     UnsupportedModelError,
     UnsupportedTensorError,
+    blocks,
     capture,
     clip_grads,
     edit,
@@ -91,6 +93,7 @@ from .monitor import (
     find_nonfinite,
     plot_grad_flow,
 )
+from .patching import PatchingError, PatchMetric, attribution_patch, patch_sweep, plot_patching
 from .steering import Steering, steer, steering_vector
 from .summarization import Summary, SummaryRow, SummaryTotals, summary
 from .viz import feature_maps, overlay
@@ -111,6 +114,7 @@ __all__ = [
     "Features",
     "GradCAM",
     "GradCAMPlusPlus",
+    "HeadSplitError",
     "HiResCAM",
     "HookConflictError",
     "HookInfo",
@@ -135,6 +139,8 @@ __all__ = [
     "NonFiniteOrigin",
     "NonFiniteWarning",
     "PlanError",
+    "PatchMetric",
+    "PatchingError",
     "ReshapeError",
     "ScoreCAM",
     "Selector",
@@ -155,6 +161,8 @@ __all__ = [
     "XGradCAM",
     "__version__",
     "apply_checkpointing",
+    "attribution_patch",
+    "blocks",
     "cam_methods",
     "capture",
     "clip_grads",
@@ -173,7 +181,9 @@ __all__ = [
     "observe",
     "ops",
     "overlay",
+    "patch_sweep",
     "plot_grad_flow",
+    "plot_patching",
     "remove_hooks",
     "steer",
     "steering_vector",

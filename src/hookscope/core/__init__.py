@@ -1,6 +1,7 @@
 """The engine every product is built on: layer selection, hook scopes, nested-output walking, call
 records, capture, edit, observe, trace and the hook inventory. It imports no product."""
 
+from ._blocks import blocks
 from ._capture import Call, Capture, Inputs, capture
 from ._edit import clip_grads, edit, edit_grads
 from ._errors import (
@@ -14,6 +15,7 @@ from ._errors import (
     UnsupportedModelError,
     UnsupportedTensorError,
 )
+from ._heads import HeadSplitError
 from ._inventory import HookInfo, hooks_on, remove_hooks
 from ._observe import TensorGrads, observe, tensor_grads
 from ._scope import HookScope
@@ -24,6 +26,7 @@ from ._trace import Trace, TraceEvent, trace
 __all__ = [
     "Call",
     "Capture",
+    "HeadSplitError",
     "HookConflictError",
     "HookInfo",
     "HookScope",
@@ -42,6 +45,7 @@ __all__ = [
     "TokenSequence",
     "UnsupportedModelError",
     "UnsupportedTensorError",
+    "blocks",
     "capture",
     "clip_grads",
     "edit",

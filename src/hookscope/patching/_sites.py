@@ -1,0 +1,291 @@
+"""What a sweep patches: for each selected layer, where its activation is read and written (the
+layer's output or input, or the input of its output projection for heads), how it is cut into
+sites (positions, heads, both, or the whole activation), and where batched rows start."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+from ..core._blocks import blocks
+from ..core._compiled import strip_compiled
+from ..core._errors import LayerNotFoundError
+from ..core._heads import HeadSplit, head_split
+from ..core._nested import first_tensor, iter_tensors, map_tensors
+from ..core._select import resolve
+from ._inputs import PatchingError
+
+__all__ = [
+    "OVER",
+    "Site",
+    "get_act",
+    "grid",
+    "patched",
+    "per_site",
+    "resolve_sites",
+    "set_act",
+    "site_masks",
+    "view",
+]
+
+OVER = ((), ("position",), ("head",), ("position", "head"))
+
+
+@dataclass
+class Site:
+    """One selected layer of a sweep."""
+
+    layer: str
+    point: str  # the module whose input/output holds the activation
+    kind: Literal["input", "output"]
+    arg: int | str | None
+    heads: HeadSplit | None
+    start: str  # where the batched rows start (FanOut)
+    start_at: Literal["input", "output"]
+
+
+def _check_over(over: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(over, str):
+        over = (over,)
+    t = tuple(over)
+    if t not in OVER:
+        raise PatchingError(
+            f"over={t!r} is not a sweep this supports; valid: "
+            + ", ".join(repr(o) for o in OVER)
+            + " (positions before heads)"
+        )
+    return t
+
+
+def resolve_sites(
+    model: nn.Module,
+    layers: Any,
+    *,
+    at: str,
+    over: Sequence[str],
+    arg: int | str | None,
+    n_heads: int | None,
+    head_proj: str | None,
+) -> tuple[list[Site], tuple[str, ...]]:
+    """The sites of a sweep, in the model's order, and the normalised ``over``."""
+    over_t = _check_over(over)
+    if at not in ("output", "input"):
+        raise PatchingError(f"at must be 'output' or 'input', got {at!r}")
+    chosen = resolve(model, layers)
+    names = list(chosen)
+    nested = [(a, b) for a in names for b in names if a != b and b.startswith(a + ".")]
+    if nested:
+        a, b = nested[0]
+        raise PatchingError(
+            f"the layers mix nesting levels: {a!r} contains {b!r} ({len(chosen)} layers "
+            "selected; a glob's '*' spans dots). Select the repeated blocks with "
+            "hs.blocks(model), or one child of each with hs.blocks(model, 'attn')"
+        )
+    try:
+        block_names = list(blocks(model))
+    except LayerNotFoundError:
+        block_names = []
+    sites = []
+    for name in names:
+        module = chosen[name]
+        outer = next((b for b in block_names if name.startswith(b + ".")), None)
+        if "head" in over_t:
+            if at != "output":
+                raise PatchingError(
+                    "a head sweep patches each head's slice of the input of the attention "
+                    "module's output projection; leave at='output'"
+                )
+            split = head_split(model, name, module, heads=n_heads, proj=head_proj)
+            start = outer or name
+            sites.append(Site(name, split.proj, "input", None, split, start, "input"))
+        else:
+            if outer is not None:
+                sites.append(Site(name, name, at, arg, None, outer, "input"))  # type: ignore[arg-type]
+            else:
+                sites.append(Site(name, name, at, arg, None, name, at))  # type: ignore[arg-type]
+    return sites, over_t
+
+
+def _positional_index(module: nn.Module, arg: str) -> int | None:
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for i, p in enumerate(params):
+        if p.name == arg and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return i
+    return None
+
+
+def _input_slot(
+    site: Site, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[str, Any]:
+    """Where the activation is among a call's inputs: ``("arg", i)`` or ``("kw", name)``."""
+    arg = site.arg
+    if isinstance(arg, str):
+        if arg in kwargs:
+            return "kw", arg
+        i = _positional_index(strip_compiled(module), arg)
+        if i is not None and i < len(args):
+            return "arg", i
+    elif isinstance(arg, int):
+        if arg < len(args):
+            return "arg", arg
+    else:
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                return "arg", i
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return "kw", "hidden_states"
+    given = [f"{len(args)} positional"] + [repr(k) for k in kwargs]
+    wanted = "a tensor input or 'hidden_states'" if arg is None else f"input {arg!r}"
+    raise PatchingError(
+        f"at='input' on {site.point!r}: the call has no {wanted}; it got {', '.join(given)}. "
+        "Pass arg= with a positional index or a keyword name"
+    )
+
+
+def get_act(
+    site: Site, module: nn.Module, args: Any, kwargs: Any, output: Any = None
+) -> torch.Tensor:
+    """The activation of ``site`` in a call (the output's first tensor, or the input)."""
+    if site.kind == "output":
+        t = first_tensor(output)
+        if t is None:
+            raise PatchingError(f"layer {site.point!r} returned no tensor to patch")
+        return t
+    where, key = _input_slot(site, module, args, kwargs)
+    value = args[key] if where == "arg" else kwargs[key]
+    t = first_tensor(value)
+    if t is None:
+        raise PatchingError(f"input {key!r} of {site.point!r} holds no tensor to patch")
+    return t
+
+
+def set_act(
+    site: Site,
+    module: nn.Module,
+    args: Any,
+    kwargs: Any,
+    output: Any,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+) -> Any:
+    """The call's output (``kind="output"``) or ``(args, kwargs)`` with the activation replaced
+    by ``fn(activation)``."""
+    if site.kind == "output":
+        if isinstance(output, torch.Tensor):
+            return fn(output)
+        first = next(iter(iter_tensors(output)))[1]
+        return map_tensors(lambda t: fn(t) if t is first else t, output)
+    where, key = _input_slot(site, module, args, kwargs)
+    if where == "arg":
+        args = list(args)
+        args[key] = _replace_first(args[key], fn)
+        return tuple(args), kwargs
+    kwargs = dict(kwargs)
+    kwargs[key] = _replace_first(kwargs[key], fn)
+    return args, kwargs
+
+
+def _replace_first(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    first = first_tensor(value)
+    return map_tensors(lambda t: fn(t) if t is first else t, value)
+
+
+def grid(site: Site, over: tuple[str, ...], act_shape: torch.Size) -> tuple[int, ...]:
+    """The sizes of the sweep axes of ``site`` for an activation of ``act_shape`` (batch first)."""
+    sizes = []
+    for axis in over:
+        if axis == "position":
+            if len(act_shape) < 3:
+                raise PatchingError(
+                    f"over='position' needs an activation shaped (batch, position, ...); "
+                    f"{site.point!r} gives {tuple(act_shape)}"
+                )
+            sizes.append(int(act_shape[1]))
+        else:
+            assert site.heads is not None
+            sizes.append(site.heads.heads)
+    return tuple(sizes)
+
+
+def view(site: Site, t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the heads split out of its last dimension (``(..., heads, head_dim)``)."""
+    if site.heads is None:
+        return t
+    h = site.heads
+    if t.shape[-1] != h.heads * h.head_dim:
+        raise PatchingError(
+            f"the input of {h.proj!r} has {t.shape[-1]} features, not {h.heads} heads x "
+            f"{h.head_dim}; pass n_heads= or head_proj="
+        )
+    return t.view(*t.shape[:-1], h.heads, h.head_dim)
+
+
+def per_site(
+    site: Site, over: tuple[str, ...], t: torch.Tensor, op: Callable[..., torch.Tensor]
+) -> torch.Tensor:
+    """``op(t, dim=...)`` over everything but the sweep axes of ``t`` (batch first, heads split):
+    ``torch.sum`` gives attribution scores, ``torch.any`` the sites where two runs differ."""
+    keep = []
+    if "position" in over:
+        keep.append(1)
+    if "head" in over:
+        keep.append(t.ndim - 2)
+    dims = [d for d in range(t.ndim) if d not in keep]
+    if not dims:
+        return t
+    if op is torch.any:  # torch.any takes one dim at a time on older torch
+        for d in sorted(dims, reverse=True):
+            t = t.any(dim=d)
+        return t
+    return op(t, dim=dims)
+
+
+def site_masks(
+    site: Site, over: tuple[str, ...], sizes: tuple[int, ...], chunk: range, ndim: int
+) -> torch.Tensor | None:
+    """Boolean masks ``(k, 1, ...)`` over the (head-split) activation of ``ndim`` dimensions
+    (batch first) for the sites in ``chunk``; ``None`` for the whole activation."""
+    if not over:
+        return None
+    k = len(chunk)
+    idx = torch.tensor(list(chunk))
+    flat = torch.zeros(k, *sizes, dtype=torch.bool)
+    flat.view(k, -1)[torch.arange(k), idx] = True
+    # lay the axes where they are in the activation: position is dim 1, head dim -2
+    shape = [k, 1] + [1] * (ndim - 1)
+    if over == ("position",):
+        shape[2] = sizes[0]
+    elif over == ("head",):
+        shape[-2] = sizes[0]
+    else:
+        shape[2], shape[-2] = sizes
+    return flat.view(shape)
+
+
+def patched(
+    site: Site, mask: torch.Tensor | None, clean: torch.Tensor, x: torch.Tensor, k: int
+) -> torch.Tensor:
+    """``x`` (``k * B`` rows of the corrupted activation) with each copy's sites taken from
+    ``clean`` (``B`` rows)."""
+    b = clean.shape[0]
+    if x.shape[0] != k * b or x.shape[1:] != clean.shape[1:]:
+        raise PatchingError(
+            f"the activation of {site.point!r} is {tuple(x.shape[1:])} per row in the corrupted "
+            f"run and {tuple(clean.shape[1:])} in the clean run: the runs do not align"
+        )
+    cv = view(site, clean).unsqueeze(0)
+    if mask is None:
+        out = cv.expand(k, *cv.shape[1:])
+    else:
+        xv = view(site, x).view(k, b, *cv.shape[2:])
+        out = torch.where(mask.to(x.device), cv, xv)
+    return out.reshape(x.shape)

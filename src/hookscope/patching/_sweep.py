@@ -1,0 +1,342 @@
+"""``patch_sweep``: activation patching over layers x positions x heads, in batched passes."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.nn as nn
+
+from ..core._compiled import named_modules
+from ..core._errors import HookscopeWarning
+from ..core._nested import first_tensor, iter_tensors, map_tensors
+from ..core._rows import FanOut, default_budget, plan
+from ..core._scope import HookScope, check_model, model_device
+from ._inputs import PatchingError, as_kwargs, batch_size, check_aligned
+from ._sites import Site, get_act, grid, patched, per_site, resolve_sites, set_act, site_masks, view
+
+__all__ = ["PatchMetric", "check_training", "patch_sweep", "prepare", "record", "sweep_layer"]
+
+PatchMetric = Callable[[Any], Any]
+"""``metric(output) -> scalar``: the model's output for one site's rows (as many rows as the
+input batch; a tensor, or a ``ModelOutput`` with its ``.logits``)."""
+
+
+class _Mismatch(Exception):
+    pass
+
+
+def prepare(
+    model: nn.Module, clean: Any, corrupt: Any, reverse: bool
+) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The source run's and the patched run's keyword inputs, checked to align; the batch size."""
+    check_model(model)
+    src = as_kwargs(model, clean, "clean")
+    dst = as_kwargs(model, corrupt, "corrupt")
+    check_aligned(model, src, dst)
+    if reverse:
+        src, dst = dst, src
+    return src, dst, batch_size(dst)
+
+
+def record(
+    model: nn.Module, kwargs: dict[str, Any], sites: list[Site], batch: int
+) -> tuple[dict[str, torch.Tensor], int, Any]:
+    """One forward: each site's activation (a copy), the bytes a row of a pass needs (on CUDA the
+    forward's measured peak per row; elsewhere 24x the largest activation patched plus the
+    model's output, per row), and the output."""
+    modules = dict(named_modules(model))
+    acts: dict[str, torch.Tensor] = {}
+    calls: dict[str, int] = {}
+    scope = HookScope("patch_sweep")
+    with scope:
+        for site in sites:
+            if site.point in acts:
+                continue
+            acts[site.point] = torch.empty(0)
+
+            def keep(module: nn.Module, args: Any, kwargs: Any, output: Any = None, s=site) -> None:
+                calls[s.point] = calls.get(s.point, 0) + 1
+                acts[s.point] = get_act(s, module, args, kwargs, output).detach().clone()
+
+            if site.kind == "input":
+                scope.add_forward_pre(modules[site.point], keep, layer=site.point, with_kwargs=True)
+            else:
+                scope.add_forward(
+                    modules[site.point],
+                    lambda m, a, k, o, keep=keep: keep(m, a, k, o),
+                    layer=site.point,
+                    with_kwargs=True,
+                )
+
+        device = model_device(model)
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        out = model(**kwargs)
+    for site in sites:
+        _check_calls(site, calls.get(site.point, 0))
+    out_bytes = sum(t.nbytes for _, t in iter_tensors(out))
+    if cuda:  # measured: the forward's peak on the device
+        peak = torch.cuda.max_memory_allocated(device) - before
+    else:  # estimated (calibrated with the profiler on GPT-2: peak <= budget), and the output
+        peak = 24 * max(t.nbytes for t in acts.values()) + out_bytes
+    return acts, peak // max(1, batch), out
+
+
+def _check_calls(site: Site, n: int) -> None:
+    if n == 1:
+        return
+    if n == 0:
+        raise PatchingError(
+            f"{site.point!r} never ran through module(...) in the forward pass, so it cannot be "
+            "patched (PyTorch runs hooks only through __call__; e.g. nn.MultiheadAttention calls "
+            "its out_proj's weights directly). Select a layer that runs"
+        )
+    raise PatchingError(
+        f"{site.point!r} ran {n} times in one forward pass; a patch would change every call. "
+        "Select a module that runs once"
+    )
+
+
+def _scalar(value: Any, layer: str) -> torch.Tensor:
+    t = torch.as_tensor(value)
+    if t.ndim != 0:
+        raise PatchingError(
+            f"metric must return a scalar (one number for the batch, as in TransformerLens); "
+            f"it returned shape {tuple(t.shape)} at layer {layer!r}. Reduce it, e.g. .mean()"
+        )
+    return t.detach().to(torch.float32)
+
+
+def rows_of(out: Any, j: int, batch: int, total: int) -> Any:
+    """Copy ``j``'s rows of a batched output (tensors whose leading dimension is ``total``)."""
+    if total == batch:
+        return out
+    lo, hi = j * batch, (j + 1) * batch
+    return map_tensors(lambda t: t[lo:hi] if t.ndim and t.shape[0] == total else t, out)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    tol = 1e-3 if dtype in (torch.float32, torch.float64) else 3e-2
+    return bool(abs(float(a) - float(b)) <= tol * (1.0 + abs(float(b))))
+
+
+def _sweep_site(
+    model: nn.Module,
+    dst: dict[str, Any],
+    site: Site,
+    over: tuple[str, ...],
+    sizes: tuple[int, ...],
+    chunks: list[Sequence[int]],
+    clean: torch.Tensor,
+    metric: PatchMetric,
+    batch: int,
+    start: str,
+    start_at: Literal["input", "output"],
+    verify: bool,
+) -> list[torch.Tensor]:
+    modules = dict(named_modules(model))
+    module = modules[site.point]
+    state: dict[str, Any] = {"k": 1, "mask": None, "calls": 0}
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return patched(site, state["mask"], clean, x, state["k"])
+
+    def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        state["calls"] += 1
+        return set_act(site, module, args, kwargs, None, fn)
+
+    def post(module: nn.Module, args: Any, output: Any) -> Any:
+        state["calls"] += 1
+        return set_act(site, module, args, {}, output, fn)
+
+    ndim = view(site, clean).ndim
+    device = clean.device
+    values: list[torch.Tensor] = []
+    with HookScope("patch_sweep") as scope:
+        fan = FanOut(model, start, batch, scope, at=start_at)
+        if site.kind == "input":
+            scope.add_forward_pre(module, pre, layer=site.point, with_kwargs=True)
+        else:
+            scope.add_forward(module, post, layer=site.point)
+
+        def run(chunk: Sequence[int]) -> Any:
+            k = len(chunk)
+            fan.reset(k)
+            state.update(k=k, calls=0)
+            mask = site_masks(site, over, sizes, chunk, ndim)
+            state["mask"] = None if mask is None else mask.to(device)
+            try:
+                out = model(**dst)
+            except PatchingError:
+                raise
+            except Exception as e:
+                if k == 1:
+                    raise
+                raise _Mismatch(f"{type(e).__name__}: {e}") from e
+            _check_calls(site, state["calls"])
+            lead = first_tensor(out)
+            if k > 1 and (lead is None or lead.ndim == 0 or lead.shape[0] != k * batch):
+                shape = None if lead is None else tuple(lead.shape)
+                raise _Mismatch(f"the output's first tensor is {shape}, not {k * batch} rows")
+            return out
+
+        for ci, chunk in enumerate(chunks):
+            k = len(chunk)
+            out = run(chunk)
+            got = [_scalar(metric(rows_of(out, j, batch, k * batch)), site.layer) for j in range(k)]
+            del out
+            if verify and ci == 0 and k > 1:
+                ref = _scalar(metric(run([chunk[0]])), site.layer)
+                if not _close(got[0], ref, clean.dtype):
+                    raise _Mismatch(
+                        f"the metric of site 0 was {float(got[0]):.6g} batched and "
+                        f"{float(ref):.6g} alone"
+                    )
+            values += got
+    return values
+
+
+def sweep_layer(
+    model: nn.Module,
+    dst: dict[str, Any],
+    site: Site,
+    over: tuple[str, ...],
+    sizes: tuple[int, ...],
+    chunks: list[Sequence[int]],
+    clean: torch.Tensor,
+    metric: PatchMetric,
+    batch: int,
+) -> list[torch.Tensor]:
+    """The metric of each site in ``chunks`` (one pass per chunk) at one layer: rows fanned out
+    from the site's block, or, where that does not reproduce a site patched alone, from the
+    model's inputs (tiled), with a warning."""
+    args = (model, dst, site, over, sizes, chunks, clean, metric, batch)
+    try:
+        return _sweep_site(*args, site.start, site.start_at, verify=True)
+    except _Mismatch as e:
+        warnings.warn(
+            f"patch_sweep: rows batched from {site.start!r} on did not reproduce a site patched "
+            f"alone at layer {site.layer!r} ({e}); that layer ran with the model's inputs tiled "
+            "instead (exact, slower)",
+            HookscopeWarning,
+            stacklevel=3,
+        )
+    try:
+        return _sweep_site(*args, "", "input", verify=False)
+    except _Mismatch as e2:
+        raise PatchingError(
+            f"patch_sweep at layer {site.layer!r}: the model fails on a batch of several copies "
+            f"of its inputs ({e2}); pass rows= equal to the batch size to run one site per pass"
+        ) from e2
+
+
+def check_training(model: nn.Module, what: str) -> None:
+    """Refuse a model in training mode where that changes values: active dropout (every run
+    differs) or batch norm (batch statistics would mix the rows of different sites)."""
+    for name, m in named_modules(model):
+        if not m.training:
+            continue
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            why = f"dropout ({name!r}, p={m.p}) makes every run differ, so a patch's effect would be noise"
+        elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+            why = f"batch norm ({name!r}) normalises with the batch's statistics, which would mix the rows of different sites"
+        else:
+            continue
+        raise PatchingError(
+            f"{what}: the model is in training mode and {why}; call model.eval() first"
+        )
+
+
+def patch_sweep(
+    model: nn.Module,
+    clean: Any,
+    corrupt: Any,
+    metric: PatchMetric,
+    layers: Any,
+    *,
+    at: Literal["output", "input"] = "output",
+    over: Sequence[str] = ("position",),
+    arg: int | str | None = None,
+    reverse: bool = False,
+    n_heads: int | None = None,
+    head_proj: str | None = None,
+    rows: int | None = None,
+    max_bytes: int | None = None,
+) -> torch.Tensor:
+    """Patch each layer's clean activation into the corrupted run, site by site; the metric of
+    every patched run as a tensor shaped ``[layers, *over]``.
+
+    A site is one position (``over=("position",)``), one attention head (``("head",)``), one
+    head at one position (``("position", "head")``) or the whole activation (``()``). The
+    activation is the layer's output (its first tensor: HF attention returns a tuple), or with
+    ``at="input"`` its first tensor input, positional or ``hidden_states`` (``arg`` names
+    another). A head's activation is its slice of the input of the attention module's output
+    projection (``c_proj``, ``o_proj``, ``dense``, ``out_proj``; ``head_proj`` names another),
+    split by the query-head count (from the module or the config; ``n_heads`` sets it).
+    ``reverse=True`` patches corrupted activations into the clean run instead.
+
+    ``clean`` and ``corrupt`` are token ids or dicts of keyword inputs (with their
+    ``attention_mask``); they must align token by token (:class:`PatchingError` names the
+    positions where they do not). ``metric(output) -> scalar`` gets one site's output, as many
+    rows as the batch (a tensor, or a ``ModelOutput``: use ``.logits``).
+
+    Sites go into the rows of few passes: the layers before the patched one run once on the
+    batch, the rows fan out from the patched layer's block on (its sites in one pass, chunked
+    to ``max_bytes``, default a share of the free memory, or to ``rows`` rows per pass). A site
+    whose clean activation equals the corrupted one exactly (in a causal model, every position
+    before the first token that differs) is not run: its value is the corrupted run's metric.
+    The first chunk of each layer is checked against one site run alone; a model whose batch
+    cannot fan out mid-way runs with its inputs tiled instead, with a warning.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+        >>> clean, corrupt = torch.ones(1, 3, 2), torch.zeros(1, 3, 2)
+        >>> hs.patch_sweep(net, clean, corrupt, lambda y: y[:, -1].sum(), ["0", "1"]).shape
+        torch.Size([2, 3])
+    """
+    src, dst, batch = prepare(model, clean, corrupt, reverse)
+    check_training(model, "patch_sweep")
+    sites, over_t = resolve_sites(
+        model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
+    )
+    budget = max_bytes if max_bytes is not None else default_budget(model_device(model))
+    results = []
+    with torch.no_grad():
+        acts, per_row, _ = record(model, src, sites, batch)
+        base_acts, _, base_out = record(model, dst, sites, batch)
+        baseline = _scalar(metric(base_out), sites[0].layer)
+        del base_out
+        for site in sites:
+            clean_act, base_act = acts[site.point], base_acts[site.point]
+            if clean_act.shape != base_act.shape:
+                raise PatchingError(
+                    f"the activation of {site.point!r} is {tuple(clean_act.shape)} in the clean "
+                    f"run and {tuple(base_act.shape)} in the corrupted run: they do not align"
+                )
+            sizes = grid(site, over_t, clean_act.shape)
+            # a site whose clean values equal the corrupted ones changes nothing: its run is the
+            # corrupted run (e.g. every position before the first differing token, causally)
+            differs = per_site(site, over_t, view(site, clean_act != base_act), torch.any)
+            todo = differs.flatten().nonzero().flatten().tolist()
+            full = baseline.to(clean_act.device).repeat(math.prod(sizes))
+            if todo:
+                parts = plan(len(todo), batch, bytes_per_row=per_row, rows=rows, budget=budget)
+                chunks = [todo[c.start : c.stop] for c in parts]
+                vals = sweep_layer(
+                    model, dst, site, over_t, sizes, chunks, clean_act, metric, batch
+                )
+                full[todo] = torch.stack(vals).to(full.device)
+            results.append(full.view(sizes))
+    shapes = {tuple(r.shape) for r in results}
+    if len(shapes) > 1:
+        raise PatchingError(
+            f"the layers give sweeps of different shapes {sorted(shapes)}; sweep them separately"
+        )
+    return torch.stack(results)
