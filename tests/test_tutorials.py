@@ -87,20 +87,23 @@ def test_print_every_layer_output_shape_resnet50():
     buf = io.StringIO()
     with torch.no_grad(), hs.trace(model, hs.find(model, leaves=True), file=buf) as tr:
         model(torch.randn(10, 3, 224, 224))
-    lines = buf.getvalue().splitlines()
+    header, *lines = buf.getvalue().splitlines()
+    assert header.split()[:3] == ["layer", "#", "type"]  # a header names the columns
     assert (
         len(lines) == len(tr.events) == 158
     )  # 126 leaf layers; each bottleneck's ReLU runs 3 times
     assert len({e.layer for e in tr.events}) == len(hs.find(model, leaves=True)) == 126
     assert [e.index for e in tr.events if e.layer == "layer1.0.relu"] == [0, 1, 2]
     assert re.match(
-        r"\s*conv1\s+#0\s+Conv2d\s+\[10, 3, 224, 224\] -> \[10, 64, 112, 112\]", lines[0]
+        r"\s*conv1\s+0\s+Conv2d\s+[\d.]+\s+float32\s+cpu\s+"
+        r"\[10, 3, 224, 224\] -> \[10, 64, 112, 112\]",
+        lines[0],
     )
-    assert re.match(r"\s*fc\s+#0\s+Linear\s+\[10, 2048\] -> \[10, 1000\]", lines[-1])
+    assert re.match(r"\s*fc\s+0\s+Linear\s+.*\[10, 2048\] -> \[10, 1000\]", lines[-1])
     shapes = {e.layer: e.output_shapes for e in tr.events}
-    assert shapes["layer1.0.conv3"] == "[10, 256, 56, 56]"
-    assert shapes["layer4.2.conv3"] == "[10, 2048, 7, 7]"
-    assert shapes["avgpool"] == "[10, 2048, 1, 1]"
+    assert shapes["layer1.0.conv3"] == [10, 256, 56, 56]
+    assert shapes["layer4.2.conv3"] == [10, 2048, 7, 7]
+    assert shapes["avgpool"] == [10, 2048, 1, 1]
 
 
 def test_extract_layer4_and_avgpool():
