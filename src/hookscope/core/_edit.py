@@ -19,12 +19,13 @@ from ._scope import HookScope, check_model
 from ._select import find, suggest
 from ._sharded import add_param_grad_editor, check_tensor_type
 
-__all__ = ["clip_grads", "edit", "edit_grads"]
+__all__ = ["clip_grads", "edit", "edit_grads", "positional_index"]
 
 Edit = Callable[[Any], Any] | torch.Tensor | ops.Op
 
 
-def _positional_index(module: nn.Module, arg: str) -> int | None:
+def positional_index(module: nn.Module, arg: str) -> int | None:
+    """The positional index of ``module.forward``'s parameter ``arg`` (None: keyword-only/unknown)."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
@@ -93,7 +94,7 @@ def _output_editor(name: str, fn: Edit) -> Callable[..., Any]:
 def _input_editor(
     name: str, module: nn.Module, fn: Edit, arg: int | str | None
 ) -> Callable[..., Any]:
-    position = _positional_index(module, arg) if isinstance(arg, str) else arg
+    position = positional_index(module, arg) if isinstance(arg, str) else arg
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if isinstance(arg, str) and arg in kwargs:

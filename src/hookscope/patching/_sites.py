@@ -4,7 +4,6 @@ sites (positions, heads, both, or the whole activation), and where batched rows 
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -14,6 +13,7 @@ import torch.nn as nn
 
 from ..core._blocks import blocks
 from ..core._compiled import strip_compiled
+from ..core._edit import positional_index
 from ..core._errors import LayerNotFoundError
 from ..core._heads import HeadSplit, head_split
 from ..core._nested import first_tensor, iter_tensors, map_tensors
@@ -111,17 +111,6 @@ def resolve_sites(
     return sites, over_t
 
 
-def _positional_index(module: nn.Module, arg: str) -> int | None:
-    try:
-        params = list(inspect.signature(module.forward).parameters.values())
-    except (TypeError, ValueError):
-        return None
-    for i, p in enumerate(params):
-        if p.name == arg and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            return i
-    return None
-
-
 def _input_slot(
     site: Site, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[str, Any]:
@@ -130,7 +119,7 @@ def _input_slot(
     if isinstance(arg, str):
         if arg in kwargs:
             return "kw", arg
-        i = _positional_index(strip_compiled(module), arg)
+        i = positional_index(strip_compiled(module), arg)
         if i is not None and i < len(args):
             return "arg", i
     elif isinstance(arg, int):
