@@ -7,11 +7,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ..core._errors import HookscopeError
 from ..summarization._format import parse_columns
 from ..summarization._summary import summary
 from ._main import CLIError, _one_line, add_model_arguments, load, make_inputs
+
+if TYPE_CHECKING:
+    import torch
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -84,16 +89,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = summary(model, *inputs, depth=args.depth, columns=columns)
     except Exception as e:
-        if getattr(e, "hookscope_layer", None) is not None:
-            raise CLIError(_one_line(e)) from None
-        raise CLIError(
-            f"the model failed on input {', '.join(str(tuple(t.shape)) for t in inputs)}: {type(e).__name__}: {_one_line(e)}"
-        ) from None
+        raise _model_failed(e, "on input", inputs) from None
     if args.json:
         print(s.to_json())
     else:
         print(s.to_text(width=args.width))
     return 0
+
+
+def _model_failed(e: Exception, when: str, inputs: Sequence[torch.Tensor]) -> CLIError:
+    """One line for a model that raised: the layer hookscope located, else the input shapes."""
+    if getattr(e, "hookscope_layer", None) is not None:
+        return CLIError(_one_line(e))
+    shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+    return CLIError(f"the model failed {when} {shapes}: {type(e).__name__}: {_one_line(e)}")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -108,11 +117,7 @@ def run_train(args: argparse.Namespace) -> int:
     except HookscopeError:
         raise
     except Exception as e:
-        if getattr(e, "hookscope_layer", None) is not None:
-            raise CLIError(_one_line(e)) from None
-        raise CLIError(
-            f"the model failed in a training step on input {', '.join(str(tuple(t.shape)) for t in inputs)}: {type(e).__name__}: {_one_line(e)}"
-        ) from None
+        raise _model_failed(e, "in a training step on input", inputs) from None
     plan = prof.plan(budget) if budget is not None else None
     if args.json:
         out = prof.to_dict()
