@@ -91,6 +91,17 @@ def word_tokenizer(padding_side: str = "right"):
     return tok
 
 
+def _build(config: str, model: str, seed: int, attn: str = "eager", **fields):
+    """``transformers.<model>(transformers.<config>(...))`` in eval mode, seeded, over ``WORDS``
+    (pad 0, eos/bos 2), with ``fields`` on top."""
+    import transformers
+
+    common = dict(vocab_size=len(WORDS), bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
+    cfg = getattr(transformers, config)(**(common | fields), attn_implementation=attn)
+    torch.manual_seed(seed)
+    return getattr(transformers, model)(cfg).eval()
+
+
 def tiny_gpt2(
     n_layer: int = 2,
     n_embd: int = 64,
@@ -100,21 +111,16 @@ def tiny_gpt2(
     attn: str = "eager",
 ):
     """A random-weight ``GPT2LMHeadModel`` in eval mode (``attn``: ``"eager"`` or ``"sdpa"``)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        vocab_size=len(WORDS),
+    return _build(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        seed,
+        attn,
         n_positions=n_positions,
         n_embd=n_embd,
         n_layer=n_layer,
         n_head=n_head,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        attn_implementation=attn,
     )
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(cfg).eval()
 
 
 def tiny_llama(
@@ -126,23 +132,18 @@ def tiny_llama(
     attn: str = "eager",
 ):
     """A random-weight ``LlamaForCausalLM`` with grouped-query attention (``kv_heads < heads``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=len(WORDS),
+    return _build(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        seed,
+        attn,
         hidden_size=hidden,
         intermediate_size=2 * hidden,
         num_hidden_layers=n_layer,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=64,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        attn_implementation=attn,
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def tl_bridge(model, tokenizer=None, name: str = "gpt2"):
@@ -156,37 +157,29 @@ def tl_bridge(model, tokenizer=None, name: str = "gpt2"):
 
 def tiny_neox(n_layer: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0):
     """A random-weight ``GPTNeoXForCausalLM`` (fused query_key_value, output projection ``dense``)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    cfg = GPTNeoXConfig(
-        vocab_size=len(WORDS),
+    return _build(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        seed,
         hidden_size=hidden,
         num_hidden_layers=n_layer,
         num_attention_heads=heads,
         intermediate_size=2 * hidden,
         max_position_embeddings=64,
-        bos_token_id=EOS,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        attn_implementation="eager",
     )
-    torch.manual_seed(seed)
-    return GPTNeoXForCausalLM(cfg).eval()
 
 
 def tiny_bert(n_layer: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0):
     """A random-weight ``BertModel`` encoder (heads in ``attention.output.dense``'s input)."""
-    from transformers import BertConfig, BertModel
-
-    cfg = BertConfig(
-        vocab_size=len(WORDS),
+    return _build(
+        "BertConfig",
+        "BertModel",
+        seed,
+        bos_token_id=None,  # an encoder: no bos/eos, as BertConfig leaves them
+        eos_token_id=None,
         hidden_size=hidden,
         num_hidden_layers=n_layer,
         num_attention_heads=heads,
         intermediate_size=2 * hidden,
         max_position_embeddings=64,
-        pad_token_id=PAD,
-        attn_implementation="eager",
     )
-    torch.manual_seed(seed)
-    return BertModel(cfg).eval()
