@@ -93,3 +93,21 @@ def test_console_script_and_python_m(model_file):
         timeout=120,
     )
     assert r.returncode == 0 and r.stdout.startswith("hookscope ")
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_summary_error_not_located_in_a_layer_is_one_line(train, model_file, monkeypatch, capsys):
+    # the catch-all line: an error that carries no located layer gives the input shapes
+    import hookscope.cli._summary as cli_summary
+    import hookscope.memory._profile as profile
+
+    def fail(*args, **kwargs):
+        raise ValueError("first line\nsecond line")
+
+    monkeypatch.setattr(cli_summary, "summary", fail)
+    monkeypatch.setattr(profile, "memory_profile", fail)
+    argv = ["summary", f"{model_file}:Tiny", "--input", "2,3"] + (["--train"] if train else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    when = "in a training step on input" if train else "on input"
+    assert err == f"hookscope: error: the model failed {when} (2, 3): ValueError: first line\n"
