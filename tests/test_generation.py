@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -446,4 +448,51 @@ def test_compiled_model_generating_with_the_static_cache():
     assert torch.equal(out, eager_out) and not torch.equal(out, plain)
     assert torch.equal(seq.mask, eager_seq.mask) and torch.equal(seq.tokens, eager_seq.tokens)
     torch.testing.assert_close(seq.values, eager_seq.values, atol=ATOL, rtol=0)
+    assert hs.hooks_on(model) == []
+
+
+def test_generate_compiling_the_model_by_itself_still_runs_the_hooks():
+    """transformers' generate() compiles the model's __call__ by itself for a static cache (on a
+    GPU; on any device with ``_compile_all_devices``), and Dynamo does not guard on hooks: hooks
+    added after that compile were silently skipped in every decode step. While a scope is on the
+    model, those steps run eagerly, with one warning naming the layers; values equal a full
+    forward and the edit acts on every step, as with ``disable_compile=True``."""
+    from transformers import CompileConfig
+
+    model = tiny_gpt2(n_layer=1)
+    layer = _blocks(model)[0]
+    ids = torch.tensor([[5, 9, 12, 7, 30]])
+    cc = CompileConfig(backend="eager")
+    cc._compile_all_devices = True  # what a GPU gets by default
+    kw = dict(max_new_tokens=4, do_sample=False, cache_implementation="static", pad_token_id=0)
+    model.generate(ids, compile_config=cc, **kw)  # compiled without hooks, as a user would have
+    assert hasattr(model, "_compiled_call")
+
+    warns = pytest.warns(hs.HookscopeWarning, match=f"skip the hooks on layers '{layer}'.*eagerly")
+    with warns, hs.capture(model, layer) as cap:
+        out = model.generate(ids, compile_config=cc, **kw)
+        twin = copy.deepcopy(model)  # a copy holds no hooks: it compiles as transformers does
+        assert twin.get_compiled_call(cc) is twin._compiled_call
+    calls = cap.calls(layer)
+    assert len(calls) == 4  # the prompt, then 3 decode steps (was 1)
+    with hs.capture(model, layer) as ref:
+        model(out[:, :-1])
+    got = torch.cat([c.output for c in calls], 1)
+    torch.testing.assert_close(got, ref[layer], atol=ATOL, rtol=0)
+
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+
+    def shift(t):
+        return t + v
+
+    scores = dict(output_scores=True, return_dict_in_generate=True)
+    with pytest.warns(hs.HookscopeWarning, match="eagerly"), hs.edit(model, {layer: shift}):
+        edited = model.generate(ids, compile_config=cc, **kw, **scores).scores
+    with hs.edit(model, {layer: shift}):
+        eager = model.generate(ids, disable_compile=True, **kw, **scores).scores
+    plain = model.generate(ids, compile_config=cc, **kw, **scores).scores
+    for e, r, p in zip(edited, eager, plain, strict=True):  # every step edited, as in eager
+        torch.testing.assert_close(e, r, atol=ATOL, rtol=0)
+        assert (e - p).abs().max() > 0.1
+    assert "get_compiled_call" not in model.__dict__  # the model is left as found
     assert hs.hooks_on(model) == []

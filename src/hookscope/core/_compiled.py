@@ -48,9 +48,12 @@ import torch.nn as nn
 from ._errors import HookscopeWarning, UnsupportedModelError
 
 __all__ = [
+    "GenerateGuard",
     "Region",
     "clean_name",
     "compiled_regions",
+    "generate_guard",
+    "index_generate",
     "is_optimized",
     "named_modules",
     "named_parameters",
@@ -357,3 +360,106 @@ def region_of(module: nn.Module) -> Region | None:
     if not _region_of:
         return None
     return _region_of.get(module)
+
+
+class GenerateGuard:
+    """transformers' ``generate()`` compiling the model's ``__call__`` by itself: never silent.
+
+    For a compilable cache (a static cache) on a GPU, or on any device with
+    ``compile_config._compile_all_devices``, ``generate()`` runs its decode steps through
+    ``model.get_compiled_call(...)``, a ``torch.compile`` of the bound ``__call__`` that
+    hookscope was not given: Dynamo does not guard on hooks (``skip_nnmodule_hook_guards``), so
+    hooks added after that code was compiled would silently not run in those steps. While a scope
+    holds hooks on modules of such a model, its ``get_compiled_call`` returns the eager
+    ``__call__`` instead: every step sees the hooks (exact values, eager speed), with one
+    :class:`HookscopeWarning` per scope naming the layers and how to stay compiled.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = weakref.ref(root)
+        self.layers: Counter[str] = Counter()
+        self._warned = False
+
+    def acquire(self, layer: str) -> Callable[[], None]:
+        """Count one hook on a module of the model; return its (idempotent) release."""
+        root = self._root()
+        if root is None:
+            return lambda: None
+        if not self.layers:
+            root.__dict__["get_compiled_call"] = _EagerCall(self)
+        self.layers[layer] += 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if done:
+                return
+            done = True
+            self.layers[layer] -= 1
+            if self.layers[layer] <= 0:
+                del self.layers[layer]
+            if not self.layers:
+                owner = self._root()
+                if owner is not None:
+                    owner.__dict__.pop("get_compiled_call", None)
+                self._warned = False
+
+        return release
+
+    def _eager_call(self) -> Callable[..., Any]:
+        root = self._root()
+        assert root is not None
+        if not self._warned:
+            self._warned = True
+            # the layers asked for (a root hook of hookscope's own is named only if alone)
+            names = ", ".join(repr(n) for n in sorted(n for n in self.layers if n)) or "'<root>'"
+            warnings.warn(
+                f"generate() compiles {type(root).__name__}'s forward by itself here (a static "
+                f"cache), and that compiled code would skip the hooks on layers {names}: while "
+                "they are on, hookscope runs those decode steps eagerly (exact values, eager "
+                "speed). To keep them compiled, compile the model with model.compile() (hookscope "
+                "routes its hooks) and pass disable_compile=True to generate()",
+                HookscopeWarning,
+                stacklevel=4,
+            )
+        return root.__call__
+
+
+class _EagerCall:
+    """The model's ``get_compiled_call`` while hooks are on it. A deep copy of the model gets the
+    class's own method back (the copy holds no hooks of the scope)."""
+
+    def __init__(self, guard: GenerateGuard) -> None:
+        self._guard = guard
+
+    def __call__(self, compile_config: Any = None) -> Callable[..., Any]:
+        return self._guard._eager_call()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        root = self._guard._root()
+        twin = memo.get(id(root))
+        if twin is None:
+            return self
+        return types.MethodType(type(root).get_compiled_call, twin)
+
+
+_generate_guards: weakref.WeakKeyDictionary[nn.Module, GenerateGuard] = weakref.WeakKeyDictionary()
+
+
+def index_generate(model: nn.Module) -> None:
+    """Map the modules of a model whose ``generate()`` may compile it by itself (a transformers
+    ``GenerationMixin``: it has ``get_compiled_call``) to its :class:`GenerateGuard`."""
+    if not callable(getattr(type(model), "get_compiled_call", None)):
+        return
+    guard = _generate_guards.get(model)
+    if guard is None or guard._root() is not model:
+        guard = GenerateGuard(model)
+        for sub in model.modules():
+            _generate_guards[sub] = guard
+
+
+def generate_guard(module: nn.Module) -> GenerateGuard | None:
+    """The :class:`GenerateGuard` of the generating model ``module`` belongs to, or None."""
+    if not _generate_guards:
+        return None
+    return _generate_guards.get(module)

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ._compiled import compiled_regions, named_modules, region_of
+from ._compiled import compiled_regions, generate_guard, index_generate, named_modules, region_of
 from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError
 from ._nested import describe_call, map_tensors
 
@@ -123,6 +123,7 @@ def check_model(model: nn.Module) -> None:
             "use the original nn.Module (before torch.jit.script/trace)"
         )
     compiled_regions(model)  # index its compiled parts: hooks on them get routed (PITFALL 15)
+    index_generate(model)  # generate() compiling the model by itself: run those steps eagerly
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -245,7 +246,11 @@ class HookScope:
         return handle
 
     def _place(self, module: nn.Module, hook: _Hook) -> _Hook:
-        """A hook on a module inside a compiled region: route the region's calls, make it opaque."""
+        """A hook on a module inside a compiled region: route the region's calls, make it opaque.
+        A hook on a module of a model whose generate() may compile it by itself: hold its guard."""
+        guard = generate_guard(module)
+        if guard is not None:
+            self._on_remove.append(guard.acquire(hook.layer))
         region = region_of(module)
         if region is None:
             return hook
@@ -292,6 +297,7 @@ class HookScope:
                 type(module).register_forward_hook is not public
                 or d.__class__ is not OrderedDict
                 or region_of(module) is not None
+                or generate_guard(module) is not None
             ):
                 self._keep(module.register_forward_hook(self._place(module, hook)))
                 continue
