@@ -123,6 +123,12 @@ def _ddp_edit_worker(rank: int, tmp: str) -> None:
     with hs.clip_grads(ddp, max_norm=MAX_NORM):
         loss(ddp(mine[0][0]), mine[0][1]).backward()
     out["comm_hook"] = _grads(ddp)
+    # the scope given ddp.module (the model inside the wrapper): DDP still averages its
+    # parameters' gradients, so the edit acts on the average, as given the wrapper
+    ddp = nn.parallel.DistributedDataParallel(make_model())
+    with hs.clip_grads(ddp.module, max_norm=MAX_NORM):
+        loss(ddp(mine[0][0]), mine[0][1]).backward()
+    out["inner_module"] = _grads(ddp)
     # .grad as views into DDP's buckets: the same as "accumulate"
     ddp = nn.parallel.DistributedDataParallel(make_model(), gradient_as_bucket_view=True)
     with hs.clip_grads(ddp, value=VALUE):
@@ -176,6 +182,7 @@ def _reference_grads() -> dict[str, dict[str, torch.Tensor]]:
         },
         "no_sync": {n: clip(t + g1[n]) for n, t in g0.items()},
         "comm_hook": {n: clip(t) for n, t in g0.items()},
+        "inner_module": {n: clip(t) for n, t in g0.items()},
         "bucket_view": {
             n: t.clamp(-VALUE, VALUE) + g1[n].clamp(-VALUE, VALUE) for n, t in g0.items()
         },

@@ -32,7 +32,7 @@ from ._errors import HookscopeError
 from ._gradcheck import FireCheck
 from ._scope import HookScope, in_backward
 
-__all__ = ["DDPGradEditor", "ddp_of"]
+__all__ = ["DDPGradEditor", "ddp_of", "wrapping_ddp"]
 
 # parameter -> [its .grad set aside at the start of the backward pass, editors still to finish]:
 # shared by every editor (several scopes on one model), so that the edits chain as tensor hooks
@@ -47,6 +47,34 @@ def ddp_of(model: nn.Module, name: str) -> tuple[str, nn.Module] | None:
     for prefix, module in named_modules(model):
         if isinstance(module, ddp_cls) and (not prefix or name.startswith(prefix + ".")):
             return prefix, module
+    outer = wrapping_ddp(model)
+    return None if outer is None else ("", outer)
+
+
+def wrapping_ddp(module: nn.Module) -> nn.Module | None:
+    """The ``DistributedDataParallel`` whose ``.module`` is ``module`` (the user passed
+    ``ddp.module``, whose parameters DDP still averages), or None. Looked up only while a process
+    group is initialized, through the garbage collector's referrers (the module holds no link to
+    its wrapper): the wrapper's ``_modules`` dict, that dict's owner."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    import gc
+
+    ddp_cls = nn.parallel.DistributedDataParallel
+    for holder in gc.get_referrers(module):
+        if not isinstance(holder, dict) or holder.get("module") is not module:
+            continue
+        for owner in gc.get_referrers(holder):
+            if isinstance(owner, dict):  # a materialized instance __dict__: one more level up
+                owners = [
+                    o for o in gc.get_referrers(owner) if getattr(o, "__dict__", None) is owner
+                ]
+            else:
+                owners = [owner]
+            for o in owners:
+                if isinstance(o, ddp_cls) and o.module is module:
+                    return o
     return None
 
 
