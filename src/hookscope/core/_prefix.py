@@ -123,6 +123,7 @@ class CausalPrefix:
         assert isinstance(ids, torch.Tensor)
         self.batch, self.length = int(ids.shape[0]), int(ids.shape[1])
         self.cache_bytes_per_row = sum(k.nbytes + v.nbytes for k, v in kv) // max(1, self.batch)
+        self.axes: list[int | None] = []
 
     @classmethod
     def from_run(cls, kwargs: dict[str, Any], output: Any) -> CausalPrefix | None:
@@ -185,10 +186,12 @@ class CausalPrefix:
             raise PrefixError(f"the pass gave {len(got)} output tensors, the full run {len(refs)}")
         it = iter(refs)
         short = self.length - p0
+        axes: list[int | None] = []  # the position axis of each tensor, None where kept
 
         def one(t: torch.Tensor) -> torch.Tensor:
             ref = next(it)
             if t.shape == ref.shape:
+                axes.append(None)
                 return t
             dims = [d for d in range(t.ndim) if t.ndim == ref.ndim and t.shape[d] != ref.shape[d]]
             if len(dims) != 1 or ref.shape[dims[0]] != self.length or t.shape[dims[0]] != short:
@@ -199,6 +202,36 @@ class CausalPrefix:
             d = dims[0]
             if d == 0:
                 raise PrefixError("the position axis cannot be the batch axis")
+            axes.append(d)
             return torch.cat([ref.narrow(d, 0, p0).to(t.dtype), t], dim=d)
 
-        return map_tensors(one, out)
+        rebuilt = map_tensors(one, out)
+        self.axes = axes
+        return rebuilt
+
+    def padding_from(self, full: Any, rebuilt: Any, p0: int) -> Any:
+        """``full`` (a full run's output, ``B`` rows) with its padding positions before ``p0``
+        (``attention_mask`` 0) taken from ``rebuilt`` (the last :meth:`rebuild`'s structure).
+
+        A position before a row's first real token attends to no real key; Hugging Face lets it
+        attend to every position instead, so a full run's output there changes with a patch
+        anywhere, while a pass from ``p0`` keeps the reference's. Neither means anything; this
+        makes the two comparable on the positions that do."""
+        mask = self.kwargs.get("attention_mask")
+        if not isinstance(mask, torch.Tensor) or bool(mask[:, :p0].all()):
+            return full
+        pad = mask[:, :p0] == 0
+        got = [t for _, t in iter_tensors(rebuilt)]
+        it = iter(zip(got, self.axes))
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            g, d = next(it)
+            if d is None or t.shape != g.shape or t.shape[0] != pad.shape[0]:
+                return t
+            shape = [1] * t.ndim
+            shape[0], shape[d] = pad.shape[0], p0
+            where = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+            where.narrow(d, 0, p0).copy_(pad.view(shape).expand_as(where.narrow(d, 0, p0)))
+            return torch.where(where, g, t)
+
+        return map_tensors(one, full)

@@ -255,7 +255,9 @@ def _sweep_site(
             del out
             if verify and p0 and not checked_prefix:
                 checked_prefix = True
-                why = _same(outs[0], drop_cache(run([chunk[0]])))
+                assert prefix is not None
+                ref = prefix.padding_from(drop_cache(run([chunk[0]])), outs[0], p0)
+                why = _same(outs[0], ref)
                 if why is not None:
                     raise _PrefixMismatch(f"site {chunk[0]} from position {p0} on: {why}")
             got = [_scalar(metric(o), site.layer) for o in outs]
