@@ -102,13 +102,16 @@ def plan_from(
     rows: int | None = None,
     budget: int,
     overhead: float | None = None,
+    shared: float = 0.0,
 ) -> list[tuple[int, list[int]]]:
     """Group changes into passes that each run positions ``p0..length-1`` only, ``p0`` the
     smallest first position touched (``firsts[i]``) among a pass's changes (a causal model: the
     positions before are the reference run's). Returns ``(p0, [change indices])`` per pass.
 
-    A pass costs ``overhead + k * (length - p0)`` row-positions per batch row (``overhead``
-    defaults to ``length / 4``: a pass's fixed cost); changes sorted by first position are cut
+    A pass costs ``overhead + (k + shared) * (length - p0)`` row-positions per batch row
+    (``overhead`` defaults to ``length / 4``: a pass's fixed cost; ``shared``: what every pass
+    computes once whatever its ``k``, e.g. the blocks before the rows fan out, in units of one
+    change's rows); changes sorted by first position are cut
     into the passes of least total cost (a dynamic programme over the groups of one first
     position), each holding at most ``rows // batch`` changes, or as many as fit ``budget`` at
     ``bytes_per_row(p0)``.
@@ -145,7 +148,7 @@ def plan_from(
             n += len(units[j - 1][1])
             if n > k:
                 break
-            c = best[i] + cost0 + n * (length - p)
+            c = best[i] + cost0 + (n + shared) * (length - p)
             if c < best[j]:
                 best[j], cut[j] = c, i
     merged: list[tuple[int, list[int]]] = []

@@ -10,8 +10,9 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
+from ..core._blocks import blocks
 from ..core._compiled import named_modules
-from ..core._errors import HookscopeWarning
+from ..core._errors import HookscopeWarning, LayerNotFoundError
 from ..core._nested import first_tensor, iter_tensors, map_tensors
 from ..core._prefix import CausalPrefix, drop_cache, wants_cache
 from ..core._rows import FanOut, default_budget, plan, plan_from
@@ -247,7 +248,15 @@ def _sweep_site(
             except Exception as e:
                 raise _PrefixMismatch(f"{type(e).__name__}: {e}") from e
 
+        # the first pass from a later position is checked against a full run of its first
+        # site, so it goes first; where it batches several sites, that check covers the rows
+        # fanned out too, and the full-length passes need no check of their own
+        first = next((i for i, (p0, _) in enumerate(passes) if p0), None)
+        if verify and first is not None:
+            passes = [passes[first], *passes[:first], *passes[first + 1 :]]
         checked = checked_prefix = False
+        if verify and first is not None and len(passes[0][1]) > 1:
+            checked = True
         for p0, chunk in passes:
             k = len(chunk)
             out = run(chunk, p0)
@@ -346,9 +355,12 @@ def _fast_passes(
     per_row: int,
     rows: int | None,
     budget: int,
+    shared: float,
 ) -> tuple[CausalPrefix, list[tuple[int, list[int]]]] | None:
     """The passes ``(p0, sites)`` of a layer whose sites run from their first changed position
-    on (a causal model's cache), or ``None`` where the activation's dim 1 is not the tokens."""
+    on (a causal model's cache), or ``None`` where the activation's dim 1 is not the tokens.
+    ``shared``: the blocks before the rows fan out over those from there on (each pass runs
+    them once on the batch)."""
     if prefix is None or differ.ndim < 3 or differ.shape[1] != prefix.length:
         return None
     length, cache_row = prefix.length, prefix.cache_bytes_per_row
@@ -357,8 +369,25 @@ def _fast_passes(
         return per_row * (length - p0) // length + cache_row
 
     firsts = first_positions(site, over, sizes, differ, todo)
-    passes = plan_from(firsts, length, batch, bytes_per_row=row_bytes, rows=rows, budget=budget)
+    passes = plan_from(
+        firsts, length, batch, bytes_per_row=row_bytes, rows=rows, budget=budget, shared=shared
+    )
     return prefix, [(p0, [todo[i] for i in c]) for p0, c in passes]
+
+
+def _block_names(model: nn.Module) -> list[str]:
+    try:
+        return list(blocks(model))
+    except LayerNotFoundError:
+        return []
+
+
+def _before(start: str, block_names: list[str]) -> float:
+    """The blocks before ``start`` over those from ``start`` on (0 where it is no block)."""
+    if start not in block_names:
+        return 0.0
+    i = block_names.index(start)
+    return i / (len(block_names) - i)
 
 
 def check_training(model: nn.Module, what: str) -> None:
@@ -443,6 +472,7 @@ def patch_sweep(
         base_out = drop_cache(base_out)
         baseline = _scalar(metric(base_out), sites[0].layer)
         del base_out
+        block_names = _block_names(model) if prefix is not None else []
         for site in sites:
             clean_act, base_act = acts[site.point], base_acts[site.point]
             if clean_act.shape != base_act.shape:
@@ -459,8 +489,9 @@ def patch_sweep(
             if todo:
                 parts = plan(len(todo), batch, bytes_per_row=per_row, rows=rows, budget=budget)
                 chunks = [todo[c.start : c.stop] for c in parts]
+                shared = _before(site.start, block_names)
                 fast = _fast_passes(
-                    prefix, site, over_t, sizes, differ, todo, batch, per_row, rows, budget
+                    prefix, site, over_t, sizes, differ, todo, batch, per_row, rows, budget, shared
                 )
                 vals = sweep_layer(
                     model, dst, site, over_t, sizes, chunks, clean_act, metric, batch, fast
