@@ -448,6 +448,21 @@ def patch_sweep(
     The first chunk of each layer is checked against one site run alone; a model whose batch
     cannot fan out mid-way runs with its inputs tiled instead, with a warning.
 
+    In a causal Hugging Face model (its forward takes ``past_key_values``, its attention says
+    ``is_causal``, and ``use_cache=True`` gives a ``DynamicCache``), a patch at positions
+    ``>= p0`` cannot change any earlier position of any layer, so a pass runs only positions
+    ``p0..T-1``: the corrupted run's keys and values of the earlier ones come from its cache,
+    and the output the metric gets is rebuilt to full length from the corrupted run's. Sites are
+    grouped into passes by their first changed position (a position; for a head or the whole
+    activation, its first position that differs). Each layer's first such pass is checked
+    against a full run of one site (every output tensor); where it differs, that layer runs at
+    full length with a warning. Encoders (BERT), models without a cache and inputs other than
+    ``input_ids``/``inputs_embeds``/``token_type_ids``/``position_ids``/a 2-D
+    ``attention_mask`` run at full length. One difference from a full run, by design: the
+    output at a padding position before ``p0`` that precedes a row's first real token (left
+    padding) is the corrupted run's, where a full run lets that position attend to every
+    position; a metric should read real tokens.
+
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
