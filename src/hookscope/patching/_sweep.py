@@ -365,8 +365,11 @@ def _fast_passes(
         return None
     length, cache_row = prefix.length, prefix.cache_bytes_per_row
 
-    def row_bytes(p0: int) -> int:  # the activations shrink with the positions; the cache not
-        return per_row * (length - p0) // length + cache_row
+    def row_bytes(p0: int) -> int:
+        # the activations shrink with the positions; the keys and values of every layer do not
+        # (the cache's, and a layer's own while it concatenates them: calibrated with the
+        # profiler on GPT-2, as the full-length estimate)
+        return per_row * (length - p0) // length + 2 * cache_row
 
     firsts = first_positions(site, over, sizes, differ, todo)
     passes = plan_from(
