@@ -260,17 +260,22 @@ def _sweep_site(
         for p0, chunk in passes:
             k = len(chunk)
             out = run(chunk, p0)
-            outs = [site_rows(out, j, k, p0) for j in range(k)]
-            del out
-            if verify and p0 and not checked_prefix:
+            check = verify and p0 and not checked_prefix
+            got, first_rows = [], None
+            for j in range(k):  # one site's rows at a time: a rebuilt output is a copy
+                rows = site_rows(out, j, k, p0)
+                if check and j == 0:
+                    first_rows = rows
+                got.append(_scalar(metric(rows), site.layer))
+            del out, rows
+            if check:
                 checked_prefix = True
                 assert prefix is not None
-                ref = prefix.padding_from(drop_cache(run([chunk[0]])), outs[0], p0)
-                why = _same(outs[0], ref)
+                ref = prefix.padding_from(drop_cache(run([chunk[0]])), first_rows, p0)
+                why = _same(first_rows, ref)
                 if why is not None:
                     raise _PrefixMismatch(f"site {chunk[0]} from position {p0} on: {why}")
-            got = [_scalar(metric(o), site.layer) for o in outs]
-            del outs
+                del ref, first_rows
             if verify and not p0 and not checked and k > 1:
                 checked = True
                 ref = _scalar(metric(run([chunk[0]])), site.layer)
