@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._compiled import named_modules, strip_compiled
+from ._compiled import is_optimized, named_modules, strip_compiled
 from ._nested import iter_tensors, map_tensors
 from ._rows import tile
 
@@ -52,11 +52,15 @@ def _accepts(model: nn.Module) -> set[str]:
 
 def wants_cache(model: nn.Module, kwargs: dict[str, Any]) -> bool:
     """Whether a run of ``model`` on ``kwargs`` may give a usable cache: the forward takes
-    ``past_key_values`` and ``use_cache``, every module that says ``is_causal`` says ``True`` (at
-    least one does), the tensor inputs are only the kinds a pass can slice, and a 2-D mask."""
+    ``past_key_values`` and ``use_cache``, nothing in it is compiled (every new length would
+    recompile), every module that says ``is_causal`` says ``True`` (at least one does), the
+    tensor inputs are only the kinds a pass can slice, and a 2-D mask."""
     params = _accepts(model)
     if not {"past_key_values", "use_cache"} <= params:
         return False
+    for m in model.modules():  # compiled code would recompile for every new length
+        if is_optimized(m) or getattr(m, "_compiled_call_impl", None) is not None:
+            return False
     causal = [
         m.is_causal
         for _, m in named_modules(model)
