@@ -823,3 +823,24 @@ def test_layers_with_different_head_counts_raise():
         hs.PatchingError, match=r"different shapes \[\(2,\), \(4,\)\]; sweep them separately"
     ):
         hs.patch_sweep(model, x, y, lambda o: o.sum(), ["0", "1"], over=("head",))
+
+
+def test_plan_from_groups_sites_by_first_position_within_the_budget():
+    from hookscope.core._rows import plan_from
+
+    firsts = [p for p in range(16) for _ in range(3)] + [0, 5]  # 3 heads a position, 2 more
+
+    def row_bytes(p0):
+        return 100 * (16 - p0) // 16 + 10
+
+    for shared in (0.0, 3.0):
+        passes = plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=2_000, shared=shared)
+        assert sorted(i for _, c in passes for i in c) == list(range(len(firsts)))
+        for p0, c in passes:
+            assert p0 == min(firsts[i] for i in c)  # a pass starts at its earliest site
+            assert len(c) * 2 * row_bytes(p0) <= 2_000  # and fits the budget at that start
+    one = plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=10**9, overhead=0)
+    assert len(one) == 16  # no fixed cost: one pass per first position
+    few = plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=10**9, overhead=100)
+    assert len(few) < 16
+    assert plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=0, rows=4)[0] == (0, [0, 1])
