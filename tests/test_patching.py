@@ -601,3 +601,246 @@ def test_more_paths_that_cannot_work_raise():
         hs.patch_sweep(bn, x, y, lambda o: o.sum(), "0")
     with pytest.raises(TypeError, match="clean must be a tensor of token ids or a dict"):
         hs.patch_sweep(attn, [1, 2], y, lambda o: o.sum(), "")
+
+
+# -- random prompts: every position differs (after a shared first token) ---------------------
+_g = torch.Generator().manual_seed(5)
+RAND_CLEAN = torch.randint(3, 45, (2, 12), generator=_g)
+RAND_CORRUPT = (RAND_CLEAN + torch.randint(1, 41, (2, 12), generator=_g) - 3) % 42 + 3
+RAND_CORRUPT[:, 0] = RAND_CLEAN[:, 0] = 2  # a shared first token, as a BOS: 1.. all differ
+assert (RAND_CLEAN[:, 1:] != RAND_CORRUPT[:, 1:]).all()
+
+
+def seq_lengths(module):
+    """Record the number of positions of every call of ``module`` (its first input)."""
+    seen = []
+
+    def hook(m, a, k):
+        seen.append(_hidden(a, k)[1].shape[1])
+
+    return seen, module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def by_pos_head(heads):
+    def cut(act, i):
+        if i is None:
+            return act.shape[1] * heads
+        p, h = divmod(i, heads)
+        d = act.shape[-1] // heads
+        m = torch.zeros(act.shape[1:], dtype=torch.bool)
+        m[p, h * d : (h + 1) * d] = True
+        return m
+
+    return cut
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize(
+    "helper", ["get_act_patch_resid_pre", "get_act_patch_attn_head_out_by_pos"]
+)
+def test_random_prompts_equal_transformer_lens_from_later_positions(gpt2_and_tl, helper):
+    """Every position differs: the passes run only from the patched position on (the last block
+    sees fewer than T positions) and still equal TransformerLens."""
+    import transformer_lens.patching as tlp
+
+    model, bridge, _ = gpt2_and_tl
+    _, cache = bridge.run_with_cache(RAND_CLEAN)
+    child, at, over = HELPERS[helper]
+    ref = getattr(tlp, helper)(bridge, RAND_CORRUPT, cache, logit_diff)
+    seen, h = seq_lengths(model.transformer.h[-1])
+    try:
+        got = hs.patch_sweep(
+            model, RAND_CLEAN, RAND_CORRUPT, logit_diff, hs.blocks(model, child), at=at, over=over
+        )
+    finally:
+        h.remove()
+    assert ref.abs().max() > 1e-3 and (ref[:, 1:] != ref[0, 1]).any()
+    assert torch.allclose(got, ref, atol=1e-5, rtol=0), (got - ref).abs().max()
+    T = RAND_CLEAN.shape[1]
+    assert min(seen) < T and max(seen) == T  # sliced passes ran; full ones (the records, a check)
+    assert sum(n < T for n in seen) >= 3
+
+
+def test_llama_gqa_random_prompts_equal_hand_written_hooks():
+    model = tiny_llama(n_layer=2, heads=4, kv_heads=2)
+    attn = hs.blocks(model, "self_attn")
+    clean, corrupt = {"input_ids": RAND_CLEAN}, {"input_ids": RAND_CORRUPT}
+    seen, h = seq_lengths(model.model.layers[1])
+    try:
+        heads = hs.patch_sweep(
+            model, RAND_CLEAN, RAND_CORRUPT, logit_diff, attn, over=("position", "head")
+        )
+        whole = hs.patch_sweep(model, RAND_CLEAN, RAND_CORRUPT, logit_diff, attn, over=("head",))
+        resid = hs.patch_sweep(
+            model, RAND_CLEAN, RAND_CORRUPT, logit_diff, hs.blocks(model), at="input"
+        )
+    finally:
+        h.remove()
+    T = RAND_CLEAN.shape[1]
+    assert min(seen) == 1 and T - 1 in seen  # from the last position; heads from position 1
+    for got, mods, kind, cut, shape in [
+        (heads, [a.o_proj for a in attn.values()], "input", by_pos_head(4), (2, T, 4)),
+        (whole, [a.o_proj for a in attn.values()], "input", by_head(4), (2, 4)),
+        (resid, list(hs.blocks(model).values()), "input", by_position, (2, T)),
+    ]:
+        ref = torch.stack(
+            [hand_sweep(model, m, kind, clean, corrupt, logit_diff, cut) for m in mods]
+        ).view(shape)
+        assert ref.abs().max() > 1e-3
+        assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_random_prompts_equal_hand_written_hooks(side):
+    tok = word_tokenizer(side)
+    model = tiny_gpt2(n_layer=2)
+    g = torch.Generator().manual_seed(7)
+    words = tok.convert_ids_to_tokens(list(range(3, 45)))
+
+    def text(n):
+        return " ".join(words[i] for i in torch.randint(0, len(words), (n,), generator=g))
+
+    clean = tok([text(10), text(7)], return_tensors="pt", padding=True)
+    corrupt = tok([text(10), text(7)], return_tensors="pt", padding=True)
+    assert (clean["attention_mask"] == 0).any()
+    real = clean["attention_mask"].bool()
+    assert (clean["input_ids"] != corrupt["input_ids"])[real].float().mean() > 0.8
+    last = clean["attention_mask"].sum(1) - 1 if side == "right" else torch.tensor([-1, -1])
+
+    def metric(out):
+        lg = out.logits[torch.arange(2), last]
+        return (lg[:, MARY] - lg[:, JOHN]).mean()
+
+    blocks = hs.blocks(model)
+    seen, h = seq_lengths(model.transformer.h[1])
+    try:
+        got = hs.patch_sweep(model, dict(clean), dict(corrupt), metric, blocks, at="input")
+        heads = hs.patch_sweep(
+            model,
+            dict(clean),
+            dict(corrupt),
+            metric,
+            "transformer.h.1.attn",
+            over=("position", "head"),
+        )
+    finally:
+        h.remove()
+    assert min(seen) < clean["input_ids"].shape[1]
+    ref = torch.stack(
+        [
+            hand_sweep(model, b, "input", dict(clean), dict(corrupt), metric, by_position)
+            for b in blocks.values()
+        ]
+    )
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+    ref = hand_sweep(
+        model,
+        model.transformer.h[1].attn.c_proj,
+        "input",
+        dict(clean),
+        dict(corrupt),
+        metric,
+        by_pos_head(4),
+    ).view(heads.shape[1:])
+    assert torch.allclose(heads[0], ref, atol=1e-5), (heads[0] - ref).abs().max()
+
+
+def _length_biased_gpt2():
+    """A GPT-2 whose logits depend on how many positions a call gets: a pass over the later
+    positions only (the earlier ones from the cache) differs from a full run."""
+    from transformers import GPT2LMHeadModel
+
+    class LengthBiased(GPT2LMHeadModel):
+        def forward(
+            self, input_ids=None, past_key_values=None, attention_mask=None, use_cache=None, **kw
+        ):
+            out = super().forward(
+                input_ids=input_ids,
+                past_key_values=past_key_values,
+                attention_mask=attention_mask,
+                use_cache=use_cache,
+                **kw,
+            )
+            out.logits = out.logits + 0.1 * input_ids.shape[1]
+            return out
+
+    base = tiny_gpt2(n_layer=2)
+    model = LengthBiased(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    return model
+
+
+def test_a_cache_pass_that_differs_from_a_full_run_warns_and_stays_exact():
+    model = _length_biased_gpt2()
+    blocks = hs.blocks(model)
+    with pytest.warns(hs.HookscopeWarning) as caught:
+        got = hs.patch_sweep(model, RAND_CLEAN, RAND_CORRUPT, logit_diff, blocks, at="input")
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 2 and all("key/value cache" in m and "full length" in m for m in msgs)
+    assert "at layer 'transformer.h.0'" in msgs[0] and "at layer 'transformer.h.1'" in msgs[1]
+    assert "logits differs by" in msgs[0]
+    ref = torch.stack(
+        [
+            hand_sweep(
+                model,
+                b,
+                "input",
+                {"input_ids": RAND_CLEAN},
+                {"input_ids": RAND_CORRUPT},
+                logit_diff,
+                by_position,
+            )
+            for b in blocks.values()
+        ]
+    )
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+
+
+@pytest.mark.slow
+def test_attribution_on_a_compiled_model_equals_eager():
+    model = tiny_gpt2(n_layer=1)
+    attn = hs.blocks(model, "attn")
+    eager = hs.attribution_patch(model, CLEAN, CORRUPT, logit_diff, attn, over=("position", "head"))
+    compiled = torch.compile(model, backend="eager")
+    torch._dynamo.reset()
+    got = hs.attribution_patch(
+        compiled, CLEAN, CORRUPT, logit_diff, hs.blocks(compiled, "attn"), over=("position", "head")
+    )
+    assert eager.abs().max() > 1e-4
+    assert torch.allclose(got, eager, atol=1e-6, rtol=1e-5), (got - eager).abs().max()
+
+
+class _HeadsOf(_Attn):
+    def __init__(self, heads):
+        super().__init__()
+        self.num_heads = heads
+
+
+def test_layers_with_different_head_counts_raise():
+    model = nn.Sequential(_HeadsOf(2), _HeadsOf(4))
+    x, y = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    with pytest.raises(
+        hs.PatchingError, match=r"different shapes \[\(2,\), \(4,\)\]; sweep them separately"
+    ):
+        hs.patch_sweep(model, x, y, lambda o: o.sum(), ["0", "1"], over=("head",))
+
+
+def test_plan_from_groups_sites_by_first_position_within_the_budget():
+    from hookscope.core._rows import plan_from
+
+    firsts = [p for p in range(16) for _ in range(3)] + [0, 5]  # 3 heads a position, 2 more
+
+    def row_bytes(p0):
+        return 100 * (16 - p0) // 16 + 10
+
+    for shared in (0.0, 3.0):
+        passes = plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=2_000, shared=shared)
+        assert sorted(i for _, c in passes for i in c) == list(range(len(firsts)))
+        for p0, c in passes:
+            assert p0 == min(firsts[i] for i in c)  # a pass starts at its earliest site
+            assert len(c) * 2 * row_bytes(p0) <= 2_000  # and fits the budget at that start
+    one = plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=10**9, overhead=0)
+    assert len(one) == 16  # no fixed cost: one pass per first position
+    few = plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=10**9, overhead=100)
+    assert len(few) < 16
+    assert plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=0, rows=4)[0] == (0, [0, 1])

@@ -18,6 +18,7 @@ same values), so callers catch errors and fall back to tiling the model's inputs
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -27,7 +28,7 @@ from ._compiled import named_modules
 from ._nested import map_tensors
 from ._scope import HookScope
 
-__all__ = ["FanOut", "default_budget", "later_callees", "plan", "tile"]
+__all__ = ["FanOut", "default_budget", "later_callees", "plan", "plan_from", "tile"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
@@ -90,6 +91,73 @@ def plan(
         k = max(1, budget // max(1, bytes_per_row * batch))
     k = min(k, max(1, n))
     return [range(i, min(i + k, n)) for i in range(0, n, k)]
+
+
+def plan_from(
+    firsts: Sequence[int],
+    length: int,
+    batch: int,
+    *,
+    bytes_per_row: Callable[[int], int],
+    rows: int | None = None,
+    budget: int,
+    overhead: float | None = None,
+    shared: float = 0.0,
+) -> list[tuple[int, list[int]]]:
+    """Group changes into passes that each run positions ``p0..length-1`` only, ``p0`` the
+    smallest first position touched (``firsts[i]``) among a pass's changes (a causal model: the
+    positions before are the reference run's). Returns ``(p0, [change indices])`` per pass.
+
+    A pass costs ``overhead + (k + shared) * (length - p0)`` row-positions per batch row
+    (``overhead`` defaults to ``length / 4``: a pass's fixed cost; ``shared``: what every pass
+    computes once whatever its ``k``, e.g. the blocks before the rows fan out, in units of one
+    change's rows); changes sorted by first position are cut
+    into the passes of least total cost (a dynamic programme over the groups of one first
+    position), each holding at most ``rows // batch`` changes, or as many as fit ``budget`` at
+    ``bytes_per_row(p0)``.
+
+    >>> plan_from([0, 3, 3, 1], 4, 1, bytes_per_row=lambda p: 1, budget=2, overhead=0)
+    [(0, [0]), (1, [3]), (3, [1, 2])]
+    """
+    if rows is not None and rows < 1:
+        raise ValueError(f"rows must be >= 1 (rows per pass), got {rows}")
+    cost0 = length / 4 if overhead is None else overhead
+
+    def kmax(p: int) -> int:
+        if rows is not None:
+            return max(1, rows // batch)
+        return max(1, budget // max(1, bytes_per_row(p) * batch))
+
+    by_first: dict[int, list[int]] = {}
+    for i in sorted(range(len(firsts)), key=lambda i: firsts[i]):
+        by_first.setdefault(int(firsts[i]), []).append(i)
+    full: list[tuple[int, list[int]]] = []  # passes as large as the budget allows
+    units: list[tuple[int, list[int]]] = []  # what is left of each group, merged below
+    for p, idx in by_first.items():
+        k = kmax(p)
+        while len(idx) > k:
+            full.append((p, idx[:k]))
+            idx = idx[k:]
+        units.append((p, idx))
+    m = len(units)
+    best = [0.0] + [float("inf")] * m
+    cut = [0] * (m + 1)
+    for i in range(m):  # forward: a pass of units i..j-1 starts at units[i]'s position
+        p, k, n = units[i][0], kmax(units[i][0]), 0
+        for j in range(i + 1, m + 1):
+            n += len(units[j - 1][1])
+            if n > k:
+                break
+            c = best[i] + cost0 + (n + shared) * (length - p)
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    merged: list[tuple[int, list[int]]] = []
+    j = m
+    while j > 0:
+        i = cut[j]
+        merged.append((units[i][0], [x for u in units[i:j] for x in u[1]]))
+        j = i
+    return sorted(full + merged[::-1], key=lambda pc: pc[0])
 
 
 class FanOut:

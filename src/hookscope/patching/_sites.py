@@ -4,6 +4,7 @@ sites (positions, heads, both, or the whole activation), and where batched rows 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -23,6 +24,7 @@ from ._inputs import PatchingError
 __all__ = [
     "OVER",
     "Site",
+    "first_positions",
     "get_act",
     "grid",
     "patched",
@@ -236,6 +238,25 @@ def per_site(
             t = t.any(dim=d)
         return t
     return op(t, dim=dims)
+
+
+def first_positions(
+    site: Site, over: tuple[str, ...], sizes: tuple[int, ...], differ: torch.Tensor, todo: list[int]
+) -> list[int]:
+    """The first position (dim 1) at which each site in ``todo`` changes the activation:
+    ``differ`` is where the clean and corrupted (head-split) activations differ. A position site
+    is its position; a head, or the whole activation, its first position that differs (patching
+    the equal positions before it changes nothing)."""
+    if "position" in over:
+        per = math.prod(sizes[1:])
+        return [i // per for i in todo]
+    t = differ
+    for d in sorted(range(t.ndim), reverse=True):  # keep dim 1 and, for heads, dim -2
+        if d != 1 and not (over == ("head",) and d == differ.ndim - 2):
+            t = t.any(dim=d)
+    t = t.view(t.shape[0], -1).to(torch.uint8)  # (positions, heads or 1)
+    firsts = t.argmax(dim=0).tolist()  # the first True (every site in todo has one)
+    return [firsts[i] if over else firsts[0] for i in todo]
 
 
 def site_masks(
