@@ -264,11 +264,11 @@ def steer(
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
-        >>> net = nn.Sequential(nn.Embedding(5, 2), nn.Identity())
+        >>> net = nn.Sequential(nn.Embedding.from_pretrained(torch.ones(5, 2)), nn.Identity())
         >>> with hs.steer(net, {"0": torch.tensor([1.0, 0.0])}, scale=2.0, positions=1):
         ...     out = net(torch.tensor([[3, 3]]))
-        >>> (out - net(torch.tensor([[3, 3]])))[0].tolist()
-        [[0.0, 0.0], [2.0, 0.0]]
+        >>> out[0].tolist()  # position 1 steered: (1, 1) + 2 * (1, 0)
+        [[1.0, 1.0], [3.0, 1.0]]
     """
     check_model(model)
     if mode not in ("add", "ablate"):
