@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from ._compiled import named_modules, region_of
 from ._nested import iter_tensors
-from ._scope import HookScope, graph_task_id
+from ._scope import HookScope, _Hook, graph_task_id
 
 __all__ = ["CallInputs", "SaveEvent", "SavedTensors", "storage_key"]
 
@@ -73,6 +73,33 @@ class CallInputs:
     module: str
     stack: tuple[str, ...]
     inputs: list[tuple[tuple[torch.device, int, int], int]] = field(default_factory=list)
+
+
+class _Pre(_Hook):
+    """Forward pre-hook: push the module on the stack and note its positional inputs."""
+
+    __slots__ = ("name", "rec")
+
+    def __init__(self, rec: SavedTensors, name: str) -> None:
+        self.rec, self.name, self.fn = rec, name, None
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if graph_task_id() == -1:  # not a recompute (activation checkpointing) in backward
+            self.rec._enter_call(self.name, args)
+
+
+class _Post(_Hook):
+    """Forward hook (``always_call``): pop the module."""
+
+    __slots__ = ("name", "stack")
+
+    def __init__(self, rec: SavedTensors, name: str) -> None:
+        self.stack, self.name, self.fn = rec.stack, name, None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self.stack
+        if stack and stack[-1] == self.name and graph_task_id() == -1:
+            stack.pop()
 
 
 class SavedTensors:
@@ -113,36 +140,29 @@ class SavedTensors:
 
     # -- module stack -----------------------------------------------------------------------------
     def _attach(self) -> None:
+        hooks = []
         for name, module in named_modules(self.model):
             region = region_of(module)
             if region is not None and region.root is not module:
                 continue  # inside a compiled region: a hook there would break its graph
-            self.scope.add_forward_pre(module, self._pre(name), layer=name)
-            self.scope.add_forward(module, self._post(name), layer=name, always_call=True)
+            hooks.append((module, name))
+        self.scope.add_forward_many([(m, _Pre(self, n), n) for m, n in hooks], pre=True)
+        self.scope.add_forward_many([(m, _Post(self, n), n) for m, n in hooks], always_call=True)
 
-    def _pre(self, name: str) -> Any:
-        def pre(module: nn.Module, args: Any) -> None:
-            if graph_task_id() != -1:  # a recompute (activation checkpointing) in backward
-                return
-            self.stack.append(name)
-            self.call_counts[name] = self.call_counts.get(name, 0) + 1
-            call = CallInputs(name, tuple(self.stack))
-            for _, t in iter_tensors(args):
-                k = storage_key(t)
-                if k is not None and k[0] not in self.param_keys:
-                    call.inputs.append(((*k[0], self._gen.get(k[0], 0)), k[1]))
-            self.calls.append(call)
-
-        return pre
-
-    def _post(self, name: str) -> Any:
-        def post(module: nn.Module, args: Any, output: Any) -> None:
-            if graph_task_id() != -1:
-                return
-            if self.stack and self.stack[-1] == name:
-                self.stack.pop()
-
-        return post
+    def _enter_call(self, name: str, args: Any) -> None:
+        self.stack.append(name)
+        self.call_counts[name] = self.call_counts.get(name, 0) + 1
+        call = CallInputs(name, tuple(self.stack))
+        params, gen, inputs = self.param_keys, self._gen, call.inputs
+        if args.__class__ is tuple and all(t.__class__ is torch.Tensor for t in args):
+            tensors = args  # the common case, without walking nested containers
+        else:
+            tensors = [t for _, t in iter_tensors(args)]
+        for t in tensors:
+            k = storage_key(t)
+            if k is not None and k[0] not in params:
+                inputs.append(((*k[0], gen.get(k[0], 0)), k[1]))
+        self.calls.append(call)
 
     # -- saved tensors ----------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
