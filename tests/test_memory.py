@@ -466,3 +466,13 @@ def test_plan_is_the_least_flops_plan_by_brute_force():
         plan = prof.plan(budget)
         with hs.apply_checkpointing(net, plan):
             assert reference_saved(net, _step(net, x)) == plan.predicted_saved_bytes
+
+
+def test_live_bytes_leave_out_the_given_input_and_in_place_results():
+    # Flatten is a view of the given input (there before the step: not counted); Linear makes the
+    # one new activation (2 x 8 floats, 64 B); the in-place ReLU writes it (no new storage); the
+    # loss is 4 B. Counting the view as a new storage would add the input's 32 B.
+    net = nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.ReLU(inplace=True))
+    prof = hs.memory_profile(net, torch.randn(2, 2, 2))
+    assert prof.peak_forward_bytes == prof.live_bytes_end_forward == 64 + 4
+    assert prof["2"].flops == 2 * 8  # one per element for the in-place ReLU, as before
