@@ -150,3 +150,42 @@ def test_many_forward_hooks_at_once_behave_like_registered_ones():
     before.remove()
     after.remove()
     assert hs.hooks_on(net) == []
+
+
+def test_many_pre_and_always_called_hooks_behave_like_registered_ones():
+    """add_forward_many(pre=True) and (always_call=True), what memory_profile places on every
+    module: same order of calls as the public methods, the always-called hook runs when forward
+    raises, all listed, all removed."""
+    calls: list[str] = []
+
+    class Rec(_Hook):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def __call__(self, *args):
+            calls.append(self.tag)
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    net = nn.Sequential(nn.Linear(2, 2), Boom())
+    scope = hs.HookScope("test")
+    scope.add_forward_many([(net[0], Rec("pre0"), "0"), (net[1], Rec("pre1"), "1")], pre=True)
+    scope.add_forward_many(
+        [(net[0], Rec("post0"), "0"), (net[1], Rec("post1"), "1")], always_call=True
+    )
+    assert sorted((h.kind, h.layer) for h in hs.hooks_on(net)) == [
+        ("forward", "0"),
+        ("forward", "1"),
+        ("forward_pre", "0"),
+        ("forward_pre", "1"),
+    ]
+    with pytest.raises(RuntimeError, match="boom"):
+        net(torch.randn(1, 2))
+    assert calls == ["pre0", "post0", "pre1", "post1"]  # post1 ran though Boom raised
+    scope.remove()
+    assert hs.hooks_on(net) == [] and not net[1]._forward_hooks_always_called
+    calls.clear()
+    net[0](torch.randn(1, 2))
+    assert calls == []

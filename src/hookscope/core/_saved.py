@@ -11,6 +11,9 @@ product may want to know which layer saved what (it uses ``saved_tensors_hooks``
   :class:`HookScope`);
 * in a ``torch.compile``'d region only the region's root is hooked (a hook inside would break
   the compiled graph and change what it saves), so its saved tensors are the region's;
+* storages are told apart by device, address and, with ``ops=True``, a number the dispatch mode
+  gives each storage it sees created (an input freed during forward and its address reused by a
+  later tensor are two storages);
 * the positional tensor inputs of every module call (what non-reentrant checkpointing of that
   module would keep: ``torch.utils.checkpoint`` saves them through the same hooks);
 * optionally (``ops=True``) a dispatch mode that counts each module's forward FLOPs (the rules of
@@ -25,6 +28,7 @@ about the run changes.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +38,7 @@ import torch.nn as nn
 
 from ._compiled import named_modules, region_of
 from ._nested import iter_tensors
-from ._scope import HookScope, graph_task_id
+from ._scope import HookScope, _Hook, graph_task_id
 
 __all__ = ["CallInputs", "SaveEvent", "SavedTensors", "storage_key"]
 
@@ -56,7 +60,7 @@ def storage_key(t: torch.Tensor) -> tuple[tuple[torch.device, int], int] | None:
 class SaveEvent:
     """One tensor saved for backward: its storage, the storage's bytes, the module calls running."""
 
-    key: tuple[torch.device, int]
+    key: tuple[torch.device, int, int]  # device, data pointer, generation (see SavedTensors)
     nbytes: int
     stack: tuple[str, ...]  # module names, outermost first ('' is the root)
     param: bool  # the storage is a parameter's or a buffer's
@@ -68,7 +72,34 @@ class CallInputs:
 
     module: str
     stack: tuple[str, ...]
-    inputs: list[tuple[tuple[torch.device, int], int]] = field(default_factory=list)
+    inputs: list[tuple[tuple[torch.device, int, int], int]] = field(default_factory=list)
+
+
+class _Pre(_Hook):
+    """Forward pre-hook: push the module on the stack and note its positional inputs."""
+
+    __slots__ = ("name", "rec")
+
+    def __init__(self, rec: SavedTensors, name: str) -> None:
+        self.rec, self.name, self.fn = rec, name, None
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if graph_task_id() == -1:  # not a recompute (activation checkpointing) in backward
+            self.rec._enter_call(self.name, args)
+
+
+class _Post(_Hook):
+    """Forward hook (``always_call``): pop the module."""
+
+    __slots__ = ("name", "stack")
+
+    def __init__(self, rec: SavedTensors, name: str) -> None:
+        self.stack, self.name, self.fn = rec.stack, name, None
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        stack = self.stack
+        if stack and stack[-1] == self.name and graph_task_id() == -1:
+            stack.pop()
 
 
 class SavedTensors:
@@ -98,51 +129,48 @@ class SavedTensors:
         self.peak_backward = 0
         self.live_end_forward = 0
         self.phase = "forward"
-        self._seen: dict[tuple[torch.device, int], Any] = {}
+        self._seen: dict[tuple[torch.device, int], Any] = {}  # storage -> weak reference
+        self._refs: dict[Any, tuple[tuple[torch.device, int], int]] = {}  # reference -> storage
+        # storage address -> generation of the storage now there (the dispatch mode numbers each
+        # new storage): a transient input freed and its address reused is another storage
+        self._gen: dict[tuple[torch.device, int], int] = {}
+        self._gens = itertools.count(1)
         self._mode: Any = None
         self._hooks: Any = None
 
     # -- module stack -----------------------------------------------------------------------------
     def _attach(self) -> None:
+        hooks = []
         for name, module in named_modules(self.model):
             region = region_of(module)
             if region is not None and region.root is not module:
                 continue  # inside a compiled region: a hook there would break its graph
-            self.scope.add_forward_pre(module, self._pre(name), layer=name)
-            self.scope.add_forward(module, self._post(name), layer=name, always_call=True)
+            hooks.append((module, name))
+        self.scope.add_forward_many([(m, _Pre(self, n), n) for m, n in hooks], pre=True)
+        self.scope.add_forward_many([(m, _Post(self, n), n) for m, n in hooks], always_call=True)
 
-    def _pre(self, name: str) -> Any:
-        def pre(module: nn.Module, args: Any) -> None:
-            if graph_task_id() != -1:  # a recompute (activation checkpointing) in backward
-                return
-            self.stack.append(name)
-            self.call_counts[name] = self.call_counts.get(name, 0) + 1
-            call = CallInputs(name, tuple(self.stack))
-            for _, t in iter_tensors(args):
-                k = storage_key(t)
-                if k is not None and k[0] not in self.param_keys:
-                    call.inputs.append(k)
-            self.calls.append(call)
-
-        return pre
-
-    def _post(self, name: str) -> Any:
-        def post(module: nn.Module, args: Any, output: Any) -> None:
-            if graph_task_id() != -1:
-                return
-            if self.stack and self.stack[-1] == name:
-                self.stack.pop()
-
-        return post
+    def _enter_call(self, name: str, args: Any) -> None:
+        self.stack.append(name)
+        self.call_counts[name] = self.call_counts.get(name, 0) + 1
+        call = CallInputs(name, tuple(self.stack))
+        params, gen, inputs = self.param_keys, self._gen, call.inputs
+        if args.__class__ is tuple and all(t.__class__ is torch.Tensor for t in args):
+            tensors = args  # the common case, without walking nested containers
+        else:
+            tensors = [t for _, t in iter_tensors(args)]
+        for t in tensors:
+            k = storage_key(t)
+            if k is not None and k[0] not in params:
+                inputs.append(((*k[0], gen.get(k[0], 0)), k[1]))
+        self.calls.append(call)
 
     # -- saved tensors ----------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if graph_task_id() == -1:
             k = storage_key(t)
             if k is not None:
-                self.events.append(
-                    SaveEvent(k[0], k[1], tuple(self.stack), k[0] in self.param_keys)
-                )
+                key = (*k[0], self._gen.get(k[0], 0))
+                self.events.append(SaveEvent(key, k[1], tuple(self.stack), k[0] in self.param_keys))
         return t
 
     @staticmethod
@@ -185,90 +213,132 @@ class SavedTensors:
                 hooks.__exit__(None, None, None)
         finally:
             self.scope.remove()
-            for ref in self._seen.values():
-                ref.detach()
-            self._seen.clear()
+            self._seen.clear()  # the weak references die with them: no callback after this
+            self._refs.clear()
+            self._gen.clear()
 
     # -- live bytes (dispatch mode) ---------------------------------------------------------------
-    def _new_storages(self, out: Any) -> None:
-        seen = self._seen
-        for t in [out] if out.__class__ is torch.Tensor else [t for _, t in iter_tensors(out)]:
-            try:
-                st = t.untyped_storage()
-            except (RuntimeError, NotImplementedError, TypeError):
-                continue
-            key = (t.device, st.data_ptr())
-            if key in seen or key in self.param_keys:
-                continue
-            n = st.nbytes()
-            if n == 0:
-                continue
-            seen[key] = weakref.finalize(st, self._free, key, n)
-            self.live += n
-            if self.phase == "forward":
-                if self.live > self.peak_forward:
-                    self.peak_forward = self.live
-            elif self.live > self.peak_backward:
-                self.peak_backward = self.live
+    def _new_storage(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage if the step has not seen it yet; a weak reference takes it off
+        when PyTorch frees it (the storage's Python object lives exactly as long as the storage)."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        key = (t.device, st.data_ptr())
+        if key in self._seen or key in self.param_keys:
+            return
+        n = st.nbytes()
+        if n == 0:
+            return
+        ref = weakref.ref(st, self._free)
+        self._seen[key] = ref
+        self._refs[ref] = (key, n)
+        self._gen[key] = next(self._gens)
+        live = self.live = self.live + n
+        if self.phase == "forward":
+            if live > self.peak_forward:
+                self.peak_forward = live
+        elif live > self.peak_backward:
+            self.peak_backward = live
 
-    def _free(self, key: tuple[torch.device, int], n: int) -> None:
-        if self._seen.pop(key, None) is not None:
+    def _free(self, ref: Any) -> None:
+        got = self._refs.pop(ref, None)
+        if got is not None:
+            key, n = got
+            if self._seen.get(key) is ref:
+                del self._seen[key]
             self.live -= n
 
-    def _count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
-        if self.phase != "forward" or not self.stack:
-            return
-        packet = func._overloadpacket
-        fast = _MATMUL.get(packet.__name__)
-        if fast is not None:  # the common matmuls without the rules' tree walks (same counts)
-            a, b = args[fast], args[fast + 1]
-            n = 2 * a.numel() * b.shape[-1]
-            self.flops[self.stack[-1]] = self.flops.get(self.stack[-1], 0) + n
-            return
-        rule = _flop_rules().get(packet)
-        if rule is not None:
-            try:
-                n = int(rule(*args, **kwargs, out_val=out))
-            except Exception:
-                n = 0
-        elif getattr(func, "is_view", False) or packet.__name__ in _NO_COMPUTE:
-            n = 0  # a view computes nothing
-        elif out.__class__ is torch.Tensor:
-            n = out.numel()  # one per output element for an op without a FLOP rule
-        else:
-            n = sum(t.numel() for _, t in iter_tensors(out))
-        name = self.stack[-1]
-        self.flops[name] = self.flops.get(name, 0) + n
 
-
-# matmul-like ops: index of the first matrix argument; FLOPs = 2 * numel(a) * columns(b)
-# (a: (..., m, k), b: (..., k, n)), what torch.utils.flop_counter counts for them
+# How the dispatch mode treats an operation, decided once per operation overload (``_kind``):
+# ``(flops, data, new)``: how to count its FLOPs, the matmul index or FLOP rule, and whether its
+# outputs may be new storages (not for a view, nor for an in-place op: it writes a storage that
+# exists)
+_NONE = 0  # a view (or an alias): no FLOPs
+_NUMEL = 1  # no FLOP rule: one FLOP per output element
+_RULE = 2  # a rule of torch.utils.flop_counter
+_MM = 3  # a matmul: 2 * numel(a) * columns(b), what torch.utils.flop_counter counts for it
+# matmul-like ops: index of the first matrix argument (a: (..., m, k), b: (..., k, n))
 _MATMUL = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}
 # views that the dispatcher does not mark as such
 _NO_COMPUTE = {"_unsafe_view", "alias", "detach", "lift_fresh"}
-_rules: list[dict[Any, Any]] = []
+_kinds: dict[Any, tuple[int, Any, bool]] = {}
 
 
-def _flop_rules() -> dict[Any, Any]:
-    if not _rules:
+def _kind(func: Any) -> tuple[int, Any, bool]:
+    """``(flops, data, new)`` of an operation overload (see above), decided once."""
+    got = _kinds.get(func)
+    if got is None:
         from torch.utils.flop_counter import flop_registry
 
-        _rules.append(flop_registry)
-    return _rules[0]
+        packet = func._overloadpacket
+        name = packet.__name__
+        view = bool(getattr(func, "is_view", False)) or name in _NO_COMPUTE
+        inplace = not view and func._schema.is_mutable and name.endswith("_")
+        if name in _MATMUL:
+            got = (_MM, _MATMUL[name], True)
+        elif packet in flop_registry:
+            got = (_RULE, flop_registry[packet], not inplace)
+        elif view:
+            got = (_NONE, None, False)
+        else:
+            got = (_NUMEL, None, not inplace)
+        _kinds[func] = got
+    return got
+
+
+_mode_class: list[type] = []
 
 
 def _make_mode(rec: SavedTensors) -> Any:
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """The dispatch mode watching ``rec``'s step (its class is made once, on first use)."""
+    if not _mode_class:
+        from torch.utils._python_dispatch import TorchDispatchMode
 
-    class _Watch(TorchDispatchMode):
-        def __torch_dispatch__(
-            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-        ) -> Any:
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            rec._new_storages(out)
-            if rec.phase == "forward":
-                rec._count(func, args, kwargs, out)
-            return out
+        Tensor = torch.Tensor
 
-    return _Watch()
+        class _Watch(TorchDispatchMode):
+            """One Python call per operation: the operation, its new storages, its FLOPs."""
+
+            def __init__(self, rec: SavedTensors) -> None:
+                super().__init__()
+                self.rec, self.new_storage = rec, rec._new_storage
+                self.flops, self.stack = rec.flops, rec.stack
+
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:
+                # no ``torch._disable_dynamo`` wrapper around every call: the mode never runs in
+                # a compiled model (memory_profile turns it off there)
+                return False
+
+            def __torch_dispatch__(
+                self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                out = func(*args, **kwargs) if kwargs else func(*args)
+                kind, data, new = _kinds.get(func) or _kind(func)
+                single = out.__class__ is Tensor
+                if new:
+                    if single:
+                        self.new_storage(out)
+                    else:
+                        for _, t in iter_tensors(out):
+                            self.new_storage(t)
+                stack = self.stack
+                if kind == _NONE or not stack or self.rec.phase != "forward":
+                    return out
+                if kind == _MM:
+                    n = 2 * args[data].numel() * args[data + 1].shape[-1]
+                elif kind == _NUMEL:
+                    n = out.numel() if single else sum(t.numel() for _, t in iter_tensors(out))
+                else:
+                    try:
+                        n = int(data(*args, **(kwargs or {}), out_val=out))
+                    except Exception:
+                        n = 0
+                flops, name = self.flops, stack[-1]
+                flops[name] = flops.get(name, 0) + n
+                return out
+
+        _mode_class.append(_Watch)
+    return _mode_class[0](rec)

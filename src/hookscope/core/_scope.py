@@ -276,35 +276,56 @@ class HookScope:
             )
         )
 
-    def add_forward_many(self, hooks: Iterable[tuple[nn.Module, _Hook, str]]) -> None:
+    def add_forward_many(
+        self,
+        hooks: Iterable[tuple[nn.Module, _Hook, str]],
+        *,
+        pre: bool = False,
+        always_call: bool = False,
+    ) -> None:
         """Plain forward hooks ``(module, hook, layer)``, many at once: what a capture of every leaf
-        registers. Same effect as :meth:`add_forward` per hook, without a handle object per hook.
+        registers. Same effect as :meth:`add_forward` (``pre=True``: :meth:`add_forward_pre`) per
+        hook, without a handle object per hook.
 
         ``register_forward_hook`` without options does one thing: it puts the hook in the module's
-        ``_forward_hooks`` under an id from ``RemovableHandle.next_id``, in order. This does the
-        same, keeps ``(dict, id)`` for :meth:`remove`, and falls back to the public method for a
-        module whose class overrides it (or whose hook dict is not a plain dict) and for a module
-        inside a compiled region (its calls must be routed, see :meth:`_place`).
+        ``_forward_hooks`` under an id from ``RemovableHandle.next_id``, in order (with
+        ``always_call``, also the id in ``_forward_hooks_always_called``; a pre-hook goes in
+        ``_forward_pre_hooks``). This does the same, keeps ``(dict, id)`` for :meth:`remove`, and
+        falls back to the public method for a module whose class overrides it (or whose hook dict
+        is not a plain dict) and for a module inside a compiled region (its calls must be routed,
+        see :meth:`_place`).
         """
         if not self.active:
             raise RuntimeError(f"{self!r} was removed; create a new scope to add hooks")
         owner, scope_id, direct = self.owner, self.id, self._direct
-        public = nn.Module.register_forward_hook
+        kind = "forward_pre" if pre else "forward"
+        method = "register_forward_pre_hook" if pre else "register_forward_hook"
+        public = getattr(nn.Module, method)
+        attr = "_forward_pre_hooks" if pre else "_forward_hooks"
         for module, hook, layer in hooks:
-            hook.owner, hook.kind, hook.layer, hook.scope_id = owner, "forward", layer, scope_id
-            d = module.__dict__.get("_forward_hooks")
+            hook.owner, hook.kind, hook.layer, hook.scope_id = owner, kind, layer, scope_id
+            d = module.__dict__.get(attr)
+            always = module.__dict__.get("_forward_hooks_always_called")
             if (
-                type(module).register_forward_hook is not public
+                getattr(type(module), method) is not public
                 or d.__class__ is not OrderedDict
+                or (always_call and always.__class__ is not OrderedDict)
                 or region_of(module) is not None
                 or generate_guard(module) is not None
             ):
-                self._keep(module.register_forward_hook(self._place(module, hook)))
+                placed = self._place(module, hook)
+                if pre:
+                    self._keep(module.register_forward_pre_hook(placed))
+                else:
+                    self._keep(module.register_forward_hook(placed, always_call=always_call))
                 continue
             hid = RemovableHandle.next_id
             RemovableHandle.next_id = hid + 1
             d[hid] = hook
             direct.append((d, hid))
+            if always_call:
+                always[hid] = True
+                direct.append((always, hid))
 
     def add_forward_pre(
         self,

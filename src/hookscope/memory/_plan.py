@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core._errors import HookscopeError
+from ._frontier import frontier
 
 if TYPE_CHECKING:
     from ._profile import MemoryProfile
@@ -32,6 +33,8 @@ class CheckpointPlan:
             checkpointing keeps the module's positional inputs.
         recompute_flops: forward FLOPs run again in backward.
         drops: per module, the bytes checkpointing it alone would free.
+        exact: whether the plan is the least-FLOPs one for sure (False when the search had to
+            thin its frontiers: a very large model).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -50,6 +53,7 @@ class CheckpointPlan:
     predicted_saved_bytes: int
     recompute_flops: int
     drops: dict[str, int] = field(default_factory=dict)
+    exact: bool = True
 
     @property
     def predicted_drop(self) -> int:
@@ -85,14 +89,9 @@ def saved_after(profile: MemoryProfile, chosen: Iterable[str]) -> int:
     return sum(kept.values())
 
 
-def _nested(a: str, b: str) -> bool:
-    """Whether one of two module names contains the other."""
-    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
-
-
 def make_plan(profile: MemoryProfile, budget_bytes: int) -> CheckpointPlan:
-    """Greedy: add the module with the most bytes freed per recompute FLOP (replacing chosen
-    modules inside it), until the budget is met; then drop modules the budget does not need."""
+    """The least-FLOPs set of modules (none inside another) whose checkpointing fits the budget
+    (see :func:`pareto_plans`); ties go to fewer modules, then fewer bytes."""
     if profile.per_region:
         raise PlanError(
             "plan(): this profile is per compiled region (a torch.compile'd model), where what is "
@@ -103,49 +102,29 @@ def make_plan(profile: MemoryProfile, budget_bytes: int) -> CheckpointPlan:
         raise ValueError(f"plan(): budget_bytes must be >= 0, got {budget_bytes}")
     before = profile.total_saved_bytes
     flops = {r.name: r.flops_total for r in profile.rows}
-    cost = {n: max(f, 1) for n, f in flops.items()}
-    candidates = [r.name for r in profile.rows if r.name and r.calls > 0]
-    drops = {n: before - saved_after(profile, [n]) for n in candidates}
-    candidates = [n for n in candidates if drops[n] > 0]
-    chosen: list[str] = []
-    current = before
-    while current > budget_bytes:
-        best: tuple[float, str, int] | None = None
-        for n in candidates:
-            if n in chosen:
-                continue
-            if any(_nested(n, c) and len(c) < len(n) for c in chosen):
-                continue  # inside a module already chosen
-            trial = [c for c in chosen if not _nested(n, c)] + [n]
-            after = saved_after(profile, trial)
-            gain = current - after
-            if gain <= 0:
-                continue
-            extra = cost[n] - sum(cost[c] for c in chosen if _nested(n, c))
-            score = gain / max(extra, 1)
-            if best is None or score > best[0]:
-                best = (score, n, after)
-        if best is None:
-            raise PlanError(
-                f"plan(): no set of modules to checkpoint brings the {before:,} saved bytes under "
-                f"the budget of {budget_bytes:,}; the lowest found is {current:,} bytes "
-                f"(checkpointing {chosen or 'nothing'}). Raise the budget, or make the batch smaller"
-            )
-        _, name, current = best
-        chosen = [c for c in chosen if not _nested(name, c)] + [name]
-    # prune: drop the costliest modules the budget does not need
-    for name in sorted(chosen, key=lambda c: -cost[c]):
-        trial = [c for c in chosen if c != name]
-        after = saved_after(profile, trial)
-        if after <= budget_bytes:
-            chosen, current = trial, after
+    base, front = frontier(profile, budget_bytes)
+    chosen: list[str] | None = None
+    for _f, _k, kept, names in front.plans:  # cheapest first
+        if base + kept <= budget_bytes and saved_after(profile, names) <= budget_bytes:
+            chosen = names
+            break
+    if chosen is None:
+        least = frontier(profile, budget_bytes, least=True)
+        base, front = frontier(profile, least)  # the plans keeping that least
+        _f, _k, kept, names = front.plans[-1]
+        raise PlanError(
+            f"plan(): no set of modules to checkpoint brings the {before:,} saved bytes under "
+            f"the budget of {budget_bytes:,}; the lowest found is {base + kept:,} bytes "
+            f"(checkpointing {names or 'nothing'}). Raise the budget, or make the batch smaller"
+        )
     order = {r.name: i for i, r in enumerate(profile.rows)}
     chosen.sort(key=order.__getitem__)
     return CheckpointPlan(
         modules=chosen,
         budget_bytes=budget_bytes,
         saved_bytes_before=before,
-        predicted_saved_bytes=current,
+        predicted_saved_bytes=saved_after(profile, chosen),
         recompute_flops=sum(flops[c] for c in chosen),
-        drops={c: drops[c] for c in chosen},
+        drops={c: before - saved_after(profile, [c]) for c in chosen},
+        exact=front.exact,
     )
