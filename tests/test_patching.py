@@ -174,9 +174,10 @@ def test_batched_equals_serial_and_fans_out_from_the_block():
     heads = hs.patch_sweep(
         model, CLEAN, CORRUPT, logit_diff, hs.blocks(model, "attn"), over=("head",)
     )
-    tiny = hs.patch_sweep(
-        model, CLEAN, CORRUPT, logit_diff, hs.blocks(model, "attn"), over=("head",), max_bytes=1
-    )
+    with pytest.warns(hs.HookscopeWarning, match="max_bytes=1 is less than one site's pass"):
+        tiny = hs.patch_sweep(
+            model, CLEAN, CORRUPT, logit_diff, hs.blocks(model, "attn"), over=("head",), max_bytes=1
+        )
     assert torch.allclose(tiny, heads, atol=1e-6)
     # batched rows start at the patched block: the blocks before it run on the 2 rows only
     rows = []

@@ -487,6 +487,14 @@ def patch_sweep(
     results = []
     with torch.no_grad():
         acts, per_row, _ = record(model, src, sites, batch)
+        if max_bytes is not None and rows is None and per_row * batch > max_bytes:
+            warnings.warn(
+                f"patch_sweep: max_bytes={max_bytes} is less than one site's pass over the whole "
+                f"sequence needs (about {per_row * batch} bytes for {batch} rows); sites run one "
+                "per pass, and a pass may go over max_bytes. Raise max_bytes or use a smaller batch",
+                HookscopeWarning,
+                stacklevel=2,
+            )
         cached = wants_cache(model, dst)
         base_acts, _, base_out = record(
             model, {**dst, "use_cache": True} if cached else dst, sites, batch
