@@ -28,10 +28,14 @@ $(DEMO): pyproject.toml requirements-demo.txt
 demo: $(DEMO)
 	$(VENV)/bin/hookscope demo
 
+# the suite in TEST_WORKERS processes (pytest-xdist), a test file per process at a time (module
+# fixtures built once); TEST_WORKERS=0 runs it in this process
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks examples docs
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
