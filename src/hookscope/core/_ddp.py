@@ -41,13 +41,20 @@ __all__ = ["DDPGradEditor", "ddp_of", "wrapping_ddp"]
 _held: dict[int, list[Any]] = {}
 
 
-def ddp_of(model: nn.Module, name: str) -> tuple[str, nn.Module] | None:
-    """``(prefix, ddp)``: the ``DistributedDataParallel`` in ``model`` that holds parameter ``name``."""
+def ddp_of(
+    model: nn.Module, name: str, memo: dict[str, Any] | None = None
+) -> tuple[str, nn.Module] | None:
+    """``(prefix, ddp)``: the ``DistributedDataParallel`` in ``model`` that holds parameter
+    ``name``, else the one wrapping ``model`` (prefix ``""``; see :func:`wrapping_ddp`, looked up
+    once per ``memo``: one scope's parameters share it)."""
     ddp_cls = nn.parallel.DistributedDataParallel
     for prefix, module in named_modules(model):
         if isinstance(module, ddp_cls) and (not prefix or name.startswith(prefix + ".")):
             return prefix, module
-    outer = wrapping_ddp(model)
+    memo = {} if memo is None else memo
+    if "wrapping_ddp" not in memo:
+        memo["wrapping_ddp"] = wrapping_ddp(model)
+    outer = memo["wrapping_ddp"]
     return None if outer is None else ("", outer)
 
 

@@ -327,7 +327,9 @@ def add_param_grad_editor(
     if model is not None and is_dtensor(param) and fsdp_managed(model, name):
         _add_fsdp_editor(scope, name, param, on_grad, check)
         return
-    found = ddp_of(model, name) if model is not None and not is_dtensor(param) else None
+    found = None
+    if model is not None and not is_dtensor(param):
+        found = ddp_of(model, name, None if check is None else check.helpers)
     if found is not None:  # DDP: edit the averaged gradient, after DDP's reducer (PITFALL 18)
         assert model is not None
         if check is None:
