@@ -180,6 +180,26 @@ def _isolated(ctx: Any) -> Any:
     return twin
 
 
+def _hold(counter: Counter[Any], key: Any, on_empty: Callable[[], None]) -> Callable[[], None]:
+    """Count one holder of ``key``; return its release, idempotent (the scope's removal or
+    remove_hooks(), whichever comes first), which calls ``on_empty`` when no holder is left."""
+    counter[key] += 1
+    done = False
+
+    def release() -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        counter[key] -= 1
+        if counter[key] <= 0:
+            del counter[key]
+        if not counter:
+            on_empty()
+
+    return release
+
+
 # routed calls swap module attributes and patch process-wide settings: one at a time (reentrant:
 # a hook may call another compiled model)
 _routing = threading.RLock()
@@ -215,26 +235,10 @@ class Region:
 
     def acquire(self, module: nn.Module, kind: str, layer: str) -> Callable[[], None]:
         """Count one hook on ``module`` inside this region; return its release."""
-        key = (id(module), kind)
         self.layers[id(module)] = layer
         if not self.hooked:
             self._install()
-        self.hooked[key] += 1
-
-        done = False
-
-        def release() -> None:  # idempotent: the scope's removal or remove_hooks(), whichever first
-            nonlocal done
-            if done:
-                return
-            done = True
-            self.hooked[key] -= 1
-            if self.hooked[key] <= 0:
-                del self.hooked[key]
-            if not self.hooked:
-                self._uninstall()
-
-        return release
+        return _hold(self.hooked, (id(module), kind), self._uninstall)
 
     # The routed call replaces the region's entry point while hooks are held.
     def _install(self) -> None:
@@ -387,24 +391,13 @@ class GenerateGuard:
             return lambda: None
         if not self.layers:
             root.__dict__["get_compiled_call"] = _EagerCall(self)
-        self.layers[layer] += 1
-        done = False
+        return _hold(self.layers, layer, self._release_all)
 
-        def release() -> None:
-            nonlocal done
-            if done:
-                return
-            done = True
-            self.layers[layer] -= 1
-            if self.layers[layer] <= 0:
-                del self.layers[layer]
-            if not self.layers:
-                owner = self._root()
-                if owner is not None:
-                    owner.__dict__.pop("get_compiled_call", None)
-                self._warned = False
-
-        return release
+    def _release_all(self) -> None:
+        owner = self._root()
+        if owner is not None:
+            owner.__dict__.pop("get_compiled_call", None)
+        self._warned = False
 
     def _eager_call(self) -> Callable[..., Any]:
         root = self._root()
