@@ -27,6 +27,8 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests._saved_ref import reference_saved
+
 import hookscope as hs
 from hookscope.memory._plan import saved_after
 
@@ -51,19 +53,12 @@ def loss_of(out: object) -> torch.Tensor:
 
 
 def measured_saved(model: nn.Module, x: torch.Tensor) -> int:
-    own = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.nbytes() and st.data_ptr() not in own:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def step() -> None:
         loss_of(model(x)).backward()
+
+    saved = reference_saved(model, step)
     model.zero_grad(set_to_none=True)
-    return sum(seen.values())
+    return saved
 
 
 def pytorch_stats(model_name: str, gpu_type: str) -> tuple[object, dict[str, object]]:

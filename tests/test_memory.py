@@ -11,23 +11,7 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
-
-
-def reference_saved(model: nn.Module, run) -> int:
-    """Bytes of the unique storages autograd saves in ``run()`` (forward + backward), parameters and
-    buffers apart: the independent count the profile must equal."""
-    own = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.nbytes() and st.data_ptr() not in own:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(seen.values())
+from _saved_ref import reference_saved
 
 
 def _step(model, *inputs, loss_fn=None, **kwargs):
