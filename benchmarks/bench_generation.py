@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-import hookscope as hs
 from _lm import word_tokenizer
+
+import hookscope as hs
 from _timing import samples, table
 
 

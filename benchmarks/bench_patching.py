@@ -1,4 +1,4 @@
-"""Activation patching: hookscope's batched sweeps against TransformerLens's helpers (issue 24).
+"""Activation patching: hookscope's batched sweeps against TransformerLens's helpers.
 
 A random-weight 6-layer GPT-2 (d_model 256, 8 heads), 32 positions, batch 4, CPU, one thread,
 eager attention on both sides. TransformerLens runs on its ``TransformerBridge`` around a copy of
@@ -92,7 +92,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     import transformer_lens.patching as tlp
-
     from _lm import tl_bridge, word_tokenizer
 
     model = build(args.vocab)

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests._saved_ref import reference_saved
+from tests.helpers.saved_ref import reference_saved
 
 import hookscope as hs
 from hookscope.memory._plan import saved_after

@@ -247,7 +247,7 @@ def _storage(t: torch.Tensor) -> Any:
 # A dispatch mode costs every operator a trip through Python (batch_norm, with its 5 tensor
 # arguments, ~40 us). For leaf layers of these exact built-in types the operators they run, and so
 # FlopCounterMode's count, are known: the summary runs them with the dispatch mode off and counts
-# with the same formula from the shapes. tests/test_summary.py checks each rule against
+# with the same formula from the shapes. tests/summarization/test_summary.py checks each rule against
 # FlopCounterMode.
 
 

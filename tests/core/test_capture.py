@@ -1,0 +1,194 @@
+"""capture(): calls in order, stop early, detach/clone/to, keep, inputs, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x + 1
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), Counting())
+
+
+def test_stop_ends_the_forward_after_the_last_layer():
+    net = _net()
+    x = torch.randn(2, 3)
+    with hs.capture(net, ["0", "2"], stop=True) as cap:
+        out = net(x)
+        pytest.fail("unreachable: the forward pass stops inside net(x)")
+    assert net[3].calls == 0
+    assert torch.allclose(cap["2"], net[2](torch.relu(net[0](x))))
+    assert "out" not in locals()
+    assert hs.hooks_on(net) == []
+
+
+def test_stop_with_a_layer_that_never_runs():
+    net = _net()
+    with (
+        pytest.raises(hs.LayerNotRunError, match=r"'3'.*never ran"),
+        hs.capture(net, ["3"], stop=True),
+    ):
+        net[:3](torch.randn(1, 3))  # runs only layers 0-2
+
+
+def test_unknown_and_unrun_layer_errors():
+    net = _net()
+    with hs.capture(net, ["0", "3"]) as cap:
+        net[:2](torch.randn(1, 3))
+    with pytest.raises(
+        hs.LayerNotFoundError, match="not a captured layer; the captured layers are '0', '3'"
+    ):
+        cap["1"]
+    with pytest.raises(hs.LayerNotRunError, match="never called"):
+        cap["3"]
+    assert cap.missing == ["3"] and dict(cap).keys() == {"0"}
+
+
+def test_detach_false_keeps_graph_and_clone_copies():
+    net = _net()
+    x = torch.randn(2, 3, requires_grad=True)
+    with hs.capture(net, "0", detach=False) as cap:
+        net(x)
+    cap["0"].sum().backward()
+    assert torch.allclose(x.grad, net[0].weight.sum(0).expand(2, 3))
+    with hs.capture(net, "0", clone=True) as cap2:
+        out = net[0](x)
+    assert cap2["0"].data_ptr() != out.data_ptr() and cap2["0"].grad_fn is None
+
+
+def test_keep_last_and_clear():
+    net = _net()
+    with hs.capture(net, "0", keep="last") as cap:
+        for i in range(5):
+            net(torch.full((1, 3), float(i)))
+    assert len(cap.calls("0")) == 1 and cap.last("0").index == 4
+    cap.clear()
+    assert list(cap) == []
+    with pytest.raises(ValueError, match="keep must be"):
+        hs.capture(net, "0", keep="first")
+
+
+def test_to_moves_captured_tensors():
+    net = _net()
+    with hs.capture(net, "0", to="meta") as cap:
+        net(torch.randn(2, 3))
+    assert cap["0"].device.type == "meta" and cap["0"].shape == (2, 3)
+
+
+def test_inputs_positional_and_keyword_with_input_grads():
+    class Mix(nn.Module):
+        def forward(self, a, b=None, *, scale=1.0):
+            return (a * b).sum() * scale
+
+    m = Mix()
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    with hs.capture(m, "", inputs=True, grads=True) as cap:
+        m(a, b=b, scale=2.0).backward()
+    inp = cap.inputs[""]
+    assert (
+        torch.equal(inp.args[0], a)
+        and torch.equal(inp.kwargs["b"], b)
+        and inp.kwargs["scale"] == 2.0
+    )
+    g = cap.last("").input_grad
+    assert torch.allclose(g.args[0], 2 * b.detach()) and torch.allclose(
+        g.kwargs["b"], 2 * a.detach()
+    )
+    assert g.kwargs["scale"] is None
+    assert torch.equal(cap.grads[""], torch.tensor(1.0))
+
+
+def test_input_grads_through_this_layer_only():
+    # x feeds both the layer and a residual: the layer's input gradient excludes the residual path
+    lin = nn.Linear(3, 3, bias=False)
+    x = torch.randn(2, 3, requires_grad=True)
+    with hs.capture(lin, "", inputs=True, grads=True) as cap:
+        (lin(x) + x).sum().backward()
+    assert torch.allclose(cap.last("").input_grad.args[0], lin.weight.sum(0).expand(2, 3))
+    assert torch.allclose(x.grad, lin.weight.sum(0).expand(2, 3) + 1)
+
+
+def test_grads_accumulate_over_two_backward_passes():
+    net = _net()
+    x = torch.randn(2, 3)
+    with hs.capture(net, "2", grads=True) as cap:
+        out = net(x)
+        out.sum().backward(retain_graph=True)
+        out.sum().backward()
+    assert torch.equal(cap.grads["2"], torch.full((2, 3), 2.0))
+
+
+def test_repr_and_mapping_protocol():
+    net = _net()
+    with hs.capture(net, ["0", "2"]) as cap:
+        net(torch.randn(1, 3))
+        assert "active" in repr(cap)
+    assert "closed" in repr(cap) and len(cap) == 2 and set(cap) == {"0", "2"}
+    assert repr(cap.last("0")) == "Call('0', index=0, output=(1, 3))"
+
+
+def test_dataparallel_style_replicas_in_threads():
+    # DataParallel replicas share the hook dicts and run in threads with the replica as `module`
+    # (PITFALL 17). Without GPUs DataParallel cannot replicate, so do what it does by hand.
+    import threading
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    xs = [torch.full((2, 4), float(i)) for i in range(8)]
+    with hs.capture(net, ["0", "1"]) as cap:
+        replicas = [net._replicate_for_data_parallel() for _ in range(4)]
+        assert replicas[0][0]._forward_hooks is net[0]._forward_hooks
+        barrier = threading.Barrier(4)
+
+        def work(k):
+            barrier.wait()
+            for x in xs[k::4]:
+                replicas[k](x)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    calls = cap.calls("0")
+    assert sorted(c.index for c in calls) == list(range(8))
+    want = {float(x[0, 0]): net[0](x) for x in xs}
+    got = sorted(c.output[0, 0].item() for c in calls)
+    assert got == sorted(v[0, 0].item() for v in want.values())
+
+
+def test_capture_stop_skips_the_rest_of_the_block_and_says_so():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    out, after = None, []
+    with hs.capture(net, "0", stop=True) as cap:
+        out = net(x)
+        after.append("ran")
+    assert cap.stopped and out is None and after == []  # what the docs now say
+    assert torch.equal(cap["0"], net[0](x))
+    with hs.capture(net, "0") as cap2:  # no stop: the block runs to its end
+        out = net(x)
+    assert not cap2.stopped and torch.equal(out, net(x))
+    with hs.capture(net, "2", stop=True) as cap3:  # the last layer: nothing left to skip
+        net(x)
+    assert cap3.stopped
+    # the form that returns normally, named in capture's docstring
+    feats = hs.FeatureExtractor(net, ["0"])(x)
+    assert torch.equal(feats["0"], net[0](x))
+    assert "cap.stopped" in hs.capture.__doc__ and "FeatureExtractor" in hs.capture.__doc__

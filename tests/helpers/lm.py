@@ -1,0 +1,216 @@
+"""Small language models and a local tokenizer for the language-model tests (nothing downloaded).
+
+Every model here has random weights built from a config; the tokenizer is a ``WordLevel``
+vocabulary saved to a folder and loaded back with ``PreTrainedTokenizerFast.from_pretrained``, as
+a user without a model hub would do. ``tl_bridge`` wraps a *copy* of a model in TransformerLens's
+``TransformerBridge`` (it wraps in place), so the model under test stays untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import tempfile
+
+import torch
+
+WORDS = [
+    "<pad>",
+    "<unk>",
+    "<eos>",
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "mary",
+    "john",
+    "alice",
+    "bob",
+    "went",
+    "to",
+    "store",
+    "park",
+    "gave",
+    "ball",
+    "bag",
+    "book",
+    "when",
+    "and",
+    "then",
+    "he",
+    "she",
+    "it",
+    "was",
+    "is",
+    "happy",
+    "sad",
+    "love",
+    "hate",
+    "good",
+    "bad",
+    "great",
+    "terrible",
+    "i",
+    "you",
+    "we",
+    "they",
+    "like",
+    "said",
+    "yes",
+    "no",
+    "very",
+    "not",
+]
+PAD, UNK, EOS = 0, 1, 2
+
+
+@functools.cache
+def _tokenizer_dir() -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    folder = tempfile.mkdtemp(prefix="hookscope-tok-")
+    PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<eos>",
+        bos_token="<eos>",
+    ).save_pretrained(folder)
+    return folder
+
+
+def word_tokenizer(padding_side: str = "right"):
+    """A fast tokenizer over ``WORDS`` (pad 0, unk 1, eos/bos 2), loaded from a local folder."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(_tokenizer_dir())
+    tok.padding_side = padding_side
+    return tok
+
+
+def _build(config: str, model: str, seed: int, attn: str = "eager", **fields):
+    """``transformers.<model>(transformers.<config>(...))`` in eval mode, seeded, over ``WORDS``
+    (pad 0, eos/bos 2), with ``fields`` on top."""
+    import transformers
+
+    common = dict(vocab_size=len(WORDS), bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
+    cfg = getattr(transformers, config)(**(common | fields), attn_implementation=attn)
+    torch.manual_seed(seed)
+    return getattr(transformers, model)(cfg).eval()
+
+
+def tiny_gpt2(
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_positions: int = 64,
+    seed: int = 0,
+    attn: str = "eager",
+):
+    """A random-weight ``GPT2LMHeadModel`` in eval mode (``attn``: ``"eager"`` or ``"sdpa"``)."""
+    return _build(
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        seed,
+        attn,
+        n_positions=n_positions,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+    )
+
+
+def tiny_llama(
+    n_layer: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    attn: str = "eager",
+):
+    """A random-weight ``LlamaForCausalLM`` with grouped-query attention (``kv_heads < heads``)."""
+    return _build(
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        seed,
+        attn,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=n_layer,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+    )
+
+
+def tl_bridge(model, tokenizer=None, name: str = "gpt2"):
+    """TransformerLens's ``TransformerBridge`` around a deep copy of ``model`` (same weights)."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    return TransformerBridge.boot_transformers(
+        name, hf_model=copy.deepcopy(model), tokenizer=tokenizer or word_tokenizer()
+    )
+
+
+def tiny_neox(n_layer: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0):
+    """A random-weight ``GPTNeoXForCausalLM`` (fused query_key_value, output projection ``dense``)."""
+    return _build(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        seed,
+        hidden_size=hidden,
+        num_hidden_layers=n_layer,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+    )
+
+
+def tiny_bert(n_layer: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0):
+    """A random-weight ``BertModel`` encoder (heads in ``attention.output.dense``'s input)."""
+    return _build(
+        "BertConfig",
+        "BertModel",
+        seed,
+        bos_token_id=None,  # an encoder: no bos/eos, as BertConfig leaves them
+        eos_token_id=None,
+        hidden_size=hidden,
+        num_hidden_layers=n_layer,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=64,
+    )
+
+
+PROMPTS = ["the cat went to the park", "mary gave"]  # 6 and 2 tokens: row 1 is left-padded
+
+
+def lm_blocks(model) -> list[str]:
+    """The names of a tiny GPT-2's or Llama's decoder blocks, in order."""
+    return (
+        [f"transformer.h.{i}" for i in range(len(model.transformer.h))]
+        if hasattr(model, "transformer")
+        else [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    )
+
+
+class PromptBranchLM(torch.nn.Module):
+    """Embedding -> block -> (pool, branch): a branch that runs on prompts only, and a pooled
+    output without a token axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.block, self.branch = (
+            torch.nn.Embedding(10, 4),
+            torch.nn.Linear(4, 4),
+            torch.nn.Linear(4, 4),
+        )
+
+    def forward(self, input_ids, attention_mask=None):
+        h = self.block(self.emb(input_ids))
+        if input_ids.shape[1] > 1:
+            h = self.branch(h)
+        return h.mean(1)
