@@ -22,10 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from _lm import word_tokenizer
-
 import hookscope as hs
 from _timing import samples, table
+from helpers.lm import word_tokenizer
 
 
 def gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int):

@@ -27,7 +27,7 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 
 
 def models() -> dict[str, tuple[nn.Module, tuple[object, ...], object]]:
-    from tests._lm import tiny_gpt2
+    from tests.helpers.lm import tiny_gpt2
     from torchvision.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
