@@ -92,7 +92,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     import transformer_lens.patching as tlp
-    from _lm import tl_bridge, word_tokenizer
+    from helpers.lm import tl_bridge, word_tokenizer
 
     model = build(args.vocab)
     bridge = tl_bridge(model, word_tokenizer())
