@@ -92,6 +92,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     import transformer_lens.patching as tlp
+
     from helpers.lm import tl_bridge, word_tokenizer
 
     model = build(args.vocab)
