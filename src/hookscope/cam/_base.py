@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..core._errors import HookscopeError
-from ..core._nested import describe, first_tensor, map_tensors
+from ..core._nested import describe, first_tensor, replace_first
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import resolve
 from ._tokens import Reshape, to_grid
@@ -295,7 +295,7 @@ class CAM:
                     src = t.detach()
                 acts[name] = src
                 # pass on a copy: later in-place ops change the copy, not the activation we read
-                return _replace_first(output, src.clone())
+                return replace_first(output, src.clone())
 
             return hook
 
@@ -362,17 +362,3 @@ class CAM:
             ups.append(m)
         cam = ups[0] if len(ups) == 1 else torch.stack(ups).clamp_min(0).mean(dim=0)
         return _minmax(cam)
-
-
-def _replace_first(output: Any, new: torch.Tensor) -> Any:
-    if isinstance(output, torch.Tensor):
-        return new
-    done = [False]
-
-    def swap(t: torch.Tensor) -> torch.Tensor:
-        if done[0]:
-            return t
-        done[0] = True
-        return new
-
-    return map_tensors(swap, output)

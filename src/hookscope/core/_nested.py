@@ -24,6 +24,7 @@ __all__ = [
     "format_shapes",
     "iter_tensors",
     "map_tensors",
+    "replace_first",
     "shapes",
 ]
 
@@ -100,6 +101,35 @@ def first_tensor(obj: Any) -> torch.Tensor | None:
     for _, t in iter_tensors(obj):
         return t
     return None
+
+
+def replace_first(obj: Any, new: torch.Tensor | Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` rebuilt with its first tensor replaced by ``new`` (or by ``new(first)`` when ``new``
+    is callable); every other leaf kept, containers keep their type (namedtuples, dataclasses,
+    ``ModelOutput``). Only the first occurrence is replaced, even when the same tensor object
+    appears again later (``(h, h)``). A hook changing "the layer's main output" uses this.
+
+    >>> from collections import namedtuple
+    >>> Out = namedtuple("Out", "hidden attn")
+    >>> h = torch.zeros(2)
+    >>> replace_first(Out(h, h), lambda t: t + 1)
+    Out(hidden=tensor([1., 1.]), attn=tensor([0., 0.]))
+    >>> replace_first(h, torch.ones(1))
+    tensor([1.])
+    """
+    fn = new if callable(new) else (lambda _t: new)
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    done = False
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        nonlocal done
+        if done:
+            return t
+        done = True
+        return fn(t)
+
+    return map_tensors(swap, obj)
 
 
 def describe(obj: Any) -> str:

@@ -22,15 +22,15 @@ run and fall back where it differs: the conditions above are necessary, not a pr
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ._compiled import is_optimized, named_modules, strip_compiled
+from ._compiled import is_optimized, named_modules
 from ._nested import iter_tensors, map_tensors
 from ._rows import tile
+from ._signature import forward_parameters
 
 __all__ = ["CausalPrefix", "PrefixError", "drop_cache", "wants_cache"]
 
@@ -43,19 +43,12 @@ class PrefixError(Exception):
     """A pass from ``p0`` cannot be built or its output cannot be rebuilt (the caller falls back)."""
 
 
-def _accepts(model: nn.Module) -> set[str]:
-    try:
-        return set(inspect.signature(strip_compiled(model).forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
 def wants_cache(model: nn.Module, kwargs: dict[str, Any]) -> bool:
     """Whether a run of ``model`` on ``kwargs`` may give a usable cache: the forward takes
     ``past_key_values`` and ``use_cache``, nothing in it is compiled (every new length would
     recompile), every module that says ``is_causal`` says ``True`` (at least one does), the
     tensor inputs are only the kinds a pass can slice, and a 2-D mask."""
-    params = _accepts(model)
+    params = set(forward_parameters(model))
     if not {"past_key_values", "use_cache"} <= params:
         return False
     for m in model.modules():  # compiled code would recompile for every new length

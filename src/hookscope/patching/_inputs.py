@@ -8,7 +8,6 @@ patched the wrong positions of left-padded batches silently). Anything else rais
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch.nn as nn
 
 from ..core._compiled import strip_compiled
 from ..core._errors import HookscopeError
+from ..core._signature import accepts, forward_parameters
 
 __all__ = ["PatchingError", "as_kwargs", "batch_size", "check_aligned"]
 
@@ -27,22 +27,10 @@ class PatchingError(HookscopeError):
 
 
 def _first_param(model: nn.Module) -> str:
-    try:
-        params = list(inspect.signature(strip_compiled(model).forward).parameters.values())
-    except (TypeError, ValueError):
-        return "input_ids"
-    for p in params:
+    for p in forward_parameters(model).values():
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
             return p.name
     return "input_ids"
-
-
-def _accepts(model: nn.Module, name: str) -> bool:
-    try:
-        sig = inspect.signature(strip_compiled(model).forward)
-    except (TypeError, ValueError):
-        return False
-    return name in sig.parameters
 
 
 def as_kwargs(model: nn.Module, inputs: Any, what: str) -> dict[str, Any]:
@@ -57,7 +45,7 @@ def as_kwargs(model: nn.Module, inputs: Any, what: str) -> dict[str, Any]:
             f"{what} must be a tensor of token ids or a dict of the model's keyword inputs "
             f"(input_ids, attention_mask, ...); got {type(inputs).__name__}"
         )
-    if "use_cache" not in kwargs and _accepts(model, "use_cache"):
+    if "use_cache" not in kwargs and accepts(model, "use_cache"):
         kwargs["use_cache"] = False
     return kwargs
 

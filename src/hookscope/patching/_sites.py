@@ -17,7 +17,7 @@ from ..core._compiled import strip_compiled
 from ..core._edit import positional_index
 from ..core._errors import LayerNotFoundError
 from ..core._heads import HeadSplit, head_split
-from ..core._nested import first_tensor, iter_tensors, map_tensors
+from ..core._nested import first_tensor, iter_tensors, map_tensors, replace_first
 from ..core._select import resolve
 from ._inputs import PatchingError
 
@@ -176,18 +176,11 @@ def set_act(
     where, key = _input_slot(site, module, args, kwargs)
     if where == "arg":
         args = list(args)
-        args[key] = _replace_first(args[key], fn)
+        args[key] = replace_first(args[key], fn)
         return tuple(args), kwargs
     kwargs = dict(kwargs)
-    kwargs[key] = _replace_first(kwargs[key], fn)
+    kwargs[key] = replace_first(kwargs[key], fn)
     return args, kwargs
-
-
-def _replace_first(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    first = first_tensor(value)
-    return map_tensors(lambda t: fn(t) if t is first else t, value)
 
 
 def grid(site: Site, over: tuple[str, ...], act_shape: torch.Size) -> tuple[int, ...]:

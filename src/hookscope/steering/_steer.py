@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ..core._compiled import strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
+from ..core._nested import replace_first
 from ..core._scope import HookScope, _Hook, check_model
 from ..core._select import Selector, find
 from ..core._sequence import TokenTracker
@@ -101,12 +102,6 @@ def _first(output: Any, name: str) -> torch.Tensor:
     )
 
 
-def _replace(output: Any, new: torch.Tensor) -> Any:
-    if isinstance(output, torch.Tensor):
-        return new
-    return type(output)([new, *output[1:]])
-
-
 class _SteerHook(_Hook):
     """Forward hook adding ``scale * vector`` (or removing ``scale`` times the projection on it)."""
 
@@ -175,7 +170,7 @@ class _SteerHook(_Hook):
                     "outputs shaped [batch, tokens, features]"
                 )
             new = h + delta * sel.unsqueeze(-1).to(device=h.device, dtype=h.dtype)
-        return _replace(output, new)
+        return replace_first(output, new)
 
 
 def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]:

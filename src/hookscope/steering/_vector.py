@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +13,7 @@ from ..core._errors import HookscopeError
 from ..core._nested import first_tensor
 from ..core._scope import check_model, model_device
 from ..core._select import resolve
+from ..core._signature import accepts
 
 __all__ = ["steering_vector"]
 
@@ -35,14 +35,6 @@ def _ids(prompts: Any, tokenizer: Any, what: str) -> list[torch.Tensor]:
             raise HookscopeError(f"steering_vector: {what}[{i}] has no tokens")
         out.append(t)
     return out
-
-
-def _accepts(model: nn.Module, name: str) -> bool:
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 @torch.no_grad()
@@ -90,7 +82,7 @@ def steering_vector(
     pos_ids, neg_ids = _ids(positive, tokenizer, "positive"), _ids(negative, tokenizer, "negative")
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     device = model_device(model)
-    with_mask = _accepts(model, "attention_mask")
+    with_mask = accepts(model, "attention_mask", through_kwargs=True)
     diffs: dict[str, list[torch.Tensor]] = {n: [] for n in named}
     for lo in range(0, len(pos_ids), batch_size):
         rows = pos_ids[lo : lo + batch_size] + neg_ids[lo : lo + batch_size]
