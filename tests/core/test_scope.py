@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 import torch.nn as nn
@@ -35,7 +37,7 @@ def test_remove_is_idempotent_and_scope_rejects_new_hooks():
     scope = hs.edit(net, {"0": hs.ops.zero()})
     scope.remove()
     scope.remove()
-    with scope:
+    with pytest.raises(hs.ScopeReusedError, match="was closed"), scope:
         pass
     assert hs.hooks_on(net) == []
     with pytest.raises(RuntimeError, match="was removed"):
@@ -189,3 +191,33 @@ def test_many_pre_and_always_called_hooks_behave_like_registered_ones():
     calls.clear()
     net[0](torch.randn(1, 2))
     assert calls == []
+
+
+def _scope_kinds():
+    """Every kind of scope a user enters with ``with``, made on a fresh net (name, factory)."""
+    return {
+        "capture": lambda net: hs.capture(net, "0"),
+        "edit": lambda net: hs.edit(net, {"0": hs.ops.zero()}),
+        "edit_grads": lambda net: hs.edit_grads(net, {"0": hs.ops.scale(2.0)}),
+        "clip_grads": lambda net: hs.clip_grads(net, value=1.0),
+        "trace": lambda net: hs.trace(net, file=io.StringIO()),
+        "steer": lambda net: hs.steer(net, {"0": torch.ones(3)}),
+        "tensor_grads": lambda net: hs.tensor_grads(torch.ones(1, requires_grad=True) * 2),
+        "Monitor": lambda net: hs.Monitor(net),
+        "apply_checkpointing": lambda net: hs.apply_checkpointing(net, ["0"]),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_scope_kinds()))
+def test_every_scope_kind_refuses_a_second_with(kind):
+    """A scope is single-use: a second ``with`` on the same object (after it closed, or nested
+    inside its first) raises instead of running the model without its hooks."""
+    net = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3))
+    scope = _scope_kinds()[kind](net)
+    with scope:
+        net(torch.ones(2, 3)).sum().backward()
+        with pytest.raises(hs.ScopeReusedError, match="already open"), scope:
+            pass
+    with pytest.raises(hs.ScopeReusedError, match=f"hs.{kind}\\("), scope:
+        net(torch.ones(2, 3))
+    assert hs.hooks_on(net) == []

@@ -12,6 +12,7 @@ from ._errors import (
     LayerNotFoundError,
     LayerNotRunError,
     NoGradientError,
+    ScopeReusedError,
     UnsupportedModelError,
     UnsupportedTensorError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "LayerNotFoundError",
     "LayerNotRunError",
     "NoGradientError",
+    "ScopeReusedError",
     "Selector",
     "SequenceError",
     "Trace",

@@ -382,6 +382,7 @@ class Capture(Mapping[str, Any]):
 
     # -- context manager ------------------------------------------------------------------------
     def __enter__(self) -> Capture:
+        self._scope.__enter__()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:

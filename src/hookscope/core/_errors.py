@@ -15,8 +15,10 @@ __all__ = [
     "LayerNotFoundError",
     "LayerNotRunError",
     "NoGradientError",
+    "ScopeReusedError",
     "UnsupportedModelError",
     "UnsupportedTensorError",
+    "enter_once",
     "some_names",
 ]
 
@@ -54,6 +56,28 @@ class UnsupportedModelError(HookscopeError):
 class UnsupportedTensorError(UnsupportedModelError):
     """A parameter or activation is a tensor subclass hookscope does not handle (its hooks might
     never fire), or a ``DTensor`` layout it cannot reduce; raised when hooks are attached."""
+
+
+class ScopeReusedError(HookscopeError, RuntimeError):
+    """A scope object entered a second time (or after it was closed). Every hookscope scope is
+    single-use: its hooks are placed when it is created and removed when its ``with`` block ends,
+    so a second ``with`` on the same object would run the model without them."""
+
+
+def enter_once(scope: object, what: str, active: bool) -> None:
+    """Refuse a second ``with`` on ``scope`` (or one after it was closed): raise
+    :class:`ScopeReusedError` naming ``what`` (the call that makes such a scope) and the fix."""
+    if getattr(scope, "_entered", False) or not active:
+        state = (
+            "is already open in an outer `with`"
+            if active
+            else "was closed when its `with` block ended"
+        )
+        raise ScopeReusedError(
+            f"this {what} scope {state}; a scope is used by one `with` block, so create a new one "
+            f"for each block: `with hs.{what}(...) as ...:`"
+        )
+    object.__setattr__(scope, "_entered", True)
 
 
 class HookscopeWarning(UserWarning):

@@ -137,6 +137,16 @@ def remove_hooks(model: nn.Module) -> int:
     """Remove every hook hookscope added to ``model`` (and inert copies); return how many.
 
     Hooks from PyTorch, DDP, FSDP, checkpointing or the user are left in place.
+
+    Example:
+        >>> import torch.nn as nn
+        >>> import hookscope as hs
+        >>> net = nn.Linear(2, 2)
+        >>> mine = net.register_forward_hook(lambda m, i, o: None)
+        >>> cap = hs.capture(net, "")   # a scope never closed
+        >>> remove_hooks(net), len(hs.hooks_on(net))
+        (1, 1)
+        >>> mine.remove()
     """
     removed = 0
     for container, attr, _kind, _layer, hid in _iter(model):

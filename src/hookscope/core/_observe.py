@@ -121,6 +121,7 @@ class TensorGrads(Sequence[torch.Tensor]):
         return (self[i] for i in range(len(self)))
 
     def __enter__(self) -> TensorGrads:
+        self._scope.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:

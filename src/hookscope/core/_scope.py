@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ._compiled import compiled_regions, generate_guard, index_generate, named_modules, region_of
-from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError
+from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError, enter_once
 from ._nested import describe_call, map_tensors
 
 __all__ = [
@@ -425,6 +425,7 @@ class HookScope:
     close = remove
 
     def __enter__(self) -> HookScope:
+        enter_once(self, self.owner, self.active)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:

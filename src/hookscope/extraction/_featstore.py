@@ -474,6 +474,17 @@ def load_features(out: str | os.PathLike[str]) -> Features:
 
     Only numpy is needed to read the files without hookscope: ``np.load("out/avgpool.npy",
     mmap_mode="r")``, ``np.load("out/index.npy")``, ``json.load(open("out/manifest.json"))``.
+
+    Example:
+        >>> import tempfile, torch, torch.nn as nn
+        >>> from torch.utils.data import TensorDataset
+        >>> from hookscope import extract
+        >>> net = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+        >>> out = tempfile.mkdtemp()
+        >>> _ = extract(net, TensorDataset(torch.randn(5, 3)), ["0"], out, progress=False)
+        >>> feats = load_features(out)
+        >>> feats["0"].shape, feats.index.tolist()
+        ((5, 4), [0, 1, 2, 3, 4])
     """
     return Features(out)
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..core._compiled import named_modules, region_of
-from ..core._errors import HookscopeError, LayerNotFoundError
+from ..core._errors import HookscopeError, LayerNotFoundError, enter_once
 from ..core._scope import check_model
 from ..core._select import suggest
 from ._plan import CheckpointPlan
@@ -90,9 +90,11 @@ class CheckpointHandle:
         self.kind = kind
         self.modules: list[str] = []
         self._undo: list[tuple[weakref.ref[nn.Module], Any]] = []
+        self._closed = False
 
     def remove(self) -> None:
         """Undo: each module runs its own ``forward`` again."""
+        self._closed = True
         undo, self._undo = self._undo, []
         for ref, saved in reversed(undo):
             module = ref()
@@ -108,6 +110,7 @@ class CheckpointHandle:
         return bool(self._undo)
 
     def __enter__(self) -> CheckpointHandle:
+        enter_once(self, "apply_checkpointing", not self._closed)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..core._compiled import named_parameters
-from ..core._errors import UnsupportedTensorError, some_names
+from ..core._errors import UnsupportedTensorError, enter_once, some_names
 from ..core._nested import iter_tensors
 from ..core._recompute import Recomputes
 from ..core._scope import HookScope, check_model, in_backward
@@ -633,6 +633,7 @@ class Monitor:
             pass
 
     def __enter__(self) -> Monitor:
+        enter_once(self, "Monitor", not self._closed)
         return self
 
     def __exit__(self, *exc: Any) -> None:
