@@ -287,6 +287,7 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
             "edit_grads",
             "never ran while the scope was open with an output that requires grad",
         )
+        named_params: list[str] = []  # parameters named by a key (FireCheck counts their hooks)
         for key, fn in edits.items():
             modules, tensors = _resolve_grad_targets(model, key)
             for name, module in modules.items():
@@ -302,8 +303,9 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                 add_param_grad_editor(
                     scope, model, name, t, _grad_editor(fn, f"the gradient of {name}"), check
                 )
-                if check is not None:
-                    reached.params(check, [name])
+                named_params.append(name)
+        if check is not None:
+            reached.params(check, named_params)
     except BaseException:
         scope.remove()
         raise
