@@ -67,7 +67,7 @@ class _Reached:
     def _check_params(self, check: FireCheck, names: list[str]) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return
-        never = [n for n in names if not check.count.get(n)]
+        never = [n for n in names if not check.count.get(n) and n not in check.reported]
         if never:
             warnings.warn(
                 f"{self.owner}: parameter(s) {some_names(never)} got no gradient while the scope "
@@ -320,9 +320,10 @@ def _output_grad_editor(
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         for _, t in iter_tensors(output):
+            if t.requires_grad:
+                ran[name] += 1  # (before the type check: a refused tensor is reported there)
             check_tensor_type(t, f"the output of layer {name!r}")
             if t.requires_grad:
-                ran[name] += 1
                 scope.add_activation_grad_hook(t, on_grad, layer=name)
 
     return hook

@@ -50,6 +50,7 @@ class FireCheck:
         self._ends: list[Callable[[], None]] = []
         self._scope = scope
         self.helpers: dict[str, Any] = {}  # per-scope state of the editors that use this check
+        self.reported: set[str] = set()  # parameters this check raised about (already loud)
         scope.add_forward(model, self._on_forward, layer="")
 
     def watch(self, name: str, param: torch.Tensor) -> None:
@@ -101,6 +102,7 @@ class FireCheck:
         ]
         self._before = {}
         if missed:
+            self.reported.update(missed)
             p = self.params[missed[0]]
             raise HookscopeError(
                 f"{self.owner}: the gradient of parameter {missed[0]!r} ({type(p).__name__}) was "
