@@ -254,18 +254,19 @@ class Paced(Dataset):
 
 def test_write_error_is_clear_and_work_is_kept(net, data, tmp_path, monkeypatch):
     full = hs.extract(net, data, "conv", tmp_path / "full", batch_size=2, progress=False)
-    real_save = _featstore.Journal.save
+    real_write = _featstore.atomic_write_json
     durable = []
 
-    def failing_save(self, key, done, *rest):
-        # fail once 3 batches are written (by batch count, not by number of syncs, which
-        # depends on how fast the writer drains its queue)
-        if done >= 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        durable.append(done)
-        real_save(self, key, done, *rest)
+    def failing_write(path, obj):
+        # the journal's update fails once 3 batches are written (by batch count, not by number
+        # of syncs, which depends on how fast the writer drains its queue)
+        if path.name.startswith("journal-"):
+            if obj["done"] >= 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            durable.append(obj["done"])
+        real_write(path, obj)
 
-    monkeypatch.setattr(_featstore.Journal, "save", failing_save)
+    monkeypatch.setattr(_featstore, "atomic_write_json", failing_write)
     out = tmp_path / "out"
     with pytest.raises(
         hs.ExtractError, match=r"no space left on device.*kept.*run the same extraction again"
@@ -276,7 +277,7 @@ def test_write_error_is_clear_and_work_is_kept(net, data, tmp_path, monkeypatch)
     journal = json.loads((out / _featstore.STATE_DIR / "journal-0.json").read_text())
     assert journal["done"] == durable[-1]
     assert f"the {2 * durable[-1]} of 11 samples durably written" in str(err.value)
-    monkeypatch.setattr(_featstore.Journal, "save", real_save)
+    monkeypatch.setattr(_featstore, "atomic_write_json", real_write)
     resumed = hs.extract(net, data, "conv", out, batch_size=2, progress=False)
     assert files_of(out) == files_of(full.path)
     np.testing.assert_array_equal(resumed["conv"], full["conv"])

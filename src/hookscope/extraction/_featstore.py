@@ -193,23 +193,20 @@ def open_arrays(out: Path, run: dict[str, Any]) -> dict[str, np.memmap]:
 class Journal:
     """Progress of one process's shard: batches durable on disk and samples skipped so far."""
 
-    def __init__(self, out: Path, rank: int) -> None:
+    def __init__(self, out: Path, rank: int, key: dict[str, Any]) -> None:
         self.path = state_dir(out) / f"journal-{rank}.json"
-
-    def load(self, key: dict[str, Any]) -> tuple[int, list[dict[str, Any]], list[str]]:
-        """``(batches done, skipped records, digests of the batches done)``; ``(0, [], [])`` when
-        absent or for another shard."""
+        self.key = key  # the shard: fingerprint, rank, world size, its global batches
+        self.done, self.skipped, self.digests = 0, [], []  # as loaded
         data = read_json(self.path)
-        if not data or data.get("key") != key:
-            return 0, [], []
-        done = int(data["done"])
-        return done, list(data["skipped"]), list(data.get("digests", []))[:done]
+        if data and data.get("key") == key:  # this shard, killed since the consolidation
+            self.done = int(data["done"])
+            self.skipped = list(data["skipped"])
+            self.digests = list(data.get("digests", []))[: self.done]
 
-    def save(
-        self, key: dict[str, Any], done: int, skipped: list[dict[str, Any]], digests: list[str]
-    ) -> None:
+    def save(self, done: int, skipped: list[dict[str, Any]], digests: list[str]) -> None:
         atomic_write_json(
-            self.path, {"key": key, "done": done, "skipped": skipped, "digests": digests[:done]}
+            self.path,
+            {"key": self.key, "done": done, "skipped": skipped, "digests": digests[:done]},
         )
 
 
@@ -300,17 +297,14 @@ class Writer:
         out: Path,
         arrays: dict[str, np.memmap],
         journal: Journal,
-        key: dict[str, Any],
-        *,
-        done: int,
-        skipped: list[dict[str, Any]],
-        digests: list[str],
         fill: dict[str, Any],
+        *,
         maxsize: int = 4,
         sync_interval: float = 1.0,
     ) -> None:
-        self.out, self.arrays, self.journal, self.key = out, arrays, journal, key
-        self.done, self.skipped, self.digests, self.fill = done, skipped, digests, fill
+        self.out, self.arrays, self.journal, self.fill = out, arrays, journal, fill
+        done = self.done = journal.done  # continues the journal's shard where it stopped
+        self.skipped, self.digests = list(journal.skipped), list(journal.digests)
         self.sync_interval = sync_interval
         self.error: BaseException | None = None
         self._durable = done
@@ -394,7 +388,7 @@ class Writer:
             return
         for arr in self.arrays.values():
             arr.flush()
-        self.journal.save(self.key, self.done, self.skipped, self.digests)
+        self.journal.save(self.done, self.skipped, self.digests)
         self._durable = self.done
 
 

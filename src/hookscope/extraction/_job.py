@@ -431,8 +431,8 @@ class Job:
         check = [sorted(finished)[j] for j in self._spread(len(finished))]
         check = check[rank * len(check) // world : (rank + 1) * len(check) // world]
         key = {"fingerprint": self.fingerprint, "rank": rank, "world_size": world, "batches": mine}
-        journal = Journal(self.out, rank)
-        done, skipped, digests = journal.load(key)  # (0, [], []) unless killed since consolidation
+        journal = Journal(self.out, rank, key)
+        done = journal.done  # 0 unless killed since the consolidation
         show = self.options.progress and rank == 0
         if finished and show:
             print(
@@ -442,9 +442,7 @@ class Job:
             )
         arrays = open_arrays(self.out, run)
         fill = {k: (np.nan if np.dtype(d).kind in "fc" else 0) for k, d in run["np_dtypes"].items()}
-        writer = Writer(
-            self.out, arrays, journal, key, done=done, skipped=skipped, digests=digests, fill=fill
-        )
+        writer = Writer(self.out, arrays, journal, fill)
         ks = check + mine[done:]
         pin = runner.device.type == "cuda"
         loader = src.loader(ks, run.get("sample_signature"), pin)
