@@ -118,6 +118,33 @@ def test_a_running_owner_refuses_others_and_a_killed_one_leaves_no_stuck_lock(tm
     assert not (out / LOCK).exists()
 
 
+def _slow_run(out: str) -> None:
+    torch.set_num_threads(1)
+    net, data = make(n=40)
+    hs.extract(net, Paced(data, 0.05), "conv", out, batch_size=2, num_workers=2, progress=False)
+
+
+def test_an_owner_killed_with_loader_workers_frees_the_folder_at_once(tmp_path):
+    """Forked DataLoader workers inherit the lock's descriptor: the lock must not outlive an
+    owner killed with SIGKILL (the workers drop their copy when they start; PyTorch also kills
+    them with their parent on Linux, so this guards other platforms and start methods)."""
+    out = tmp_path / "out"
+    owner = CTX.Process(target=_slow_run, args=(str(out),))
+    owner.start()
+    journal = out / ".hookscope-extract" / "journal-0.json"
+    deadline = time.monotonic() + 60
+    while not journal.exists() and time.monotonic() < deadline and owner.is_alive():
+        time.sleep(0.02)
+    assert journal.exists() and owner.is_alive()
+    net, data = make(n=40)
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.join(30)
+    with one_thread():
+        feats = hs.extract(net, data, "conv", out, batch_size=2, progress=False)  # at once
+    want = reference(net, data.tensors[0])["conv"].numpy()
+    np.testing.assert_allclose(feats["conv"], want, rtol=1e-5, atol=1e-6)
+
+
 def _job_ranks(rank: int, tmp: str) -> None:
     net, data = make()
     for folder in ("held", "free"):

@@ -175,11 +175,16 @@ class Source:
         b = self.batch_size
         return sum(min(self.planned, (k + 1) * b) - k * b for k in ks)
 
-    def loader(self, ks: list[int], reference: str | None, pin: bool) -> DataLoader:
-        """The global batches ``ks``, in this order, loaded with the bad samples set aside."""
+    def loader(
+        self, ks: list[int], reference: str | None, pin: bool, lock: OutputLock
+    ) -> DataLoader:
+        """The global batches ``ks``, in this order, loaded with the bad samples set aside (the
+        workers drop their inherited copy of ``lock``: it dies with its owner)."""
         kw = dict(self.loader_kw)
         if pin and "pin_memory" not in kw:
             kw["pin_memory"] = True
+        if self.num_workers > 0:
+            kw["worker_init_fn"] = lock.worker_init(kw.get("worker_init_fn"))
         return DataLoader(
             SafeDataset(self.dataset),
             batch_sampler=Batches(ks, self.batch_size, self.n, self.plan),
@@ -326,7 +331,7 @@ class Job:
 
     def _verify(self, digests: dict[int, str], reference: str | None, ks: list[int]) -> None:
         """Re-read the batches ``ks`` (no forward pass) and compare what they read with ``digests``."""
-        loader = self.source.loader(ks, reference, pin=False)
+        loader = self.source.loader(ks, reference, False, self.lock)
         for k, batch in zip(ks, loader):
             self._check(k, batch.digest, digests[k])
 
@@ -445,7 +450,7 @@ class Job:
         writer = Writer(self.out, arrays, journal, fill)
         ks = check + mine[done:]
         pin = runner.device.type == "cuda"
-        loader = src.loader(ks, run.get("sample_signature"), pin)
+        loader = src.loader(ks, run.get("sample_signature"), pin, self.lock)
         total, rows_done = src.rows_of(mine), src.rows_of(mine[:done])
         bar = progress_bar(total, initial=rows_done, enabled=show, desc="extract", unit="samples")
         try:

@@ -6,7 +6,9 @@ job's barriers, while rank 0 holds it). The kernel drops it when that process di
 included, so a crashed run never leaves the folder stuck. The file holds the owner's pid, host and
 start time (for the loser's message) and is deleted on release; since a waiter may have opened it
 just before, an acquirer checks after locking that the file it locked is still the one at that
-path (the usual unlink-safe protocol).
+path (the usual unlink-safe protocol). A forked ``DataLoader`` worker inherits the locked
+descriptor, which would keep the lock alive after its owner's death until the worker notices;
+:class:`CloseInWorker` closes it in each worker first.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ._featstore import ExtractError
 
@@ -23,7 +27,7 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK", "OutputLock", "writer_of"]
+__all__ = ["LOCK", "CloseInWorker", "OutputLock", "writer_of"]
 
 LOCK = ".hookscope-extract.lock"
 
@@ -68,6 +72,13 @@ class OutputLock:
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} (since {stamp})\n".encode())
         self.fd = fd
 
+    def worker_init(self, user: Callable[[int], Any] | None) -> Callable[[int], Any] | None:
+        """A ``worker_init_fn`` that drops this lock's inherited descriptor, then calls ``user``."""
+        if self.fd is None:
+            return user
+        st = os.fstat(self.fd)
+        return CloseInWorker(self.fd, (st.st_dev, st.st_ino), user)
+
     def release(self) -> None:
         fd, self.fd = self.fd, None
         if fd is None:
@@ -76,6 +87,25 @@ class OutputLock:
             self.path.unlink(missing_ok=True)  # while still locked: see the module docstring
         finally:
             os.close(fd)
+
+
+class CloseInWorker:
+    """``worker_init_fn`` of the extraction's ``DataLoader``: closes the lock file's descriptor a
+    forked worker inherited (only if that descriptor is still the lock file: a spawned worker has
+    another file, or none, at that number), then runs the user's ``worker_init_fn``."""
+
+    def __init__(self, fd: int, file: tuple[int, int], user: Callable[[int], Any] | None) -> None:
+        self.fd, self.file, self.user = fd, file, user
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            st = os.fstat(self.fd)
+            if (st.st_dev, st.st_ino) == self.file:
+                os.close(self.fd)
+        except OSError:
+            pass
+        if self.user is not None:
+            self.user(worker_id)
 
 
 def writer_of(out: Path) -> str | None:
