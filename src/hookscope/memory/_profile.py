@@ -12,9 +12,9 @@ import torch.nn as nn
 from ..core._compiled import compiled_regions, named_modules, strip_compiled
 from ..core._errors import HookscopeError, LayerNotFoundError
 from ..core._nested import iter_tensors
-from ..core._saved import CallInputs, SavedTensors, SaveEvent
 from ..core._scope import check_model
 from ..core._select import suggest
+from ._saved import CallInputs, SavedTensors, SaveEvent
 
 __all__ = ["MemoryProfile", "MemoryRow", "memory_profile"]
 
