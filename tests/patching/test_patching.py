@@ -11,6 +11,7 @@ import torch.nn as nn
 import hookscope as hs
 from helpers.common import one_thread
 from helpers.lm import tiny_bert, tiny_gpt2, tiny_llama, tiny_neox, tl_bridge, word_tokenizer
+from helpers.patch_refs import by_head, by_pos_head, by_position, hand_sweep, hidden_of
 from hookscope.patching._heads import head_split
 
 CLEAN = torch.tensor(
@@ -42,86 +43,6 @@ def logits_of(out):
 def logit_diff(out):
     lg = logits_of(out)[:, -1]
     return (lg[:, MARY] - lg[:, JOHN]).mean()
-
-
-# -- references written by hand with plain PyTorch hooks ---------------------------------------
-def _hidden(args, kwargs):
-    if args and isinstance(args[0], torch.Tensor):
-        return "arg", args[0]
-    return "kw", kwargs["hidden_states"]
-
-
-def _replace(args, kwargs, where, new):
-    if where == "arg":
-        return (new, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": new}
-
-
-def hand_sweep(model, module, kind, clean, corrupt, metric, cut):
-    """One forward per site. ``cut(act, i)`` -> boolean mask of site ``i`` over ``act``'s
-    non-batch dims (for a head: the head's features); ``kind`` 'input' or 'output'."""
-    store = {}
-
-    def keep_in(m, a, k):
-        store["x"] = _hidden(a, k)[1].clone()
-
-    def keep_out(m, a, o):
-        store["x"] = (o[0] if isinstance(o, tuple) else o).clone()
-
-    if kind == "input":
-        h = module.register_forward_pre_hook(keep_in, with_kwargs=True)
-    else:
-        h = module.register_forward_hook(keep_out)
-    try:
-        with torch.no_grad():
-            model(**clean)
-    finally:
-        h.remove()
-    src = store["x"]
-    n = cut(src, None)
-    out = []
-    for i in range(n):
-        mask = cut(src, i)
-
-        def pre(m, a, k, mask=mask):
-            where, x = _hidden(a, k)
-            return _replace(a, k, where, torch.where(mask, src, x))
-
-        def post(m, a, o, mask=mask):
-            if isinstance(o, tuple):
-                return (torch.where(mask, src, o[0]), *o[1:])
-            return torch.where(mask, src, o)
-
-        if kind == "input":
-            h = module.register_forward_pre_hook(pre, with_kwargs=True)
-        else:
-            h = module.register_forward_hook(post)
-        try:
-            with torch.no_grad():
-                out.append(float(metric(model(**corrupt))))
-        finally:
-            h.remove()
-    return torch.tensor(out)
-
-
-def by_position(act, i):
-    if i is None:
-        return act.shape[1]
-    m = torch.zeros(act.shape[1:], dtype=torch.bool)
-    m[i] = True
-    return m
-
-
-def by_head(heads):
-    def cut(act, i):
-        if i is None:
-            return heads
-        d = act.shape[-1] // heads
-        m = torch.zeros(act.shape[1:], dtype=torch.bool)
-        m[..., i * d : (i + 1) * d] = True
-        return m
-
-    return cut
 
 
 # -- TransformerLens on the same weights ------------------------------------------------------
@@ -325,7 +246,7 @@ def test_attribution_equals_autograd_by_hand():
         for m in mods:
             hooks.append(
                 m.register_forward_pre_hook(
-                    lambda m, a, k: acts.append(_hidden(a, k)[1]) and None, with_kwargs=True
+                    lambda m, a, k: acts.append(hidden_of(a, k)[1]) and None, with_kwargs=True
                 )
             )
         try:
@@ -608,22 +529,9 @@ def seq_lengths(module):
     seen = []
 
     def hook(m, a, k):
-        seen.append(_hidden(a, k)[1].shape[1])
+        seen.append(hidden_of(a, k)[1].shape[1])
 
     return seen, module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def by_pos_head(heads):
-    def cut(act, i):
-        if i is None:
-            return act.shape[1] * heads
-        p, h = divmod(i, heads)
-        d = act.shape[-1] // heads
-        m = torch.zeros(act.shape[1:], dtype=torch.bool)
-        m[p, h * d : (h + 1) * d] = True
-        return m
-
-    return cut
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -20,7 +20,7 @@ from ..core._scope import HookScope
 from ._inputs import PatchingError
 from ._job import PatchMetric, SweepJob, check_calls, prepare, score
 from ._layer_sweep import LayerSweep
-from ._sites import PatchedLayer, grid, per_site, resolve_layers, set_act, view
+from ._sites import PatchedLayer, grid, per_site, resolve_layers, set_act, stack_layers, view
 
 __all__ = ["attribution_patch"]
 
@@ -49,6 +49,25 @@ def attribution_patch(
     ``.grad`` is touched. With ``top_k`` the ``k`` sites of largest ``|score|`` are also patched
     exactly, and ``(scores, exact)`` is returned: ``exact`` holds ``metric(patched) -
     metric(corrupted run)`` at those sites and NaN elsewhere.
+
+    Refused as :func:`patch_sweep` refuses (a model whose clean run draws random numbers, batch
+    norm in training mode, meta weights, heads where the module declares none), and under
+    ``torch.inference_mode()`` (no gradients there; ``torch.no_grad()`` is fine: gradients are
+    turned on inside).
+
+    Args:
+        model: any ``nn.Module``.
+        clean: token ids, or a dict of keyword inputs.
+        corrupt: as ``clean``, aligned token by token.
+        metric: ``metric(output) -> scalar tensor`` computed from the output (autograd).
+        layers: the layers to score.
+        at: ``"output"`` or ``"input"`` of each layer.
+        over: the sweep axes, as in :func:`patch_sweep`.
+        arg: with ``at="input"``, the input to score.
+        reverse: the gradient at the clean run, the difference reversed.
+        n_heads: the head count of a module that declares none.
+        head_proj: the output projection under the attention module.
+        top_k: also patch the ``top_k`` sites of largest ``|score|`` exactly.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -83,7 +102,7 @@ def attribution_patch(
             g = torch.zeros_like(delta)
         prod = view(layer, delta.to(torch.float32) * g.to(torch.float32))
         scores.append(per_site(layer, over_t, prod, torch.sum))
-    out = torch.stack(scores).detach()
+    out = stack_layers(scores, chosen).detach()
     if top_k is None:
         return out
     return out, _exact_top(job, chosen, clean_acts, out, top_k, value)

@@ -33,6 +33,7 @@ __all__ = [
     "resolve_layers",
     "set_act",
     "site_masks",
+    "stack_layers",
     "view",
 ]
 
@@ -297,3 +298,19 @@ def patched(
         xv = view(layer, x).view(k, b, *cv.shape[2:])
         out = torch.where(mask.to(x.device), cv, xv)
     return out.reshape(x.shape)
+
+
+def stack_layers(results: list[torch.Tensor], layers: list[PatchedLayer]) -> torch.Tensor:
+    """The per-layer sweeps stacked ``[layers, *sites]``; an error naming a layer of each shape
+    where they differ (e.g. an encoder's and a decoder's blocks: different lengths)."""
+    first: dict[tuple[int, ...], str] = {}
+    for r, layer in zip(results, layers):
+        first.setdefault(tuple(r.shape), layer.name)
+    if len(first) > 1:
+        shown = ", ".join(f"{s} from {n!r}" for s, n in sorted(first.items()))
+        raise PatchingError(
+            f"the layers give sweeps of different shapes {sorted(first)}; sweep them separately: "
+            f"{shown} (an encoder-decoder model's encoder and decoder blocks see different "
+            "sequences)"
+        )
+    return torch.stack(results)

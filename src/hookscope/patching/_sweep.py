@@ -15,7 +15,7 @@ from ._cached_prefix import CausalPrefix, drop_cache, wants_cache
 from ._inputs import PatchingError
 from ._job import PatchMetric, SweepJob, prepare
 from ._layer_sweep import LayerSweep
-from ._sites import PatchedLayer, grid, per_site, resolve_layers, view
+from ._sites import PatchedLayer, grid, per_site, resolve_layers, stack_layers, view
 
 __all__ = ["PatchMetric", "patch_sweep"]
 
@@ -40,26 +40,23 @@ def patch_sweep(
     every patched run as a tensor shaped ``[layers, *over]``.
 
     A site is one position (``over=("position",)``), one attention head (``("head",)``), one
-    head at one position (``("position", "head")``) or the whole activation (``()``). The
-    activation is the layer's output (its first tensor: HF attention returns a tuple), or with
-    ``at="input"`` its first tensor input, positional or ``hidden_states`` (``arg`` names
-    another). A head's activation is its slice of the input of the attention module's output
-    projection (``c_proj``, ``o_proj``, ``dense``, ``out_proj``; ``head_proj`` names another),
-    split by the query-head count (from the module or the config; ``n_heads`` sets it).
-    ``reverse=True`` patches corrupted activations into the clean run instead.
-
-    ``clean`` and ``corrupt`` are token ids or dicts of keyword inputs (with their
-    ``attention_mask``); they must align token by token (:class:`PatchingError` names the
-    positions where they do not). ``metric(output) -> scalar`` gets one site's output, as many
-    rows as the batch (a tensor, or a ``ModelOutput``: use ``.logits``).
+    head at one position (``("position", "head")``) or the whole activation (``()``) of a
+    selected layer. The activation is the layer's output (its first tensor: HF attention returns
+    a tuple), or with ``at="input"`` its first tensor input, positional or ``hidden_states``. A
+    head's activation is its slice of the input of the attention module's output projection,
+    split by the query-head count that the module declares (a ``num_heads``/``head_dim``-like
+    attribute on it or a submodule); a module that declares no heads (an MLP) is refused.
 
     Sites go into the rows of few passes: the layers before the patched one run once on the
     batch, the rows fan out from the patched layer's block on (its sites in one pass, chunked
-    to ``max_bytes``, default a share of the free memory, or to ``rows`` rows per pass). A site
-    whose clean activation equals the corrupted one exactly (in a causal model, every position
-    before the first token that differs) is not run: its value is the corrupted run's metric.
-    The first chunk of each layer is checked against one site run alone; a model whose batch
-    cannot fan out mid-way runs with its inputs tiled instead, with a warning.
+    to ``max_bytes`` or ``rows``). A site whose clean activation equals the corrupted one exactly
+    (in a causal model, every position before the first token that differs) is not run: its
+    value is the corrupted run's metric. Every value returned is checked or exact by
+    construction: the first pass of several sites of each layer is compared with its first site
+    patched alone; where it differs, the layer runs with the model's inputs tiled (checked the
+    same way), and where that differs too (a model that mixes the rows of a batch, e.g. by a
+    batch statistic), one site per pass, with a warning naming the layer. A pass that runs out
+    of memory is halved, with a warning; passes stay at most that size for the rest of the sweep.
 
     In a causal Hugging Face model (its forward takes ``past_key_values``, its attention says
     ``is_causal``, and ``use_cache=True`` gives a ``DynamicCache``), a patch at positions
@@ -69,12 +66,37 @@ def patch_sweep(
     grouped into passes by their first changed position (a position; for a head or the whole
     activation, its first position that differs). Each layer's first such pass is checked
     against a full run of one site (every output tensor); where it differs, that layer runs at
-    full length with a warning. Encoders (BERT), models without a cache, compiled models
-    (each new length would recompile) and inputs other than ``input_ids``/``inputs_embeds``/
-    ``token_type_ids``/``position_ids``/a 2-D ``attention_mask`` run at full length. One difference from a full run, by design: the
-    output at a padding position before ``p0`` that precedes a row's first real token (left
-    padding) is the corrupted run's, where a full run lets that position attend to every
-    position; a metric should read real tokens.
+    full length with a warning. Encoders (BERT), encoder-decoder models, models without a cache,
+    compiled models (each new length would recompile) and inputs other than ``input_ids``/
+    ``inputs_embeds``/``token_type_ids``/``position_ids``/a 2-D ``attention_mask`` run at full
+    length. One difference from a full run, by design: the output at a padding position before
+    ``p0`` that precedes a row's first real token (left padding) is the corrupted run's, where a
+    full run lets that position attend to every position; a metric should read real tokens.
+
+    Refused, with :class:`PatchingError`: a model whose first (clean) run draws random numbers
+    (dropout in training mode, as a module or as a function inside attention: asked of the run,
+    not of module types); a model in training mode that draws nothing is swept as it is. Batch
+    norm in training mode (it would mix the rows of different sites); weights on the meta
+    device. Forwards of the same model in other threads during a sweep run unpatched.
+
+    Args:
+        model: any ``nn.Module`` (a Hugging Face model, a compiled one).
+        clean: token ids, or a dict of keyword inputs (with their ``attention_mask``).
+        corrupt: as ``clean``; the two must align token by token (:class:`PatchingError` names
+            the positions where they do not).
+        metric: ``metric(output) -> scalar``, given one site's output (as many rows as the
+            batch; a tensor, or a ``ModelOutput``: use ``.logits``).
+        layers: the layers to patch (names, a glob, ``hs.blocks(model)``, ...).
+        at: ``"output"`` or ``"input"`` of each layer.
+        over: the sweep axes: ``("position",)``, ``("head",)``, ``("position", "head")``, ``()``.
+        arg: with ``at="input"``, the input to patch (a positional index or a keyword name).
+        reverse: patch corrupted activations into the clean run instead.
+        n_heads: the head count of a module that declares none (must equal a declared count).
+        head_proj: the output projection under the attention module, where it is not one of
+            ``c_proj``/``o_proj``/``dense``/``out_proj``.
+        rows: rows per pass (``rows=`` the batch size: one site per pass).
+        max_bytes: the memory a pass may use (default: half the free memory of a CUDA device;
+            on the CPU a quarter of the available memory, at most 2 GiB).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -108,12 +130,7 @@ def patch_sweep(
             _layer_values(job, layer, (acts[layer.point], base_acts[layer.point]), baseline, prefix)
             for layer in chosen
         ]
-    shapes = {tuple(r.shape) for r in results}
-    if len(shapes) > 1:
-        raise PatchingError(
-            f"the layers give sweeps of different shapes {sorted(shapes)}; sweep them separately"
-        )
-    return torch.stack(results)
+    return stack_layers(results, chosen)
 
 
 def _layer_values(
