@@ -144,7 +144,7 @@ def test_repr_and_mapping_protocol():
 
 def test_dataparallel_style_replicas_in_threads():
     # DataParallel replicas share the hook dicts and run in threads with the replica as `module`
-    # (PITFALL 17). Without GPUs DataParallel cannot replicate, so do what it does by hand.
+    # (docs/pitfalls.md §17). Without GPUs DataParallel cannot replicate, so do what it does by hand.
     import threading
 
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 ``model.generate()`` (and any loop of KV-cached forward calls) calls every layer once on the
 prompt, then once per new token on one position; rows can be left-padded, and beam search
-reorders them between calls (PITFALL 32). A :class:`TokenTracker` is a ``with_kwargs`` forward
+reorders them between calls (docs/pitfalls.md §32). A :class:`TokenTracker` is a ``with_kwargs`` forward
 pre-hook on the root model that reads, for each model call, where its tokens sit:
 
 * the **column** of the call's first token in the padded sequence: the width of a 2-D
