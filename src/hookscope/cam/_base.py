@@ -1,5 +1,5 @@
 """The CAM template: one forward (and a backward through the layers after the target only), then
-batched, on-device post-processing. Each method (``_cam_methods.py``) is a small subclass that
+batched, on-device post-processing. Each method (``_methods.py``) is a small subclass that
 says how to turn a layer's activation and gradient into a map; the registry maps names to them.
 
 How the gradient is taken cheaply: the model runs with autograd *off* until the target layer. A
