@@ -62,7 +62,7 @@ class StepHooks:
     bins: int = 0  # histogram bins (0: none)
     scaler: Any = None
     layouts: TPLayouts | None = None  # tensor parallel: the layout of each layer's output
-    # reentrant checkpointing: forward calls waiting for their recompute (docs/pitfalls.md)
+    # reentrant checkpointing: forward calls waiting for their recompute (docs/pitfalls.md §27)
     recomputes: Recomputes = field(default_factory=Recomputes)
 
     def note_scale(self) -> None:

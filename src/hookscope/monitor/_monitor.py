@@ -5,7 +5,7 @@ the ``step()`` that precedes a logged step and removes it at the ``step()`` that
 other ``N - 1`` steps run on PyTorch's no-hook fast path. Statistics are computed on the device
 (fp32, foreach ops) inside the hooks and read with one host transfer per logged step. Parameter
 gradients are read from ``.grad`` at ``step()``, after backward (and after DDP averaged them),
-never from a module backward hook (PITFALLS 7, 18).
+never from a module backward hook (docs/pitfalls.md §7, §18).
 """
 
 from __future__ import annotations
