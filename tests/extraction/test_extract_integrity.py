@@ -306,3 +306,56 @@ def test_a_sample_of_the_wrong_shape_or_none_is_named_or_skipped(tmp_path, worke
     want = reference(net, a.tensors[0])["head"].numpy()
     np.testing.assert_allclose(feats["head"][feats.valid], want[feats.valid], rtol=1e-5, atol=1e-6)
     assert np.isnan(feats["head"][~feats.valid]).all()
+
+
+def _in_thread(out, name, start, results) -> None:
+    seed, layers = JOBS[name]
+    net, data = make(seed)
+    start.wait()
+    try:
+        hs.extract(net, Paced(data, 0.02), layers, out, batch_size=2, progress=False)
+        results[name] = "ok"
+    except hs.ExtractError as e:
+        results[name] = str(e)
+
+
+def test_two_threads_on_one_folder_one_wins(tmp_path):
+    """The lock is held by an open file, not by a process: a second thread is refused too."""
+    import threading
+
+    start, results = threading.Barrier(2), {}
+    threads = [
+        threading.Thread(target=_in_thread, args=(tmp_path, name, start, results)) for name in JOBS
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results.values()).count("ok") == 1, results
+    (msg,) = [m for m in results.values() if m != "ok"]
+    assert "is being written by pid" in msg
+    (winner,) = [n for n, m in results.items() if m == "ok"]
+    assert hs.load_features(tmp_path).layers == JOBS[winner][1]
+
+
+def test_internal_functions_take_few_parameters():
+    """Values that travel together go in a job object (Source, Options, Job), not in long
+    positional lists."""
+    import inspect
+
+    from hookscope import extraction
+
+    too_many = []
+    for mod_name in ("_data", "_digest", "_extract", "_featstore", "_forward", "_job", "_lock"):
+        mod = __import__(f"{extraction.__name__}.{mod_name}", fromlist=["_"])
+        for name, obj in vars(mod).items():
+            if getattr(obj, "__module__", None) != mod.__name__ or name == "extract":
+                continue
+            funcs = [obj] if inspect.isfunction(obj) else []
+            if inspect.isclass(obj):
+                funcs = [f for f in vars(obj).values() if inspect.isfunction(f)]
+            for f in funcs:
+                params = [p for p in inspect.signature(f).parameters if p not in ("self", "cls")]
+                if len(params) > 7:
+                    too_many.append(f"{mod_name}.{f.__qualname__}({len(params)})")
+    assert too_many == []
