@@ -36,7 +36,9 @@ _NEVER_RAN_HINT = (
     "through __call__: a parent that calls child.forward(...) directly skips them "
     "(e.g. nn.MultiheadAttention.out_proj), and branches not taken for this input never run. "
     "If the model runs through torch.compile, give hookscope the compiled model (the object you "
-    "call), not the module it wraps: a compiled graph hookscope was not given ignores its hooks"
+    "call), not the module it wraps: a compiled graph hookscope was not given ignores its hooks. "
+    "A scope acts only on the calls of the thread that created it: a call from another thread "
+    "is not recorded"
 )
 
 
@@ -591,6 +593,16 @@ def capture(
     """
     check_model(model)
     named = resolve(model, layers)
+    for arg, v in (
+        ("inputs", inputs),
+        ("grads", grads),
+        ("detach", detach),
+        ("clone", clone),
+        ("stop", stop),
+        ("sequence", sequence),
+    ):
+        if not isinstance(v, bool):
+            raise TypeError(f"capture: {arg} must be True or False; got {type(v).__name__}: {v!r}")
     if keep not in ("all", "last"):
         raise ValueError(f"keep must be 'all' or 'last', got {keep!r}")
     if sequence and (keep != "all" or stop):

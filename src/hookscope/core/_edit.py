@@ -39,7 +39,8 @@ def positive_number(v: Any, what: str) -> float:
 NEVER_RAN = (
     "it was never called through module(...) while the scope was open (a parent that calls "
     "child.forward(...) directly skips hooks, a branch not taken does not run, and a compiled "
-    "graph hookscope was not given ignores them: give hookscope the object you call)"
+    "graph hookscope was not given ignores them: give hookscope the object you call); a scope "
+    "acts only on the calls of the thread that created it"
 )
 
 

@@ -41,6 +41,10 @@ def observe(model: nn.Module, layers: Any, fn: Callable[[Call], Any]) -> HookSco
     """
     check_model(model)
     named = resolve(model, layers)
+    if not callable(fn):
+        raise TypeError(
+            f"observe: fn must be a function fn(call) called after each call; got {type(fn).__name__}"
+        )
     scope = HookScope("observe")
     counts: dict[str, int] = {}
 

@@ -233,6 +233,10 @@ def check_model(model: nn.Module) -> None:
     are indexed, so that a hook a scope adds inside a compiled region makes that region's calls run
     a hooked variant of the compiled code (see :mod:`hookscope.core._compiled`).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module (the object you call); got {type(model).__name__}"
+        )
     if isinstance(model, torch.jit.ScriptModule):
         raise UnsupportedModelError(
             f"{type(model).__name__} is a TorchScript module, which cannot run Python hooks; "
