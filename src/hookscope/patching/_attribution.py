@@ -84,13 +84,13 @@ def attribution_patch(
             "call it outside that block (it turns gradients on itself: torch.no_grad() around it "
             "is fine)"
         )
-    src, dst, _ = prepare(model, clean, corrupt, reverse, "attribution_patch")
+    src, dst = prepare(model, clean, corrupt, reverse)
     chosen, over_t = resolve_layers(
         model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
     )
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    job = SweepJob.create(model, dst, metric, over_t)
+    job = SweepJob.create(model, dst, metric, over_t, what="attribution_patch")
     with torch.no_grad():
         clean_acts, _, job.per_row = job.record(src, chosen, what="attribution_patch")
     acts, grads, value = _gradients(job, chosen)

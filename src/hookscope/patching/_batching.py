@@ -25,7 +25,6 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from ..core._compiled import named_modules
 from ..core._nested import map_tensors
 from ..core._scope import HookScope
 
@@ -161,7 +160,8 @@ def plan_from(
 
 
 class FanOut:
-    """Run ``batch`` rows up to module ``start``, then ``k * batch`` rows from there on.
+    """Run ``batch`` rows up to module ``start``, then ``k * batch`` rows from there on
+    (``modules``: the model's modules by name, as ``core._compiled.named_modules`` gives them).
 
     With ``at="input"`` the tiling happens in a forward-pre hook of ``start`` (its inputs), with
     ``at="output"`` in a forward hook (its output). Forward-pre hooks (``with_kwargs``) on every
@@ -174,7 +174,7 @@ class FanOut:
 
     def __init__(
         self,
-        model: nn.Module,
+        modules: dict[str, nn.Module],
         start: str,
         batch: int,
         scope: HookScope,
@@ -184,7 +184,6 @@ class FanOut:
     ) -> None:
         self.batch, self.k, self.active, self.only = batch, 1, False, only
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        modules = dict(named_modules(model))
         if at == "input":
             scope.add_forward_pre(modules[start], self._start_pre, layer=start, with_kwargs=True)
         else:

@@ -31,33 +31,35 @@ input batch; a tensor, or a ``ModelOutput`` with its ``.logits``)."""
 
 
 def prepare(
-    model: nn.Module, clean: Any, corrupt: Any, reverse: bool, what: str
-) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """The source run's and the patched run's keyword inputs, checked to align; the batch size.
-    Refuses a model without values (meta device) and one that mixes rows (batch norm training)."""
+    model: nn.Module, clean: Any, corrupt: Any, reverse: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The source run's and the patched run's keyword inputs, checked to align."""
     check_model(model)
-    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
-    if meta is None:
-        meta = next((n for n, b in model.named_buffers() if b.is_meta), None)
-    if meta is not None:
-        raise PatchingError(
-            f"{what}: the model's weights are on the meta device ({meta!r}: shapes, no values); "
-            "load real weights first (e.g. model.to_empty(device='cpu') then load_state_dict, or "
-            "from_pretrained without device_map='meta')"
-        )
-    for name, m in named_modules(model):
+    src = as_kwargs(model, clean, "clean")
+    dst = as_kwargs(model, corrupt, "corrupt")
+    check_aligned(model, src, dst)
+    if reverse:
+        src, dst = dst, src
+    return src, dst
+
+
+def _check_modules(modules: dict[str, nn.Module], what: str) -> None:
+    for name, m in modules.items():
+        meta = next((n for n, t in m.named_parameters(recurse=False) if t.is_meta), None)
+        meta = meta or next((n for n, t in m.named_buffers(recurse=False) if t.is_meta), None)
+        if meta is not None:
+            shown = f"{name}.{meta}" if name else meta
+            raise PatchingError(
+                f"{what}: the model's weights are on the meta device ({shown!r}: shapes, no "
+                "values); load real weights first (e.g. model.to_empty(device='cpu') then "
+                "load_state_dict, or from_pretrained without device_map='meta')"
+            )
         if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm):
             raise PatchingError(
                 f"{what}: batch norm {name!r} is in training mode: it normalises with the "
                 "batch's statistics, which would mix the rows of different sites; call "
                 "model.eval() first"
             )
-    src = as_kwargs(model, clean, "clean")
-    dst = as_kwargs(model, corrupt, "corrupt")
-    check_aligned(model, src, dst)
-    if reverse:
-        src, dst = dst, src
-    return src, dst, batch_size(dst)
 
 
 def check_calls(layer: PatchedLayer, n: int) -> None:
@@ -132,7 +134,12 @@ class SweepJob:
         *,
         rows: int | None = None,
         max_bytes: int | None = None,
+        what: str = "patch_sweep",
     ) -> SweepJob:
+        """Resolve ``model`` once; refuse one without values (meta device) or that mixes the rows
+        of a batch (batch norm in training mode), naming ``what`` was called."""
+        modules = dict(named_modules(model))
+        _check_modules(modules, what)
         if rows is not None and rows < 1:
             raise ValueError(f"rows must be >= 1 (rows per pass), got {rows}")
         device = model_device(model)
@@ -148,7 +155,7 @@ class SweepJob:
             over,
             rows,
             max_bytes if max_bytes is not None else default_budget(device),
-            dict(named_modules(model)),
+            modules,
             device,
             names,
         )
