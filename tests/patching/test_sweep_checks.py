@@ -235,7 +235,12 @@ def _t5():
         vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
         decoder_start_token_id=0, pad_token_id=0,
     )  # fmt: skip
-    return T5ForConditionalGeneration(cfg).eval(), "encoder.block", "decoder.block"
+    return (
+        T5ForConditionalGeneration(cfg).eval(),
+        "encoder.block",
+        "decoder.block",
+        "layer.0.SelfAttention.o",
+    )
 
 
 def _bart():
@@ -247,12 +252,13 @@ def _bart():
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
         max_position_embeddings=64,
     )  # fmt: skip
-    return BartForConditionalGeneration(cfg).eval(), "model.encoder.layers", "model.decoder.layers"
+    stacks = ("model.encoder.layers", "model.decoder.layers", "self_attn.out_proj")
+    return BartForConditionalGeneration(cfg).eval(), *stacks
 
 
 @pytest.mark.parametrize("make", [_t5, _bart], ids=["t5", "bart"])
 def test_encoder_decoder_blocks_equal_hand_written_hooks(make):
-    model, enc_stack, dec_stack = make()
+    model, enc_stack, dec_stack, out_proj = make()
     g = torch.Generator().manual_seed(1)
     enc, dec = torch.randint(3, 50, (2, 7), generator=g), torch.randint(3, 50, (2, 5), generator=g)
     dec2 = dec.clone()
@@ -283,6 +289,24 @@ def test_encoder_decoder_blocks_equal_hand_written_hooks(make):
             [_attribution_by_hand(model, modules[n], clean, corrupt, metric) for n in layers]
         )
         assert torch.allclose(scores, ref, atol=1e-6, rtol=1e-5), (scores - ref).abs().max()
+    # heads of the decoder's self-attention: the input of its output projection, 4 heads
+    clean = {"input_ids": enc, "decoder_input_ids": dec}
+    corrupt = {"input_ids": enc, "decoder_input_ids": dec2}
+    attn = [f"{dec_stack}.{i}.{out_proj.rsplit('.', 1)[0]}" for i in range(2)]
+    got = hs.patch_sweep(model, clean, corrupt, metric, attn, over=("head",))
+    projs = [modules[f"{dec_stack}.{i}.{out_proj}"] for i in range(2)]
+    ref = torch.stack(
+        [hand_sweep(model, p, "input", clean, corrupt, metric, by_head(4)) for p in projs]
+    )
+    assert ref.abs().max() > 1e-4 and torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+    # the two stacks see sequences of different lengths: a selection mixing them is refused
+    both = [f"{enc_stack}.1", f"{dec_stack}.0"]  # 7 encoder positions, 5 decoder positions
+    for verb in (hs.patch_sweep, hs.attribution_patch):
+        with pytest.raises(
+            hs.PatchingError,
+            match=rf"different shapes \[\(5,\), \(7,\)\]; sweep them separately: \(5,\) from '{dec_stack}.0'",
+        ):
+            verb(model, clean, corrupt, metric, both)
 
 
 def _first(o):
