@@ -171,23 +171,32 @@ def test_what_cannot_work_is_one_line_naming_the_argument():
     clean = torch.tensor([[2, 5, 6, 7]])
     corrupt = torch.tensor([[2, 5, 9, 7]])
     blocks = hs.blocks(model)
-    for bad, name in ((lambda o: None, "NoneType"), (lambda o: "0.5", "str")):
-        with pytest.raises(
-            hs.PatchingError, match=rf"metric must return a number .*returned {name}"
-        ):
-            hs.patch_sweep(model, clean, corrupt, bad, blocks)
-        with pytest.raises(
-            hs.PatchingError, match=rf"metric must return a number .*returned {name}"
-        ):
-            hs.attribution_patch(model, clean, corrupt, bad, blocks)
-    with torch.inference_mode(), pytest.raises(hs.PatchingError, match=r"outside that block"):
-        hs.attribution_patch(model, clean, corrupt, lambda o: o.logits.sum(), blocks)
     with torch.device("meta"):
         meta = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     x = torch.randn(1, 2, 3)
-    for verb in (hs.patch_sweep, hs.attribution_patch):
-        with pytest.raises(hs.PatchingError, match=r"on the meta device \('0.weight'.*to_empty"):
-            verb(meta, x, x + 1, lambda y: y.sum(), ["0"])
+    calls = [
+        (hs.patch_sweep, (model, clean, corrupt, lambda o: None, blocks), "returned NoneType"),
+        (hs.patch_sweep, (model, clean, corrupt, lambda o: "0.5", blocks), "returned str"),
+        (
+            hs.attribution_patch,
+            (model, clean, corrupt, lambda o: None, blocks),
+            "returned NoneType",
+        ),
+        (hs.attribution_patch, (model, clean, corrupt, lambda o: "0.5", blocks), "returned str"),
+        (hs.patch_sweep, (meta, x, x + 1, _sum_last, ["0"]), r"meta device \('0.weight'.*to_empty"),
+        (hs.attribution_patch, (meta, x, x + 1, _sum_last, ["0"]), r"meta device \('0.weight'"),
+    ]
+    for verb, args, match in calls:
+        with pytest.raises(hs.PatchingError, match=match) as caught:
+            verb(*args)
+        assert "\n" not in str(caught.value)
+        if "returned" in match:
+            assert "metric must return a number" in str(caught.value)
+            assert "at layer 'transformer.h.0'" in str(caught.value)
+    with torch.inference_mode(), pytest.raises(hs.PatchingError) as caught:
+        hs.attribution_patch(model, clean, corrupt, lambda o: o.logits.sum(), blocks)
+    assert "\n" not in str(caught.value)
+    assert "torch.inference_mode(); call it outside that block" in str(caught.value)
 
 
 def test_a_sweep_beside_another_threads_forwards_is_exact_and_leaves_them_alone():
