@@ -1,6 +1,6 @@
 """Attention heads of any model: where a head's output lives, without a table per architecture.
 
-Heads are not modules (PITFALL 30): an attention module computes every head at once and mixes
+Heads are not modules (docs/pitfalls.md §30): an attention module computes every head at once and mixes
 them in its output projection (``c_proj`` in GPT-2, ``o_proj`` in Llama/Qwen2, ``dense`` in
 GPT-NeoX and BERT, ``out_proj`` elsewhere). A head's output is therefore its slice of the *input*
 of that projection: ``heads`` consecutive chunks of ``head_dim`` features. :func:`head_split`
