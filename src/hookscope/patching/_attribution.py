@@ -136,14 +136,14 @@ def _gradients(
             if layer.kind == "input":
 
                 def pre(m: nn.Module, a: Any, k: Any, s: PatchedLayer = layer, f=track) -> Any:
-                    return set_act(s, m, a, k, None, f) if job.ours() else None
+                    return set_act(s, m, a, k, None, f)
 
                 module = job.modules[layer.point]
                 scope.add_forward_pre(module, pre, layer=layer.point, with_kwargs=True)
             else:
 
                 def post(m: nn.Module, a: Any, o: Any, s: PatchedLayer = layer, f=track) -> Any:
-                    return set_act(s, m, a, {}, o, f) if job.ours() else None
+                    return set_act(s, m, a, {}, o, f)
 
                 scope.add_forward(job.modules[layer.point], post, layer=layer.point)
         value = job.metric(job.model(**job.dst))

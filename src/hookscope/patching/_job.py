@@ -5,9 +5,8 @@ draws no random numbers and mixes no rows, the metric gives one number, the laye
 from __future__ import annotations
 
 import numbers
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -106,8 +105,9 @@ class SweepJob:
     (the repeated blocks, ``[]`` where there are none), ``dst`` the patched run's keyword inputs
     of ``batch`` rows, ``over`` the sweep axes, ``rows``/``budget`` what a pass may hold,
     ``per_row`` the bytes a row of a pass needs (from the clean run), ``max_sites`` a cap on
-    the sites of a pass once one ran out of memory. Hooks act only in the thread that made the
-    job (another thread's forwards of the same model run unpatched and uncounted).
+    the sites of a pass once one ran out of memory. (Its hooks live in core scopes, which act
+    only on the calls of the thread that runs the sweep: another thread's forwards of the same
+    model run unpatched and uncounted.)
     """
 
     model: nn.Module
@@ -122,7 +122,6 @@ class SweepJob:
     block_names: list[str]
     per_row: int = 1
     max_sites: int | None = None
-    owner: int = field(default_factory=threading.get_ident)
 
     @classmethod
     def create(
@@ -160,10 +159,6 @@ class SweepJob:
             names,
         )
 
-    def ours(self) -> bool:
-        """Whether the running hook was called from the job's own thread."""
-        return threading.get_ident() == self.owner
-
     def score(self, out: Any, layer: PatchedLayer) -> torch.Tensor:
         return score(self.metric(out), layer.name)
 
@@ -181,9 +176,8 @@ class SweepJob:
             for layer in {layer.point: layer for layer in layers}.values():
 
                 def keep(module: nn.Module, args: Any, kwargs: Any, output: Any = None, s=layer):
-                    if self.ours():
-                        calls[s.point] = calls.get(s.point, 0) + 1
-                        acts[s.point] = get_act(s, module, args, kwargs, output).detach().clone()
+                    calls[s.point] = calls.get(s.point, 0) + 1
+                    acts[s.point] = get_act(s, module, args, kwargs, output).detach().clone()
 
                 if layer.kind == "input":
                     scope.add_forward_pre(

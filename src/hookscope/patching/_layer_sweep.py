@@ -122,14 +122,10 @@ class _Patch:
         return patched(self.layer, self.mask, self.source, x, self.k)
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if not self.job.ours():
-            return None
         self.calls += 1
         return set_act(self.layer, module, args, kwargs, None, self._write)
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if not self.job.ours():
-            return None
         self.calls += 1
         return set_act(self.layer, module, args, {}, output, self._write)
 
@@ -285,7 +281,7 @@ class LayerSweep:
         layer, job = self.layer, self.job
         start = self._start(rows)
         at = self.layer.start_at if rows.start is None else "input"
-        self._patch.fan = FanOut(job.modules, start, job.batch, scope, at=at, only=job.ours)
+        self._patch.fan = FanOut(job.modules, start, job.batch, scope, at=at)
         module = job.modules[layer.point]
         if layer.kind == "input":
             scope.add_forward_pre(module, self._patch.pre, layer=layer.point, with_kwargs=True)
