@@ -171,23 +171,32 @@ def test_what_cannot_work_is_one_line_naming_the_argument():
     clean = torch.tensor([[2, 5, 6, 7]])
     corrupt = torch.tensor([[2, 5, 9, 7]])
     blocks = hs.blocks(model)
-    for bad, name in ((lambda o: None, "NoneType"), (lambda o: "0.5", "str")):
-        with pytest.raises(
-            hs.PatchingError, match=rf"metric must return a number .*returned {name}"
-        ):
-            hs.patch_sweep(model, clean, corrupt, bad, blocks)
-        with pytest.raises(
-            hs.PatchingError, match=rf"metric must return a number .*returned {name}"
-        ):
-            hs.attribution_patch(model, clean, corrupt, bad, blocks)
-    with torch.inference_mode(), pytest.raises(hs.PatchingError, match=r"outside that block"):
-        hs.attribution_patch(model, clean, corrupt, lambda o: o.logits.sum(), blocks)
     with torch.device("meta"):
         meta = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     x = torch.randn(1, 2, 3)
-    for verb in (hs.patch_sweep, hs.attribution_patch):
-        with pytest.raises(hs.PatchingError, match=r"on the meta device \('0.weight'.*to_empty"):
-            verb(meta, x, x + 1, lambda y: y.sum(), ["0"])
+    calls = [
+        (hs.patch_sweep, (model, clean, corrupt, lambda o: None, blocks), "returned NoneType"),
+        (hs.patch_sweep, (model, clean, corrupt, lambda o: "0.5", blocks), "returned str"),
+        (
+            hs.attribution_patch,
+            (model, clean, corrupt, lambda o: None, blocks),
+            "returned NoneType",
+        ),
+        (hs.attribution_patch, (model, clean, corrupt, lambda o: "0.5", blocks), "returned str"),
+        (hs.patch_sweep, (meta, x, x + 1, _sum_last, ["0"]), r"meta device \('0.weight'.*to_empty"),
+        (hs.attribution_patch, (meta, x, x + 1, _sum_last, ["0"]), r"meta device \('0.weight'"),
+    ]
+    for verb, args, match in calls:
+        with pytest.raises(hs.PatchingError, match=match) as caught:
+            verb(*args)
+        assert "\n" not in str(caught.value)
+        if "returned" in match:
+            assert "metric must return a number" in str(caught.value)
+            assert "at layer 'transformer.h.0'" in str(caught.value)
+    with torch.inference_mode(), pytest.raises(hs.PatchingError) as caught:
+        hs.attribution_patch(model, clean, corrupt, lambda o: o.logits.sum(), blocks)
+    assert "\n" not in str(caught.value)
+    assert "torch.inference_mode(); call it outside that block" in str(caught.value)
 
 
 def test_a_sweep_beside_another_threads_forwards_is_exact_and_leaves_them_alone():
@@ -235,7 +244,12 @@ def _t5():
         vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
         decoder_start_token_id=0, pad_token_id=0,
     )  # fmt: skip
-    return T5ForConditionalGeneration(cfg).eval(), "encoder.block", "decoder.block"
+    return (
+        T5ForConditionalGeneration(cfg).eval(),
+        "encoder.block",
+        "decoder.block",
+        "layer.0.SelfAttention.o",
+    )
 
 
 def _bart():
@@ -247,12 +261,13 @@ def _bart():
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
         max_position_embeddings=64,
     )  # fmt: skip
-    return BartForConditionalGeneration(cfg).eval(), "model.encoder.layers", "model.decoder.layers"
+    stacks = ("model.encoder.layers", "model.decoder.layers", "self_attn.out_proj")
+    return BartForConditionalGeneration(cfg).eval(), *stacks
 
 
 @pytest.mark.parametrize("make", [_t5, _bart], ids=["t5", "bart"])
 def test_encoder_decoder_blocks_equal_hand_written_hooks(make):
-    model, enc_stack, dec_stack = make()
+    model, enc_stack, dec_stack, out_proj = make()
     g = torch.Generator().manual_seed(1)
     enc, dec = torch.randint(3, 50, (2, 7), generator=g), torch.randint(3, 50, (2, 5), generator=g)
     dec2 = dec.clone()
@@ -283,6 +298,24 @@ def test_encoder_decoder_blocks_equal_hand_written_hooks(make):
             [_attribution_by_hand(model, modules[n], clean, corrupt, metric) for n in layers]
         )
         assert torch.allclose(scores, ref, atol=1e-6, rtol=1e-5), (scores - ref).abs().max()
+    # heads of the decoder's self-attention: the input of its output projection, 4 heads
+    clean = {"input_ids": enc, "decoder_input_ids": dec}
+    corrupt = {"input_ids": enc, "decoder_input_ids": dec2}
+    attn = [f"{dec_stack}.{i}.{out_proj.rsplit('.', 1)[0]}" for i in range(2)]
+    got = hs.patch_sweep(model, clean, corrupt, metric, attn, over=("head",))
+    projs = [modules[f"{dec_stack}.{i}.{out_proj}"] for i in range(2)]
+    ref = torch.stack(
+        [hand_sweep(model, p, "input", clean, corrupt, metric, by_head(4)) for p in projs]
+    )
+    assert ref.abs().max() > 1e-4 and torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+    # the two stacks see sequences of different lengths: a selection mixing them is refused
+    both = [f"{enc_stack}.1", f"{dec_stack}.0"]  # 7 encoder positions, 5 decoder positions
+    for verb in (hs.patch_sweep, hs.attribution_patch):
+        with pytest.raises(
+            hs.PatchingError,
+            match=rf"different shapes \[\(5,\), \(7,\)\]; sweep them separately: \(5,\) from '{dec_stack}.0'",
+        ):
+            verb(model, clean, corrupt, metric, both)
 
 
 def _first(o):

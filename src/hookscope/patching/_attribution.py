@@ -84,13 +84,13 @@ def attribution_patch(
             "call it outside that block (it turns gradients on itself: torch.no_grad() around it "
             "is fine)"
         )
-    src, dst, _ = prepare(model, clean, corrupt, reverse, "attribution_patch")
+    src, dst = prepare(model, clean, corrupt, reverse)
     chosen, over_t = resolve_layers(
         model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
     )
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
-    job = SweepJob.create(model, dst, metric, over_t)
+    job = SweepJob.create(model, dst, metric, over_t, what="attribution_patch")
     with torch.no_grad():
         clean_acts, _, job.per_row = job.record(src, chosen, what="attribution_patch")
     acts, grads, value = _gradients(job, chosen)
@@ -136,14 +136,14 @@ def _gradients(
             if layer.kind == "input":
 
                 def pre(m: nn.Module, a: Any, k: Any, s: PatchedLayer = layer, f=track) -> Any:
-                    return set_act(s, m, a, k, None, f) if job.ours() else None
+                    return set_act(s, m, a, k, None, f)
 
                 module = job.modules[layer.point]
                 scope.add_forward_pre(module, pre, layer=layer.point, with_kwargs=True)
             else:
 
                 def post(m: nn.Module, a: Any, o: Any, s: PatchedLayer = layer, f=track) -> Any:
-                    return set_act(s, m, a, {}, o, f) if job.ours() else None
+                    return set_act(s, m, a, {}, o, f)
 
                 scope.add_forward(job.modules[layer.point], post, layer=layer.point)
         value = job.metric(job.model(**job.dst))

@@ -25,7 +25,6 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from ..core._compiled import named_modules
 from ..core._nested import map_tensors
 from ..core._scope import HookScope
 
@@ -161,30 +160,28 @@ def plan_from(
 
 
 class FanOut:
-    """Run ``batch`` rows up to module ``start``, then ``k * batch`` rows from there on.
+    """Run ``batch`` rows up to module ``start``, then ``k * batch`` rows from there on
+    (``modules``: the model's modules by name, as ``core._compiled.named_modules`` gives them).
 
     With ``at="input"`` the tiling happens in a forward-pre hook of ``start`` (its inputs), with
     ``at="output"`` in a forward hook (its output). Forward-pre hooks (``with_kwargs``) on every
     module that a frame still running at that point calls afterwards (the later siblings of
     ``start`` and of each of its ancestors, looking through ``ModuleList``/``ModuleDict``) tile
     their arguments. Set :attr:`k` and call :meth:`reset` before each pass; hooks live in
-    ``scope``. Tiling in a pass happens once, on ``start``'s first call. ``only()`` says whether
-    a call is the pass's own (e.g. from the sweep's thread); the hooks leave other calls alone.
+    ``scope``. Tiling in a pass happens once, on ``start``'s first call.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        modules: dict[str, nn.Module],
         start: str,
         batch: int,
         scope: HookScope,
         *,
         at: Literal["input", "output"] = "input",
-        only: Callable[[], bool] = lambda: True,
     ) -> None:
-        self.batch, self.k, self.active, self.only = batch, 1, False, only
+        self.batch, self.k, self.active = batch, 1, False
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        modules = dict(named_modules(model))
         if at == "input":
             scope.add_forward_pre(modules[start], self._start_pre, layer=start, with_kwargs=True)
         else:
@@ -198,7 +195,7 @@ class FanOut:
         self.memo.clear()
 
     def _start_pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if self.active or not self.only():
+        if self.active:
             return None
         self.active = True
         return tile(args, self.batch, self.k, self.memo), tile(
@@ -206,13 +203,13 @@ class FanOut:
         )
 
     def _start_post(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.active or not self.only():
+        if self.active:
             return None
         self.active = True
         return tile(output, self.batch, self.k, self.memo)
 
     def _later(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if not self.active or self.k == 1 or not self.only():
+        if not self.active or self.k == 1:
             return None
         return tile(args, self.batch, self.k, self.memo), tile(
             kwargs, self.batch, self.k, self.memo

@@ -5,9 +5,8 @@ draws no random numbers and mixes no rows, the metric gives one number, the laye
 from __future__ import annotations
 
 import numbers
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,33 +30,35 @@ input batch; a tensor, or a ``ModelOutput`` with its ``.logits``)."""
 
 
 def prepare(
-    model: nn.Module, clean: Any, corrupt: Any, reverse: bool, what: str
-) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """The source run's and the patched run's keyword inputs, checked to align; the batch size.
-    Refuses a model without values (meta device) and one that mixes rows (batch norm training)."""
+    model: nn.Module, clean: Any, corrupt: Any, reverse: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The source run's and the patched run's keyword inputs, checked to align."""
     check_model(model)
-    meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
-    if meta is None:
-        meta = next((n for n, b in model.named_buffers() if b.is_meta), None)
-    if meta is not None:
-        raise PatchingError(
-            f"{what}: the model's weights are on the meta device ({meta!r}: shapes, no values); "
-            "load real weights first (e.g. model.to_empty(device='cpu') then load_state_dict, or "
-            "from_pretrained without device_map='meta')"
-        )
-    for name, m in named_modules(model):
+    src = as_kwargs(model, clean, "clean")
+    dst = as_kwargs(model, corrupt, "corrupt")
+    check_aligned(model, src, dst)
+    if reverse:
+        src, dst = dst, src
+    return src, dst
+
+
+def _check_modules(modules: dict[str, nn.Module], what: str) -> None:
+    for name, m in modules.items():
+        meta = next((n for n, t in m.named_parameters(recurse=False) if t.is_meta), None)
+        meta = meta or next((n for n, t in m.named_buffers(recurse=False) if t.is_meta), None)
+        if meta is not None:
+            shown = f"{name}.{meta}" if name else meta
+            raise PatchingError(
+                f"{what}: the model's weights are on the meta device ({shown!r}: shapes, no "
+                "values); load real weights first (e.g. model.to_empty(device='cpu') then "
+                "load_state_dict, or from_pretrained without device_map='meta')"
+            )
         if m.training and isinstance(m, nn.modules.batchnorm._BatchNorm):
             raise PatchingError(
                 f"{what}: batch norm {name!r} is in training mode: it normalises with the "
                 "batch's statistics, which would mix the rows of different sites; call "
                 "model.eval() first"
             )
-    src = as_kwargs(model, clean, "clean")
-    dst = as_kwargs(model, corrupt, "corrupt")
-    check_aligned(model, src, dst)
-    if reverse:
-        src, dst = dst, src
-    return src, dst, batch_size(dst)
 
 
 def check_calls(layer: PatchedLayer, n: int) -> None:
@@ -104,8 +105,9 @@ class SweepJob:
     (the repeated blocks, ``[]`` where there are none), ``dst`` the patched run's keyword inputs
     of ``batch`` rows, ``over`` the sweep axes, ``rows``/``budget`` what a pass may hold,
     ``per_row`` the bytes a row of a pass needs (from the clean run), ``max_sites`` a cap on
-    the sites of a pass once one ran out of memory. Hooks act only in the thread that made the
-    job (another thread's forwards of the same model run unpatched and uncounted).
+    the sites of a pass once one ran out of memory. (Its hooks live in core scopes, which act
+    only on the calls of the thread that runs the sweep: another thread's forwards of the same
+    model run unpatched and uncounted.)
     """
 
     model: nn.Module
@@ -120,7 +122,6 @@ class SweepJob:
     block_names: list[str]
     per_row: int = 1
     max_sites: int | None = None
-    owner: int = field(default_factory=threading.get_ident)
 
     @classmethod
     def create(
@@ -132,7 +133,12 @@ class SweepJob:
         *,
         rows: int | None = None,
         max_bytes: int | None = None,
+        what: str = "patch_sweep",
     ) -> SweepJob:
+        """Resolve ``model`` once; refuse one without values (meta device) or that mixes the rows
+        of a batch (batch norm in training mode), naming ``what`` was called."""
+        modules = dict(named_modules(model))
+        _check_modules(modules, what)
         if rows is not None and rows < 1:
             raise ValueError(f"rows must be >= 1 (rows per pass), got {rows}")
         device = model_device(model)
@@ -148,14 +154,10 @@ class SweepJob:
             over,
             rows,
             max_bytes if max_bytes is not None else default_budget(device),
-            dict(named_modules(model)),
+            modules,
             device,
             names,
         )
-
-    def ours(self) -> bool:
-        """Whether the running hook was called from the job's own thread."""
-        return threading.get_ident() == self.owner
 
     def score(self, out: Any, layer: PatchedLayer) -> torch.Tensor:
         return score(self.metric(out), layer.name)
@@ -174,9 +176,8 @@ class SweepJob:
             for layer in {layer.point: layer for layer in layers}.values():
 
                 def keep(module: nn.Module, args: Any, kwargs: Any, output: Any = None, s=layer):
-                    if self.ours():
-                        calls[s.point] = calls.get(s.point, 0) + 1
-                        acts[s.point] = get_act(s, module, args, kwargs, output).detach().clone()
+                    calls[s.point] = calls.get(s.point, 0) + 1
+                    acts[s.point] = get_act(s, module, args, kwargs, output).detach().clone()
 
                 if layer.kind == "input":
                     scope.add_forward_pre(

@@ -18,7 +18,7 @@ from __future__ import annotations
 import warnings
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,10 +49,11 @@ class PrefixMismatch(Mismatch):
 @dataclass(frozen=True)
 class Pass:
     """One forward: ``sites`` (indices into the layer's flattened sweep axes) as copies of the
-    batch, computing positions ``p0..`` (``0``: full length)."""
+    batch; with ``cache`` (a causal model's corrupted run) computing positions ``p0..`` only."""
 
-    p0: int
     sites: tuple[int, ...]
+    p0: int = 0
+    cache: CausalPrefix | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -109,22 +110,22 @@ class _Patch:
         self.k, self.calls = 1, 0
         self.mask: torch.Tensor | None = None
         self.source = torch.empty(0)
+        self.fan: FanOut | None = None  # the rows fanned out in the current way of batching
 
     def arm(self, k: int, mask: torch.Tensor | None, source: torch.Tensor) -> None:
+        """Prepare a pass of ``k`` copies; ``mask`` picks each copy's sites from ``source``."""
         self.k, self.mask, self.source, self.calls = k, mask, source, 0
+        if self.fan is not None:
+            self.fan.reset(k)
 
     def _write(self, x: torch.Tensor) -> torch.Tensor:
         return patched(self.layer, self.mask, self.source, x, self.k)
 
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if not self.job.ours():
-            return None
         self.calls += 1
         return set_act(self.layer, module, args, kwargs, None, self._write)
 
     def post(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if not self.job.ours():
-            return None
         self.calls += 1
         return set_act(self.layer, module, args, {}, output, self._write)
 
@@ -150,7 +151,6 @@ class LayerSweep:
         self.verified: set[str] = set()  # the kinds of pass checked in the current way
         self.failed: list[tuple[Rows, Mismatch]] = []
         self._patch = _Patch(job, layer)
-        self._fan: FanOut | None = None
 
     # -- the steps ------------------------------------------------------------------------
     def values(self, sites: list[int], differ: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -188,7 +188,7 @@ class LayerSweep:
         parts = plan(
             len(sites), job.batch, bytes_per_row=job.per_row, rows=job.rows, budget=job.budget
         )
-        return [Pass(0, tuple(sites[c.start : c.stop])) for c in parts]
+        return [Pass(tuple(sites[c.start : c.stop])) for c in parts]
 
     def plan_from_positions(
         self, sites: list[int], differ: torch.Tensor | None
@@ -216,7 +216,7 @@ class LayerSweep:
             budget=job.budget,
             shared=blocks_before_ratio(self.layer.start, job.block_names),
         )
-        return [Pass(p0, tuple(sites[i] for i in c)) for p0, c in passes]
+        return [Pass(tuple(sites[i] for i in c), p0, prefix if p0 else None) for p0, c in passes]
 
     def run_passes(self, rows: Rows, passes: list[Pass]) -> dict[int, torch.Tensor]:
         """Run ``passes`` laid out as ``rows`` says; the first pass of each kind is verified
@@ -225,7 +225,7 @@ class LayerSweep:
         values: dict[int, torch.Tensor] = {}
         # the first pass from a later position is checked against a full run, so it goes first:
         # where it batches several sites, that check covers the rows fanned out too
-        first = next((i for i, p in enumerate(passes) if p.p0), None)
+        first = next((i for i, p in enumerate(passes) if p.cache is not None), None)
         if first is not None:
             passes = [passes[first], *passes[:first], *passes[first + 1 :]]
         queue = deque(passes)
@@ -252,10 +252,9 @@ class LayerSweep:
         """Check ``p``'s first site (its output ``rows``, its metric ``value``) against that site
         patched alone in a full-length pass; raise :class:`Mismatch` where they differ."""
         site = p.sites[0]
-        alone = self._forward(Pass(0, (site,)))
-        if p.p0:
-            assert self.prefix is not None  # a pass from a later position has a cache
-            ref = self.prefix.padding_from(drop_cache(alone), rows, p.p0)
+        alone = self._forward(Pass((site,)))
+        if p.cache is not None:
+            ref = p.cache.padding_from(drop_cache(alone), rows, p.p0)
             why = why_differ(rows, ref)
             if why is not None:
                 raise PrefixMismatch(f"site {site} from position {p.p0} on: {why}")
@@ -270,7 +269,7 @@ class LayerSweep:
 
     def fall_back(self, sites: list[int]) -> dict[int, torch.Tensor]:
         """One site per pass, at full length: each pass is the reference itself."""
-        values = self.run_passes(TILED, [Pass(0, (i,)) for i in sites])
+        values = self.run_passes(TILED, [Pass((i,)) for i in sites])
         self._warn_fallback(None)
         return values
 
@@ -282,7 +281,7 @@ class LayerSweep:
         layer, job = self.layer, self.job
         start = self._start(rows)
         at = self.layer.start_at if rows.start is None else "input"
-        self._fan = FanOut(job.model, start, job.batch, scope, at=at, only=job.ours)
+        self._patch.fan = FanOut(job.modules, start, job.batch, scope, at=at)
         module = job.modules[layer.point]
         if layer.kind == "input":
             scope.add_forward_pre(module, self._patch.pre, layer=layer.point, with_kwargs=True)
@@ -292,14 +291,11 @@ class LayerSweep:
     def _forward(self, p: Pass) -> Any:
         """The model's output for pass ``p`` (``k`` copies of the batch's rows)."""
         k, job = len(p.sites), self.job
-        assert self._fan is not None  # set by _hooks
-        self._fan.reset(k)
         mask = site_masks(self.layer, job.over, self.sizes, p.sites, self.ndim)
         mask = None if mask is None else mask.to(self.clean.device)
         source, inputs = self.clean, job.dst
-        if p.p0:  # positions p0.. only: the activation and the masks lose the earlier ones
-            assert self.prefix is not None  # a pass from a later position has a cache
-            source, inputs = self.clean[:, p.p0 :], self.prefix.inputs(p.p0)
+        if p.cache is not None:  # positions p0.. only: the activation and masks lose the others
+            source, inputs = self.clean[:, p.p0 :], p.cache.inputs(p.p0)
             if mask is not None and mask.shape[2] == self.clean.shape[1]:
                 mask = mask[:, :, p.p0 :]
         self._patch.arm(k, mask, source)
@@ -309,7 +305,7 @@ class LayerSweep:
         except _OOM:
             raise
         except Exception as e:
-            if p.p0:
+            if p.cache is not None:
                 raise PrefixMismatch(f"{type(e).__name__}: {e}") from e
             if k == 1 or isinstance(e, PatchingError):
                 raise
@@ -317,7 +313,7 @@ class LayerSweep:
         lead = first_tensor(out)
         if (
             k > 1
-            and not p.p0
+            and p.cache is None
             and (lead is None or lead.ndim == 0 or lead.shape[0] != k * job.batch)
         ):
             shape = None if lead is None else tuple(lead.shape)
@@ -341,11 +337,10 @@ class LayerSweep:
     def _site_rows(self, out: Any, p: Pass, j: int) -> Any:
         k, batch = len(p.sites), self.job.batch
         rows = rows_of(out, j, batch, k * batch)
-        if not p.p0:
+        if p.cache is None:
             return rows
-        assert self.prefix is not None  # a pass from a later position has a cache
         try:
-            return self.prefix.rebuild(rows, p.p0)
+            return p.cache.rebuild(rows, p.p0)
         except Exception as e:
             raise PrefixMismatch(f"{type(e).__name__}: {e}") from e
 
@@ -402,11 +397,13 @@ class LayerSweep:
 
 def _kinds(p: Pass) -> set[str]:
     """What in a pass is not exact by construction: starting at a later position, several sites."""
-    return ({"positions"} if p.p0 else set()) | ({"rows"} if len(p.sites) > 1 else set())
+    return ({"positions"} if p.cache is not None else set()) | (
+        {"rows"} if len(p.sites) > 1 else set()
+    )
 
 
 def _split(p: Pass, k: int) -> list[Pass]:
-    return [Pass(p.p0, p.sites[i : i + k]) for i in range(0, len(p.sites), k)]
+    return [Pass(p.sites[i : i + k], p.p0, p.cache) for i in range(0, len(p.sites), k)]
 
 
 def blocks_before_ratio(start: str, block_names: Sequence[str]) -> float:

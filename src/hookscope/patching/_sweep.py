@@ -105,7 +105,7 @@ def patch_sweep(
         >>> hs.patch_sweep(net, clean, corrupt, lambda y: y[:, -1].sum(), ["0", "1"]).shape
         torch.Size([2, 3])
     """
-    src, dst, _ = prepare(model, clean, corrupt, reverse, "patch_sweep")
+    src, dst = prepare(model, clean, corrupt, reverse)
     chosen, over_t = resolve_layers(
         model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
     )
