@@ -374,3 +374,37 @@ def test_sequence_of_encoder_decoder_generation(make):
         torch.testing.assert_close(seq.values, want, atol=ATOL, rtol=0)
     with pytest.raises(hs.SequenceError, match="outside the model's calls.*encoder"):
         cap.sequence(layers[0])
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_sequence_with_a_quantized_cache_equals_the_calls_aligned_by_hand(sample):
+    """A quantized cache (the fp8 backend, which runs on a CPU) changes the values, so the
+    reference is a hand-written hook on the same run, its calls laid side by side and the left
+    padding taken out by hand."""
+    model = tiny_decoder("qwen2")
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    calls = []
+    handle = model.model.layers[1].register_forward_hook(
+        lambda m, a, out: calls.append(out.detach().clone())
+    )
+    torch.manual_seed(0)
+    try:
+        with hs.capture(model, "model.layers.1", sequence=True) as cap:
+            out = model.generate(
+                **enc,
+                max_new_tokens=5,
+                do_sample=sample,
+                eos_token_id=None,
+                cache_implementation="quantized",
+                cache_config={"backend": "fp8"},
+            )
+    finally:
+        handle.remove()
+    assert type(cap.calls("model.layers.1")) is list and len(calls) == 5
+    full = torch.cat(calls, 1)
+    keep = torch.cat([enc["attention_mask"], torch.ones(2, 4, dtype=torch.long)], 1).bool()
+    seq = cap.sequence("model.layers.1")
+    for b in range(2):
+        n = int(keep[b].sum())
+        assert torch.equal(seq.values[b, :n], full[b][keep[b]])
+        assert seq.tokens[b, :n].tolist() == out[b, :-1][keep[b]].tolist()

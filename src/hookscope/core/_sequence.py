@@ -75,13 +75,14 @@ class _Step:
     """One call of the root model: where its tokens sit."""
 
     __slots__ = (
+        "_before",
+        "_own",
         "batch",
-        "before",
         "conflict",
         "device",
         "marks",
+        "mask2d",
         "n",
-        "own",
         "perm",
         "seq",
         "start",
@@ -92,8 +93,9 @@ class _Step:
         self.start, self.n, self.batch, self.seq = start, n, batch, seq
         self.conflict: str | None = None  # why the call cannot be placed exactly
         self.device = torch.device("cpu")  # where the call's inputs are
-        self.own: torch.Tensor | None = None  # [batch, n] bool: real tokens (None: all)
-        self.before: Any = start  # real tokens before the call per row: int (every row) or [batch]
+        self.mask2d: torch.Tensor | None = None  # a 2-D mask over columns 0..end (read lazily)
+        self._own: Any = None  # [batch, n] bool: real tokens (None: all)
+        self._before: Any = start  # real tokens before the call per row: int or [batch]
         self.tokens: torch.Tensor | None = None
         self.perm: torch.Tensor | None = None  # row r of this call continues row perm[r] before
         self.marks: dict[str, int] = {}
@@ -101,6 +103,20 @@ class _Step:
     @property
     def end(self) -> int:
         return self.start + self.n
+
+    @property
+    def own(self) -> torch.Tensor | None:
+        """``[batch, n]`` bool: which of the call's tokens are real (None: all of them)."""
+        if self._own is None and self.mask2d is not None:
+            self._own = self.mask2d[:, self.start : self.end].bool()
+        return self._own
+
+    @property
+    def before(self) -> Any:
+        """Real tokens in the columns before the call, per row (int: the same for every row)."""
+        if self._before is None and self.mask2d is not None:
+            self._before = self.mask2d[:, : self.start].sum(1)
+        return self._before
 
     def count(self) -> Any:
         """Real tokens up to the call's end per row (int or ``[batch]``)."""
@@ -244,12 +260,16 @@ class TokenTracker:
         pending, self._pending = self._pending, None
         if pending is not None and prev is not None and start > 0 and pending.numel() == batch:
             step.perm = pending
-        step.before = self._before(step, prev, mask)
-        own, readable = _own_real(mask, start, n)
-        if not readable:
-            own, why = None, self._unreadable(kwargs.get("position_ids"), step, mask)
-            conflict = conflict or why
-        step.own = own
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= step.end:
+            step.mask2d = mask  # read when needed: generate passes a new mask each call
+            step._before = None if start else 0
+        else:
+            step._before = self._before(step, prev)
+            own, readable = _own_real(mask, start, n)
+            if not readable:
+                own, why = None, self._unreadable(kwargs.get("position_ids"), step, mask)
+                conflict = conflict or why
+            step._own = own
         step.conflict = conflict
         self._remember(cache)
         self.steps.append(step)
@@ -259,12 +279,10 @@ class TokenTracker:
         if not in_backward():
             self.current = None
 
-    def _before(self, step: _Step, prev: _Step | None, mask: Any) -> Any:
-        """Real tokens in the columns before the call, per row."""
+    def _before(self, step: _Step, prev: _Step | None) -> Any:
+        """Real tokens in the columns before a call without a 2-D mask, per row."""
         if step.start == 0:
             return 0
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= step.end:
-            return mask[:, : step.start].sum(1)
         if prev is not None and prev.seq == step.seq and prev.end == step.start:
             count = prev.count()
             if isinstance(count, torch.Tensor) and step.perm is not None:
@@ -473,26 +491,28 @@ def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
                 f"the batch changed from {part.shape[0]} to {batch} rows between model calls; "
                 "sequence() needs the same rows throughout"
             )
-    # the rows each step's row r became at the end (beam search reorders rows between calls)
-    rowmaps: list[torch.Tensor] = [torch.arange(batch, device=device)] * len(steps)
-    for i in range(len(steps) - 1, 0, -1):
-        perm = steps[i].perm
-        rowmaps[i - 1] = rowmaps[i] if perm is None else perm.to(device)[rowmaps[i]]
-    contiguous = all(a.end == b.start for a, b in itertools.pairwise(steps))
-    if contiguous and all(s.perm is None for s in steps[1:]):  # the common case: one cat
+    reordered = any(s.perm is not None for s in steps)
+    contiguous = all(a.start + a.n == b.start for a, b in itertools.pairwise(steps))
+    if contiguous and not reordered:  # the common case: one cat
         values = torch.cat([p.to(device) for p in parts], 1)
         toks = [s.tokens for s in steps]
         tokens = (
             None if any(t is None for t in toks) else torch.cat([t.to(device) for t in toks], 1)
         )
-    else:
+        if last.mask2d is not None and last.end == width:  # generate: its last mask says it all
+            return _realign(values, last.mask2d[:, :width].bool().to(device), tokens)
+    # the rows each step's row r became at the end (beam search reorders rows between calls)
+    rowmaps: list[torch.Tensor] = [torch.arange(batch, device=device)] * len(steps)
+    for i in range(len(steps) - 1, 0, -1):
+        perm = steps[i].perm
+        rowmaps[i - 1] = rowmaps[i] if perm is None else perm.to(device)[rowmaps[i]]
+    if not contiguous or reordered:
         values, tokens = _scatter(steps, parts, rowmaps, batch, width, ref)
     real = torch.ones(batch, width, dtype=torch.bool, device=device)
-    for step, rows in zip(steps, rowmaps):  # later calls win (use_cache=False re-runs)
-        if step.own is not None:
-            real[:, step.start : step.end] = step.own.to(device)[rows]
-        else:
-            real[:, step.start : step.end] = True
+    if any(s.own is not None for s in steps):  # else no padding: every column is real
+        for step, rows in zip(steps, rowmaps):  # later calls win (use_cache=False re-runs)
+            own = step.own
+            real[:, step.start : step.end] = True if own is None else own.to(device)[rows]
     return _realign(values, real, tokens)
 
 
