@@ -335,16 +335,20 @@ def test_sequence_follows_beam_search_under_a_sliding_window(kind):
 
 
 def test_reorder_cache_is_left_as_found():
+    """The cache's reorder_cache is wrapped while a capture or a steer is open on the model
+    (both learn each beam_idx), and put back when the last one closes."""
     from transformers import DynamicCache
 
     model = tiny_decoder("llama")
     cache = DynamicCache()
     ids = torch.tensor([[3, 5, 6], [7, 8, 9]])
+    v = torch.zeros(64)
     with hs.capture(model, "model.layers.0", sequence=True) as cap, torch.no_grad():
-        model(input_ids=ids, past_key_values=cache)
+        with hs.steer(model, {"model.layers.1": v}, positions=0):  # a second tracker on it
+            model(input_ids=ids, past_key_values=cache)
+        assert "reorder_cache" in vars(cache)  # the capture's tracker still follows it
         cache.reorder_cache(torch.tensor([1, 1]))
         model(input_ids=ids[:, :1], past_key_values=cache)
-        assert "reorder_cache" in vars(cache)
     assert "reorder_cache" not in vars(cache)
     seq = cap.sequence("model.layers.0")
     assert seq.tokens.tolist() == [[7, 8, 9, 3], [7, 8, 9, 7]]  # both rows continue row 1

@@ -326,29 +326,33 @@ class TokenTracker:
         self._wrap(cache)
 
     def _wrap(self, cache: Any) -> None:
-        """Wrap ``cache.reorder_cache`` (on the instance) to learn beam search's ``beam_idx``."""
-        method = getattr(cache, "reorder_cache", None)
-        if not callable(method) or any(c is cache for c in self._wrapped):
+        """Wrap ``cache.reorder_cache`` (on the instance) to learn beam search's ``beam_idx``;
+        every tracker open on the cache (a capture and a steer) is told."""
+        if not callable(getattr(cache, "reorder_cache", None)):
             return
-        if "reorder_cache" in getattr(cache, "__dict__", {}):
-            return  # wrapped by another scope, or set by its owner: leave it
-        tracker = weakref.ref(self)
-
-        def reorder_cache(beam_idx: torch.Tensor, *a: Any, **k: Any) -> Any:
-            me = tracker()
-            if me is not None:
-                idx = beam_idx.detach()
-                me._pending = idx if me._pending is None else me._pending.to(idx.device)[idx]
-            return method(beam_idx, *a, **k)
-
-        cache.reorder_cache = reorder_cache
+        if any(c is cache for c in self._wrapped):
+            return
+        present = getattr(cache, "__dict__", {}).get("reorder_cache")
+        if present is not None and not isinstance(present, _Reorder):
+            return  # set by its owner: leave it
+        if present is None:
+            present = _Reorder(cache.reorder_cache)
+            cache.reorder_cache = present
+        present.trackers.append(weakref.ref(self))
         self._wrapped.append(cache)
 
     def _unwrap(self) -> None:
         for cache in self._wrapped:
-            cache.__dict__.pop("reorder_cache", None)
+            present = cache.__dict__.get("reorder_cache")
+            if isinstance(present, _Reorder):
+                present.trackers = [t for t in present.trackers if t() not in (self, None)]
+                if not present.trackers:
+                    del cache.__dict__["reorder_cache"]
         self._wrapped.clear()
         self.current = None
+
+    def _reordered(self, idx: torch.Tensor) -> None:
+        self._pending = idx if self._pending is None else self._pending.to(idx.device)[idx]
 
     def _recompute(self, prev: _Step | None, batch: int, n: int, tokens: Any) -> bool:
         """A call from column 0 that re-runs the current sequence (``use_cache=False``)."""
@@ -376,6 +380,22 @@ class TokenTracker:
             pos = step.own.to(step.device).long().cumsum(1) - 1 + before
         total = step.count()
         return pos, step.own, total
+
+
+class _Reorder:
+    """A cache's ``reorder_cache`` while trackers are open on it: tells them each ``beam_idx``."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        self.trackers: list[Any] = []
+
+    def __call__(self, beam_idx: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        idx = beam_idx.detach()
+        for ref in self.trackers:
+            tracker = ref()
+            if tracker is not None:
+                tracker._reordered(idx)
+        return self.method(beam_idx, *args, **kwargs)
 
 
 def _real_columns(steps: list[_Step], batch: int, width: int) -> torch.Tensor | None:
