@@ -2,7 +2,7 @@
 
 ``model.generate()`` (and any loop of cached forward calls) calls every layer once on the
 prompt, then once per new token on one position; rows can be left-padded, and beam search
-reorders them between calls (PITFALL 32). A :class:`TokenTracker` is a ``with_kwargs`` forward
+reorders them between calls (docs/pitfalls.md §32). A :class:`TokenTracker` is a ``with_kwargs`` forward
 pre-hook on the root model that reads, for each model call, where its tokens sit:
 
 * the **tokens**: ``input_ids`` (or ``inputs_embeds``); on an encoder–decoder model (T5, BART:
