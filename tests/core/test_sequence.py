@@ -310,15 +310,19 @@ def test_sequence_with_right_padding_and_sampling(kind, cache):
     _generate_and_check(model, list(hs.blocks(model))[-1:], "right", do_sample=True, **how)
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "mistral", "llama"])
+@pytest.mark.parametrize("kind", ["gemma2", "mistral", "llama", "mistral-static", "mamba"])
 def test_sequence_follows_beam_search_under_a_sliding_window(kind):
     """A sliding-window cache no longer holds the early tokens' keys, so rows cannot be matched
-    by their keys: the reorders are read from the cache's reorder_cache (beam_idx)."""
-    model = tiny_decoder(kind)
+    by their keys: the reorders are read from the cache's reorder_cache (beam_idx); also for a
+    static cache and a state-space model's recurrent state."""
+    how = {"cache_implementation": "static"} if kind.endswith("-static") else {}
+    model = tiny_mamba() if kind == "mamba" else tiny_decoder(kind.removesuffix("-static"))
     layer = list(hs.blocks(model))[-1]
     enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
     with hs.capture(model, layer, sequence=True) as cap:
-        model.generate(**enc, max_new_tokens=6, num_beams=3, do_sample=False, eos_token_id=None)
+        model.generate(
+            **enc, max_new_tokens=6, num_beams=3, do_sample=False, eos_token_id=None, **how
+        )
     seq = cap.sequence(layer)
     assert seq.values.shape[0] == 6
     naive = torch.cat([c.output for c in cap.calls(layer)], 1)
@@ -328,20 +332,23 @@ def test_sequence_follows_beam_search_under_a_sliding_window(kind):
         with hs.capture(model, layer) as ref:
             model(input_ids=seq.tokens[b, :n][None])
         torch.testing.assert_close(seq.values[b, :n], ref[layer][0], atol=ATOL, rtol=0)
-    assert "reorder_cache" not in vars(cap)  # nothing left on the caches either (checked below)
 
 
 def test_reorder_cache_is_left_as_found():
+    """The cache's reorder_cache is wrapped while a capture or a steer is open on the model
+    (both learn each beam_idx), and put back when the last one closes."""
     from transformers import DynamicCache
 
     model = tiny_decoder("llama")
     cache = DynamicCache()
     ids = torch.tensor([[3, 5, 6], [7, 8, 9]])
+    v = torch.zeros(64)
     with hs.capture(model, "model.layers.0", sequence=True) as cap, torch.no_grad():
-        model(input_ids=ids, past_key_values=cache)
+        with hs.steer(model, {"model.layers.1": v}, positions=0):  # a second tracker on it
+            model(input_ids=ids, past_key_values=cache)
+        assert "reorder_cache" in vars(cache)  # the capture's tracker still follows it
         cache.reorder_cache(torch.tensor([1, 1]))
         model(input_ids=ids[:, :1], past_key_values=cache)
-        assert "reorder_cache" in vars(cache)
     assert "reorder_cache" not in vars(cache)
     seq = cap.sequence("model.layers.0")
     assert seq.tokens.tolist() == [[7, 8, 9, 3], [7, 8, 9, 7]]  # both rows continue row 1
@@ -374,3 +381,37 @@ def test_sequence_of_encoder_decoder_generation(make):
         torch.testing.assert_close(seq.values, want, atol=ATOL, rtol=0)
     with pytest.raises(hs.SequenceError, match="outside the model's calls.*encoder"):
         cap.sequence(layers[0])
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_sequence_with_a_quantized_cache_equals_the_calls_aligned_by_hand(sample):
+    """A quantized cache (the fp8 backend, which runs on a CPU) changes the values, so the
+    reference is a hand-written hook on the same run, its calls laid side by side and the left
+    padding taken out by hand."""
+    model = tiny_decoder("qwen2")
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    calls = []
+    handle = model.model.layers[1].register_forward_hook(
+        lambda m, a, out: calls.append(out.detach().clone())
+    )
+    torch.manual_seed(0)
+    try:
+        with hs.capture(model, "model.layers.1", sequence=True) as cap:
+            out = model.generate(
+                **enc,
+                max_new_tokens=5,
+                do_sample=sample,
+                eos_token_id=None,
+                cache_implementation="quantized",
+                cache_config={"backend": "fp8"},
+            )
+    finally:
+        handle.remove()
+    assert type(cap.calls("model.layers.1")) is list and len(calls) == 5
+    full = torch.cat(calls, 1)
+    keep = torch.cat([enc["attention_mask"], torch.ones(2, 4, dtype=torch.long)], 1).bool()
+    seq = cap.sequence("model.layers.1")
+    for b in range(2):
+        n = int(keep[b].sum())
+        assert torch.equal(seq.values[b, :n], full[b][keep[b]])
+        assert seq.tokens[b, :n].tolist() == out[b, :-1][keep[b]].tolist()

@@ -75,13 +75,14 @@ class _Step:
     """One call of the root model: where its tokens sit."""
 
     __slots__ = (
+        "_before",
+        "_own",
         "batch",
-        "before",
         "conflict",
         "device",
         "marks",
+        "mask2d",
         "n",
-        "own",
         "perm",
         "seq",
         "start",
@@ -92,8 +93,9 @@ class _Step:
         self.start, self.n, self.batch, self.seq = start, n, batch, seq
         self.conflict: str | None = None  # why the call cannot be placed exactly
         self.device = torch.device("cpu")  # where the call's inputs are
-        self.own: torch.Tensor | None = None  # [batch, n] bool: real tokens (None: all)
-        self.before: Any = start  # real tokens before the call per row: int (every row) or [batch]
+        self.mask2d: torch.Tensor | None = None  # a 2-D mask over columns 0..end (read lazily)
+        self._own: Any = None  # [batch, n] bool: real tokens (None: all)
+        self._before: Any = start  # real tokens before the call per row: int or [batch]
         self.tokens: torch.Tensor | None = None
         self.perm: torch.Tensor | None = None  # row r of this call continues row perm[r] before
         self.marks: dict[str, int] = {}
@@ -101,6 +103,20 @@ class _Step:
     @property
     def end(self) -> int:
         return self.start + self.n
+
+    @property
+    def own(self) -> torch.Tensor | None:
+        """``[batch, n]`` bool: which of the call's tokens are real (None: all of them)."""
+        if self._own is None and self.mask2d is not None:
+            self._own = self.mask2d[:, self.start : self.end].bool()
+        return self._own
+
+    @property
+    def before(self) -> Any:
+        """Real tokens in the columns before the call, per row (int: the same for every row)."""
+        if self._before is None and self.mask2d is not None:
+            self._before = self.mask2d[:, : self.start].sum(1)
+        return self._before
 
     def count(self) -> Any:
         """Real tokens up to the call's end per row (int or ``[batch]``)."""
@@ -244,12 +260,16 @@ class TokenTracker:
         pending, self._pending = self._pending, None
         if pending is not None and prev is not None and start > 0 and pending.numel() == batch:
             step.perm = pending
-        step.before = self._before(step, prev, mask)
-        own, readable = _own_real(mask, start, n)
-        if not readable:
-            own, why = None, self._unreadable(kwargs.get("position_ids"), step, mask)
-            conflict = conflict or why
-        step.own = own
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= step.end:
+            step.mask2d = mask  # read when needed: generate passes a new mask each call
+            step._before = None if start else 0
+        else:
+            step._before = self._before(step, prev)
+            own, readable = _own_real(mask, start, n)
+            if not readable:
+                own, why = None, self._unreadable(kwargs.get("position_ids"), step, mask)
+                conflict = conflict or why
+            step._own = own
         step.conflict = conflict
         self._remember(cache)
         self.steps.append(step)
@@ -259,12 +279,10 @@ class TokenTracker:
         if not in_backward():
             self.current = None
 
-    def _before(self, step: _Step, prev: _Step | None, mask: Any) -> Any:
-        """Real tokens in the columns before the call, per row."""
+    def _before(self, step: _Step, prev: _Step | None) -> Any:
+        """Real tokens in the columns before a call without a 2-D mask, per row."""
         if step.start == 0:
             return 0
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= step.end:
-            return mask[:, : step.start].sum(1)
         if prev is not None and prev.seq == step.seq and prev.end == step.start:
             count = prev.count()
             if isinstance(count, torch.Tensor) and step.perm is not None:
@@ -308,29 +326,33 @@ class TokenTracker:
         self._wrap(cache)
 
     def _wrap(self, cache: Any) -> None:
-        """Wrap ``cache.reorder_cache`` (on the instance) to learn beam search's ``beam_idx``."""
-        method = getattr(cache, "reorder_cache", None)
-        if not callable(method) or any(c is cache for c in self._wrapped):
+        """Wrap ``cache.reorder_cache`` (on the instance) to learn beam search's ``beam_idx``;
+        every tracker open on the cache (a capture and a steer) is told."""
+        if not callable(getattr(cache, "reorder_cache", None)):
             return
-        if "reorder_cache" in getattr(cache, "__dict__", {}):
-            return  # wrapped by another scope, or set by its owner: leave it
-        tracker = weakref.ref(self)
-
-        def reorder_cache(beam_idx: torch.Tensor, *a: Any, **k: Any) -> Any:
-            me = tracker()
-            if me is not None:
-                idx = beam_idx.detach()
-                me._pending = idx if me._pending is None else me._pending.to(idx.device)[idx]
-            return method(beam_idx, *a, **k)
-
-        cache.reorder_cache = reorder_cache
+        if any(c is cache for c in self._wrapped):
+            return
+        present = getattr(cache, "__dict__", {}).get("reorder_cache")
+        if present is not None and not isinstance(present, _Reorder):
+            return  # set by its owner: leave it
+        if present is None:
+            present = _Reorder(cache.reorder_cache)
+            cache.reorder_cache = present
+        present.trackers.append(weakref.ref(self))
         self._wrapped.append(cache)
 
     def _unwrap(self) -> None:
         for cache in self._wrapped:
-            cache.__dict__.pop("reorder_cache", None)
+            present = cache.__dict__.get("reorder_cache")
+            if isinstance(present, _Reorder):
+                present.trackers = [t for t in present.trackers if t() not in (self, None)]
+                if not present.trackers:
+                    del cache.__dict__["reorder_cache"]
         self._wrapped.clear()
         self.current = None
+
+    def _reordered(self, idx: torch.Tensor) -> None:
+        self._pending = idx if self._pending is None else self._pending.to(idx.device)[idx]
 
     def _recompute(self, prev: _Step | None, batch: int, n: int, tokens: Any) -> bool:
         """A call from column 0 that re-runs the current sequence (``use_cache=False``)."""
@@ -358,6 +380,22 @@ class TokenTracker:
             pos = step.own.to(step.device).long().cumsum(1) - 1 + before
         total = step.count()
         return pos, step.own, total
+
+
+class _Reorder:
+    """A cache's ``reorder_cache`` while trackers are open on it: tells them each ``beam_idx``."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        self.trackers: list[Any] = []
+
+    def __call__(self, beam_idx: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        idx = beam_idx.detach()
+        for ref in self.trackers:
+            tracker = ref()
+            if tracker is not None:
+                tracker._reordered(idx)
+        return self.method(beam_idx, *args, **kwargs)
 
 
 def _real_columns(steps: list[_Step], batch: int, width: int) -> torch.Tensor | None:
@@ -473,26 +511,28 @@ def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
                 f"the batch changed from {part.shape[0]} to {batch} rows between model calls; "
                 "sequence() needs the same rows throughout"
             )
-    # the rows each step's row r became at the end (beam search reorders rows between calls)
-    rowmaps: list[torch.Tensor] = [torch.arange(batch, device=device)] * len(steps)
-    for i in range(len(steps) - 1, 0, -1):
-        perm = steps[i].perm
-        rowmaps[i - 1] = rowmaps[i] if perm is None else perm.to(device)[rowmaps[i]]
-    contiguous = all(a.end == b.start for a, b in itertools.pairwise(steps))
-    if contiguous and all(s.perm is None for s in steps[1:]):  # the common case: one cat
+    reordered = any(s.perm is not None for s in steps)
+    contiguous = all(a.start + a.n == b.start for a, b in itertools.pairwise(steps))
+    if contiguous and not reordered:  # the common case: one cat
         values = torch.cat([p.to(device) for p in parts], 1)
         toks = [s.tokens for s in steps]
         tokens = (
             None if any(t is None for t in toks) else torch.cat([t.to(device) for t in toks], 1)
         )
-    else:
+        if last.mask2d is not None and last.end == width:  # generate: its last mask says it all
+            return _realign(values, last.mask2d[:, :width].bool().to(device), tokens)
+    # the rows each step's row r became at the end (beam search reorders rows between calls)
+    rowmaps: list[torch.Tensor] = [torch.arange(batch, device=device)] * len(steps)
+    for i in range(len(steps) - 1, 0, -1):
+        perm = steps[i].perm
+        rowmaps[i - 1] = rowmaps[i] if perm is None else perm.to(device)[rowmaps[i]]
+    if not contiguous or reordered:
         values, tokens = _scatter(steps, parts, rowmaps, batch, width, ref)
     real = torch.ones(batch, width, dtype=torch.bool, device=device)
-    for step, rows in zip(steps, rowmaps):  # later calls win (use_cache=False re-runs)
-        if step.own is not None:
-            real[:, step.start : step.end] = step.own.to(device)[rows]
-        else:
-            real[:, step.start : step.end] = True
+    if any(s.own is not None for s in steps):  # else no padding: every column is real
+        for step, rows in zip(steps, rowmaps):  # later calls win (use_cache=False re-runs)
+            own = step.own
+            real[:, step.start : step.end] = True if own is None else own.to(device)[rows]
     return _realign(values, real, tokens)
 
 
