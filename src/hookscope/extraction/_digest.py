@@ -71,10 +71,10 @@ def _update(h: Any, value: Any, depth: int = 0) -> None:
 def batch_digest(data: Any, indices: list[int], failed: list[int]) -> str:
     """A hash of the model's inputs in a collated batch (``None`` when every sample failed), its
     sample indices and which of them failed to load."""
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha256()
     h.update(repr((indices, failed)).encode())
     _update(h, None if data is None else model_inputs(data))
-    return h.hexdigest()
+    return h.hexdigest()[:32]
 
 
 def _code(h: Any, code: types.CodeType) -> None:
@@ -131,9 +131,9 @@ def _callable(h: Any, fn: Any, depth: int) -> None:
 def callable_identity(fn: Callable[..., Any]) -> str:
     """A hash of a function's code, defaults, closure values and the module-level values it reads:
     changes when what it computes may change (the same function in a new process gives the same)."""
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.sha256()
     _callable(h, fn, 0)
-    return h.hexdigest()
+    return h.hexdigest()[:32]
 
 
 def signature(sample: Any, depth: int = 0) -> str:
