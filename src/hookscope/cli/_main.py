@@ -152,6 +152,11 @@ def make_inputs(args: argparse.Namespace, model: Any) -> list[Any]:
         raise CLIError(
             f"the model takes token ids ({tokens}), not {args.dtype} values: add --dtype long"
         )
+    if tokens is not None and any(len(s) != 2 for s in shapes):
+        bad = next(",".join(map(str, s)) for s in shapes if len(s) != 2)
+        raise CLIError(
+            f"--input {bad}: token ids are (batch, sequence), e.g. --input 1,16 --dtype long"
+        )
     too_long = check_positions(model, shapes, dtype)
     if too_long is not None:
         raise CLIError(too_long)
