@@ -16,15 +16,18 @@ from ._recompute import REENTRANT_HINT, Recomputes
 from ._scope import (
     HookScope,
     _Hook,
+    acts_here,
     check_model,
+    get_ident,
     graph_task_id,
     identity_views,
     in_backward,
+    thread_checked,
     warn_once,
 )
 from ._select import resolve, suggest
 from ._sequence import SequenceError, TokenSequence, TokenTracker, assemble
-from ._transfer import move, ready
+from ._transfer import device_arg, move, ready
 
 __all__ = ["Call", "Capture", "Inputs", "TokenSequence", "capture"]
 
@@ -184,7 +187,10 @@ class _OutputHook(_Hook):
         self.lean = rec.simple and finish is None
         rec.hooks.append(self)
 
+    @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if get_ident() != self.thread and not acts_here(self.thread):
+            return None  # another thread's call (see acts_here)
         if graph_task_id() != -1:  # activation checkpointing re-running forward (docs/pitfalls.md §27)
             if self.rec.recomputes.pending:  # reentrant: the gradient flows through the recompute
                 call = self.rec.recomputes.claim(self.name, output)
@@ -589,7 +595,7 @@ def capture(
         raise ValueError(f"keep must be 'all' or 'last', got {keep!r}")
     if sequence and (keep != "all" or stop):
         raise ValueError("capture(sequence=True) needs every call: use keep='all' and stop=False")
-    device = torch.device(to) if to is not None else None
+    device = device_arg(to, "capture: to") if to is not None else None
     recorder = _Recorder(
         inputs=inputs, grads=grads, detach=detach, clone=clone, to=device, keep=keep
     )

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._buffers import buffers_kept
 from ..core._compiled import compiled_regions, named_modules
 from ..core._errors import HookscopeWarning, some_names
 from ..core._inventory import has_global_hooks
@@ -68,29 +69,20 @@ def make_inputs(input_size: Any, dtypes: Any, device: torch.device) -> list[torc
 
 @contextlib.contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
-    """Restore what one forward can change: buffers (BatchNorm statistics in train mode), the RNG,
+    """Restore what one forward can change: buffers (changed in place, e.g. BatchNorm statistics in
+    train mode, or reassigned), the RNG,
     and the MHA fast-path switch (turned off so sub-layers run through ``__call__``)."""
-    # Kernels such as batch_norm update running statistics without bumping _version: compare values.
-    bufs = (
-        [(b, b.detach().clone()) for b in model.buffers()]
-        if any(m.training for m in model.modules())
-        else []
-    )
     mha = getattr(torch.backends, "mha", None)
     fast = mha.get_fastpath_enabled() if mha is not None else None
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     try:
         if mha is not None:
             mha.set_fastpath_enabled(False)
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), buffers_kept(model):
             yield
     finally:
         if mha is not None:
             mha.set_fastpath_enabled(fast)
-        with torch.no_grad():
-            for b, saved in bufs:
-                if not torch.equal(b, saved):
-                    b.copy_(saved)
 
 
 class _PreHook(_Hook):
