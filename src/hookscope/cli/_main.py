@@ -45,8 +45,9 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     """Parse ``argv``; an unknown option is reported by the subcommand it was given to (argparse
     reports it from the top-level parser, which would point at ``hookscope --help``)."""
     args, extra = parser.parse_known_args(argv)
+    commands = vars(args).pop("_commands", {})  # not part of the command's arguments
     if extra:
-        owner = args._commands.get(getattr(args, "command", None), parser)
+        owner = commands.get(getattr(args, "command", None), parser)
         owner.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
