@@ -1,6 +1,6 @@
-"""The ``hookscope`` command line. Each subcommand lives in its own ``_cli_<name>.py`` module
-exposing ``register(subparsers)``; this file only dispatches and turns user errors into one line
-on stderr with exit code 2 (never a traceback)."""
+"""The ``hookscope`` command line. Each subcommand lives in its own module (``_trace.py``,
+``_summary.py``, ...) exposing ``register(subparsers)``; this file only dispatches and turns user
+errors into one line on stderr with exit code 2 (never a traceback)."""
 
 from __future__ import annotations
 
