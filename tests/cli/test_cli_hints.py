@@ -38,11 +38,12 @@ class Conv(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)  # takes 4-D input only
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(4, 3)
 
     def forward(self, x):
-        return self.fc(self.pool(self.conv(x)).flatten(1))
+        return self.fc(self.pool(self.bn(self.conv(x))).flatten(1))
 """
 
 
@@ -140,3 +141,26 @@ def test_random_weights_is_told_from_the_spec_without_building_the_model():
     assert "from a config" in (random_weights("hf:BertConfig()") or "")
     assert random_weights("torchvision.models:ResNet") is None  # a class: nothing to tell
     assert random_weights("demo") is None  # trained weights ship with the package
+
+
+def test_a_missing_batch_size_and_integer_inputs_to_float_layers_name_the_fix(files):
+    rc, _, err = _run(["summary", f"{files}/models.py:Conv", "--input", "3,8,8"])
+    line = _one_error_line(rc, err)
+    assert "layer 'bn'" in line, line
+    assert line.endswith("a batch size is missing from --input: give --input 1,3,8,8"), line
+    rc, _, err = _run(
+        ["summary", f"{files}/models.py:Conv", "--input", "1,3,8,8", "--dtype", "long"]
+    )
+    line = _one_error_line(rc, err)
+    assert line.endswith(
+        "--dtype long gives integer inputs, this layer takes floats: use --dtype float32"
+    ), line
+    rc, out, err = _run(["summary", f"{files}/models.py:Conv", "--input", "1,3,8,8"])
+    assert rc == 0 and "Conv summary" in out, err
+
+
+def test_token_ids_of_another_rank_are_refused_before_running():
+    rc, out, err = _run(["trace", GPT2, "--input", "1,8,4", "--dtype", "long"])
+    line = _one_error_line(rc, err)
+    assert "--input 1,8,4: token ids are (batch, sequence)" in line, line
+    assert out == ""  # refused before the model ran: no partial trace

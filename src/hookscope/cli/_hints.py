@@ -65,6 +65,10 @@ def check_positions(
 
 _TOKENS = re.compile(r"'indices' to have one of the following scalar types|arguments for embedding")
 _INDEX = re.compile(r"index out of range in self")
+_RANK = re.compile(r"expected (\d)D input \(got (\d)D input\)")
+_FLOAT_LAYER = re.compile(
+    r"expected scalar type \w+ but found Float|Input type \([\w ]+\) and (weight|bias) type"
+)
 _IMAGE = re.compile(r"image (size|height|width)|image_size", re.IGNORECASE)
 _EXPECTED = (
     re.compile(r"Expected (\d+) but got \d+"),  # torchvision ViT
@@ -102,6 +106,11 @@ def with_hint(message: str, args: argparse.Namespace | None) -> str:
             f"{base}; an embedding got an index past its size: token ids must be below the "
             "vocabulary and the sequence (the last size of --input) within the model's positions"
         )
+    if inputs and _FLOAT_LAYER.search(message) and not _floating(given.get("dtype")):
+        return f"{base}; --dtype {given.get('dtype')} gives integer inputs, this layer takes floats: use --dtype float32"
+    rank = _RANK.search(message) if inputs else None
+    if rank is not None:
+        return f"{base}; {_batch_hint(given, int(rank.group(1)))}"
     if not _IMAGE.search(message):
         return message
     side = _image_side(message)
@@ -116,11 +125,30 @@ def with_hint(message: str, args: argparse.Namespace | None) -> str:
     return f"{base}; the model was built for {side}x{side} images: give --input {_resized(given, side)}"
 
 
+def _floating(dtype: Any) -> bool:
+    t = getattr(torch, str(dtype), None)
+    return not isinstance(t, torch.dtype) or t.is_floating_point
+
+
+def _shape(given: dict[str, Any]) -> list[str]:
+    """The sizes of the first ``--input`` shape, as given (``[]`` when it cannot be read)."""
+    first = (given.get("input") or [""])[0].split(";")[0]
+    parts = [p for p in re.split(r"[,x×]", first.strip().strip("()[]").replace(" ", "")) if p]
+    return parts if parts and all(p.isdigit() for p in parts) else []
+
+
+def _batch_hint(given: dict[str, Any], want: int) -> str:
+    """A layer wanted ``want``-D input: most often the batch size is missing from ``--input``."""
+    sizes = _shape(given)
+    if len(sizes) == want - 1:
+        return f"a batch size is missing from --input: give --input 1,{','.join(sizes)}"
+    return f"the layer takes {want}-D input: check the sizes given to --input (batch first)"
+
+
 def _resized(given: dict[str, Any], side: int) -> str:
     """The first ``--input`` shape with its last two sizes set to ``side`` (``1,3,side,side``
     when it cannot be read)."""
-    first = (given.get("input") or [""])[0].split(";")[0]
-    parts = [p for p in re.split(r"[,x×]", first.strip().strip("()[]").replace(" ", "")) if p]
-    if len(parts) < 3 or not all(p.isdigit() for p in parts):
+    parts = _shape(given)
+    if len(parts) < 3:
         parts = ["1", "3", "", ""]
     return ",".join([*parts[:-2], str(side), str(side)])

@@ -1,6 +1,6 @@
-"""The ``hookscope`` command line. Each subcommand lives in its own ``_cli_<name>.py`` module
-exposing ``register(subparsers)``; this file only dispatches and turns user errors into one line
-on stderr with exit code 2 (never a traceback)."""
+"""The ``hookscope`` command line. Each subcommand lives in its own module (``_trace.py``,
+``_summary.py``, ...) exposing ``register(subparsers)``; this file only dispatches and turns user
+errors into one line on stderr with exit code 2 (never a traceback)."""
 
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpa
     """Parse ``argv``; an unknown option is reported by the subcommand it was given to (argparse
     reports it from the top-level parser, which would point at ``hookscope --help``)."""
     args, extra = parser.parse_known_args(argv)
+    commands = vars(args).pop("_commands", {})  # not part of the command's arguments
     if extra:
-        owner = args._commands.get(getattr(args, "command", None), parser)
+        owner = commands.get(getattr(args, "command", None), parser)
         owner.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
@@ -151,6 +152,11 @@ def make_inputs(args: argparse.Namespace, model: Any) -> list[Any]:
     if tokens is not None and dtype.is_floating_point:
         raise CLIError(
             f"the model takes token ids ({tokens}), not {args.dtype} values: add --dtype long"
+        )
+    if tokens is not None and any(len(s) != 2 for s in shapes):
+        bad = next(",".join(map(str, s)) for s in shapes if len(s) != 2)
+        raise CLIError(
+            f"--input {bad}: token ids are (batch, sequence), e.g. --input 1,16 --dtype long"
         )
     too_long = check_positions(model, shapes, dtype)
     if too_long is not None:
