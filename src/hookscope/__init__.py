@@ -60,7 +60,15 @@ from .core import (
     tensor_grads,
     trace,
 )
-from .demo import DemoDataset, DemoNet, load_demo_model, make_demo_dataset
+from .demo import (
+    DemoDataset,
+    DemoNet,
+    InductionPrompts,
+    load_demo_lm,
+    load_demo_model,
+    make_demo_dataset,
+    make_induction_prompts,
+)
 from .extraction import (
     ExtractError,
     FeatureExtractor,
@@ -125,6 +133,7 @@ __all__ = [
     "ImageFolder",
     "InPlaceModifiedWarning",
     "IncompleteExtractionError",
+    "InductionPrompts",
     "Inputs",
     "JsonlSink",
     "LayerCAM",
@@ -176,9 +185,11 @@ __all__ = [
     "find_nonfinite",
     "get_cam",
     "hooks_on",
+    "load_demo_lm",
     "load_demo_model",
     "load_features",
     "make_demo_dataset",
+    "make_induction_prompts",
     "memory_profile",
     "observe",
     "ops",
