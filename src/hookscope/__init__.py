@@ -28,7 +28,6 @@ from .cam import (
 from .core import (
     Call,
     Capture,
-    HeadSplitError,
     HookConflictError,
     HookInfo,
     HookScope,
@@ -102,7 +101,14 @@ from .monitor import (
     find_nonfinite,
     plot_grad_flow,
 )
-from .patching import PatchingError, PatchMetric, attribution_patch, patch_sweep, plot_patching
+from .patching import (
+    HeadSplitError,
+    PatchingError,
+    PatchMetric,
+    attribution_patch,
+    patch_sweep,
+    plot_patching,
+)
 from .steering import Steering, steer, steering_vector
 from .summarization import Summary, SummaryRow, SummaryTotals, summary
 from .viz import feature_maps, overlay

@@ -93,3 +93,20 @@ def test_single_typo_suggests_the_intended_name(name, data):
         return
     suggestions = suggest(typo, _NAMES)
     assert name in suggestions, (typo, suggestions)
+
+
+@pytest.mark.parametrize(
+    "empty", [{}, [], (), set(), (n for n in ())], ids=["dict", "list", "tuple", "set", "generator"]
+)
+def test_an_empty_selection_raises_in_every_form(resnet, empty):
+    with pytest.raises(hs.LayerNotFoundError, match="layers is empty: it selects no layer"):
+        hs.capture(resnet, empty)
+    assert hs.hooks_on(resnet) == []
+
+
+def test_a_selection_that_is_not_a_selector_names_the_argument_and_the_forms(resnet):
+    for bad in (0, 2.5, b"fc"):
+        with pytest.raises(TypeError, match=r"^layers must be a layer name, a glob, .* got"):
+            hs.capture(resnet, bad)
+    with pytest.raises(hs.LayerNotFoundError, match="a key of edits is empty"):
+        hs.edit(resnet, {(): hs.ops.zero()})

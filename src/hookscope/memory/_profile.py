@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,12 +10,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._buffers import buffers_kept
 from ..core._compiled import compiled_regions, named_modules, strip_compiled
 from ..core._errors import HookscopeError, LayerNotFoundError
 from ..core._nested import iter_tensors
-from ..core._saved import CallInputs, SavedTensors, SaveEvent
 from ..core._scope import check_model
 from ..core._select import suggest
+from ._saved import CallInputs, SavedTensors, SaveEvent
 
 __all__ = ["MemoryProfile", "MemoryRow", "memory_profile"]
 
@@ -198,7 +200,8 @@ def run_step(
     existing ``.grad`` and buffers (BatchNorm running statistics) are put back."""
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.dtype != torch.bool]
+    buffers = contextlib.ExitStack()  # buffers put back as found (in place or reassigned)
+    buffers.enter_context(buffers_kept(model))
     for p in params:
         p.grad = None
     try:
@@ -222,9 +225,7 @@ def run_step(
     finally:
         for p, g in zip(params, grads):
             p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        buffers.close()
     return rec
 
 

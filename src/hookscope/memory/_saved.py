@@ -1,8 +1,8 @@
 """What autograd keeps for backward, per module: ``saved_tensors_hooks`` and a dispatch mode.
 
-:class:`SavedTensors` is the engine under :func:`hookscope.memory_profile`, in core because any
-product may want to know which layer saved what (it uses ``saved_tensors_hooks`` and a
-``TorchDispatchMode``, both process-wide states that belong with the hook engine):
+:class:`SavedTensors` is the engine under :func:`hookscope.memory_profile` (its only client): it
+uses ``saved_tensors_hooks`` and a ``TorchDispatchMode``, both process-wide states, and registers
+its module hooks through core's :class:`~hookscope.core._scope.HookScope` like every product:
 
 * every tensor autograd saves during the forward pass (the pack hook of
   :func:`torch.autograd.graph.saved_tensors_hooks`) is recorded as a :class:`SaveEvent`: its
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._compiled import named_modules, region_of
-from ._nested import iter_tensors
-from ._scope import HookScope, _Hook, graph_task_id
+from ..core._compiled import named_modules, region_of
+from ..core._nested import iter_tensors
+from ..core._scope import HookScope, _Hook, graph_task_id
 
 __all__ = ["CallInputs", "SaveEvent", "SavedTensors", "storage_key"]
 
