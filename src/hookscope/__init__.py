@@ -59,7 +59,15 @@ from .core import (
     tensor_grads,
     trace,
 )
-from .demo import DemoDataset, DemoNet, load_demo_model, make_demo_dataset
+from .demo import (
+    DemoDataset,
+    DemoNet,
+    InductionPrompts,
+    load_demo_lm,
+    load_demo_model,
+    make_demo_dataset,
+    make_induction_prompts,
+)
 from .extraction import (
     ExtractError,
     FeatureExtractor,
@@ -131,6 +139,7 @@ __all__ = [
     "ImageFolder",
     "InPlaceModifiedWarning",
     "IncompleteExtractionError",
+    "InductionPrompts",
     "Inputs",
     "JsonlSink",
     "LayerCAM",
@@ -182,9 +191,11 @@ __all__ = [
     "find_nonfinite",
     "get_cam",
     "hooks_on",
+    "load_demo_lm",
     "load_demo_model",
     "load_features",
     "make_demo_dataset",
+    "make_induction_prompts",
     "memory_profile",
     "observe",
     "ops",
