@@ -25,6 +25,7 @@ from .cam import (
     cam_methods,
     get_cam,
 )
+from .compare import CompareError, CompareReport, CompareRow, compare
 from .core import (
     Call,
     Capture,
@@ -107,6 +108,9 @@ __all__ = [
     "Capture",
     "CheckpointHandle",
     "CheckpointPlan",
+    "CompareError",
+    "CompareReport",
+    "CompareRow",
     "DemoDataset",
     "DemoNet",
     "EigenCAM",
@@ -168,6 +172,7 @@ __all__ = [
     "cam_methods",
     "capture",
     "clip_grads",
+    "compare",
     "edit",
     "edit_grads",
     "extract",
