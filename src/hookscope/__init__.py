@@ -25,7 +25,7 @@ from .cam import (
     cam_methods,
     get_cam,
 )
-from .compare import CompareError, CompareReport, CompareRow, compare
+from .compare import CompareError, CompareReport, CompareRow, Record, compare, record
 from .core import (
     Call,
     Capture,
@@ -146,6 +146,7 @@ __all__ = [
     "PatchMetric",
     "PatchingError",
     "PlanError",
+    "Record",
     "ReshapeError",
     "ScopeReusedError",
     "ScoreCAM",
@@ -191,6 +192,7 @@ __all__ = [
     "patch_sweep",
     "plot_grad_flow",
     "plot_patching",
+    "record",
     "remove_hooks",
     "steer",
     "steering_vector",

@@ -3,7 +3,8 @@ run A (forward and backward, across dtypes and compilation); ``hs.record`` write
 to compare it from another process."""
 
 from ._compare import compare
+from ._record import Record, record
 from ._report import CompareReport, CompareRow
 from ._run import CompareError
 
-__all__ = ["CompareError", "CompareReport", "CompareRow", "compare"]
+__all__ = ["CompareError", "CompareReport", "CompareRow", "Record", "compare", "record"]

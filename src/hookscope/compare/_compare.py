@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -10,10 +12,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._compiled import named_modules, strip_compiled
 from ..core._errors import HookscopeWarning
+from ._record import load_record
 from ._replay import Replay, Result
 from ._report import CompareReport, CompareRow
-from ._run import RunRecord, RunSpec, preserved, record_run
+from ._run import CompareError, RunRecord, RunSpec, cast_like, preserved, record_run
 from ._tolerance import lower, reduction_size, rel_error, rel_pairs, tolerance
 
 __all__ = ["compare"]
@@ -38,12 +42,13 @@ class _Job:
     ) -> None:
         self.ra, self.rb, self.b = ra, rb, b
         self.map = _name_map(names)
-        self.grads = ra.loss is not None and (rb is None or rb.loss is not None)
+        self.grads = ra.has_grads and (rb is None or rb.has_grads)
         da = ra.run_dtype
         db = rb.run_dtype if rb is not None else da
         self.low = lower(da, db)
         self.mixed = da != db
         self.failed: list[str] = []
+        self.shared = _shared_params(ra, b)
         self.rep_b = self.rep_a = self.rep_bc = self.rep_round = None
         if rb is not None and rb.modules is not None:
             self.rep_b = Replay(rb.modules, ra, rb, self.map, rb.dtype, rb.autocast)
@@ -51,10 +56,17 @@ class _Job:
                 self.rep_bc = Replay(rb.modules, rb, rb, lambda n: n, rb.dtype, rb.autocast)
         if ra.modules is not None and self.grads:
             self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast)
-        if ra.modules is not None and self.mixed:
-            self.rep_round = Replay(
-                ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast, round_to=self.low
-            )
+        if self.mixed and (ra.modules is not None or b is not None):
+            # the conditioning check replays A's modules; for a recorded A, a copy of B's in
+            # A's dtype stands in for them
+            mods = ra.modules
+            if mods is None and b is not None:
+                mods = dict(named_modules(copy.deepcopy(strip_compiled(b)).to(ra.dtype)))
+                rename = self.map
+            else:
+                rename = lambda n: n  # noqa: E731
+            assert mods is not None
+            self.rep_round = Replay(mods, ra, ra, rename, ra.dtype, ra.autocast, round_to=self.low)
 
     # -- matching ------------------------------------------------------------------------------
     def pairs(self) -> tuple[list[tuple[int, int]], list[str]]:
@@ -79,7 +91,7 @@ class _Job:
         ra, rb = self.ra, self.rb
         assert rb is not None
         ca, cb = ra.calls[i], rb.calls[j]
-        module = ra.modules.get(ca.name) if ra.modules else None
+        module = (ra.modules or {}).get(ca.name) or (rb.modules or {}).get(cb.name)
         params = list(module.parameters(recurse=False)) if module is not None else []
         r = CompareRow(
             name=ca.name,
@@ -143,6 +155,19 @@ class _Job:
                 errs.append(
                     rel_pairs([(ref.param_grads.get(n), g) for n, g in got.param_grads.items()])
                 )
+        elif got.param_grads and (ca.name, 1) not in self.ra.by_key:
+            # a recorded A: a module called once, whose own parameters no other module uses,
+            # gets its local parameter gradients checked against the recorded run's .grad
+            pre = f"{ca.name}." if ca.name else ""
+            errs.append(
+                rel_pairs(
+                    [
+                        (self.ra.param_grads.get(pre + n), g)
+                        for n, g in got.param_grads.items()
+                        if "." not in n and pre + n not in self.shared
+                    ]
+                )
+            )
         r.local_grad_error = _worst(errs)
 
     def _verdict(self, i: int, r: CompareRow) -> None:
@@ -187,6 +212,22 @@ class _Job:
             f"local error {e:.1e} is not a fault"
         )
         return None
+
+
+def _shared_params(ra: RunRecord, b: nn.Module | None) -> set[str]:
+    """A's names of parameters that several modules of B hold (tied weights)."""
+    if b is None or ra.modules is not None:
+        return set()
+    owners: dict[int, int] = {}
+    for _, m in named_modules(b):
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    shared = set()
+    for mname, m in named_modules(b):
+        for pname, p in m.named_parameters(recurse=False):
+            if owners[id(p)] > 1:
+                shared.add(f"{mname}.{pname}" if mname else pname)
+    return shared
 
 
 def _worst(errors: list[float | None]) -> float | None:
@@ -256,11 +297,13 @@ def compare(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     names: Names = None,
     autocast: torch.dtype | None = None,
+    max_bytes: int | None = None,
     **kwargs: Any,
 ) -> CompareReport:
     """Compare two runs module by module and name the module that makes the difference.
 
-    ``a`` and ``b`` compute the same function with the same module names (a model and
+    ``a`` and ``b`` are live models or folders written by :func:`hookscope.record`; they compute
+    the same function with the same module names (a model and
     ``torch.compile`` of a copy, a bf16 copy, a copy with a change, a port with ``names=``).
     Both run once on ``inputs`` (floating inputs cast to each model's parameter dtype; ``kwargs``
     go to both forwards), every module call recorded with its inputs and output and, with
@@ -296,6 +339,8 @@ def compare(
         names: B's name for each of A's modules: a dict (names not in it are kept) or a
             function (``None``: no counterpart).
         autocast: run B (and its replays) under ``torch.autocast`` with this dtype.
+        max_bytes: keep at most this many bytes of each run's recorded values in memory; the
+            rest goes to a temporary folder (read back when compared). ``None``: no bound.
         **kwargs: keyword inputs of both forwards.
 
     Example:
@@ -311,14 +356,40 @@ def compare(
         >>> hs.compare(a, copy.deepcopy(a), torch.randn(4, 8)).culprit is None
         True
     """
-    if not isinstance(b, nn.Module):
-        raise TypeError(f"hs.compare: b must be an nn.Module, got {type(b).__name__}")
-    if not isinstance(a, nn.Module):
-        raise TypeError(f"hs.compare: a must be an nn.Module, got {type(a).__name__}")
-    ra = record_run(RunSpec(a, inputs, kwargs, loss_fn, None, "a"))
-    rb = record_run(RunSpec(b, inputs, kwargs, loss_fn, autocast, "b"))
-    job = _Job(ra, rb, b, names)
+    ra = _side(a, "a", RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes))
+    rb = _side(b, "b", RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes))
+    if ra.modules is None and rb.modules is not None:
+        _check_inputs(ra, inputs, kwargs)
+    job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(preserved(b))
-        stack.enter_context(preserved(a))
+        for m in (a, b):
+            if isinstance(m, nn.Module):
+                stack.enter_context(preserved(m))
         return build_report(job)
+
+
+def _side(m: Any, what: str, spec: RunSpec) -> RunRecord:
+    if isinstance(m, nn.Module):
+        return record_run(spec)
+    if isinstance(m, (str, os.PathLike)):
+        return load_record(m)
+    raise TypeError(
+        f"hs.compare: {what} must be an nn.Module or a folder written by hs.record, "
+        f"got {type(m).__name__}"
+    )
+
+
+def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The live run must get the recorded run's inputs: refuse others by name."""
+    pos = ra.by_key.get(("", 0))
+    if pos is None:
+        return
+    rec = ra.calls[pos].inputs
+    given = cast_like((tuple(inputs), dict(kwargs)), ra.dtype, torch.device("cpu"))
+    err = rel_error(rec, given)
+    if err is None or err == 0.0:
+        return
+    raise CompareError(
+        "hs.compare: the inputs given differ from those of the recorded run "
+        f"(relative difference {err:.2e}); pass the same inputs the record was made with"
+    )

@@ -24,6 +24,7 @@ from ..core._errors import HookscopeError, NoGradientError
 from ..core._nested import iter_tensors, map_tensors
 from ..core._random import random_draws, training_modules
 from ..core._scope import HookScope, check_model, identity_views, in_backward
+from ._store import ValueStore
 
 __all__ = [
     "CallRec",
@@ -42,27 +43,47 @@ class CompareError(HookscopeError):
     """Two runs cannot be compared as asked (a model that draws random numbers, bad inputs)."""
 
 
-@dataclasses.dataclass
 class CallRec:
     """One module call of a recorded run. ``grad``/``in_grad``: one entry per tensor leaf of the
     output / of ``(args, kwargs)`` (``None`` where no gradient reached it), or ``None`` when the
-    run had no backward."""
+    run had no backward. The values live in a :class:`~._store.ValueStore` (memory or disk)."""
 
-    name: str
-    index: int
-    start: int
-    parent: int | None
-    end: int = -1
-    children: list[int] = dataclasses.field(default_factory=list)
-    inputs: Any = None  # (args, kwargs)
-    output: Any = None
-    grad: list[torch.Tensor | None] | None = None
-    in_grad: list[torch.Tensor | None] | None = None
-    alias: list[int] | None = None  # input leaf i was the same tensor as leaf alias[i]
+    __slots__ = ("alias", "children", "end", "index", "name", "parent", "start", "store")
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        start: int,
+        parent: int | None,
+        alias: list[int] | None = None,
+        store: ValueStore | None = None,
+    ) -> None:
+        self.name, self.index, self.start, self.parent, self.alias = (
+            name,
+            index,
+            start,
+            parent,
+            alias,
+        )
+        self.end = -1
+        self.children: list[int] = []
+        self.store = store if store is not None else ValueStore()
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.name, self.index)
+
+    def _get(self, kind: str) -> Any:
+        return self.store.get(f"{kind}{self.start}")
+
+    def _put(self, kind: str, value: Any) -> None:
+        self.store.put(f"{kind}{self.start}", value)
+
+    inputs = property(lambda self: self._get("in"), lambda self, v: self._put("in", v))
+    output = property(lambda self: self._get("out"), lambda self, v: self._put("out", v))
+    grad = property(lambda self: self._get("grad"), lambda self, v: self._put("grad", v))
+    in_grad = property(lambda self: self._get("ingrad"), lambda self, v: self._put("ingrad", v))
 
 
 @dataclasses.dataclass
@@ -77,6 +98,7 @@ class RunRecord:
     compiled: bool = False
     output: Any = None
     loss: float | None = None
+    has_grads: bool = False
     modules: dict[str, nn.Module] | None = None  # None for a run read back from disk
     params: dict[str, str] = dataclasses.field(default_factory=dict)  # param -> owning module
 
@@ -147,7 +169,8 @@ def preserved(model: nn.Module) -> Iterator[None]:
 class _Tree:
     """Pre/post hooks on every module: the call tree and the start/end order of calls."""
 
-    def __init__(self, modules: dict[str, nn.Module]) -> None:
+    def __init__(self, modules: dict[str, nn.Module], store: ValueStore | None = None) -> None:
+        self.store = store if store is not None else ValueStore()
         self.calls: list[CallRec] = []
         self.stack: list[int] = []
         self.counts: dict[str, int] = {}
@@ -165,7 +188,9 @@ class _Tree:
             self.counts[name] = i + 1
             parent = self.stack[-1] if self.stack else None
             pos = len(self.calls)
-            self.calls.append(CallRec(name, i, pos, parent, alias=_aliases((args, kwargs))))
+            self.calls.append(
+                CallRec(name, i, pos, parent, alias=_aliases((args, kwargs)), store=self.store)
+            )
             if parent is not None:
                 self.calls[parent].children.append(pos)
             self.stack.append(pos)
@@ -229,6 +254,7 @@ class RunSpec:
     loss_fn: Callable[[Any], torch.Tensor] | None = None
     autocast: torch.dtype | None = None
     what: str = "a"
+    max_bytes: int | None = None
 
 
 def record_run(spec: RunSpec) -> RunRecord:
@@ -240,7 +266,7 @@ def record_run(spec: RunSpec) -> RunRecord:
     kwargs = cast_like(spec.kwargs, dtype, device)
     want_grads = spec.loss_fn is not None
     check_model(model)  # index compiled regions first: hooks inside them are routed
-    tree = _Tree(modules)
+    tree = _Tree(modules, ValueStore(spec.max_bytes))
     cap = capture(model, modules, inputs=True, grads=want_grads)
     loss = None
     with preserved(model), tree.scope, cap, random_draws() as draws:
@@ -264,6 +290,7 @@ def record_run(spec: RunSpec) -> RunRecord:
         )
     for c in tree.calls:
         _fill(c, cap.calls(c.name), want_grads)
+    cap.clear()  # the values now live in the store (memory up to max_bytes, then disk)
     owners = {}
     for mname, m in modules.items():
         for pname, _ in m.named_parameters(recurse=False):
@@ -277,6 +304,7 @@ def record_run(spec: RunSpec) -> RunRecord:
         compiled=is_optimized(model) or bool(compiled_regions(model)),
         output=map_tensors(lambda t: t.detach(), out),
         loss=loss,
+        has_grads=want_grads,
         modules=modules,
         params=owners,
     )
@@ -286,18 +314,20 @@ def _fill(c: CallRec, calls: list[Any], want_grads: bool) -> None:
     if c.index >= len(calls):
         return
     call = calls[c.index]
+    inputs = None
     if call.inputs is not None:
-        c.inputs = (call.inputs.args, call.inputs.kwargs)
+        inputs = c.inputs = (call.inputs.args, call.inputs.kwargs)
+    output = None
     with contextlib.suppress(Exception):
-        c.output = call.output
+        output = c.output = call.output
     if not want_grads:
         return
     try:
-        c.grad = _flat(call.grad, c.output)
+        c.grad = _flat(call.grad, output)
     except NoGradientError:
-        c.grad = [None for _ in iter_tensors(c.output)]
+        c.grad = [None for _ in iter_tensors(output)]
     try:
         g = call.input_grad
-        c.in_grad = _flat((g.args, g.kwargs), c.inputs)
+        c.in_grad = _flat((g.args, g.kwargs), inputs)
     except NoGradientError:
-        c.in_grad = [None for _ in iter_tensors(c.inputs)]
+        c.in_grad = [None for _ in iter_tensors(inputs)]
