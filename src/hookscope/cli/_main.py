@@ -15,7 +15,7 @@ from ..core._errors import HookscopeError
 __all__ = ["CLIError", "main"]
 
 # Subcommand modules, in the order they are listed by --help.
-COMMANDS = ["_trace", "_summary", "_extract", "_cam", "_demo"]
+COMMANDS = ["_trace", "_summary", "_extract", "_cam", "_demo", "_compare"]
 
 
 class CLIError(HookscopeError):
