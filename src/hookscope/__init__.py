@@ -25,6 +25,7 @@ from .cam import (
     cam_methods,
     get_cam,
 )
+from .compare import CompareError, CompareReport, CompareRow, Record, compare, record
 from .core import (
     Call,
     Capture,
@@ -121,6 +122,9 @@ __all__ = [
     "Capture",
     "CheckpointHandle",
     "CheckpointPlan",
+    "CompareError",
+    "CompareReport",
+    "CompareRow",
     "DemoDataset",
     "DemoNet",
     "EigenCAM",
@@ -157,6 +161,7 @@ __all__ = [
     "PatchMetric",
     "PatchingError",
     "PlanError",
+    "Record",
     "ReshapeError",
     "ScopeReusedError",
     "ScoreCAM",
@@ -183,6 +188,7 @@ __all__ = [
     "cam_methods",
     "capture",
     "clip_grads",
+    "compare",
     "edit",
     "edit_grads",
     "extract",
@@ -203,6 +209,7 @@ __all__ = [
     "patch_sweep",
     "plot_grad_flow",
     "plot_patching",
+    "record",
     "remove_hooks",
     "steer",
     "steering_vector",

@@ -16,7 +16,7 @@ from ._hints import check_positions, token_input, vocabulary, with_hint
 __all__ = ["CLIError", "main", "random_weights_note"]
 
 # Subcommand modules, in the order they are listed by --help.
-COMMANDS = ["_trace", "_summary", "_extract", "_cam", "_demo"]
+COMMANDS = ["_trace", "_summary", "_extract", "_cam", "_demo", "_compare"]
 
 
 class CLIError(HookscopeError):
