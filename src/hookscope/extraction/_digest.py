@@ -85,7 +85,17 @@ def hash_code(h: Any, code: types.CodeType) -> None:
         if isinstance(c, types.CodeType):
             hash_code(h, c)
         else:
-            h.update(repr(c).encode())
+            h.update(_const(c).encode())
+
+
+def _const(c: Any) -> str:
+    """A constant's text, the same in every process (a frozenset's repr follows string hashing,
+    which is randomized per process)."""
+    if isinstance(c, frozenset):
+        return "frozenset(" + ",".join(sorted(_const(v) for v in c)) + ")"
+    if isinstance(c, tuple):
+        return "(" + ",".join(_const(v) for v in c) + ")"
+    return repr(c)
 
 
 def _callable(h: Any, fn: Any, depth: int) -> None:
