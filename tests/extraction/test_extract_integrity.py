@@ -359,3 +359,30 @@ def test_internal_functions_take_few_parameters():
                 if len(params) > 7:
                     too_many.append(f"{mod_name}.{f.__qualname__}({len(params)})")
     assert too_many == []
+
+
+def test_the_fingerprint_of_code_is_the_same_in_every_process():
+    """A forward using a set of strings compiles to a frozenset constant whose repr follows the
+    per-process string hash seed; the run's fingerprint must not (a resume would be refused)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch.nn as nn\n"
+        "from hookscope.extraction._digest import callable_identity\n"
+        "def pool(t):\n"
+        "    return t if t.dtype in {'float32', 'float16', 'bfloat16', 'int8', 'uint8'} else t\n"
+        "print(callable_identity(pool))\n"
+    )
+    src = os.path.dirname(os.path.dirname(hs.__file__))
+    got = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env=dict(os.environ, PYTHONHASHSEED=str(seed), PYTHONPATH=src),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in (1, 2, 3)
+    }
+    assert len(got) == 1, got

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["batch_digest", "callable_identity", "model_inputs", "signature"]
+__all__ = ["batch_digest", "callable_identity", "hash_code", "model_inputs", "signature"]
 
 _DEPTH = 4
 
@@ -77,14 +77,25 @@ def batch_digest(data: Any, indices: list[int], failed: list[int]) -> str:
     return h.hexdigest()[:32]
 
 
-def _code(h: Any, code: types.CodeType) -> None:
+def hash_code(h: Any, code: types.CodeType) -> None:
+    """Feed a code object (its bytecode, names and constants, nested code included) into ``h``."""
     h.update(code.co_code)
     h.update(repr(code.co_names).encode())
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            _code(h, c)
+            hash_code(h, c)
         else:
-            h.update(repr(c).encode())
+            h.update(_const(c).encode())
+
+
+def _const(c: Any) -> str:
+    """A constant's text, the same in every process (a frozenset's repr follows string hashing,
+    which is randomized per process)."""
+    if isinstance(c, frozenset):
+        return "frozenset(" + ",".join(sorted(_const(v) for v in c)) + ")"
+    if isinstance(c, tuple):
+        return "(" + ",".join(_const(v) for v in c) + ")"
+    return repr(c)
 
 
 def _callable(h: Any, fn: Any, depth: int) -> None:
@@ -110,7 +121,7 @@ def _callable(h: Any, fn: Any, depth: int) -> None:
         fn = type(fn).__dict__.get("__call__") or type(fn).__call__
     if isinstance(fn, types.FunctionType):
         h.update(f"{fn.__module__}.{fn.__qualname__}".encode())
-        _code(h, fn.__code__)
+        hash_code(h, fn.__code__)
         _update(h, fn.__defaults__, depth + 1)
         _update(h, fn.__kwdefaults__, depth + 1)
         for cell in fn.__closure__ or ():

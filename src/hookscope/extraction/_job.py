@@ -46,7 +46,7 @@ from ._data import (
     sample_name,
     sampled_rows,
 )
-from ._digest import _code, callable_identity, signature
+from ._digest import callable_identity, hash_code, signature
 from ._featstore import (
     FORMAT,
     FORMAT_VERSION,
@@ -120,7 +120,7 @@ def _code_of(model: nn.Module) -> str:
         h.update(f"{cls.__module__}.{cls.__qualname__}".encode())
         fwd = getattr(cls.forward, "__code__", None)
         if fwd is not None:
-            _code(h, fwd)
+            hash_code(h, fwd)
     return h.hexdigest()
 
 
