@@ -288,7 +288,7 @@ def test_fullgraph_region_runs_eagerly_and_warns_naming_the_layer():
 
 
 class Skipper(nn.Module):
-    """Calls its child's forward directly: hooks cannot fire, compiled or not (PITFALL 8)."""
+    """Calls its child's forward directly: hooks cannot fire, compiled or not (docs/pitfalls.md §8)."""
 
     def __init__(self) -> None:
         super().__init__()

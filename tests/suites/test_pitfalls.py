@@ -1,4 +1,4 @@
-"""One test (at least) per hard edge of PyTorch hooks, ../shared/PITFALLS.md items 1-14, 20-24."""
+"""One test (at least) per hard edge of PyTorch hooks, docs/pitfalls.md §1-14, §20-24."""
 
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ class _Recorder:
         # into Calls when read (see materialize)
         self.calls: dict[str, list[Any]] = {}
         # itertools.count: next() is atomic, so DataParallel replicas running the shared hooks in
-        # threads get unique call indices (PITFALL 17); list.append is atomic too
+        # threads get unique call indices (docs/pitfalls.md §17); list.append is atomic too
         self.counts: dict[str, itertools.count[int]] = {}
         self.hooks: list[_OutputHook] = []
         self.warned: set[str] = set()
@@ -145,7 +145,7 @@ class _Recorder:
             and note is not None
             and self.recomputes.note(note[0], value, note[1])
         ):
-            reason = REENTRANT_HINT  # the gradient hooks go on the recompute (PITFALL 27)
+            reason = REENTRANT_HINT  # the gradient hooks go on the recompute (docs/pitfalls.md §27)
         elif reason is not None and not torch.is_grad_enabled():
             warn_once(
                 self.warned,
@@ -193,7 +193,7 @@ class _OutputHook(_Hook):
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if get_ident() != self.thread and not acts_here(self.thread):
             return None  # another thread's call (see acts_here)
-        if graph_task_id() != -1:  # activation checkpointing re-running forward (PITFALL 27)
+        if graph_task_id() != -1:  # activation checkpointing re-running forward (docs/pitfalls.md §27)
             if self.rec.recomputes.pending:  # reentrant: the gradient flows through the recompute
                 call = self.rec.recomputes.claim(self.name, output)
                 if call is not None:
@@ -355,7 +355,7 @@ class Capture(Mapping[str, Any]):
                 and torch.is_grad_enabled()
                 and any(t.requires_grad for _, t in iter_tensors((args, kwargs)))
             ):
-                # gradients through this layer only; identity checks keep their path (PITFALL 4)
+                # gradients through this layer only; identity checks keep their path (docs/pitfalls.md §4)
                 replaced = identity_views(args, kwargs)
                 call._in_grad, _ = rec.attach_grads(scope, name, replaced, f"inputs of {name!r}")
             versions: list[tuple[torch.Tensor, int]] | None = [] if track_versions else None

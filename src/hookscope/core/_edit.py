@@ -111,11 +111,17 @@ def edit(
 ) -> HookScope:
     """Replace or change layer outputs (or inputs) while the returned scope is active.
 
-    Each value of ``edits`` is a :mod:`hookscope.ops` op (applied to every tensor of the value), a
-    tensor (the replacement) or a function ``fn(value) -> new_value | None`` (``None`` keeps the
-    value). With ``at="input"`` the edit applies to the first positional input, or to ``arg``: a
-    positional index or a parameter name of the layer's ``forward`` (passed by keyword or by
-    position).
+    Args:
+        model: any ``nn.Module``.
+        edits: ``{layer selector: edit}``. Each edit is a :mod:`hookscope.ops` op (applied to
+            every tensor of the value), a tensor (the replacement) or a function
+            ``fn(value) -> new_value | None`` (``None`` keeps the value).
+        at: ``"output"`` (the default) edits what the layer returns; ``"input"`` what it
+            receives: its first positional input, or ``arg``.
+        arg: with ``at="input"``, which input: a positional index or a parameter name of the
+            layer's ``forward`` (passed by keyword or by position).
+
+    Returns the scope: the edits act until it is removed (or its ``with`` block ends).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -255,10 +261,14 @@ def _resolve_grad_targets(
 def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
     """Change gradients while the returned scope is active.
 
-    Keys name what to edit: a layer selector (the gradient w.r.t. the layer's output, before it
-    flows back into the layer), a parameter name or glob (``"fc.bias"``, ``"*.bias"``: the
-    gradient before it is accumulated into ``.grad``), or a tensor (e.g. a leaf input; ``model``
-    may then be ``None``). Values are ops, tensors or ``fn(grad) -> new_grad | None``.
+    Args:
+        model: the model whose layers and parameters the keys name; ``None`` when every key is
+            a tensor.
+        edits: ``{what: edit}``. A key is a layer selector (the gradient w.r.t. the layer's
+            output, before it flows back into the layer), a parameter name or glob
+            (``"fc.bias"``, ``"*.bias"``: the gradient before it is accumulated into ``.grad``),
+            or a tensor (e.g. a leaf input). An edit is an op, a tensor or
+            ``fn(grad) -> new_grad | None``.
 
     Works with in-place layers (``ReLU(inplace=True)``): gradients are edited through tensor
     hooks, never through module backward hooks. Distributed, a parameter edit acts on the
@@ -338,10 +348,14 @@ def clip_grads(
 ) -> HookScope:
     """Clip every parameter's gradient by hooks, as it is computed; stays until removed.
 
-    ``value`` clamps each element into ``[-value, value]``; ``max_norm`` rescales each
-    parameter's gradient to an L2 norm of at most ``max_norm`` (per parameter, unlike
-    ``torch.nn.utils.clip_grad_norm_``, which uses the global norm). ``params`` restricts it to
-    parameter names/globs. Returns the scope: ``.remove()`` it (or use ``with``) to stop.
+    Args:
+        model: the model whose parameters' gradients are clipped.
+        value: clamp each element into ``[-value, value]``.
+        max_norm: rescale each parameter's gradient to an L2 norm of at most ``max_norm`` (per
+            parameter, unlike ``torch.nn.utils.clip_grad_norm_``, which uses the global norm).
+        params: parameter names or globs to clip (default: every parameter).
+
+    Returns the scope: ``.remove()`` it (or use ``with``) to stop.
     Distributed (DDP, FSDP2, tensor parallel), it clips the averaged, full gradient, as one
     process on the combined batch would (see :func:`edit_grads`).
 

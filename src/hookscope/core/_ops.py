@@ -2,7 +2,7 @@
 
 Each op is a small callable ``op(tensor) -> tensor`` that always returns a *new* tensor (never
 modifies its input in place: a gradient edited in place could change the caller's
-``backward(gradient=g)`` tensor, PITFALL 24) and never synchronises with the device. Applied to a
+``backward(gradient=g)`` tensor, docs/pitfalls.md §24) and never synchronises with the device. Applied to a
 nested value (a tuple or dict output), an op is applied to every tensor inside it.
 
 Example:
@@ -215,6 +215,6 @@ def apply(fn: Any, value: Any, what: str) -> Any:
         raise TypeError(
             f"the edit function for {what} returned {type(new).__name__}; it must return a Tensor (the new "
             "value) or None (keep the value). A hook that returns e.g. a RemovableHandle by accident "
-            "would otherwise replace the layer's output (PITFALL 11)"
+            "would otherwise replace the layer's output (docs/pitfalls.md §11)"
         )
     return new

@@ -227,7 +227,7 @@ def _opaque(inner: _Hook, region: Any, release: Callable[[], None]) -> _OpaqueHo
 
 
 def check_model(model: nn.Module) -> None:
-    """Refuse models whose hooks would fail; make hooks on compiled parts run (PITFALLS 15, 16).
+    """Refuse models whose hooks would fail; make hooks on compiled parts run (docs/pitfalls.md §15, §16).
 
     A ``torch.compile``'d model, a ``model.compile()``'d one and a model with compiled submodules
     are indexed, so that a hook a scope adds inside a compiled region makes that region's calls run
@@ -242,7 +242,7 @@ def check_model(model: nn.Module) -> None:
             f"{type(model).__name__} is a TorchScript module, which cannot run Python hooks; "
             "use the original nn.Module (before torch.jit.script/trace)"
         )
-    compiled_regions(model)  # index its compiled parts: hooks on them get routed (PITFALL 15)
+    compiled_regions(model)  # index its compiled parts: hooks on them get routed (docs/pitfalls.md §15)
     index_generate(model)  # generate() compiling the model by itself: run those steps eagerly
 
 
@@ -263,7 +263,7 @@ def identity_views(
     A gradient hook on the view sees the gradient flowing through *this* layer only (a tensor also
     used elsewhere, e.g. by a residual, gets the rest of its gradient from other paths). The same
     tensor gets the same view, so identity checks such as ``query is key`` keep their path
-    (PITFALL 4). ``on_view(view, tensor)`` is called once per new view. Returns
+    (docs/pitfalls.md §4). ``on_view(view, tensor)`` is called once per new view. Returns
     ``(args, kwargs)`` for a ``with_kwargs`` forward pre-hook to return.
     """
     views: dict[int, torch.Tensor] = {}
@@ -481,8 +481,8 @@ class HookScope:
     ) -> RemovableHandle:
         """``fn(module, grad_input, grad_output)``: a full backward hook, for callers that need one.
 
-        hookscope's own features never use it (tensor hooks are in-place safe, PITFALLS 3-5), and
-        the legacy ``register_backward_hook`` is never used at all (PITFALL 1).
+        hookscope's own features never use it (tensor hooks are in-place safe, docs/pitfalls.md §3-5), and
+        the legacy ``register_backward_hook`` is never used at all (docs/pitfalls.md §1).
         """
         if getattr(module, "_is_full_backward_hook", None) is False:
             raise HookConflictError(
@@ -523,7 +523,7 @@ class HookScope:
     def add_post_accumulate_grad(
         self, param: torch.Tensor, fn: Callable[[torch.Tensor], None], *, layer: str
     ) -> RemovableHandle:
-        """``fn(param)`` after ``param.grad`` was accumulated (PITFALLS 7 and 19)."""
+        """``fn(param)`` after ``param.grad`` was accumulated (docs/pitfalls.md §7 and §19)."""
         hook = self._wrap(fn, "post_accumulate_grad", layer)
         return self._keep(param.register_post_accumulate_grad_hook(hook))
 

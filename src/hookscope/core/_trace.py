@@ -140,9 +140,15 @@ def trace(
     Names longer than the name column are shortened from the left with ``…``
     (``.events`` keeps them whole).
 
-    ``layers`` selects what to print (default: every module). ``sync=True`` synchronises CUDA
-    around each call for exact GPU timings (off by default: no host sync in hooks). An exception
-    inside the model gets a note naming the innermost layer and the shapes it got.
+    An exception inside the model gets a note naming the innermost layer and the shapes it got.
+
+    Args:
+        model: any ``nn.Module``.
+        layers: what to print (see :func:`find`); default: every module.
+        file: where lines go (default: ``sys.stdout``).
+        sync: synchronise CUDA around each call for exact GPU timings (off by default: no host
+            sync in hooks).
+        quiet: print nothing; the calls are still in ``.events``.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs, io
