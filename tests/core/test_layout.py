@@ -28,17 +28,8 @@ PUBLIC_VERBS = {
     "_ops": "hs.ops",
     "_trace": "hs.trace (and the command line's trace)",
 }
-# single-client modules on their way into their product (delete an entry when its move lands),
-# and shared helpers whose clients adopt them in the same round
-MOVING = {
-    "_heads": "patching",
-    "_prefix": "patching",
-    "_rows": "patching",
-    "_saved": "memory",
-    "_random": "shared: memory and extraction adopt random_draws/training_modules",
-}
-# the one third-party import allowed in core until core/_prefix.py moves into patching
-THIRD_PARTY_ALLOWED = {("_prefix", "transformers")}
+# no third-party import is allowed in core ((module, package) pairs would go here)
+THIRD_PARTY_ALLOWED: set[tuple[str, str]] = set()
 
 
 @functools.cache
@@ -66,7 +57,7 @@ def _core_modules() -> list[str]:
 
 @pytest.mark.parametrize("name", _core_modules())
 def test_each_core_module_is_shared_or_a_public_verb(name):
-    if name in PUBLIC_VERBS or name in MOVING:
+    if name in PUBLIC_VERBS:
         return
     users = _users(f"hookscope.core.{name}")
     assert len(users) >= 2, (
@@ -75,11 +66,8 @@ def test_each_core_module_is_shared_or_a_public_verb(name):
     )
 
 
-def test_the_allow_lists_name_existing_modules():
-    present = set(_core_modules())
-    assert set(PUBLIC_VERBS) <= present
-    for name in set(MOVING) - present:  # moved: nothing to do, the entry may go
-        assert name not in PUBLIC_VERBS
+def test_the_allow_list_names_existing_modules():
+    assert set(PUBLIC_VERBS) <= set(_core_modules())
 
 
 def _third_party(path: Path) -> set[str]:
