@@ -14,6 +14,7 @@ from ..core._errors import HookscopeError, LayerNotFoundError
 from ..core._nested import iter_tensors
 from ..core._scope import check_model
 from ..core._select import suggest
+from ._replay import plain_attributes
 from ._saved import CallInputs, SavedTensors, SaveEvent
 
 __all__ = ["MemoryProfile", "MemoryRow", "memory_profile"]
@@ -201,10 +202,11 @@ def run_step(
     backward_ops: bool = False,
 ) -> SavedTensors:
     """One forward and backward under a :class:`SavedTensors` recorder. The model is left as found:
-    existing ``.grad`` and buffers (BatchNorm running statistics) are put back."""
+    existing ``.grad``, buffers (BatchNorm running statistics, values and the tensors in their
+    slots: a forward may reassign one) and plain attributes (a step counter) are put back."""
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.dtype != torch.bool]
+    state = ModuleState(model)
     for p in params:
         p.grad = None
     rng = torch.random.fork_rng(devices=_cuda_devices(model, inputs, kwargs))
@@ -231,10 +233,33 @@ def run_step(
         rng.__exit__(None, None, None)
         for p, g in zip(params, grads):
             p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        state.restore()
     return rec
+
+
+class ModuleState:
+    """Buffers (slot and value) and plain attributes of every module, to put back after a step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.slots = [
+            (m, name, b, b.detach().clone() if b.dtype != torch.bool else None)
+            for m in model.modules()
+            for name, b in m._buffers.items()
+            if b is not None
+        ]
+        self.attrs = [(m, plain_attributes(m.__dict__)) for m in model.modules()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for m, name, b, value in self.slots:
+                m._buffers[name] = b
+                if value is not None:
+                    b.copy_(value)
+        for m, before in self.attrs:
+            d = m.__dict__
+            for k in plain_attributes(d).keys() - before.keys():
+                del d[k]
+            d.update(before)
 
 
 def _tensors(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
