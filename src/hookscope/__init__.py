@@ -25,10 +25,10 @@ from .cam import (
     cam_methods,
     get_cam,
 )
+from .compare import CompareError, CompareReport, CompareRow, Record, compare, record
 from .core import (
     Call,
     Capture,
-    HeadSplitError,
     HookConflictError,
     HookInfo,
     HookScope,
@@ -60,7 +60,15 @@ from .core import (
     tensor_grads,
     trace,
 )
-from .demo import DemoDataset, DemoNet, load_demo_model, make_demo_dataset
+from .demo import (
+    DemoDataset,
+    DemoNet,
+    InductionPrompts,
+    load_demo_lm,
+    load_demo_model,
+    make_demo_dataset,
+    make_induction_prompts,
+)
 from .extraction import (
     ExtractError,
     FeatureExtractor,
@@ -94,7 +102,14 @@ from .monitor import (
     find_nonfinite,
     plot_grad_flow,
 )
-from .patching import PatchingError, PatchMetric, attribution_patch, patch_sweep, plot_patching
+from .patching import (
+    HeadSplitError,
+    PatchingError,
+    PatchMetric,
+    attribution_patch,
+    patch_sweep,
+    plot_patching,
+)
 from .steering import Steering, steer, steering_vector
 from .summarization import Summary, SummaryRow, SummaryTotals, summary
 from .viz import feature_maps, overlay
@@ -107,6 +122,9 @@ __all__ = [
     "Capture",
     "CheckpointHandle",
     "CheckpointPlan",
+    "CompareError",
+    "CompareReport",
+    "CompareRow",
     "DemoDataset",
     "DemoNet",
     "EigenCAM",
@@ -125,6 +143,7 @@ __all__ = [
     "ImageFolder",
     "InPlaceModifiedWarning",
     "IncompleteExtractionError",
+    "InductionPrompts",
     "Inputs",
     "JsonlSink",
     "LayerCAM",
@@ -142,6 +161,7 @@ __all__ = [
     "PatchMetric",
     "PatchingError",
     "PlanError",
+    "Record",
     "ReshapeError",
     "ScopeReusedError",
     "ScoreCAM",
@@ -168,6 +188,7 @@ __all__ = [
     "cam_methods",
     "capture",
     "clip_grads",
+    "compare",
     "edit",
     "edit_grads",
     "extract",
@@ -176,9 +197,11 @@ __all__ = [
     "find_nonfinite",
     "get_cam",
     "hooks_on",
+    "load_demo_lm",
     "load_demo_model",
     "load_features",
     "make_demo_dataset",
+    "make_induction_prompts",
     "memory_profile",
     "observe",
     "ops",
@@ -186,6 +209,7 @@ __all__ = [
     "patch_sweep",
     "plot_grad_flow",
     "plot_patching",
+    "record",
     "remove_hooks",
     "steer",
     "steering_vector",

@@ -1,4 +1,4 @@
-"""Hooks exact under activation checkpointing (PITFALL 27): every feature x every checkpoint kind
+"""Hooks exact under activation checkpointing (docs/pitfalls.md §27): every feature x every checkpoint kind
 gives the values, call counts and records of the run without checkpointing."""
 
 from __future__ import annotations

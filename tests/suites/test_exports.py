@@ -13,8 +13,9 @@ import hookscope
 def test_all_is_sorted_and_matches_public_names():
     assert hookscope.__all__ == sorted(hookscope.__all__)
     public = {n for n in dir(hookscope) if not n.startswith("_")}
-    # the product packages are the layout, not API (``ops`` is a public module)
-    public -= {m.name for m in pkgutil.iter_modules(hookscope.__path__)} - {"ops"}
+    # the product packages are the layout, not API (``ops`` is a public module; ``compare`` is
+    # both a package and the function ``hs.compare`` it exports)
+    public -= {m.name for m in pkgutil.iter_modules(hookscope.__path__)} - {"ops", "compare"}
     assert public == set(hookscope.__all__) - {"__version__"}
 
 
@@ -39,6 +40,7 @@ def test_layout_has_one_package_per_product():
     assert packages == {
         "cam",
         "cli",
+        "compare",
         "core",
         "demo",
         "extraction",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._buffers import buffers_kept
 from ..core._compiled import compiled_regions, named_modules, strip_compiled
 from ..core._errors import HookscopeError, LayerNotFoundError
 from ..core._nested import iter_tensors
@@ -206,7 +208,9 @@ def run_step(
     slots: a forward may reassign one) and plain attributes (a step counter) are put back."""
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params]
-    state = ModuleState(model)
+    buffers = contextlib.ExitStack()  # buffers put back as found (in place or reassigned)
+    buffers.enter_context(buffers_kept(model))
+    attributes = Attributes(model)
     for p in params:
         p.grad = None
     rng = torch.random.fork_rng(devices=_cuda_devices(model, inputs, kwargs))
@@ -233,28 +237,18 @@ def run_step(
         rng.__exit__(None, None, None)
         for p, g in zip(params, grads):
             p.grad = g
-        state.restore()
+        buffers.close()
+        attributes.restore()
     return rec
 
 
-class ModuleState:
-    """Buffers (slot and value) and plain attributes of every module, to put back after a step."""
+class Attributes:
+    """The plain attributes of every module (a step counter), to put back after a step."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.slots = [
-            (m, name, b, b.detach().clone() if b.dtype != torch.bool else None)
-            for m in model.modules()
-            for name, b in m._buffers.items()
-            if b is not None
-        ]
         self.attrs = [(m, plain_attributes(m.__dict__)) for m in model.modules()]
 
     def restore(self) -> None:
-        with torch.no_grad():
-            for m, name, b, value in self.slots:
-                m._buffers[name] = b
-                if value is not None:
-                    b.copy_(value)
         for m, before in self.attrs:
             d = m.__dict__
             for k in plain_attributes(d).keys() - before.keys():

@@ -1,0 +1,395 @@
+"""``hs.compare``: where run B first drifts from run A, and which module made the error."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core._compiled import named_modules, strip_compiled
+from ..core._errors import HookscopeWarning
+from ._record import load_record
+from ._replay import Replay, Result
+from ._report import CompareReport, CompareRow
+from ._run import CompareError, RunRecord, RunSpec, cast_like, preserved, record_run
+from ._tolerance import lower, reduction_size, rel_error, rel_pairs, tolerance
+
+__all__ = ["compare"]
+
+Names = Mapping[str, str | None] | Callable[[str], str | None] | None
+
+
+def _name_map(names: Names) -> Callable[[str], str | None]:
+    if names is None:
+        return lambda n: n
+    if callable(names):
+        return names
+    table = dict(names)
+    return lambda n: table.get(n, n)
+
+
+class _Job:
+    """One comparison: A's record, B's record (or live B), the replays, the rows."""
+
+    def __init__(
+        self, ra: RunRecord, rb: RunRecord | None, b: nn.Module | None, names: Names
+    ) -> None:
+        self.ra, self.rb, self.b = ra, rb, b
+        self.map = _name_map(names)
+        self.grads = ra.has_grads and (rb is None or rb.has_grads)
+        da = ra.run_dtype
+        db = rb.run_dtype if rb is not None else da
+        self.low = lower(da, db)
+        self.mixed = da != db
+        self.failed: list[str] = []
+        self.shared = _shared_params(ra, b)
+        self.rep_b = self.rep_a = self.rep_bc = self.rep_round = None
+        if rb is not None and rb.modules is not None:
+            self.rep_b = Replay(rb.modules, ra, rb, self.map, rb.dtype, rb.autocast)
+            if rb.compiled:
+                self.rep_bc = Replay(rb.modules, rb, rb, lambda n: n, rb.dtype, rb.autocast)
+        if ra.modules is not None and self.grads:
+            self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast)
+        if self.mixed and (ra.modules is not None or b is not None):
+            # the conditioning check replays A's modules; for a recorded A, a copy of B's in
+            # A's dtype stands in for them
+            mods = ra.modules
+            if mods is None and b is not None:
+                mods = dict(named_modules(copy.deepcopy(strip_compiled(b)).to(ra.dtype)))
+                rename = self.map
+            else:
+                rename = lambda n: n  # noqa: E731
+            assert mods is not None
+            self.rep_round = Replay(mods, ra, ra, rename, ra.dtype, ra.autocast, round_to=self.low)
+
+    # -- matching ------------------------------------------------------------------------------
+    def pairs(self) -> tuple[list[tuple[int, int]], list[str]]:
+        ra, rb = self.ra, self.rb
+        assert rb is not None
+        matched, unmatched, used = [], [], set()
+        for i, c in enumerate(ra.calls):
+            bn = self.map(c.name)
+            j = rb.by_key.get((bn, c.index)) if bn is not None else None
+            if j is None:
+                unmatched.append(f"a: {c.name or '<root>'}#{c.index}")
+                continue
+            matched.append((i, j))
+            used.add(j)
+        for j, c in enumerate(rb.calls):
+            if j not in used:
+                unmatched.append(f"b: {c.name or '<root>'}#{c.index}")
+        return matched, unmatched
+
+    # -- one row -------------------------------------------------------------------------------
+    def row(self, i: int, j: int) -> CompareRow:
+        ra, rb = self.ra, self.rb
+        assert rb is not None
+        ca, cb = ra.calls[i], rb.calls[j]
+        module = (ra.modules or {}).get(ca.name) or (rb.modules or {}).get(cb.name)
+        params = list(module.parameters(recurse=False)) if module is not None else []
+        r = CompareRow(
+            name=ca.name,
+            index=ca.index,
+            kind=type(module).__name__ if module is not None else "?",
+            depth=_depth(ra, i),
+            end=ca.end,
+            tol=tolerance(self.low, reduction_size(ca.inputs, params)),
+            b_name=cb.name if cb.name != ca.name else None,
+        )
+        r.error = rel_error(ca.output, cb.output)
+        if self.grads and ca.grad is not None and cb.grad is not None:
+            r.grad_error = rel_pairs(list(zip(ca.grad, cb.grad)))
+        if ca.index == 0:
+            r.param_grad_error = self._param_grads(ca.name, cb.name)
+        self._local(i, r)
+        if self.rep_bc is not None:
+            got = self._run(self.rep_bc, j, False, r)
+            if got is not None:
+                r.compile_error = rel_error(got.output, cb.output)  # compiled against eager
+        self._verdict(i, r)
+        return r
+
+    def _param_grads(self, a_name: str, b_name: str) -> float | None:
+        ra, rb = self.ra, self.rb
+        assert rb is not None
+        pairs = []
+        for p, owner in ra.params.items():
+            if owner != a_name:
+                continue
+            local = p[len(a_name) + 1 :] if a_name else p
+            q = f"{b_name}.{local}" if b_name else local
+            pairs.append((ra.param_grads.get(p), rb.param_grads.get(q)))
+        return rel_pairs(pairs) if pairs else None
+
+    def _run(self, rep: Replay, pos: int, grads: bool, r: CompareRow) -> Result | None:
+        try:
+            return rep.run(pos, grads)
+        except Exception as exc:  # a module that cannot run on its own: say so in the row
+            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            r.note = f"replay failed: {msg[:160]}"
+            self.failed.append(r.label)
+            return None
+
+    def _local(self, i: int, r: CompareRow) -> None:
+        if self.rep_b is None:
+            return
+        ca = self.ra.calls[i]
+        got = self._run(self.rep_b, i, self.grads, r)
+        if got is None:
+            return
+        if got.ran:
+            r.note = "children ran for real (inputs changed structure): " + ", ".join(got.ran)
+        r.local_error = _worst([rel_error(ca.output, got.output), *got.child_errors])
+        if not self.grads or got.in_grads is None or ca.in_grad is None:
+            return
+        errs = [rel_pairs(list(zip(ca.in_grad, got.in_grads))), *got.child_grad_errors]
+        if got.param_grads and self.rep_a is not None:
+            ref = self._run(self.rep_a, i, True, r)
+            if ref is not None and ref.param_grads is not None:
+                errs.append(
+                    rel_pairs([(ref.param_grads.get(n), g) for n, g in got.param_grads.items()])
+                )
+        elif got.param_grads and (ca.name, 1) not in self.ra.by_key:
+            # a recorded A: a module called once, whose own parameters no other module uses,
+            # gets its local parameter gradients checked against the recorded run's .grad
+            pre = f"{ca.name}." if ca.name else ""
+            errs.append(
+                rel_pairs(
+                    [
+                        (self.ra.param_grads.get(pre + n), g)
+                        for n, g in got.param_grads.items()
+                        if "." not in n and pre + n not in self.shared
+                    ]
+                )
+            )
+        r.local_grad_error = _worst(errs)
+
+    def _verdict(self, i: int, r: CompareRow) -> None:
+        over = lambda e: e is not None and e > r.tol  # noqa: E731
+        kind = None
+        if over(r.local_error):
+            kind = "forward"
+        elif over(r.local_grad_error):
+            kind = "backward"
+        if kind is not None and self.rep_round is not None:
+            kind = self._explained(i, r, kind)
+        if kind is None and r.compile_error is not None:
+            assert self.rb is not None
+            if r.compile_error > tolerance(self.rb.run_dtype, 1) + r.tol - tolerance(self.low, 1):
+                kind = "compiled"
+        r.flagged = kind
+
+    def _explained(self, i: int, r: CompareRow, kind: str) -> str | None:
+        """A local error the reference shows too when its inputs are rounded to the lower dtype
+        comes from the module's conditioning (max-pooling ties, cancellation), not from B."""
+        assert self.rep_round is not None
+        ca = self.ra.calls[i]
+        got = self._run(self.rep_round, i, kind == "backward", r)
+        if got is None:
+            return kind
+        if kind == "forward":
+            e_round, e = (
+                _worst([rel_error(ca.output, got.output), *got.child_errors]),
+                r.local_error,
+            )
+        else:
+            e_round = _worst(
+                [rel_pairs(list(zip(ca.in_grad or [], got.in_grads or []))), *got.child_grad_errors]
+            )
+            e = r.local_grad_error
+        if e_round is None or e is None or e > 2 * e_round + r.tol:
+            return kind
+        what = "gradient" if kind == "backward" else "output"
+        r.note = (
+            f"{what} not stable across dtypes here: rounding its inputs to {str(self.low)[6:]} "
+            f"moves A's own {what} by {e_round:.1e} (e.g. max-pooling ties, cancellation), so its "
+            f"local error {e:.1e} is not a fault"
+        )
+        return None
+
+
+def _shared_params(ra: RunRecord, b: nn.Module | None) -> set[str]:
+    """A's names of parameters that several modules of B hold (tied weights)."""
+    if b is None or ra.modules is not None:
+        return set()
+    owners: dict[int, int] = {}
+    for _, m in named_modules(b):
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    shared = set()
+    for mname, m in named_modules(b):
+        for pname, p in m.named_parameters(recurse=False):
+            if owners[id(p)] > 1:
+                shared.add(f"{mname}.{pname}" if mname else pname)
+    return shared
+
+
+def _worst(errors: list[float | None]) -> float | None:
+    known = [e for e in errors if e is not None]
+    return max(known) if known else None
+
+
+def _depth(rec: RunRecord, pos: int) -> int:
+    d, p = 0, rec.calls[pos].parent
+    while p is not None:
+        d, p = d + 1, rec.calls[p].parent
+    return d
+
+
+def _verdicts(rec: RunRecord, rows: list[tuple[int, CompareRow]]) -> tuple[list[str], str | None]:
+    flagged = {i for i, r in rows if r.flagged}
+    ancestors: set[int] = set()
+    for i in flagged:
+        p = rec.calls[i].parent
+        while p is not None:
+            ancestors.add(p)
+            p = rec.calls[p].parent
+    culprits = sorted(((r.end, r.label) for i, r in rows if i in flagged and i not in ancestors))
+    divergent = sorted((r.end, r.label) for _, r in rows if r.error is not None and r.error > r.tol)
+    return [c for _, c in culprits], divergent[0][1] if divergent else None
+
+
+def build_report(job: _Job) -> CompareReport:
+    """Rows, verdicts and notes of a comparison whose records are made."""
+    ra, rb = job.ra, job.rb
+    assert rb is not None
+    matched, unmatched = job.pairs()
+    rows = [(i, job.row(i, j)) for i, j in matched]
+    culprits, divergent = _verdicts(ra, rows)
+    by_label = {r.label: r for _, r in rows}
+    culprit = by_label[culprits[0]].name if culprits else None
+    notes = []
+    if job.rep_b is None:
+        notes.append(
+            "no culprit verdict: B is a record, not a live model; the culprit needs B's modules "
+            "to replay A's inputs (pass the live model as b)"
+        )
+    if job.failed:
+        warnings.warn(
+            f"hs.compare: could not replay {len(job.failed)} module call(s) on A's inputs "
+            f"({', '.join(job.failed[:3])}); their rows have no local error (see row.note)",
+            HookscopeWarning,
+            stacklevel=3,
+        )
+    loss = (ra.loss, rb.loss) if ra.loss is not None and rb.loss is not None else None
+    return CompareReport(
+        rows=[r for _, r in rows],
+        culprit=culprit if job.rep_b is not None else None,
+        culprits=culprits if job.rep_b is not None else [],
+        first_divergent=divergent,
+        unmatched=unmatched,
+        dtypes=(str(ra.run_dtype)[6:], str(rb.run_dtype)[6:]),
+        loss=loss,
+        notes=notes,
+    )
+
+
+def compare(
+    a: Any,
+    b: Any,
+    *inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    names: Names = None,
+    autocast: torch.dtype | None = None,
+    max_bytes: int | None = None,
+    **kwargs: Any,
+) -> CompareReport:
+    """Compare two runs module by module and name the module that makes the difference.
+
+    ``a`` and ``b`` are live models or folders written by :func:`hookscope.record`; they compute
+    the same function with the same module names (a model and
+    ``torch.compile`` of a copy, a bf16 copy, a copy with a change, a port with ``names=``).
+    Both run once on ``inputs`` (floating inputs cast to each model's parameter dtype; ``kwargs``
+    go to both forwards), every module call recorded with its inputs and output and, with
+    ``loss_fn``, after ``loss_fn(output).backward()``, its gradients. Then each module call of B
+    is **replayed on A's own inputs to it**, the modules it calls returning A's outputs (so the
+    replay measures the module's own code, and all replays together cost about one forward and
+    backward): its output against A's is the module's *local* error; with ``loss_fn``, its
+    vector-Jacobian product at A's inputs with A's output gradient against A's input gradient
+    (and the parameter gradients of that call) is its local gradient error. A compiled B also
+    runs each module eagerly on the inputs its compiled run gave it: what compilation adds
+    inside the module (``compile_error``).
+
+    Tolerances come from the two dtypes: ``4 * eps(d) + 16 * eps(float32) * sqrt(K)`` with ``d``
+    the less precise compute dtype of the two runs (autocast included) and ``K`` the module's
+    largest reduction (the last dimension of its inputs, the fan-in of its parameters): 1.6e-5
+    for fp32 pairs and 3.1e-2 for bf16 pairs at ``K = 64``. An error that the reference shows too
+    when its own inputs are rounded to the lower dtype (max-pooling ties, cancellation) is not
+    flagged; the row's ``note`` says so.
+
+    Verdicts: ``culprit`` is the deepest module whose own computation (forward, backward, or
+    what compilation adds) exceeds its tolerance; ``first_divergent`` the first module, in the
+    order outputs are produced, whose output differs beyond it (where the error shows).
+
+    Module calls are matched by name and occurrence; calls that ran in only one model are listed
+    in ``unmatched``. Both models are left as found (``.grad``, buffers, train/eval mode); a model
+    that draws random numbers (dropout in training mode) raises :class:`CompareError`.
+
+    Args:
+        a: the reference model.
+        b: the model under test (same module names, or ``names=``).
+        *inputs: positional inputs of both forwards.
+        loss_fn: ``loss_fn(output) -> scalar tensor``; with it, gradients are compared too.
+        names: B's name for each of A's modules: a dict (names not in it are kept) or a
+            function (``None``: no counterpart).
+        autocast: run B (and its replays) under ``torch.autocast`` with this dtype.
+        max_bytes: keep at most this many bytes of each run's recorded values in memory; the
+            rest goes to a temporary folder (read back when compared). ``None``: no bound.
+        **kwargs: keyword inputs of both forwards.
+
+    Example:
+        >>> import copy, torch, torch.nn as nn, hookscope as hs
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> a = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.LayerNorm(8))
+        >>> b = copy.deepcopy(a)
+        >>> b[3].eps = 0.5  # a wrong epsilon in the norm
+        >>> report = hs.compare(a, b, torch.randn(4, 8), loss_fn=lambda o: o.pow(2).sum())
+        >>> report.culprit, report.row("0").local_error, report.row("2").local_error
+        ('3', 0.0, 0.0)
+        >>> hs.compare(a, copy.deepcopy(a), torch.randn(4, 8)).culprit is None
+        True
+    """
+    ra = _side(a, "a", RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes))
+    rb = _side(b, "b", RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes))
+    if ra.modules is None and rb.modules is not None:
+        _check_inputs(ra, inputs, kwargs)
+    job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
+    with contextlib.ExitStack() as stack:
+        for m in (a, b):
+            if isinstance(m, nn.Module):
+                stack.enter_context(preserved(m))
+        return build_report(job)
+
+
+def _side(m: Any, what: str, spec: RunSpec) -> RunRecord:
+    if isinstance(m, nn.Module):
+        return record_run(spec)
+    if isinstance(m, (str, os.PathLike)):
+        return load_record(m)
+    raise TypeError(
+        f"hs.compare: {what} must be an nn.Module or a folder written by hs.record, "
+        f"got {type(m).__name__}"
+    )
+
+
+def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The live run must get the recorded run's inputs: refuse others by name."""
+    pos = ra.by_key.get(("", 0))
+    if pos is None:
+        return
+    rec = ra.calls[pos].inputs
+    given = cast_like((tuple(inputs), dict(kwargs)), ra.dtype, torch.device("cpu"))
+    err = rel_error(rec, given)
+    if err is None or err == 0.0:
+        return
+    raise CompareError(
+        "hs.compare: the inputs given differ from those of the recorded run "
+        f"(relative difference {err:.2e}); pass the same inputs the record was made with"
+    )

@@ -1,0 +1,286 @@
+"""Replaying one module call of a live model on a recorded run's values, its children stubbed.
+
+The replay of call ``c`` runs the target model's module on the recorded inputs of ``c``; each
+module that ``c`` calls directly (its children in the call tree) does not run: it returns the
+output the recorded run gave that child call (and, in backward, the recorded gradient of that
+child call's inputs). So the replay measures what the module's **own** code adds (its glue
+between children, or its whole computation for a leaf), and every module of the model is
+replayed once: the replays together cost about one forward and backward of the model, whatever
+its depth.
+
+A child is stubbed by setting an instance attribute ``forward`` on it for the duration of the
+replay (removed in a ``finally``); no hook is involved. A child call whose inputs do not have the
+recorded structure runs for real (``Result.ran`` names it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core._nested import iter_tensors, map_tensors
+from ._run import CallRec, RunRecord, restore_aliases
+from ._tolerance import rel_pairs
+
+__all__ = ["Replay", "Result"]
+
+
+@dataclasses.dataclass
+class Result:
+    """What a replay gives: the output, the gradients w.r.t. the input leaves (aligned with the
+    recorded ``in_grad``) and w.r.t. the module's parameters (local names), children that ran."""
+
+    output: Any
+    in_grads: list[torch.Tensor | None] | None = None
+    param_grads: dict[str, torch.Tensor] | None = None
+    ran: list[str] = dataclasses.field(default_factory=list)
+    # what the module's own code handed to the calls it makes: their inputs (forward) and the
+    # gradients of their outputs (backward), against the recorded run's
+    child_errors: list[float | None] = dataclasses.field(default_factory=list)
+    child_grad_errors: list[float | None] = dataclasses.field(default_factory=list)
+
+
+class _Stub(torch.autograd.Function):
+    """Returns recorded outputs; in backward, the recorded gradients of the inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, payload: Any, *inputs: torch.Tensor) -> Any:
+        outs, grads, ref_out_grads, sink = payload
+        ctx.grads, ctx.ref, ctx.sink = grads, ref_out_grads, sink
+        res = tuple(o.clone() for o in outs)
+        nondiff = [o for o in res if not o.is_floating_point()]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return res
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if ctx.ref is not None:
+            ctx.sink.append(rel_pairs(list(zip(ctx.ref, grads))))
+        return (None, *ctx.grads)
+
+
+def _cast(
+    value: Any,
+    like: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    round_to: torch.dtype | None = None,
+) -> Any:
+    """``value``'s floating leaves cast to the dtypes of ``like``'s leaves (same structure), else
+    to ``dtype``; tensors met twice stay one tensor (identity checks such as ``q is k`` hold)."""
+    dts = [t.dtype for _, t in iter_tensors(like)] if like is not None else []
+    n = sum(1 for _ in iter_tensors(value))
+    it = iter(dts if len(dts) == n else [None] * n)
+    memo: dict[int, torch.Tensor] = {}
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        d = next(it)
+        hit = memo.get(id(t))
+        if hit is not None:
+            return hit
+        out = t.detach().to(device)
+        if out.is_floating_point():
+            out = out.to(d if d is not None and d.is_floating_point else dtype)
+            if round_to is not None:
+                out = out.to(round_to).to(out.dtype)
+        memo[id(t)] = out
+        return out
+
+    return map_tensors(one, value)
+
+
+@dataclasses.dataclass
+class Replay:
+    """Replays calls of ``ref`` (a recorded run) on ``modules`` (a live model's eager modules).
+
+    ``own``: the live model's own recorded run, whose values give the dtype each replayed value
+    takes; ``name_map`` maps ``ref``'s names to the live model's (``None``: no counterpart).
+    """
+
+    modules: dict[str, nn.Module]
+    ref: RunRecord
+    own: RunRecord | None
+    name_map: Callable[[str], str | None]
+    dtype: torch.dtype
+    autocast: torch.dtype | None = None
+    round_to: torch.dtype | None = None  # round replayed values through this dtype
+
+    def _own_call(self, c: CallRec) -> CallRec | None:
+        name = self.name_map(c.name)
+        if self.own is None or name is None:
+            return None
+        pos = self.own.by_key.get((name, c.index))
+        return None if pos is None else self.own.calls[pos]
+
+    def _device(self) -> torch.device:
+        for m in self.modules.values():
+            for p in m.parameters():
+                return p.device
+        return torch.device("cpu")
+
+    def run(self, pos: int, grads: bool) -> Result | None:
+        """Replay ``ref.calls[pos]``; ``None`` when the live model has no such module or the call
+        was not recorded with its inputs."""
+        c = self.ref.calls[pos]
+        name = self.name_map(c.name)
+        module = self.modules.get(name) if name is not None else None
+        if module is None or c.inputs is None:
+            return None
+        own = self._own_call(c)
+        device = self._device()
+        args, kwargs = _cast(
+            restore_aliases(c.inputs, c.alias),
+            own.inputs if own else None,
+            self.dtype,
+            device,
+            self.round_to,
+        )
+        leaves: list[torch.Tensor | None] = []
+        want = c.in_grad if grads and c.in_grad is not None else None
+        if want is not None:
+            args, kwargs, leaves = _requiring(args, kwargs, want)
+        res = Result(None)
+        ctx = (
+            torch.autocast(device_type=device.type, dtype=self.autocast)
+            if self.autocast is not None
+            else contextlib.nullcontext()
+        )
+        with torch.set_grad_enabled(grads), self._stubs(c, device, res), ctx:
+            out = module.forward(*args, **kwargs)
+        res.output = map_tensors(lambda t: t.detach(), out)
+        if grads and c.grad is not None:
+            self._backward(module, out, c, leaves, res)
+        return res
+
+    def _backward(
+        self, module: nn.Module, out: Any, c: CallRec, leaves: list[Any], res: Result
+    ) -> None:
+        outs, gouts = [], []
+        assert c.grad is not None
+        for (_, o), g in zip(iter_tensors(out), c.grad):
+            if g is not None and o.requires_grad:
+                outs.append(o)
+                g = g.to(device=o.device, dtype=o.dtype)
+                if self.round_to is not None:
+                    g = g.to(self.round_to).to(o.dtype)
+                gouts.append(g)
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        targets = [t for t in leaves if t is not None] + [p for _, p in params]
+        if not outs or not targets:
+            res.in_grads = [None] * len(leaves)
+            res.param_grads = {}
+            return
+        got = torch.autograd.grad(outs, targets, gouts, allow_unused=True)
+        it = iter(got)
+        res.in_grads = [None if t is None else next(it) for t in leaves]
+        res.param_grads = {n: g for (n, _), g in zip(params, it) if g is not None}
+
+    @contextlib.contextmanager
+    def _stubs(self, c: CallRec, device: torch.device, res: Result) -> Iterator[None]:
+        queues: dict[int, tuple[nn.Module, list[CallRec]]] = {}
+        for k in c.children:
+            child = self.ref.calls[k]
+            name = self.name_map(child.name)
+            m = self.modules.get(name) if name is not None else None
+            if m is None:
+                continue
+            queues.setdefault(id(m), (m, []))[1].append(child)
+        saved: list[tuple[nn.Module, Any]] = []
+        try:
+            for m, queue in queues.values():
+                saved.append((m, m.__dict__.get("forward", _ABSENT)))
+                m.forward = self._stub(m, queue, device, res)
+            yield
+        finally:
+            for m, prev in saved:
+                if prev is _ABSENT:
+                    m.__dict__.pop("forward", None)
+                else:
+                    m.forward = prev
+
+    def _stub(
+        self, m: nn.Module, queue: list[CallRec], device: torch.device, res: Result
+    ) -> Callable[..., Any]:
+        prev = m.__dict__.get("forward")
+        real = prev if prev is not None else type(m).forward.__get__(m)
+        pending = list(queue)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            given = [t for _, t in iter_tensors((args, kwargs))]
+            child = pending.pop(0) if pending else None
+            if (
+                child is None
+                or child.output is None
+                or child.inputs is None
+                or len(given) != sum(1 for _ in iter_tensors(child.inputs))
+            ):
+                res.ran.append(child.name if child is not None else type(m).__name__)
+                return real(*args, **kwargs)
+            res.child_errors.append(
+                rel_pairs(list(zip([t for _, t in iter_tensors(child.inputs)], given)))
+            )
+            own = self._own_call(child)
+            value = _cast(
+                child.output, own.output if own else None, self.dtype, device, self.round_to
+            )
+            outs = [t for _, t in iter_tensors(value)]
+            if not outs:
+                return value
+            grads: list[Any] = [None] * len(given)
+            if child.in_grad is not None and torch.is_grad_enabled():
+                seen: set[int] = set()  # a tensor passed twice (q is k) gets its gradient once
+                for i, (t, g) in enumerate(zip(given, child.in_grad)):
+                    if g is not None and t.requires_grad and id(t) not in seen:
+                        grads[i] = g.to(device=t.device, dtype=t.dtype)
+                    seen.add(id(t))
+            if any(g is not None for g in grads):
+                payload = (outs, grads, child.grad, res.child_grad_errors)
+                made = iter(_Stub.apply(payload, *given))
+            else:
+                made = iter(o.clone() for o in outs)
+            return map_tensors(lambda _t: next(made), value)
+
+        return forward
+
+
+def _requiring(
+    args: Any, kwargs: Any, want: list[torch.Tensor | None]
+) -> tuple[Any, Any, list[torch.Tensor | None]]:
+    """The inputs with a fresh leaf (requiring grad) for every floating input that has a recorded
+    gradient; the model sees a copy of each leaf, so in-place layers work. Returns the leaves,
+    aligned with ``want`` (``None`` elsewhere)."""
+    leaves: list[torch.Tensor | None] = []
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    it = iter(want)
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        g = next(it, None)
+        hit = memo.get(id(t))
+        if hit is not None:
+            leaves.append(None)  # the same tensor twice: its gradient is counted on the first
+            return hit[1]
+        if g is None or not t.is_floating_point():
+            leaves.append(None)
+            return t
+        leaf = t.detach().requires_grad_(True)
+        used = leaf.clone()
+        memo[id(t)] = (leaf, used)
+        leaves.append(leaf)
+        return used
+
+    a = map_tensors(one, args)
+    k = map_tensors(one, kwargs)
+    return a, k, leaves
+
+
+class _Absent:
+    pass
+
+
+_ABSENT: Any = _Absent()

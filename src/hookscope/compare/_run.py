@@ -1,0 +1,333 @@
+"""One run of a model, recorded for comparison: every module call (eager names) with its inputs,
+output, output gradient and input gradient (through that call only), the call tree, the order in
+which calls start and end, and the parameter gradients of the whole run.
+
+Values come from :func:`hookscope.capture` (``inputs=True, grads=True``) over every module; the
+call tree from a :class:`~hookscope.core._scope.HookScope` of pre/post hooks on the same modules.
+The model is left as found: parameter ``.grad`` and buffers (BatchNorm running statistics) are put
+back after the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core._capture import capture
+from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
+from ..core._errors import HookscopeError, NoGradientError
+from ..core._nested import iter_tensors, map_tensors
+from ..core._random import random_draws, training_modules
+from ..core._scope import HookScope, check_model, identity_views, in_backward
+from ._store import ValueStore
+
+__all__ = [
+    "CallRec",
+    "CompareError",
+    "RunRecord",
+    "at_path",
+    "cast_like",
+    "model_dtype",
+    "preserved",
+    "record_run",
+    "restore_aliases",
+]
+
+
+class CompareError(HookscopeError):
+    """Two runs cannot be compared as asked (a model that draws random numbers, bad inputs)."""
+
+
+class CallRec:
+    """One module call of a recorded run. ``grad``/``in_grad``: one entry per tensor leaf of the
+    output / of ``(args, kwargs)`` (``None`` where no gradient reached it), or ``None`` when the
+    run had no backward. The values live in a :class:`~._store.ValueStore` (memory or disk)."""
+
+    __slots__ = ("alias", "children", "end", "index", "name", "parent", "start", "store")
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        start: int,
+        parent: int | None,
+        alias: list[int] | None = None,
+        store: ValueStore | None = None,
+    ) -> None:
+        self.name, self.index, self.start, self.parent, self.alias = (
+            name,
+            index,
+            start,
+            parent,
+            alias,
+        )
+        self.end = -1
+        self.children: list[int] = []
+        self.store = store if store is not None else ValueStore()
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.name, self.index)
+
+    def _get(self, kind: str) -> Any:
+        return self.store.get(f"{kind}{self.start}")
+
+    def _put(self, kind: str, value: Any) -> None:
+        self.store.put(f"{kind}{self.start}", value)
+
+    inputs = property(lambda self: self._get("in"), lambda self, v: self._put("in", v))
+    output = property(lambda self: self._get("out"), lambda self, v: self._put("out", v))
+    grad = property(lambda self: self._get("grad"), lambda self, v: self._put("grad", v))
+    in_grad = property(lambda self: self._get("ingrad"), lambda self, v: self._put("ingrad", v))
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """A recorded run: calls in start order, ``by_key[(name, index)]`` their positions."""
+
+    calls: list[CallRec]
+    by_key: dict[tuple[str, int], int]
+    param_grads: dict[str, torch.Tensor | None]
+    dtype: torch.dtype
+    autocast: torch.dtype | None = None
+    compiled: bool = False
+    output: Any = None
+    loss: float | None = None
+    has_grads: bool = False
+    modules: dict[str, nn.Module] | None = None  # None for a run read back from disk
+    params: dict[str, str] = dataclasses.field(default_factory=dict)  # param -> owning module
+
+    @property
+    def run_dtype(self) -> torch.dtype:
+        """The dtype the run computes in: the autocast dtype, else the parameters'."""
+        return self.autocast or self.dtype
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating parameter (float32 when it has none)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def cast_like(obj: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
+    """``obj`` with floating tensors cast to ``dtype`` (and every tensor moved to ``device``)."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if device is not None and t.device != device:
+            t = t.to(device)
+        return t.to(dtype) if t.is_floating_point() else t
+
+    return map_tensors(one, obj)
+
+
+def at_path(obj: Any, path: tuple[Any, ...]) -> Any:
+    """The value at ``path`` (as :func:`~hookscope.core._nested.iter_tensors` gives it)."""
+    for k in path:
+        if obj is None:
+            return None
+        if isinstance(obj, (list, tuple)) or (
+            hasattr(obj, "__getitem__") and not hasattr(obj, "__dataclass_fields__")
+        ):
+            try:
+                obj = obj[k]
+                continue
+            except (KeyError, IndexError, TypeError):
+                pass
+        obj = getattr(obj, k, None)
+    return obj
+
+
+def _flat(structure: Any, like: Any) -> list[torch.Tensor | None]:
+    return [at_path(structure, p) for p, _ in iter_tensors(like)]
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module) -> Iterator[None]:
+    """Put back parameter ``.grad`` and buffers (running statistics) as found, on exit."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    for p, _ in grads:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, v in buffers:
+                if b.shape == v.shape:
+                    b.copy_(v)
+        for p, g in grads:
+            p.grad = g
+
+
+class _Tree:
+    """Pre/post hooks on every module: the call tree and the start/end order of calls."""
+
+    def __init__(self, modules: dict[str, nn.Module], store: ValueStore | None = None) -> None:
+        self.store = store if store is not None else ValueStore()
+        self.calls: list[CallRec] = []
+        self.stack: list[int] = []
+        self.counts: dict[str, int] = {}
+        self.ended = 0
+        self.scope = HookScope("compare")
+        for name, m in modules.items():
+            self.scope.add_forward_pre(m, self._pre(name), layer=name, with_kwargs=True)
+            self.scope.add_forward(m, self._post(name), layer=name, always_call=True)
+
+    def _pre(self, name: str) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if in_backward():  # activation checkpointing re-running forward
+                return
+            i = self.counts.get(name, 0)
+            self.counts[name] = i + 1
+            parent = self.stack[-1] if self.stack else None
+            pos = len(self.calls)
+            self.calls.append(
+                CallRec(name, i, pos, parent, alias=_aliases((args, kwargs)), store=self.store)
+            )
+            if parent is not None:
+                self.calls[parent].children.append(pos)
+            self.stack.append(pos)
+
+        return pre
+
+    def _post(self, name: str) -> Callable[..., None]:
+        def post(module: nn.Module, args: Any, output: Any) -> Any:
+            if in_backward() or not self.stack:
+                return None
+            pos = self.stack.pop()
+            self.calls[pos].end = self.ended
+            self.ended += 1
+            if output is None or not torch.is_grad_enabled():
+                return None
+            # the callers see identity views of the output, so the gradient capture records
+            # (hooks on these views) is what the callers send back, not what the module's own
+            # code adds by using its output tensor inside (attention weights returned and used)
+            views, _ = identity_views(output, {})
+            return views
+
+        return post
+
+
+def _aliases(value: Any) -> list[int] | None:
+    """For each tensor leaf, the first leaf that is the same tensor (``q is k``), or ``None``
+    when all are distinct: the record keeps copies, the replay restores the identity."""
+    first: dict[int, int] = {}
+    out = [first.setdefault(id(t), i) for i, (_, t) in enumerate(iter_tensors(value))]
+    return out if len(first) < len(out) else None
+
+
+def restore_aliases(value: Any, alias: list[int] | None) -> Any:
+    """``value`` with leaf ``i`` replaced by leaf ``alias[i]`` (the same object again)."""
+    if alias is None:
+        return value
+    leaves = [t for _, t in iter_tensors(value)]
+    it = iter(range(len(leaves)))
+    return map_tensors(lambda _t: leaves[alias[next(it)]], value)
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def _device(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """What to run: the model, its inputs (cast here), the loss and the autocast dtype."""
+
+    model: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[[Any], torch.Tensor] | None = None
+    autocast: torch.dtype | None = None
+    what: str = "a"
+    max_bytes: int | None = None
+
+
+def record_run(spec: RunSpec) -> RunRecord:
+    """Run ``spec.model`` once (forward, and backward of ``loss_fn``) recording every module call."""
+    model = spec.model
+    modules = dict(named_modules(model))
+    dtype, device = model_dtype(model), _device(model)
+    args = cast_like(spec.args, dtype, device)
+    kwargs = cast_like(spec.kwargs, dtype, device)
+    want_grads = spec.loss_fn is not None
+    check_model(model)  # index compiled regions first: hooks inside them are routed
+    tree = _Tree(modules, ValueStore(spec.max_bytes))
+    cap = capture(model, modules, inputs=True, grads=want_grads)
+    loss = None
+    with preserved(model), tree.scope, cap, random_draws() as draws:
+        with _autocast(device, spec.autocast):
+            out = model(*args, **kwargs)
+            if spec.loss_fn is not None:
+                loss_t = spec.loss_fn(out)
+        if spec.loss_fn is not None:
+            loss_t.backward()
+            loss = float(loss_t.detach())
+        param_grads = {
+            n: (None if p.grad is None else p.grad.detach().clone())
+            for n, p in named_parameters(model)
+        }
+    if draws.drew:
+        raise CompareError(
+            f"hs.compare: model {spec.what!r} ({type(model).__name__}) draws random numbers in its "
+            "forward (dropout in training mode?), so two runs cannot be compared value by value; "
+            f"call .eval() on both models (modules in training mode: "
+            f"{', '.join(training_modules(model))})"
+        )
+    for c in tree.calls:
+        _fill(c, cap.calls(c.name), want_grads)
+    cap.clear()  # the values now live in the store (memory up to max_bytes, then disk)
+    owners = {}
+    for mname, m in modules.items():
+        for pname, _ in m.named_parameters(recurse=False):
+            owners[f"{mname}.{pname}" if mname else pname] = mname
+    return RunRecord(
+        calls=tree.calls,
+        by_key={c.key: i for i, c in enumerate(tree.calls)},
+        param_grads=param_grads,
+        dtype=dtype,
+        autocast=spec.autocast,
+        compiled=is_optimized(model) or bool(compiled_regions(model)),
+        output=map_tensors(lambda t: t.detach(), out),
+        loss=loss,
+        has_grads=want_grads,
+        modules=modules,
+        params=owners,
+    )
+
+
+def _fill(c: CallRec, calls: list[Any], want_grads: bool) -> None:
+    if c.index >= len(calls):
+        return
+    call = calls[c.index]
+    inputs = None
+    if call.inputs is not None:
+        inputs = c.inputs = (call.inputs.args, call.inputs.kwargs)
+    output = None
+    with contextlib.suppress(Exception):
+        output = c.output = call.output
+    if not want_grads:
+        return
+    try:
+        c.grad = _flat(call.grad, output)
+    except NoGradientError:
+        c.grad = [None for _ in iter_tensors(output)]
+    try:
+        g = call.input_grad
+        c.in_grad = _flat((g.args, g.kwargs), inputs)
+    except NoGradientError:
+        c.in_grad = [None for _ in iter_tensors(inputs)]

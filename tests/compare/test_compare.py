@@ -1,0 +1,245 @@
+"""hs.compare on live models: errors against hand-computed references, verdicts, matching, the
+model left as found, cost of the replay."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hookscope as hs
+from helpers.common import one_thread
+from helpers.faults import BadBackwardLinear, cnn
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():  # tiny models on a shared machine: one thread is faster
+        yield
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Sequential(nn.Linear(16, 16), nn.GELU()), nn.Linear(16, 4)
+    )
+
+
+def _loss(o: torch.Tensor) -> torch.Tensor:
+    return o.float().pow(2).sum()
+
+
+X = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+
+
+def test_an_exact_copy_differs_by_exactly_zero_everywhere():
+    a = _mlp()
+    r = hs.compare(a, copy.deepcopy(a), X, loss_fn=_loss)
+    assert r.culprit is None and r.first_divergent is None and r.unmatched == []
+    assert [x.label for x in r.rows] == ["<root>", "0", "1", "2", "2.0", "2.1", "3"]
+    for row in r.rows:
+        assert row.error == 0.0 and row.local_error == 0.0, row
+        assert row.grad_error in (0.0, None) and row.local_grad_error in (0.0, None), row
+
+
+def test_local_error_is_the_faulty_module_run_on_a_own_inputs():
+    a = _mlp()
+    b = copy.deepcopy(a)
+    b[2][1].approximate = "tanh"  # the GELU variant
+    r = hs.compare(a, b, X, loss_fn=_loss)
+    # reference by hand: a plain forward hook on A's GELU, then B's GELU on that input
+    seen = {}
+    h = a[2][1].register_forward_hook(lambda m, i, o: seen.update(x=i[0].detach(), y=o.detach()))
+    try:
+        a(X)
+    finally:
+        h.remove()
+    want = float((F.gelu(seen["x"], approximate="tanh") - seen["y"]).norm() / seen["y"].norm())
+    row = r.row("2.1")
+    assert row.local_error == pytest.approx(want, rel=1e-6) and want > 1e-5
+    assert row.flagged == "forward" and r.culprit == "2.1" and r.culprits == ["2.1"]
+    # modules before the fault and the glue of its ancestors add nothing of their own
+    assert r.row("0").local_error == 0.0 and r.row("2").local_error == 0.0
+    assert r.row("3").local_error == 0.0 and r.row("").local_error == 0.0
+    # the error shows first where the fault's output is made; the ancestor ends later
+    assert r.first_divergent == "2.1"
+    assert r.row("3").error > 0 and r.row("2").error > 0
+
+
+def test_a_backward_only_fault_is_named_by_its_local_gradient_error():
+    a = _mlp()
+    b = copy.deepcopy(a)
+    b[2][0].__class__ = BadBackwardLinear  # forward exact, output gradient scaled by 1.5
+    r = hs.compare(a, b, X, loss_fn=_loss)
+    row = r.row("2.0")
+    assert row.local_error == 0.0 and row.error == 0.0
+    # B's vector-Jacobian product at A's inputs with A's output gradient: 1.5 times A's
+    assert row.local_grad_error == pytest.approx(0.5, rel=1e-6)
+    assert row.flagged == "backward" and r.culprit == "2.0"
+    # without a loss there is no backward to compare: no verdict
+    assert hs.compare(a, b, X).culprit is None
+
+
+def test_parameter_gradients_of_the_whole_runs_against_autograd():
+    a = _mlp()
+    b = copy.deepcopy(a)
+    b[2][0].__class__ = BadBackwardLinear
+    r = hs.compare(a, b, X, loss_fn=_loss)
+    ga = torch.autograd.grad(_loss(a(X)), [a[0].weight, a[0].bias])
+    gb = torch.autograd.grad(_loss(b(X)), [b[0].weight, b[0].bias])
+    num = sum(float((y - x).norm()) ** 2 for x, y in zip(ga, gb)) ** 0.5
+    den = sum(float(x.norm()) ** 2 for x in ga) ** 0.5
+    assert r.row("0").param_grad_error == pytest.approx(num / den, rel=1e-6)
+    assert r.row("0").local_grad_error == 0.0  # the first layer's own backward is right
+
+
+@pytest.mark.parametrize("variant", ["bf16", "autocast"])
+def test_fault_free_bf16_pairs_name_no_culprit_and_say_why_pooling_gradients_differ(variant):
+    a, inputs, kwargs, loss = cnn()
+    b = copy.deepcopy(a)
+    ac = None
+    if variant == "bf16":
+        b = b.to(torch.bfloat16)
+    else:
+        ac = torch.bfloat16
+    r = hs.compare(a, b, *inputs, loss_fn=loss, autocast=ac, **kwargs)
+    assert r.culprit is None and r.dtypes == ("float32", "bfloat16")
+    for row in r.rows:
+        assert row.local_error < row.tol, row
+    pool = r.row("pool")
+    # max pooling's argmax ties in bf16: its gradient moves by nature; said, not flagged
+    assert pool.local_grad_error > pool.tol and pool.flagged is None
+    assert "not stable across dtypes" in pool.note
+
+
+def test_module_calls_are_matched_by_name_and_occurrence_and_extra_calls_listed():
+    class Twice(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.n = n
+            self.lin = nn.Linear(4, 4)
+            self.act = nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(self.n):
+                x = self.act(self.lin(x))
+            return x
+
+    torch.manual_seed(0)
+    a = Twice(2)
+    b = copy.deepcopy(a)
+    b.n = 3
+    r = hs.compare(a, b, torch.randn(3, 4))
+    assert sorted(r.unmatched) == ["b: act#2", "b: lin#2"]
+    assert [x.label for x in r.rows] == ["<root>", "lin", "act", "lin#1", "act#1"]
+    assert r.row("lin", 1).local_error == 0.0  # the second call paired with the second call
+    assert r.culprit == "" and r.row("").flagged == "forward"  # the root's loop is what changed
+
+
+def test_renamed_port_by_dict_or_function_and_modules_without_counterpart_listed():
+    class Port(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.nonlin = nn.Tanh()
+            self.block = nn.Sequential(nn.Linear(16, 16), nn.GELU())
+            self.out = nn.Linear(16, 4)
+            self.extra = nn.Identity()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.block(self.nonlin(self.inp(self.extra(x)))))
+
+    a = _mlp()
+    b = Port()
+    b.inp.load_state_dict(a[0].state_dict())
+    b.block.load_state_dict(a[2].state_dict())
+    b.out.load_state_dict(a[3].state_dict())
+    table = {
+        "0": "inp",
+        "1": "nonlin",
+        "2": "block",
+        "2.0": "block.0",
+        "2.1": "block.1",
+        "3": "out",
+    }
+    for names in (table, lambda n: table.get(n, n)):
+        r = hs.compare(a, b, X, loss_fn=_loss, names=names)
+        assert r.culprit is None and r.unmatched == ["b: extra#0"]
+        assert r.row("2.0").b_name == "block.0" and r.row("2.0").local_error == 0.0
+    # a function returning None: no counterpart (here the root), listed on both sides
+    r = hs.compare(a, b, X, names=table.get)
+    assert r.unmatched == ["a: <root>#0", "b: <root>#0", "b: extra#0"]
+    b.block[1].approximate = "tanh"
+    r = hs.compare(a, b, X, loss_fn=_loss, names=table)
+    assert r.culprit == "2.1"
+
+
+def test_a_model_that_draws_random_numbers_is_refused_by_name():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+    with pytest.raises(hs.CompareError, match=r"draws random numbers.*\.eval\(\)"):
+        hs.compare(a, copy.deepcopy(a), torch.randn(2, 4))
+
+
+def test_both_models_are_left_as_found():
+    a, inputs, kwargs, loss = cnn()  # BatchNorm in training mode: running stats would move
+    b = copy.deepcopy(a).to(torch.bfloat16)
+    a.fc.weight.grad = torch.ones_like(a.fc.weight)
+    before_a = {k: v.clone() for k, v in a.state_dict().items()}
+    before_b = {k: v.clone() for k, v in b.state_dict().items()}
+    hs.compare(a, b, *inputs, loss_fn=loss, **kwargs)
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, before_a[k]), k
+    for k, v in b.state_dict().items():
+        assert torch.equal(v, before_b[k]), k
+    assert torch.equal(a.fc.weight.grad, torch.ones_like(a.fc.weight))
+    assert b.fc.weight.grad is None and a.training and b.training
+    assert "forward" not in a.bn1.__dict__ and not hs.hooks_on(a) and not hs.hooks_on(b)
+
+
+def test_each_module_runs_once_in_the_replay_whatever_the_depth():
+    calls = {"n": 0}
+
+    class Counted(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls["n"] += 1
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    leaf = Counted(4, 4)
+    deep: nn.Module = leaf
+    for _ in range(8):  # eight levels of nesting around one leaf
+        deep = nn.Sequential(deep, nn.Identity())
+    b = copy.deepcopy(deep)
+    b_leaf = b.get_submodule(".".join(["0"] * 8))
+    b_leaf.weight.data.mul_(1.01)
+    calls["n"] = 0
+    r = hs.compare(deep, b, torch.randn(2, 4), loss_fn=lambda o: o.sum())
+    # A: one run + one replay for its parameter gradients; B: one run + one replay
+    assert calls["n"] == 4
+    assert r.culprit == ".".join(["0"] * 8)
+
+
+def test_report_renders_as_table_dict_and_plot():
+    a = _mlp()
+    b = copy.deepcopy(a)
+    b[3].weight.data.mul_(1.1)
+    r = hs.compare(a, b, X, loss_fn=_loss)
+    text = str(r)
+    assert "culprit '3'" in text and "local grad" in text
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["culprit"] == "3" and len(d["rows"]) == len(r.rows)
+    assert d["rows"][-1]["flagged"] == "forward"
+    fig = r.plot()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [x.label for x in r.rows]
+    assert "3" in ax.get_title()
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(r)
+    assert "culprit '3'" in console.export_text()

@@ -1,0 +1,145 @@
+"""hs.record: a run written to disk as it goes, compared later (another process) with a live
+model or with another record; max_bytes spills what compare keeps to disk."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+from helpers.common import one_thread
+from helpers.faults import FAULTS, cnn, faulty
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def _record(model, folder, inputs, kwargs, loss, layers=None):
+    with hs.record(model, folder, layers=layers):
+        loss(model(*inputs, **kwargs)).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _rows(r):
+    return [
+        (x.label, x.error, x.local_error, x.grad_error, x.local_grad_error, x.flagged)
+        for x in r.rows
+    ]
+
+
+@pytest.mark.parametrize("fault_id", ["cnn-bn-eps", "cnn-conv1-backward", "cnn-pool-avg"])
+def test_a_record_against_a_live_model_gives_the_live_comparison(tmp_path, fault_id):
+    fault = next(f for f in FAULTS if f.id == fault_id)
+    a, inputs, kwargs, loss = cnn()
+    b = faulty(a, fault)
+    live = hs.compare(a, b, *inputs, loss_fn=loss, **kwargs)
+    _record(a, tmp_path, inputs, kwargs, loss)
+    rec = hs.compare(str(tmp_path), b, *inputs, loss_fn=loss, **kwargs)
+    assert rec.culprit == live.culprit == fault.culprit
+    # same errors, except the local parameter-gradient check (it replays A's own modules)
+    for x, y in zip(live.rows, rec.rows):
+        assert (x.label, x.error, x.local_error, x.grad_error) == (
+            y.label,
+            y.error,
+            y.local_error,
+            y.grad_error,
+        )
+        assert x.flagged == y.flagged
+
+
+def test_a_record_made_in_another_process_compares_with_a_live_bf16_copy(tmp_path):
+    a, inputs, kwargs, loss = cnn()
+
+    def child() -> None:
+        torch.set_num_threads(1)
+        _record(a, tmp_path, inputs, kwargs, loss)
+
+    p = mp.get_context("fork").Process(target=child)
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0 and (tmp_path / "index.json").exists()
+    r = hs.compare(tmp_path, copy.deepcopy(a), *inputs, loss_fn=loss, **kwargs)
+    assert r.culprit is None and all(x.local_error == 0 for x in r.rows)
+    r = hs.compare(tmp_path, copy.deepcopy(a).to(torch.bfloat16), *inputs, loss_fn=loss, **kwargs)
+    assert r.culprit is None
+    assert "not stable across dtypes" in r.row("pool").note  # checked on a copy of B in fp32
+
+
+def test_two_records_give_errors_and_first_divergent_but_no_culprit(tmp_path):
+    a, inputs, kwargs, loss = cnn()
+    b = faulty(a, next(f for f in FAULTS if f.id == "cnn-act-leaky"))
+    live = hs.compare(a, b, *inputs, loss_fn=loss, **kwargs)
+    _record(a, tmp_path / "a", inputs, kwargs, loss)
+    _record(b, tmp_path / "b", inputs, kwargs, loss)
+    r = hs.compare(tmp_path / "a", tmp_path / "b")
+    assert r.first_divergent == live.first_divergent == "act2"
+    assert [(x.label, x.error, x.grad_error) for x in r.rows] == [
+        (x.label, x.error, x.grad_error) for x in live.rows
+    ]
+    assert r.culprit is None and all(x.local_error is None for x in r.rows)
+    assert "culprit needs" in r.notes[0] and "live model" in r.notes[0]
+
+
+def test_the_record_is_written_while_the_run_goes(tmp_path):
+    seen = {}
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen["files"] = sorted(os.listdir(tmp_path))
+            return x
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), Probe())
+    with hs.record(net, tmp_path):
+        net(torch.randn(2, 4)).sum().backward()
+    # when the second layer runs, the first layer's output is already on disk (and the root's
+    # and the probe's inputs); no index yet
+    assert {"in0.pt", "in1.pt", "out1.pt", "in2.pt"} <= set(seen["files"])
+    assert "index.json" not in seen["files"]
+    assert {"grad1_0.pt", "ingrad2_0.pt", "params.pt", "index.json"} <= set(os.listdir(tmp_path))
+
+
+def test_a_record_of_some_layers_still_names_the_culprit(tmp_path):
+    a, inputs, kwargs, loss = cnn()
+    b = faulty(a, next(f for f in FAULTS if f.id == "cnn-conv-reflect"))
+    _record(a, tmp_path, inputs, kwargs, loss, layers=["", "conv1", "conv2", "fc"])
+    r = hs.compare(tmp_path, b, *inputs, loss_fn=loss, **kwargs)
+    assert [x.label for x in r.rows] == ["<root>", "conv1", "conv2", "fc"]
+    assert r.culprit == "conv2"
+    assert sorted(r.unmatched)[:2] == ["b: act1#0", "b: act2#0"]
+
+
+def test_other_inputs_than_the_recorded_ones_are_refused(tmp_path):
+    a, inputs, kwargs, loss = cnn()
+    _record(a, tmp_path, inputs, kwargs, loss)
+    with pytest.raises(hs.CompareError, match="inputs given differ"):
+        hs.compare(tmp_path, copy.deepcopy(a), inputs[0] + 1, loss_fn=loss)
+
+
+def test_a_record_is_single_use_and_never_overwrites_one(tmp_path):
+    a, inputs, _, _ = cnn()
+    rec = hs.record(a, tmp_path)
+    with rec:
+        a(*inputs)
+    with pytest.raises(hs.ScopeReusedError), rec:
+        pass
+    with pytest.raises(hs.CompareError, match="already holds a record"), hs.record(a, tmp_path):
+        pass
+    with pytest.raises(hs.CompareError, match="not a record"):
+        hs.compare(tmp_path / "nothing", a, *inputs)
+
+
+def test_max_bytes_spills_to_disk_and_gives_the_same_report():
+    a, inputs, kwargs, loss = cnn()
+    b = faulty(a, next(f for f in FAULTS if f.id == "cnn-fc-weights")).to(torch.bfloat16)
+    full = hs.compare(a, b, *inputs, loss_fn=loss, **kwargs)
+    spilled = hs.compare(a, b, *inputs, loss_fn=loss, max_bytes=4096, **kwargs)
+    assert _rows(spilled) == _rows(full) and spilled.culprit == "fc"
