@@ -7,6 +7,12 @@ and, where it runs, PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tra
 same step. Medians (and minima) over the rounds, ratios to the plain step. Goal: memory_profile
 <= 1.5x one plain step.
 
+A second table times one training step with the modules of ``profile.plan(60% of the saved
+bytes)`` checkpointed: by ``hs.apply_checkpointing`` (each recompute replays its call: buffers,
+attributes, caches, random generators) and by hand (``torch.utils.checkpoint`` on the same
+modules' forward, which updates BatchNorm statistics twice; GPT-2 called with ``use_cache=False``
+in this table, which checkpointing by hand needs): the cost of the replay.
+
     .venv/bin/python benchmarks/bench_memory.py [--rounds 15]
 """
 
@@ -84,6 +90,67 @@ def bench(name: str, model: nn.Module, inputs: tuple[object, ...], loss_fn, roun
     ]
 
 
+def _by_hand(model: nn.Module, names: list[str]) -> list[nn.Module]:
+    """``torch.utils.checkpoint`` around the named modules' forward, as one would write it."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+
+    modules = dict(model.named_modules())
+    done = []
+    for name in names:
+        m = modules[name]
+        fn = functools.partial(type(m).forward, m)
+        m.forward = functools.partial(checkpoint, fn, use_reentrant=False)
+        done.append(m)
+    return done
+
+
+def bench_apply(name: str, model: nn.Module, inputs: tuple[object, ...], loss_fn, rounds: int):
+    params = list(model.parameters())
+    prof = hs.memory_profile(model, *inputs, loss_fn=loss_fn)
+    plan = prof.plan(int(prof.total_saved_bytes * 0.6))
+
+    # by hand, GPT-2's recompute would append to its key/value cache again: all three without it
+    kwargs = {"use_cache": False} if hasattr(model, "config") else {}
+
+    def step() -> None:
+        out = model(*inputs, **kwargs)
+        (loss_fn(out) if loss_fn else out.float().sum()).backward()
+        for p in params:
+            p.grad = None
+
+    def hookscope() -> None:
+        with hs.apply_checkpointing(model, plan):
+            step()
+
+    def by_hand() -> None:
+        wrapped = _by_hand(model, plan.modules)
+        try:
+            step()
+        finally:
+            for m in wrapped:
+                del m.forward
+
+    got = samples(
+        {"plain step": step, "checkpoint by hand": by_hand, "hs.apply_checkpointing": hookscope},
+        rounds,
+        warmup=2,
+    )
+    base = statistics.median(got["checkpoint by hand"])
+    return [
+        [
+            name,
+            f"{len(plan.modules)}",
+            k,
+            f"{statistics.median(v) * 1e3:.1f}",
+            f"{min(v) * 1e3:.1f}",
+            f"{statistics.median(v) / base:.2f}",
+        ]
+        for k, v in got.items()
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=15)
@@ -95,6 +162,15 @@ def main() -> None:
     print(
         table(
             ["model", "contender", "median (ms)", "min (ms)", "median / plain", "min / plain"],
+            rows,
+        )
+    )
+    rows = []
+    for name, (model, inputs, loss_fn) in models().items():
+        rows += bench_apply(name, model, inputs, loss_fn, args.rounds)
+    print(
+        table(
+            ["model", "modules", "step", "median (ms)", "min (ms)", "median / by hand"],
             rows,
         )
     )

@@ -102,6 +102,17 @@ def test_buffer_read_then_updated_recomputes_from_the_call():
     assert twin[0].calls == 1  # the counter counted the call once
 
 
+def test_memory_profile_leaves_buffers_and_attributes_as_found():
+    # a reassigned buffer goes back in its slot, a counter to its value
+    torch.manual_seed(0)
+    net = nn.Sequential(Scaler(), nn.Tanh(), nn.Linear(4, 1))
+    steps = net[0].steps
+    prof = hs.memory_profile(net, torch.randn(3, 4))
+    assert prof.total_saved_bytes > 0
+    assert net[0].steps is steps and steps.item() == 0
+    assert net[0].calls == 0 and torch.equal(net[0].scale, torch.ones(4))
+
+
 def test_eval_between_forward_and_backward_recomputes_in_training_mode():
     # the recompute runs with the module's mode at its call (dropout on), not the mode at backward
     torch.manual_seed(0)

@@ -88,7 +88,7 @@ class _CheckpointedForward:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         # reached only when the wrapper itself is copied (a module's copy drops it, see
-        # _plain_state): the forward it replaced, or nothing
+        # _PlainState): the forward it replaced, or nothing
         return copy.deepcopy(self.inner, memo)
 
     def __reduce__(self) -> Any:

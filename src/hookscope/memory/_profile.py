@@ -16,6 +16,7 @@ from ..core._errors import HookscopeError, LayerNotFoundError
 from ..core._nested import iter_tensors
 from ..core._scope import check_model
 from ..core._select import suggest
+from ._replay import plain_attributes
 from ._saved import CallInputs, SavedTensors, SaveEvent
 
 __all__ = ["MemoryProfile", "MemoryRow", "memory_profile"]
@@ -203,11 +204,13 @@ def run_step(
     backward_ops: bool = False,
 ) -> SavedTensors:
     """One forward and backward under a :class:`SavedTensors` recorder. The model is left as found:
-    existing ``.grad`` and buffers (BatchNorm running statistics) are put back."""
+    existing ``.grad``, buffers (BatchNorm running statistics, values and the tensors in their
+    slots: a forward may reassign one) and plain attributes (a step counter) are put back."""
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params]
     buffers = contextlib.ExitStack()  # buffers put back as found (in place or reassigned)
     buffers.enter_context(buffers_kept(model))
+    attributes = Attributes(model)
     for p in params:
         p.grad = None
     rng = torch.random.fork_rng(devices=_cuda_devices(model, inputs, kwargs))
@@ -235,7 +238,22 @@ def run_step(
         for p, g in zip(params, grads):
             p.grad = g
         buffers.close()
+        attributes.restore()
     return rec
+
+
+class Attributes:
+    """The plain attributes of every module (a step counter), to put back after a step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.attrs = [(m, plain_attributes(m.__dict__)) for m in model.modules()]
+
+    def restore(self) -> None:
+        for m, before in self.attrs:
+            d = m.__dict__
+            for k in plain_attributes(d).keys() - before.keys():
+                del d[k]
+            d.update(before)
 
 
 def _tensors(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:

@@ -50,7 +50,7 @@ import torch.nn as nn
 from ..core._errors import HookscopeError, HookscopeWarning
 from ..core._nested import iter_tensors
 
-__all__ = ["CallState", "ModuleMemory", "cache_arguments"]
+__all__ = ["CallState", "ModuleMemory", "cache_arguments", "plain_attributes"]
 
 _MISSING = object()
 # nn.Module's own bookkeeping (parameters, buffers, hooks...): never swapped for a recompute
@@ -58,7 +58,7 @@ _INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
 _SCALARS = (bool, int, float, str)
 
 
-def _plain(d: dict[str, Any]) -> dict[str, Any]:
+def plain_attributes(d: dict[str, Any]) -> dict[str, Any]:
     """A module's plain attributes: numbers, strings, None and tensors (not its parameters,
     buffers, submodules, hooks or any other object)."""
     return {
@@ -172,7 +172,7 @@ class CallState:
             self._check_caches(args, kwargs)
         # the call's own tensors (weakly: a saved-tensor hook may give the recompute copies)
         self.inputs = [(weakref.ref(t), t._version) for _, t in iter_tensors((args, kwargs))]
-        self.attrs = [(m, _plain(m.__dict__)) for m in module.modules()]
+        self.attrs = [(m, plain_attributes(m.__dict__)) for m in module.modules()]
         keep_all = not memory.explored
         self.buffers: dict[tuple[str, str], tuple[nn.Module, Any, int, Any]] = {}
         slots = _slots(module)
@@ -309,7 +309,7 @@ class CallState:
         attrs: list[Any] = []
         for m, before in self.attrs:
             d = m.__dict__
-            now = _plain(d)
+            now = plain_attributes(d)
             if now.keys() == before.keys() and all(now[k] is v for k, v in before.items()):
                 continue
             attrs.append((m, {k: d.get(k, _MISSING) for k in now.keys() | before.keys()}))
