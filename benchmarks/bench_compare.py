@@ -96,14 +96,14 @@ def _diff_verdict(report, threshold: float) -> str | None:
     return over[0][1] if over else None
 
 
-def _debugmode_verdict(a, b, inputs, kwargs, loss) -> str | None:
+def _debugmode_verdict(a, b, inputs, b_in, kwargs, loss) -> str | None:
     from torch.utils._debug_mode import DebugMode
 
     logs = []
-    for m in (a, b):
+    for m, x in ((a, inputs), (b, b_in)):
         m.zero_grad(set_to_none=True)
         with DebugMode(record_nn_module=True) as dm, DebugMode.log_tensor_hashes():
-            loss(m(*inputs, **kwargs)).backward()
+            loss(m(*x, **kwargs)).backward()
         logs.append(dm.logs)
         m.zero_grad(set_to_none=True)
     if not DebugMode.check_hash_mismatches(logs[0], logs[1]):
@@ -148,7 +148,7 @@ def faults() -> None:
             diff = _diff_verdict(r, 1e-4 if variant == "fp32" else 1e-2)
             t0 = time.perf_counter()
             try:
-                dm = _debugmode_verdict(a, b, inputs, kwargs, loss)
+                dm = _debugmode_verdict(a, b, inputs, b_in, kwargs, loss)
             except (ValueError, AssertionError, RuntimeError) as e:
                 dm = f"raised {type(e).__name__}"
             secs["debugmode"] += time.perf_counter() - t0
