@@ -1,7 +1,7 @@
 """Overhead per hooked call: raw forward hooks vs hookscope ``capture`` vs TorchLens, and
 ``FeatureExtractor`` vs torchvision's FX feature extractor. Interleaved in one run.
 
-    .venv/bin/python benchmarks/bench_core.py [--rounds N]
+    .venv/bin/python benchmarks/bench_core.py [--rounds N] [--only scope] [--against OLD/src]
 """
 
 from __future__ import annotations
@@ -167,7 +167,21 @@ def overhead_table(rounds: int) -> tuple[str, list[float]]:
     return table(head, rows), ratios
 
 
-def scope_table(rounds: int) -> tuple[str, list[float]]:
+def load_against(src: str) -> object:
+    """The hookscope package of another tree (``src``: its ``src`` folder, e.g. a ``git worktree``
+    of an older main), imported under the name ``hookscope_against`` so both run in one process
+    (hookscope's modules import each other relatively)."""
+    import importlib
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="hookscope_against_")
+    shutil.copytree(os.path.join(src, "hookscope"), os.path.join(tmp, "hookscope_against"))
+    sys.path.insert(0, tmp)
+    return importlib.import_module("hookscope_against")
+
+
+def scope_table(rounds: int, against: object | None = None) -> tuple[str, list[float]]:
     """A scope as users write it, ``with hs.capture(model, layers): model(x)`` (open, one forward,
     close), against the same with raw ``register_forward_hook`` + ``remove()``; exactness like for
     like: hookscope's default (copies) against raw hooks storing ``out.detach().clone()``, the
@@ -189,9 +203,9 @@ def scope_table(rounds: int) -> tuple[str, list[float]]:
 
         return run
 
-    def ours(clone: bool, inner: int):
+    def ours(clone: bool, inner: int, lib: object = hs):
         def run() -> None:
-            with hs.capture(model, names, clone=clone, keep="last" if inner > 1 else "all"):
+            with lib.capture(model, names, clone=clone, keep="last" if inner > 1 else "all"):  # type: ignore[attr-defined]
                 for _ in range(inner):
                     model(x)
 
@@ -213,16 +227,25 @@ def scope_table(rounds: int) -> tuple[str, list[float]]:
             "raw detach+clone": raw(True, inner),
             "hs default": ours(True, inner),
         }
+        if against is not None:  # the other tree, interleaved in the same rounds
+            contenders["other clone=False"] = ours(False, inner, against)
+            contenders["other default"] = ours(True, inner, against)
         with torch.no_grad():
             for stat in ("min", "median"):
                 t = interleaved(contenders, rounds=rounds, inner=max(1, 5 // inner), stat=stat)
                 per = {k: (v - t["bare"]) / (inner * n_calls) * 1e6 for k, v in t.items()}
-                for mode, ref, ho in (
+                pairs = [
                     ("zero-copy", "raw detach", "hs clone=False"),
                     ("exact (copies)", "raw detach+clone", "hs default"),
-                ):
+                ]
+                if against is not None:
+                    pairs += [
+                        ("zero-copy, --against tree", "raw detach", "other clone=False"),
+                        ("exact (copies), --against tree", "raw detach+clone", "other default"),
+                    ]
+                for mode, ref, ho in pairs:
                     r = per[ho] / per[ref]
-                    if stat == "min":
+                    if stat == "min" and "against" not in mode:
                         ratios.append(r)
                     rows.append(
                         [
@@ -319,14 +342,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--only", choices=["scope"], help="run only this table")
+    ap.add_argument(
+        "--against",
+        metavar="SRC",
+        help="also time the scope table with the hookscope of another tree's src folder (e.g. a "
+        "git worktree of an older main), interleaved in the same rounds",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")  # TorchLens prints deprecation/teaching warnings
     print(
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, 1 thread, medians of {args.rounds} interleaved rounds\n"
     )
+    against = load_against(args.against) if args.against else None
     if args.only == "scope":
-        print(scope_table(args.rounds)[0])
+        print(scope_table(args.rounds, against)[0])
         return
     text, _ = overhead_table(args.rounds)
     print(
@@ -341,7 +371,7 @@ def main() -> None:
         "\nA scope as users write it, and the cost of exactness like for like (hookscope's default "
         "keeps copies; clone=False is zero-copy):\n"
     )
-    print(scope_table(args.rounds)[0])
+    print(scope_table(args.rounds, against)[0])
     print("\nScope setup and teardown (hookscope also resolves the layer selection):\n")
     print(registration_table(args.rounds))
     print(

@@ -74,7 +74,8 @@ sphinx_gallery_conf = {
     "only_warn_on_example_error": False,
     "plot_gallery": "True",
     "download_all_examples": False,
-    "image_scrapers": ("matplotlib", PictureScraper()),
+    # PictureScraper first: it leaves pyplot's figures to the matplotlib scraper (each shown once)
+    "image_scrapers": (PictureScraper(), "matplotlib"),
     "matplotlib_animations": False,
     "capture_repr": ("_repr_html_", "__repr__"),
     "remove_config_comments": True,

@@ -29,11 +29,15 @@ print(prof.to_text(depth=1))
 
 # %%
 # The rows are data: ``saved_bytes`` for a module's own operations, ``saved_bytes_total`` with
-# its children, and the totals of the run.
-print(f"saved for backward in all: {prof.total_saved_bytes / 1e6:.2f} MB")
+# its children, and the totals of the run. Bytes are in binary units everywhere in hookscope
+# (KiB, MiB, GiB; ``MiB = 2**20`` bytes), as in the table above.
+MiB = 2**20
+print(f"saved for backward in all: {prof.total_saved_bytes / MiB:.2f} MiB")
 for name in ["layer1", "layer2", "layer3", "layer4"]:
     row = prof[name]
-    print(f"{name}: saves {row.saved_bytes_total / 1e6:.2f} MB, {row.flops_total / 1e6:.0f} MFLOPs")
+    print(
+        f"{name}: saves {row.saved_bytes_total / MiB:.2f} MiB, {row.flops_total / 1e6:.0f} MFLOPs"
+    )
 
 # %%
 # A bar chart per layer (matplotlib is imported only here).
@@ -47,7 +51,7 @@ fig = prof.plot(depth=1)
 budget = int(prof.total_saved_bytes * 0.6)
 plan = prof.plan(budget)
 print(plan)
-print(f"predicted drop: {plan.predicted_drop / 1e6:.2f} MB")
+print(f"predicted drop: {plan.predicted_drop / MiB:.2f} MiB")
 
 # %%
 # Apply the plan and measure
@@ -66,7 +70,7 @@ with hs.apply_checkpointing(model, plan):
     loss_after.backward()
 
 measured = prof.total_saved_bytes - after.total_saved_bytes
-print(f"measured drop: {measured / 1e6:.2f} MB (predicted {plan.predicted_drop / 1e6:.2f} MB)")
+print(f"measured drop: {measured / MiB:.2f} MiB (predicted {plan.predicted_drop / MiB:.2f} MiB)")
 same_grads = all(
     torch.allclose(p.grad, g, atol=1e-6) for p, g in zip(model.parameters(), grads_before)
 )

@@ -29,7 +29,6 @@ from .compare import CompareError, CompareReport, CompareRow, Record, compare, r
 from .core import (
     Call,
     Capture,
-    HeadSplitError,
     HookConflictError,
     HookInfo,
     HookScope,
@@ -61,7 +60,15 @@ from .core import (
     tensor_grads,
     trace,
 )
-from .demo import DemoDataset, DemoNet, load_demo_model, make_demo_dataset
+from .demo import (
+    DemoDataset,
+    DemoNet,
+    InductionPrompts,
+    load_demo_lm,
+    load_demo_model,
+    make_demo_dataset,
+    make_induction_prompts,
+)
 from .extraction import (
     ExtractError,
     FeatureExtractor,
@@ -95,7 +102,14 @@ from .monitor import (
     find_nonfinite,
     plot_grad_flow,
 )
-from .patching import PatchingError, PatchMetric, attribution_patch, patch_sweep, plot_patching
+from .patching import (
+    HeadSplitError,
+    PatchingError,
+    PatchMetric,
+    attribution_patch,
+    patch_sweep,
+    plot_patching,
+)
 from .steering import Steering, steer, steering_vector
 from .summarization import Summary, SummaryRow, SummaryTotals, summary
 from .viz import feature_maps, overlay
@@ -129,6 +143,7 @@ __all__ = [
     "ImageFolder",
     "InPlaceModifiedWarning",
     "IncompleteExtractionError",
+    "InductionPrompts",
     "Inputs",
     "JsonlSink",
     "LayerCAM",
@@ -182,9 +197,11 @@ __all__ = [
     "find_nonfinite",
     "get_cam",
     "hooks_on",
+    "load_demo_lm",
     "load_demo_model",
     "load_features",
     "make_demo_dataset",
+    "make_induction_prompts",
     "memory_profile",
     "observe",
     "ops",

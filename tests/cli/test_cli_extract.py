@@ -229,3 +229,20 @@ def test_torchrun_two_processes_equal_one(folder, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("wrote 12 samples") == 1  # rank 0 reports
     assert files_of(out) == files_of(ref)
+
+
+def test_a_folder_another_process_writes_is_refused_in_one_line(folder, tmp_path, capsys):
+    from hookscope.extraction._lock import OutputLock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = OutputLock(out)
+    lock.acquire()
+    try:
+        assert in_process(cli(tmp_path, folder, out, "--no-progress")) == 2
+    finally:
+        lock.release()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{out} is being written by pid {os.getpid()} " in err
+    assert in_process(cli(tmp_path, folder, out, "--no-progress")) == 0

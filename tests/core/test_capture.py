@@ -142,36 +142,6 @@ def test_repr_and_mapping_protocol():
     assert repr(cap.last("0")) == "Call('0', index=0, output=(1, 3))"
 
 
-def test_dataparallel_style_replicas_in_threads():
-    # DataParallel replicas share the hook dicts and run in threads with the replica as `module`
-    # (PITFALL 17). Without GPUs DataParallel cannot replicate, so do what it does by hand.
-    import threading
-
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-    xs = [torch.full((2, 4), float(i)) for i in range(8)]
-    with hs.capture(net, ["0", "1"]) as cap:
-        replicas = [net._replicate_for_data_parallel() for _ in range(4)]
-        assert replicas[0][0]._forward_hooks is net[0]._forward_hooks
-        barrier = threading.Barrier(4)
-
-        def work(k):
-            barrier.wait()
-            for x in xs[k::4]:
-                replicas[k](x)
-
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    calls = cap.calls("0")
-    assert sorted(c.index for c in calls) == list(range(8))
-    want = {float(x[0, 0]): net[0](x) for x in xs}
-    got = sorted(c.output[0, 0].item() for c in calls)
-    assert got == sorted(v[0, 0].item() for v in want.values())
-
-
 def test_capture_stop_skips_the_rest_of_the_block_and_says_so():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))

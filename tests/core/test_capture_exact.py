@@ -1,4 +1,4 @@
-"""What you read is what the layer returned (PITFALL 28): capture, Call, FeatureExtractor, observe
+"""What you read is what the layer returned (docs/pitfalls.md §28): capture, Call, FeatureExtractor, observe
 and the CAM methods give a layer's output and inputs as they were, even when the model changes
 those tensors in place afterwards; the zero-copy mode (``clone=False``) says when it cannot."""
 

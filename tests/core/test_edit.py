@@ -138,9 +138,132 @@ def test_clip_grads_validation_and_param_subset():
     net = _cnn()
     with pytest.raises(ValueError, match="needs value=, max_norm= or both"):
         hs.clip_grads(net)
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
         hs.clip_grads(net, value=-1)
     with hs.clip_grads(net, value=1e-4, params="4.*"):
         net(torch.randn(4, 3, 8, 8)).pow(2).sum().backward()
     assert net[4].weight.grad.abs().max() <= 1e-4
     assert net[0].weight.grad.abs().max() > 1e-4
+
+
+class _Branchy(nn.Module):
+    """``skip`` runs only when ``use_skip``; ``head`` is called through ``.forward`` (no hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.skip, self.head = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
+        self.use_skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        if self.use_skip:
+            h = self.skip(h)
+        return self.head.forward(h)
+
+
+@pytest.mark.parametrize("at", ["output", "input"])
+def test_an_edit_of_a_layer_that_never_runs_warns_naming_it(at):
+    net = _Branchy()
+    x = torch.randn(2, 3)
+    with (
+        pytest.warns(hs.HookscopeWarning, match=r"edit: layer\(s\) 'skip', 'head' never ran"),
+        hs.edit(
+            net, {"skip": hs.ops.zero(), "head": hs.ops.zero(), "body": hs.ops.scale(1.0)}, at=at
+        ),
+    ):
+        net(x)
+    net.use_skip = True
+    with hs.edit(net, {"skip": hs.ops.zero()}, at=at):  # it ran: no warning (warnings are errors)
+        net(x)
+    with pytest.raises(RuntimeError, match="boom"), hs.edit(net, {"head": hs.ops.zero()}):
+        raise RuntimeError("boom")  # an exception says more: no warning on top of it
+
+
+def test_a_gradient_edit_that_never_acts_warns_naming_the_layer_or_parameter():
+    net = _Branchy()
+    x = torch.randn(2, 3)
+    with (
+        pytest.warns(hs.HookscopeWarning, match=r"edit_grads: layer\(s\) 'skip' never ran"),
+        hs.edit_grads(net, {"skip": hs.ops.zero()}),
+    ):
+        net(x).sum().backward()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning, match=r"edit_grads: layer\(s\) 'body' never ran .*requires grad"
+        ),
+        hs.edit_grads(net, {"body": hs.ops.zero()}),
+        torch.no_grad(),
+    ):
+        net(x)
+    with (
+        pytest.warns(
+            hs.HookscopeWarning, match=r"edit_grads: parameter\(s\) 'skip.weight' got no gradient"
+        ),
+        hs.edit_grads(net, {"skip.weight": hs.ops.zero()}),
+    ):
+        net(x).sum().backward()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"clip_grads: parameter\(s\) 'skip.weight', 'skip.bias' got no",
+        ),
+        hs.clip_grads(net, value=1.0, params="skip.*"),
+    ):
+        net(x).sum().backward()
+    with hs.clip_grads(net, value=1.0):  # every parameter, not named: unused ones are fine
+        net(x).sum().backward()
+    assert hs.hooks_on(net) == []
+
+
+def test_edit_and_clip_arguments_are_refused_when_the_scope_is_made():
+    net = _cnn()
+    for bad in (float("nan"), float("inf"), -1.0, 0):
+        with pytest.raises(ValueError, match=r"clip_grads: value must be a finite number > 0"):
+            hs.clip_grads(net, value=bad)
+        with pytest.raises(ValueError, match=r"clip_grads: max_norm must be a finite number > 0"):
+            hs.clip_grads(net, max_norm=bad)
+    with pytest.raises(TypeError, match="clip_grads: value must be a number > 0; got str"):
+        hs.clip_grads(net, value="1")
+    with pytest.raises(TypeError, match="clip_grads: params must be a parameter name or glob"):
+        hs.clip_grads(net, value=1.0, params=[])
+    with pytest.raises(hs.LayerNotFoundError, match="edit: edits is empty"):
+        hs.edit(net, {})
+    with pytest.raises(hs.LayerNotFoundError, match="edit_grads: edits is empty"):
+        hs.edit_grads(net, {})
+    with pytest.raises(TypeError, match=r"edit: the edit for '0' must be a hs.ops op, .* got str"):
+        hs.edit(net, {"0": "zero"})
+    with pytest.raises(TypeError, match="edit: edits must be a dict"):
+        hs.edit(net, ["0"])
+    assert hs.hooks_on(net) == []
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: hs.ops.clamp(min=float("nan")), "hs.ops.clamp: min must be finite"),
+        (lambda: hs.ops.clamp(max="1"), "hs.ops.clamp: max must be a finite number; got str"),
+        (lambda: hs.ops.scale("2"), "hs.ops.scale: k must be a finite number or a tensor; got str"),
+        (lambda: hs.ops.scale(float("inf")), "hs.ops.scale: k must be finite"),
+        (
+            lambda: hs.ops.add(None),
+            "hs.ops.add: v must be a finite number or a tensor; got NoneType",
+        ),
+        (lambda: hs.ops.replace("x"), "hs.ops.replace: value must be a number or a tensor"),
+        (lambda: hs.ops.clip_norm(float("nan")), "hs.ops.clip_norm: max_norm must be finite"),
+        (lambda: hs.ops.ablate("a"), "hs.ops.ablate: channels must be an int or a list of ints"),
+        (lambda: hs.ops.ablate(1, dim="1"), "hs.ops.ablate: dim must be an int"),
+    ],
+)
+def test_an_op_with_a_bad_value_is_refused_when_made(make, message):
+    with pytest.raises((TypeError, ValueError), match=message.replace("(", r"\(")):
+        make()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_capture_to_a_device_this_process_lacks_fails_at_the_call():
+    net = _cnn()
+    with pytest.raises(ValueError, match="capture: to='cuda': this process has no cuda device"):
+        hs.capture(net, "0", to="cuda")
+    with pytest.raises(ValueError, match="capture: to='gpu' is not a device"):
+        hs.capture(net, "0", to="gpu")
+    assert hs.hooks_on(net) == []

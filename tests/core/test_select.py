@@ -93,3 +93,36 @@ def test_single_typo_suggests_the_intended_name(name, data):
         return
     suggestions = suggest(typo, _NAMES)
     assert name in suggestions, (typo, suggestions)
+
+
+@pytest.mark.parametrize(
+    "empty", [{}, [], (), set(), (n for n in ())], ids=["dict", "list", "tuple", "set", "generator"]
+)
+def test_an_empty_selection_raises_in_every_form(resnet, empty):
+    with pytest.raises(hs.LayerNotFoundError, match="layers is empty: it selects no layer"):
+        hs.capture(resnet, empty)
+    assert hs.hooks_on(resnet) == []
+
+
+def test_a_selection_that_is_not_a_selector_names_the_argument_and_the_forms(resnet):
+    for bad in (0, 2.5, b"fc"):
+        with pytest.raises(TypeError, match=r"^layers must be a layer name, a glob, .* got"):
+            hs.capture(resnet, bad)
+    with pytest.raises(hs.LayerNotFoundError, match="a key of edits is empty"):
+        hs.edit(resnet, {(): hs.ops.zero()})
+
+
+def test_entry_points_name_a_bad_model_or_flag_at_the_call(resnet):
+    for call in (
+        lambda: hs.capture("resnet", "fc"),
+        lambda: hs.edit(None, {"fc": hs.ops.zero()}),
+        lambda: hs.trace([resnet]),
+        lambda: hs.observe(resnet.state_dict(), "fc", print),
+    ):
+        with pytest.raises(TypeError, match=r"^model must be a torch.nn.Module .*; got "):
+            call()
+    with pytest.raises(TypeError, match="capture: grads must be True or False; got str"):
+        hs.capture(resnet, "fc", grads="yes")
+    with pytest.raises(TypeError, match="observe: fn must be a function"):
+        hs.observe(resnet, "fc", None)
+    assert hs.hooks_on(resnet) == []

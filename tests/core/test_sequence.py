@@ -5,13 +5,25 @@ generate() with a compiled model or the static cache."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
 import torch.nn as nn
 
 import hookscope as hs
-from helpers.lm import PROMPTS, PromptBranchLM, lm_blocks, tiny_gpt2, tiny_llama, word_tokenizer
+from helpers.lm import (
+    PROMPTS,
+    PromptBranchLM,
+    lm_blocks,
+    tiny_bart,
+    tiny_decoder,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_mamba,
+    tiny_t5,
+    word_tokenizer,
+)
 
 ATOL = 1e-5
 
@@ -24,9 +36,17 @@ def _reference(model, layers, sequences, prompt_mask):
         [prompt_mask, torch.ones(len(ids), ids.shape[1] - prompt_mask.shape[1], dtype=torch.long)],
         1,
     )
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    # the position ids generate passes: the prompt's (padding at 0), then one more per token
+    prompt_pos = (prompt_mask.cumsum(1) - 1).masked_fill(prompt_mask == 0, 0)
+    steps = torch.arange(1, ids.shape[1] - prompt_mask.shape[1] + 1)
+    pos = torch.cat([prompt_pos, prompt_pos[:, -1:] + steps], 1)
+    kw = (
+        {"position_ids": pos}
+        if "position_ids" in inspect.signature(model.forward).parameters
+        else {}
+    )
     with hs.capture(model, layers) as ref:
-        model(input_ids=ids, attention_mask=mask, position_ids=pos)
+        model(input_ids=ids, attention_mask=mask, **kw)
     keep = mask.bool()
     return {n: [ref[n][b][keep[b]] for b in range(len(ids))] for n in layers}, [
         ids[b][keep[b]] for b in range(len(ids))
@@ -250,3 +270,148 @@ def test_generate_compiling_the_model_by_itself_still_runs_the_hooks():
         assert (e - p).abs().max() > 0.1
     assert "get_compiled_call" not in model.__dict__  # the model is left as found
     assert hs.hooks_on(model) == []
+
+
+# -- every cache kind, several architectures ------------------------------------------------------
+ARCHS = ["llama", "qwen2", "qwen3", "gemma2", "mistral", "opt"]
+
+
+def _generate_and_check(model, layers, side, **how):
+    enc = word_tokenizer(side)(PROMPTS, return_tensors="pt", padding=True)
+    with hs.capture(model, layers, sequence=True) as cap:
+        out = model.generate(**enc, max_new_tokens=5, eos_token_id=None, **how)
+    rows, tokens = _reference(model, layers, out, enc["attention_mask"])
+    for name in layers:
+        _check_rows(cap.sequence(name), rows[name], tokens)
+    return cap, out
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_sequence_on_each_architecture_and_cache_equals_one_full_forward(kind, cache):
+    """Qwen2/Qwen3/Gemma-2 get a dict of 4-D masks with the static cache (the left padding was
+    kept, rows misaligned); Mistral's sliding-window static cache hid the first prompt tokens
+    from the last query row (captured tokens started at the third); Gemma-2 mixes sliding and
+    full layers (a hybrid cache)."""
+    model = tiny_decoder(kind)
+    how = {"cache_implementation": "static"} if cache == "static" else {}
+    cap, _ = _generate_and_check(model, hs.blocks(model), "left", do_sample=False, **how)
+    seq = cap.sequence(next(iter(hs.blocks(model))))
+    assert seq.mask.sum(1).tolist() == [10, 6]  # 6 and 2 prompt tokens, 4 generated that ran
+    assert seq.tokens[1, :2].tolist() == [7, 15]  # "mary gave": the left padding taken out
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "mistral"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_sequence_with_right_padding_and_sampling(kind, cache):
+    model = tiny_decoder(kind)
+    how = {"cache_implementation": "static"} if cache == "static" else {}
+    torch.manual_seed(0)
+    _generate_and_check(model, list(hs.blocks(model))[-1:], "right", do_sample=True, **how)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "mistral", "llama", "mistral-static", "mamba"])
+def test_sequence_follows_beam_search_under_a_sliding_window(kind):
+    """A sliding-window cache no longer holds the early tokens' keys, so rows cannot be matched
+    by their keys: the reorders are read from the cache's reorder_cache (beam_idx); also for a
+    static cache and a state-space model's recurrent state."""
+    how = {"cache_implementation": "static"} if kind.endswith("-static") else {}
+    model = tiny_mamba() if kind == "mamba" else tiny_decoder(kind.removesuffix("-static"))
+    layer = list(hs.blocks(model))[-1]
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    with hs.capture(model, layer, sequence=True) as cap:
+        model.generate(
+            **enc, max_new_tokens=6, num_beams=3, do_sample=False, eos_token_id=None, **how
+        )
+    seq = cap.sequence(layer)
+    assert seq.values.shape[0] == 6
+    naive = torch.cat([c.output for c in cap.calls(layer)], 1)
+    assert not torch.allclose(naive[:3, 6:11], seq.values[:3, 6:11])  # really reordered
+    for b in range(6):  # each row: one forward over that beam's own tokens
+        n = int(seq.mask[b].sum())
+        with hs.capture(model, layer) as ref:
+            model(input_ids=seq.tokens[b, :n][None])
+        torch.testing.assert_close(seq.values[b, :n], ref[layer][0], atol=ATOL, rtol=0)
+
+
+def test_reorder_cache_is_left_as_found():
+    """The cache's reorder_cache is wrapped while a capture or a steer is open on the model
+    (both learn each beam_idx), and put back when the last one closes."""
+    from transformers import DynamicCache
+
+    model = tiny_decoder("llama")
+    cache = DynamicCache()
+    ids = torch.tensor([[3, 5, 6], [7, 8, 9]])
+    v = torch.zeros(64)
+    with hs.capture(model, "model.layers.0", sequence=True) as cap, torch.no_grad():
+        with hs.steer(model, {"model.layers.1": v}, positions=0):  # a second tracker on it
+            model(input_ids=ids, past_key_values=cache)
+        assert "reorder_cache" in vars(cache)  # the capture's tracker still follows it
+        cache.reorder_cache(torch.tensor([1, 1]))
+        model(input_ids=ids[:, :1], past_key_values=cache)
+    assert "reorder_cache" not in vars(cache)
+    seq = cap.sequence("model.layers.0")
+    assert seq.tokens.tolist() == [[7, 8, 9, 3], [7, 8, 9, 7]]  # both rows continue row 1
+
+
+def test_sequence_of_a_state_space_model():
+    """Mamba passes its cache as cache_params and no mask after the prompt: every decode call
+    was taken for a new sequence ("saw 2 separate sequences")."""
+    model = tiny_mamba()
+    _generate_and_check(model, hs.blocks(model), "left", do_sample=False)
+
+
+@pytest.mark.parametrize("make", [tiny_t5, tiny_bart], ids=["t5", "bart"])
+def test_sequence_of_encoder_decoder_generation(make):
+    """The decoder's tokens are the sequence (the encoder runs once, over the source), checked
+    against one forward with the final decoder inputs; encoder layers are refused by name."""
+    model = make()
+    enc = word_tokenizer("right")(PROMPTS, return_tensors="pt", padding=True)
+    layers = list(hs.blocks(model))
+    dec = [n for n in layers if "decoder" in n]
+    assert len(dec) == 2 and len(layers) == 4  # hs.blocks gives both stacks
+    with hs.capture(model, layers, sequence=True) as cap:
+        out = model.generate(**enc, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    with hs.capture(model, dec) as ref:
+        model(**enc, decoder_input_ids=out[:, :-1])
+    for name in dec:
+        seq = cap.sequence(name)
+        assert seq.mask.all() and seq.tokens.tolist() == out[:, :-1].tolist()
+        want = ref[name][0] if isinstance(ref[name], tuple) else ref[name]  # T5: (hidden, ...)
+        torch.testing.assert_close(seq.values, want, atol=ATOL, rtol=0)
+    with pytest.raises(hs.SequenceError, match="outside the model's calls.*encoder"):
+        cap.sequence(layers[0])
+
+
+@pytest.mark.parametrize("sample", [False, True], ids=["greedy", "sampling"])
+def test_sequence_with_a_quantized_cache_equals_the_calls_aligned_by_hand(sample):
+    """A quantized cache (the fp8 backend, which runs on a CPU) changes the values, so the
+    reference is a hand-written hook on the same run, its calls laid side by side and the left
+    padding taken out by hand."""
+    model = tiny_decoder("qwen2")
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    calls = []
+    handle = model.model.layers[1].register_forward_hook(
+        lambda m, a, out: calls.append(out.detach().clone())
+    )
+    torch.manual_seed(0)
+    try:
+        with hs.capture(model, "model.layers.1", sequence=True) as cap:
+            out = model.generate(
+                **enc,
+                max_new_tokens=5,
+                do_sample=sample,
+                eos_token_id=None,
+                cache_implementation="quantized",
+                cache_config={"backend": "fp8"},
+            )
+    finally:
+        handle.remove()
+    assert type(cap.calls("model.layers.1")) is list and len(calls) == 5
+    full = torch.cat(calls, 1)
+    keep = torch.cat([enc["attention_mask"], torch.ones(2, 4, dtype=torch.long)], 1).bool()
+    seq = cap.sequence("model.layers.1")
+    for b in range(2):
+        n = int(keep[b].sum())
+        assert torch.equal(seq.values[b, :n], full[b][keep[b]])
+        assert seq.tokens[b, :n].tolist() == out[b, :-1][keep[b]].tolist()

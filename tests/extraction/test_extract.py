@@ -254,25 +254,30 @@ class Paced(Dataset):
 
 def test_write_error_is_clear_and_work_is_kept(net, data, tmp_path, monkeypatch):
     full = hs.extract(net, data, "conv", tmp_path / "full", batch_size=2, progress=False)
-    real_save = _featstore.Journal.save
+    real_write = _featstore.atomic_write_json
     durable = []
 
-    def failing_save(self, key, done, skipped):
-        # fail once 3 batches are written (by batch count, not by number of syncs, which
-        # depends on how fast the writer drains its queue)
-        if done >= 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        durable.append(done)
-        real_save(self, key, done, skipped)
+    def failing_write(path, obj):
+        # the journal's update fails once 3 batches are written (by batch count, not by number
+        # of syncs, which depends on how fast the writer drains its queue)
+        if path.name.startswith("journal-"):
+            if obj["done"] >= 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            durable.append(obj["done"])
+        real_write(path, obj)
 
-    monkeypatch.setattr(_featstore.Journal, "save", failing_save)
+    monkeypatch.setattr(_featstore, "atomic_write_json", failing_write)
     out = tmp_path / "out"
     with pytest.raises(
         hs.ExtractError, match=r"no space left on device.*kept.*run the same extraction again"
-    ):
+    ) as err:
         hs.extract(net, Paced(data), "conv", out, batch_size=2, progress=False)
     assert durable and durable[-1] < 3  # some work was made durable before the failure
-    monkeypatch.setattr(_featstore.Journal, "save", real_save)
+    # the count in the message is what the journal holds durable, not what reached the mapping
+    journal = json.loads((out / _featstore.STATE_DIR / "journal-0.json").read_text())
+    assert journal["done"] == durable[-1]
+    assert f"the {2 * durable[-1]} of 11 samples durably written" in str(err.value)
+    monkeypatch.setattr(_featstore, "atomic_write_json", real_write)
     resumed = hs.extract(net, data, "conv", out, batch_size=2, progress=False)
     assert files_of(out) == files_of(full.path)
     np.testing.assert_array_equal(resumed["conv"], full["conv"])
@@ -307,16 +312,17 @@ def test_bad_samples_raise_or_skip(net, data, tmp_path, workers):
             num_workers=workers,
             progress=False,
         )
-    feats = hs.extract(
-        net,
-        Flaky(data),
-        "head",
-        tmp_path / "s",
-        batch_size=4,
-        num_workers=workers,
-        on_error="skip",
-        progress=False,
-    )
+    with pytest.warns(hs.HookscopeWarning, match=r"2 of 11 samples were skipped.*sample 3"):
+        feats = hs.extract(
+            net,
+            Flaky(data),
+            "head",
+            tmp_path / "s",
+            batch_size=4,
+            num_workers=workers,
+            on_error="skip",
+            progress=False,
+        )
     assert [s["row"] for s in feats.skipped] == [3, 8]
     assert feats.skipped[0]["reason"] == "ValueError: sample 3 is corrupt"
     assert feats.manifest["valid"] == 9
@@ -354,16 +360,17 @@ def test_every_row_of_a_skipped_only_batch_and_mixed_dtypes(net, data, tmp_path)
                 raise OSError("unreadable")
             return data[i][0]
 
-    feats = hs.extract(
-        net,
-        Gaps(),
-        ["conv", "head"],
-        tmp_path,
-        batch_size=2,
-        pool="avg",
-        on_error="skip",
-        progress=False,
-    )
+    with pytest.warns(hs.HookscopeWarning, match="2 of 6 samples were skipped"):
+        feats = hs.extract(
+            net,
+            Gaps(),
+            ["conv", "head"],
+            tmp_path,
+            batch_size=2,
+            pool="avg",
+            on_error="skip",
+            progress=False,
+        )
     assert feats.valid.tolist() == [True, True, False, False, True, True]
     assert np.isnan(feats["head"][2:4]).all()
     ref = reference(net, data.tensors[0][[0, 1, 4, 5]])["head"].numpy()

@@ -214,3 +214,88 @@ class PromptBranchLM(torch.nn.Module):
         if input_ids.shape[1] > 1:
             h = self.branch(h)
         return h.mean(1)
+
+
+_DECODERS = {
+    # name: (config, model, fields on top of hidden size 64, 2 layers, 4 heads)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2, "head_dim": 16}),
+    # Gemma-2: one sliding-window layer (window 4) and one full-attention layer (a hybrid cache)
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"num_key_value_heads": 2, "head_dim": 16, "sliding_window": 4},
+    ),
+    # Mistral: every layer attends to a window of 4 tokens
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        {"num_key_value_heads": 2, "sliding_window": 4},
+    ),
+    "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+}
+
+
+def tiny_decoder(kind: str, seed: int = 0):
+    """A random-weight decoder-only language model of ``kind`` (a key of ``_DECODERS``): hidden
+    size 64, 2 layers, 4 heads, 64 positions, eval mode, over ``WORDS``."""
+    config, model, extra = _DECODERS[kind]
+    sizes = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+    )
+    if kind != "opt":
+        sizes["intermediate_size"] = 128
+    return _build(config, model, seed, **(sizes | extra))
+
+
+def tiny_mamba(seed: int = 0):
+    """A random-weight ``MambaForCausalLM`` (a state-space model: its cache is ``cache_params``)."""
+    return _build(
+        "MambaConfig",
+        "MambaForCausalLM",
+        seed,
+        hidden_size=64,
+        num_hidden_layers=2,
+        state_size=8,
+        expand=2,
+        conv_kernel=4,
+    )
+
+
+def tiny_t5(seed: int = 0):
+    """A random-weight ``T5ForConditionalGeneration`` (encoder–decoder, relative positions)."""
+    return _build(
+        "T5Config",
+        "T5ForConditionalGeneration",
+        seed,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+        decoder_start_token_id=PAD,
+    )
+
+
+def tiny_bart(seed: int = 0):
+    """A random-weight ``BartForConditionalGeneration`` (encoder–decoder, learned positions)."""
+    return _build(
+        "BartConfig",
+        "BartForConditionalGeneration",
+        seed,
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_position_embeddings=64,
+        decoder_start_token_id=EOS,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+    )

@@ -191,7 +191,7 @@ def _reference_grads() -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.distributed
 def test_ddp_gradient_edits_act_on_the_averaged_gradient(tmp_path):
-    """PITFALL 18: a parameter's tensor hook sees the rank's own gradient; hookscope edits the
+    """docs/pitfalls.md §18: a parameter's tensor hook sees the rank's own gradient; hookscope edits the
     average DDP writes into .grad instead, so clip_grads / edit_grads under DDP equal one process
     on the combined batch, with and without accumulation (no_sync: once, on the step's sum)."""
     launch(_ddp_edit_worker, str(tmp_path))

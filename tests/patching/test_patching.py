@@ -11,7 +11,8 @@ import torch.nn as nn
 import hookscope as hs
 from helpers.common import one_thread
 from helpers.lm import tiny_bert, tiny_gpt2, tiny_llama, tiny_neox, tl_bridge, word_tokenizer
-from hookscope.core._heads import head_split
+from helpers.patch_refs import by_head, by_pos_head, by_position, hand_sweep, hidden_of
+from hookscope.patching._heads import head_split
 
 CLEAN = torch.tensor(
     [
@@ -42,86 +43,6 @@ def logits_of(out):
 def logit_diff(out):
     lg = logits_of(out)[:, -1]
     return (lg[:, MARY] - lg[:, JOHN]).mean()
-
-
-# -- references written by hand with plain PyTorch hooks ---------------------------------------
-def _hidden(args, kwargs):
-    if args and isinstance(args[0], torch.Tensor):
-        return "arg", args[0]
-    return "kw", kwargs["hidden_states"]
-
-
-def _replace(args, kwargs, where, new):
-    if where == "arg":
-        return (new, *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": new}
-
-
-def hand_sweep(model, module, kind, clean, corrupt, metric, cut):
-    """One forward per site. ``cut(act, i)`` -> boolean mask of site ``i`` over ``act``'s
-    non-batch dims (for a head: the head's features); ``kind`` 'input' or 'output'."""
-    store = {}
-
-    def keep_in(m, a, k):
-        store["x"] = _hidden(a, k)[1].clone()
-
-    def keep_out(m, a, o):
-        store["x"] = (o[0] if isinstance(o, tuple) else o).clone()
-
-    if kind == "input":
-        h = module.register_forward_pre_hook(keep_in, with_kwargs=True)
-    else:
-        h = module.register_forward_hook(keep_out)
-    try:
-        with torch.no_grad():
-            model(**clean)
-    finally:
-        h.remove()
-    src = store["x"]
-    n = cut(src, None)
-    out = []
-    for i in range(n):
-        mask = cut(src, i)
-
-        def pre(m, a, k, mask=mask):
-            where, x = _hidden(a, k)
-            return _replace(a, k, where, torch.where(mask, src, x))
-
-        def post(m, a, o, mask=mask):
-            if isinstance(o, tuple):
-                return (torch.where(mask, src, o[0]), *o[1:])
-            return torch.where(mask, src, o)
-
-        if kind == "input":
-            h = module.register_forward_pre_hook(pre, with_kwargs=True)
-        else:
-            h = module.register_forward_hook(post)
-        try:
-            with torch.no_grad():
-                out.append(float(metric(model(**corrupt))))
-        finally:
-            h.remove()
-    return torch.tensor(out)
-
-
-def by_position(act, i):
-    if i is None:
-        return act.shape[1]
-    m = torch.zeros(act.shape[1:], dtype=torch.bool)
-    m[i] = True
-    return m
-
-
-def by_head(heads):
-    def cut(act, i):
-        if i is None:
-            return heads
-        d = act.shape[-1] // heads
-        m = torch.zeros(act.shape[1:], dtype=torch.bool)
-        m[..., i * d : (i + 1) * d] = True
-        return m
-
-    return cut
 
 
 # -- TransformerLens on the same weights ------------------------------------------------------
@@ -236,9 +157,9 @@ def test_llama_gqa_heads_equal_hand_written_hooks():
 
 def test_neox_and_bert_heads_found_and_exact():
     neox, bert = tiny_neox(), tiny_bert()
-    s = head_split(neox, "gpt_neox.layers.1.attention", neox.gpt_neox.layers[1].attention)
+    s = head_split("gpt_neox.layers.1.attention", neox.gpt_neox.layers[1].attention)
     assert (s.proj, s.heads, s.head_dim) == ("gpt_neox.layers.1.attention.dense", 4, 16)
-    s = head_split(bert, "encoder.layer.0.attention", bert.encoder.layer[0].attention)
+    s = head_split("encoder.layer.0.attention", bert.encoder.layer[0].attention)
     assert (s.proj, s.heads, s.head_dim) == ("encoder.layer.0.attention.output.dense", 4, 16)
 
     def first_token(out):  # an encoder: a metric of the [CLS] position's hidden state
@@ -247,7 +168,7 @@ def test_neox_and_bert_heads_found_and_exact():
     for model, metric, att in [(neox, logit_diff, "attention"), (bert, first_token, "attention")]:
         layer = list(hs.blocks(model, att).items())[1]
         got = hs.patch_sweep(model, CLEAN, CORRUPT, metric, layer[0], over=("head",))
-        proj = dict(model.named_modules())[head_split(model, *layer).proj]
+        proj = dict(model.named_modules())[head_split(*layer).proj]
         ref = hand_sweep(
             model, proj, "input", {"input_ids": CLEAN}, {"input_ids": CORRUPT}, metric, by_head(4)
         )
@@ -325,7 +246,7 @@ def test_attribution_equals_autograd_by_hand():
         for m in mods:
             hooks.append(
                 m.register_forward_pre_hook(
-                    lambda m, a, k: acts.append(_hidden(a, k)[1]) and None, with_kwargs=True
+                    lambda m, a, k: acts.append(hidden_of(a, k)[1]) and None, with_kwargs=True
                 )
             )
         try:
@@ -463,7 +384,7 @@ def test_what_cannot_work_raises_naming_the_fix():
         )
     bert = tiny_bert(n_layer=1)
     with pytest.raises(hs.HeadSplitError, match=r"'encoder.layer.0.attention.self'.*head_proj="):
-        head_split(bert, "encoder.layer.0.attention.self", bert.encoder.layer[0].attention.self)
+        head_split("encoder.layer.0.attention.self", bert.encoder.layer[0].attention.self)
     with pytest.raises(hs.PatchingError, match="'attn.out_proj' never ran.*MultiheadAttention"):
         hs.patch_sweep(
             _MHA(),
@@ -477,7 +398,7 @@ def test_what_cannot_work_raises_naming_the_fix():
         hs.patch_sweep(model, CLEAN, CORRUPT, lambda o: o.logits[:, -1, 0], hs.blocks(model))
     model.train()
     try:
-        with pytest.raises(hs.PatchingError, match=r"training mode .*model.eval\(\)"):
+        with pytest.raises(hs.PatchingError, match=r"draws random numbers.*model.eval\(\)"):
             hs.patch_sweep(model, CLEAN, CORRUPT, logit_diff, hs.blocks(model))
     finally:
         model.eval()
@@ -558,7 +479,7 @@ def test_more_paths_that_cannot_work_raise():
     x, y = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
     attn = _Attn()
     with pytest.raises(
-        hs.HeadSplitError, match=r"how many heads '<root>' \(_Attn\).*pass n_heads="
+        hs.HeadSplitError, match=r"'<root>' \(_Attn\) declares no attention heads.*pass n_heads="
     ):
         hs.patch_sweep(attn, x, y, lambda o: o.sum(), "", over=("head",))
     got = hs.patch_sweep(attn, x, y, lambda o: o.sum(), "", over=("head",), n_heads=2)
@@ -568,13 +489,16 @@ def test_more_paths_that_cannot_work_raise():
         hs.patch_sweep(attn, x, y, lambda o: o.sum(), "", over=("head",), head_proj="out")
     with pytest.raises(hs.PatchingError, match="'lin' ran 2 times in one forward pass"):
         hs.patch_sweep(_Twice(), x, y, lambda o: o.sum(), "lin")
-    with (
-        pytest.raises(hs.PatchingError, match="fails on a batch of several copies.*rows="),
-        pytest.warns(hs.HookscopeWarning, match="inputs tiled"),
+    # neither fanned out nor tiled can work: one site per pass, as rows= equal to the batch
+    fixed = _FixedBatch()
+    with pytest.warns(
+        hs.HookscopeWarning, match="nor with the model's inputs tiled.*one site per pass"
     ):
-        hs.patch_sweep(_FixedBatch(), x, y, lambda o: o.sum(), "a")
-    ok = hs.patch_sweep(_FixedBatch(), x, y, lambda o: o.sum(), "a", rows=2)  # one site per pass
-    assert ok.shape == (1, 3)
+        got = hs.patch_sweep(fixed, x, y, lambda o: o.sum(), "a")
+    ref = hand_sweep(fixed, fixed.a, "output", {"x": x}, {"x": y}, lambda o: o.sum(), by_position)
+    assert torch.allclose(got[0], ref, atol=1e-6)
+    ok = hs.patch_sweep(fixed, x, y, lambda o: o.sum(), "a", rows=2)  # one site per pass
+    assert torch.allclose(ok, got, atol=1e-6)
     with pytest.raises(hs.PatchingError, match=r"over='position' needs .*\(2, 8\)"):
         hs.patch_sweep(nn.Linear(8, 8), x[:, 0], y[:, 0], lambda o: o.sum(), "")
     with pytest.raises(hs.PatchingError, match="without a gradient"):
@@ -584,7 +508,9 @@ def test_more_paths_that_cannot_work_raise():
     with pytest.raises(ValueError, match="rows must be >= 1"):
         hs.patch_sweep(attn, x, y, lambda o: o.sum(), "", rows=0)
     bn = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(3))
-    with pytest.raises(hs.PatchingError, match=r"batch norm \('1'\).*model.eval\(\)"):
+    with pytest.raises(
+        hs.PatchingError, match=r"batch norm '1' is in training mode.*model.eval\(\)"
+    ):
         hs.patch_sweep(bn, x, y, lambda o: o.sum(), "0")
     with pytest.raises(TypeError, match="clean must be a tensor of token ids or a dict"):
         hs.patch_sweep(attn, [1, 2], y, lambda o: o.sum(), "")
@@ -603,22 +529,9 @@ def seq_lengths(module):
     seen = []
 
     def hook(m, a, k):
-        seen.append(_hidden(a, k)[1].shape[1])
+        seen.append(hidden_of(a, k)[1].shape[1])
 
     return seen, module.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def by_pos_head(heads):
-    def cut(act, i):
-        if i is None:
-            return act.shape[1] * heads
-        p, h = divmod(i, heads)
-        d = act.shape[-1] // heads
-        m = torch.zeros(act.shape[1:], dtype=torch.bool)
-        m[p, h * d : (h + 1) * d] = True
-        return m
-
-    return cut
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -813,7 +726,7 @@ def test_layers_with_different_head_counts_raise():
 
 
 def test_plan_from_groups_sites_by_first_position_within_the_budget():
-    from hookscope.core._rows import plan_from
+    from hookscope.patching._batching import plan_from
 
     firsts = [p for p in range(16) for _ in range(3)] + [0, 5]  # 3 heads a position, 2 more
 
@@ -826,8 +739,25 @@ def test_plan_from_groups_sites_by_first_position_within_the_budget():
         for p0, c in passes:
             assert p0 == min(firsts[i] for i in c)  # a pass starts at its earliest site
             assert len(c) * 2 * row_bytes(p0) <= 2_000  # and fits the budget at that start
-    one = plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=10**9, overhead=0)
-    assert len(one) == 16  # no fixed cost: one pass per first position
-    few = plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=10**9, overhead=100)
-    assert len(few) < 16
+    # with room for every site, the passes are the cheapest cut of the first positions: a pass
+    # costs length / 4 and (sites + shared) * (length - p0); checked against every cut
+    length, groups = 16, sorted(set(firsts))
+    count = {p: firsts.count(p) for p in groups}
+
+    def cost(cut):
+        return sum(length / 4 + sum(count[p] for p in part) * (length - part[0]) for part in cut)
+
+    def cuts(ps):
+        if not ps:
+            yield []
+            return
+        for i in range(1, len(ps) + 1):
+            for rest in cuts(ps[i:]):
+                yield [ps[:i], *rest]
+
+    small = [p for p in firsts if p < 6]
+    got = plan_from(small, length, 2, bytes_per_row=row_bytes, budget=10**9)
+    best = min(cost(c) for c in cuts(sorted(set(small))))
+    got_parts = [sorted({small[i] for i in c}) for _, c in got]
+    assert cost(got_parts) == best and 1 < len(got) < len(set(small))
     assert plan_from(firsts, 16, 2, bytes_per_row=row_bytes, budget=0, rows=4)[0] == (0, [0, 1])

@@ -3,11 +3,22 @@ hand-written hook over the final sequence and against the ``steering-vectors`` p
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 import hookscope as hs
-from helpers.lm import PROMPTS, PromptBranchLM, tiny_gpt2, tiny_llama, word_tokenizer
+from helpers.lm import (
+    PROMPTS,
+    PromptBranchLM,
+    tiny_decoder,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_mamba,
+    tiny_t5,
+    word_tokenizer,
+)
 
 ATOL = 1e-5
 
@@ -233,3 +244,206 @@ def test_steer_is_never_silent():
     with pytest.raises(hs.LayerNotFoundError):
         hs.steer(model, {"transformer.h.9": torch.ones(64)})
     assert hs.hooks_on(model) == []
+
+
+# -- every cache kind, several architectures ------------------------------------------------------
+def _chosen(positions, prompt_mask, total):
+    """Which columns of the final sequence ``positions`` selects (what each call steered)."""
+    n_new = total - prompt_mask.shape[1]
+    amask = torch.cat([prompt_mask, torch.ones(len(prompt_mask), n_new, dtype=torch.long)], 1)
+    pos = amask.cumsum(1) - 1
+    col = torch.arange(total).expand(len(amask), -1)
+    gen = col >= prompt_mask.shape[1]
+    real = amask.bool()
+    if positions == "generated":
+        return gen
+    if positions >= 0:
+        return (pos >= positions) & real
+    # -k: the last k tokens of each call: the prompt's last k, then every generated token
+    last = prompt_mask.sum(1, keepdim=True) + positions
+    return gen | ((pos >= last) & real)
+
+
+def _steered_against_a_hand_hook(model, layer, read, enc, positions, **how):
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+    with (
+        hs.steer(model, {layer: v}, scale=0.5, positions=positions),
+        hs.capture(model, read, sequence=True) as cap,
+    ):
+        out = model.generate(**enc, max_new_tokens=5, do_sample=False, eos_token_id=None, **how)
+    seq = cap.sequence(read)
+    ids = out[:, :-1]
+    prompt_mask = enc["attention_mask"]
+    chosen = _chosen(positions, prompt_mask, ids.shape[1])
+    assert 0 < chosen.sum() < chosen.numel()
+    amask = torch.cat([prompt_mask, torch.ones(2, ids.shape[1] - prompt_mask.shape[1])], 1).long()
+    prompt_pos = (prompt_mask.cumsum(1) - 1).masked_fill(prompt_mask == 0, 0)
+    pos = torch.cat([prompt_pos, prompt_pos[:, -1:] + torch.arange(1, 5)], 1)
+    kw = (
+        {"position_ids": pos}
+        if "position_ids" in inspect.signature(model.forward).parameters
+        else {}
+    )
+    handle = _hand_steer(model, layer, lambda out: 0.5 * v * chosen[..., None])
+    try:
+        with hs.capture(model, read) as ref:
+            model(input_ids=ids, attention_mask=amask, **kw)
+    finally:
+        handle.remove()
+    keep = amask.bool()
+    for b in range(2):
+        n = int(keep[b].sum())
+        torch.testing.assert_close(seq.values[b, :n], ref[read][b][keep[b]], atol=ATOL, rtol=0)
+    plain = model.generate(**enc, max_new_tokens=5, do_sample=False, eos_token_id=None, **how)
+    return out, plain
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral", "gemma2"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("positions", [3, -2, "generated"])
+def test_steer_positions_on_each_cache_equal_a_hand_hook(kind, cache, positions):
+    """With a static cache, positions were counted with the padding (a dict or sliding-window
+    4-D mask was not read): other prompt tokens were steered on Qwen3 and Mistral."""
+    model = tiny_decoder(kind)
+    how = {"cache_implementation": "static"} if cache == "static" else {}
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    _steered_against_a_hand_hook(model, "model.layers.0", "model.layers.1", enc, positions, **how)
+
+
+@pytest.mark.parametrize("positions", [3, "generated"])
+def test_steer_positions_in_a_state_space_model(positions):
+    """Mamba's decode calls were each taken for a new sequence: positions=3 never steered a
+    generated token, and 'generated' warned that the model only ran on prompts."""
+    model = tiny_mamba()
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    out, plain = _steered_against_a_hand_hook(
+        model, "backbone.layers.0", "backbone.layers.1", enc, positions
+    )
+    assert not torch.equal(out, plain)
+
+
+@pytest.mark.parametrize("positions", [2, "generated"])
+def test_steer_positions_on_the_decoder_of_an_encoder_decoder_model(positions):
+    model = tiny_t5()
+    enc = word_tokenizer("right")(PROMPTS, return_tensors="pt", padding=True)
+    layer, read = "decoder.block.0", "decoder.block.1"
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+    with (
+        hs.steer(model, {layer: v}, scale=0.5, positions=positions),
+        hs.capture(model, read, sequence=True) as cap,
+    ):
+        out = model.generate(**enc, max_new_tokens=5, do_sample=False, eos_token_id=None)
+    dec = out[:, :-1]
+    col = torch.arange(dec.shape[1]).expand(2, -1)
+    chosen = col >= (1 if positions == "generated" else positions)
+
+    def hand(m, a, o):
+        return (o[0] + 0.5 * v * chosen[..., None], *o[1:])
+
+    handle = model.get_submodule(layer).register_forward_hook(hand)
+    try:
+        with hs.capture(model, read) as ref:
+            model(**enc, decoder_input_ids=dec)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(cap.sequence(read).values, ref[read][0], atol=ATOL, rtol=0)
+    with (  # an encoder layer runs outside the decoder calls: positions cannot count its tokens
+        pytest.raises(hs.HookscopeError, match="encoder.*positions='all'"),
+        hs.steer(model, {"encoder.block.0": v}, positions=positions),
+    ):
+        model.generate(**enc, max_new_tokens=2, do_sample=False)
+
+
+def test_steer_negative_positions_are_the_last_tokens():
+    """positions=-1 steered every position; now -k is each row's last k real tokens."""
+    model = tiny_gpt2()
+    layer = "transformer.h.0"
+    ids = torch.tensor([[0, 0, 5, 11, 12], [3, 5, 11, 12, 3]])
+    mask = (ids != 0).long()
+    with hs.capture(model, layer) as plain:
+        model(input_ids=ids, attention_mask=mask)
+    v = torch.randn(64)
+    for k in (1, 2):
+        with hs.steer(model, {layer: v}, positions=-k), hs.capture(model, layer) as cap:
+            model(input_ids=ids, attention_mask=mask)
+        delta = cap[layer] - plain[layer]
+        steered = delta.abs().amax(-1) > 1e-6
+        assert steered[:, :-k].sum() == 0 and steered[:, -k:].all()
+        torch.testing.assert_close(delta[:, -k:], v.expand(2, k, 64), atol=ATOL, rtol=0)
+
+
+def test_steer_refuses_non_finite_or_mistyped_inputs():
+    model = tiny_gpt2()
+    layer = "transformer.h.0"
+    v = torch.ones(64)
+    nan = v.clone()
+    nan[5] = float("nan")
+    with pytest.raises(hs.HookscopeError, match="1 non-finite values.*index 5"):
+        hs.steer(model, {layer: nan})
+    with pytest.raises(ValueError, match="scale must be finite, got inf"):
+        hs.steer(model, {layer: v}, scale=float("inf"))
+    with pytest.raises(ValueError, match="scale must be finite, got nan"):
+        hs.steer(model, {layer: v}, scale=float("nan"))
+    with pytest.raises(TypeError, match=r"scale must be a number, got str '2'; pass scale=2.0"):
+        hs.steer(model, {layer: v}, scale="2")
+    with pytest.raises(hs.HookscopeError, match=r"torch.int64; give a floating tensor"):
+        hs.steer(model, {layer: torch.ones(64, dtype=torch.long)})
+    with pytest.raises(TypeError, match="positions must be .*-k: the last k tokens"):
+        hs.steer(model, {layer: v}, positions=1.5)
+    with pytest.raises(hs.HookscopeError, match="direction for 'transformer.h.0' is zero"):
+        hs.steer(model, {layer: torch.zeros(64)}, mode="ablate")
+    assert hs.hooks_on(model) == []
+
+
+def test_steer_a_layer_returning_a_namedtuple():
+    from collections import namedtuple
+
+    Out = namedtuple("Out", ["hidden", "extra"])
+
+    class Block(torch.nn.Module):
+        def forward(self, x):
+            return Out(x * 2, x.sum())
+
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 4), Block())
+    ids = torch.tensor([[1, 2, 3]])
+    v = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    plain = net[1](net[0](ids))
+    with hs.steer(net, {"1": v}, positions=-1):
+        out = net(ids)
+    assert isinstance(out, Out) and torch.equal(out.extra, plain.extra)
+    torch.testing.assert_close(out.hidden[0, :2], plain.hidden[0, :2])
+    torch.testing.assert_close(out.hidden[0, 2], plain.hidden[0, 2] + v)
+
+
+def test_steering_vector_checks_what_the_run_does():
+    model = tiny_gpt2().train()  # GPT-2's dropout: another vector per call
+    with pytest.raises(hs.HookscopeError, match=r"draws random numbers.*model.eval\(\)"):
+        hs.steering_vector(model, [[3, 4]], [[3, 5]], "transformer.h.1")
+    model.eval()
+    with pytest.raises(hs.HookscopeError, match=r"positive\[0\] holds torch.float32.*integer ids"):
+        hs.steering_vector(model, [[1.7, 2.2]], [[1.0, 2.0]], "transformer.h.0")
+    with pytest.raises(
+        hs.LayerNotRunError, match=r"layer\(s\) 'branch' did not run in the forward"
+    ):
+        hs.steering_vector(PromptBranchLM(), [[1]], [[2]], "branch")
+    meta = tiny_gpt2().to("meta")
+    with pytest.raises(hs.HookscopeError, match="meta device"):
+        hs.steering_vector(meta, [[3, 4]], [[3, 5]], "transformer.h.1")
+
+
+def test_steering_vector_on_an_encoder_decoder_model():
+    model = tiny_t5()
+    with pytest.raises(hs.HookscopeError, match="'decoder.block.0' is in the decoder"):
+        hs.steering_vector(model, [[3, 4]], [[3, 5]], "decoder.block.0")
+    got = hs.steering_vector(model, [[3, 4, 5], [6]], [[3, 5], [7, 8]], "encoder.block.1")
+    diffs = []
+    for p, n in (([3, 4, 5], [3, 5]), ([6], [7, 8])):
+        acts = []
+        for ids in (p, n):
+            with hs.capture(model, "encoder.block.1") as cap:
+                model.get_encoder()(input_ids=torch.tensor([ids]))
+            acts.append(cap["encoder.block.1"][0][0, -1])
+        diffs.append(acts[0] - acts[1])
+    torch.testing.assert_close(
+        got["encoder.block.1"], torch.stack(diffs).mean(0), atol=ATOL, rtol=0
+    )

@@ -1,4 +1,4 @@
-"""One test (at least) per hard edge of PyTorch hooks, ../shared/PITFALLS.md items 1-14, 20-24."""
+"""One test (at least) per hard edge of PyTorch hooks, docs/pitfalls.md §1-14, §20-24."""
 
 from __future__ import annotations
 
@@ -282,7 +282,10 @@ def test_12_scope_removed_mid_call():
     x = torch.randn(1, 2)
     ref = net(x)
     edits = hs.edit(net, {"2": hs.ops.zero()})
-    with hs.observe(net, "0", lambda call: edits.remove()):
+    with (
+        pytest.warns(hs.HookscopeWarning, match="'2' never ran"),  # removed before it acted
+        hs.observe(net, "0", lambda call: edits.remove()),
+    ):
         out = net(x)
     assert torch.equal(out, ref)  # layer 2's edit was removed before layer 2 ran
     assert hs.hooks_on(net) == []
@@ -485,3 +488,27 @@ def test_27_checkpoint_recompute_not_double_counted():
         got[ckpt] = (len(cap.calls("inner.0")), cap.grads["inner.0"])
     assert got[True][0] == got[False][0] == 1
     assert torch.allclose(got[True][1], got[False][1])
+
+
+class _Counting(nn.Module):
+    """A forward that reassigns one buffer and changes another in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("total", torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1  # a new tensor replaces the buffer
+        self.total.add_(x.detach().sum(0))  # in place
+        return self.fc(x)
+
+
+def test_summary_puts_back_reassigned_and_in_place_changed_buffers():
+    net = _Counting().eval()
+    calls, total = net.calls, net.total
+    hs.summary(net, torch.ones(3, 2))
+    assert net.calls is calls and net.total is total  # the same tensors, registered again
+    assert net.calls.item() == 0 and net.total.tolist() == [0.0, 0.0]
+    assert dict(net.named_buffers())["calls"] is calls

@@ -1,4 +1,4 @@
-"""Sharded parameters (PITFALL 19): gradient edits, clipping and the monitor on FSDP2
+"""Sharded parameters (docs/pitfalls.md §19): gradient edits, clipping and the monitor on FSDP2
 (``fully_shard`` on a CPU mesh, gloo, 2 processes on loopback) and tensor-parallel ``DTensor``
 parameters, each compared with one process running the combined batch on a plain model."""
 

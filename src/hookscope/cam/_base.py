@@ -1,5 +1,5 @@
 """The CAM template: one forward (and a backward through the layers after the target only), then
-batched, on-device post-processing. Each method (``_cam_methods.py``) is a small subclass that
+batched, on-device post-processing. Each method (``_methods.py``) is a small subclass that
 says how to turn a layer's activation and gradient into a map; the registry maps names to them.
 
 How the gradient is taken cheaply: the model runs with autograd *off* until the target layer. A
@@ -8,7 +8,7 @@ forward hook on that layer turns autograd on, makes the layer's output a fresh l
 after the layer, ``torch.autograd.grad(score, leaf)`` runs backward through that part only, and no
 parameter ever gets a ``.grad``. The leaf itself is never handed to the model, so a later in-place
 op (``ReLU(inplace=True)``, ``out += identity``) cannot change the activation we read, and its
-gradient is the one of the out-of-place model (PITFALL 3).
+gradient is the one of the out-of-place model (docs/pitfalls.md §3).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The CAM methods: each says how an activation ``a`` ``(B, C, *spatial)`` and its gradient ``g``
 become a map; everything else (forward, backward, targets, tokens, normalising, upsampling) is
-the template in ``_cam.py``. Formulas follow the papers and pytorch-grad-cam's implementations,
+the template in ``_base.py``. Formulas follow the papers and pytorch-grad-cam's implementations,
 against which the tests compare values.
 """
 
@@ -26,6 +26,8 @@ def _spatial(a: torch.Tensor) -> tuple[int, ...]:
 class GradCAM(CAM):
     """Grad-CAM (Selvaraju et al. 2017): channel weights are the spatial mean of the gradient.
 
+    Takes the arguments of :class:`CAM` (``model, layer, reshape, relu, raw``).
+
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
         >>> net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
@@ -43,7 +45,10 @@ class GradCAM(CAM):
 
 
 class GradCAMPlusPlus(CAM):
-    """Grad-CAM++ (Chattopadhay et al. 2018, eq. 19): higher-order gradient weighting."""
+    """Grad-CAM++ (Chattopadhay et al. 2018, eq. 19): higher-order gradient weighting.
+
+    Takes the arguments of :class:`CAM` (``model, layer, reshape, relu, raw``).
+    """
 
     name = "gradcam++"
     aliases = ("gradcamplusplus",)
@@ -60,7 +65,10 @@ class GradCAMPlusPlus(CAM):
 
 
 class XGradCAM(CAM):
-    """XGrad-CAM (Fu et al. 2020): gradients weighted by the normalised activation."""
+    """XGrad-CAM (Fu et al. 2020): gradients weighted by the normalised activation.
+
+    Takes the arguments of :class:`CAM` (``model, layer, reshape, relu, raw``).
+    """
 
     name = "xgradcam"
 
@@ -71,7 +79,10 @@ class XGradCAM(CAM):
 
 
 class HiResCAM(CAM):
-    """HiResCAM (Draelos & Carin 2020): element-wise gradient x activation, summed over channels."""
+    """HiResCAM (Draelos & Carin 2020): element-wise gradient x activation, summed over channels.
+
+    Takes the arguments of :class:`CAM` (``model, layer, reshape, relu, raw``).
+    """
 
     name = "hirescam"
 
@@ -81,7 +92,10 @@ class HiResCAM(CAM):
 
 
 class LayerCAM(CAM):
-    """LayerCAM (Jiang et al. 2021): positive gradients x activation, element-wise."""
+    """LayerCAM (Jiang et al. 2021): positive gradients x activation, element-wise.
+
+    Takes the arguments of :class:`CAM` (``model, layer, reshape, relu, raw``).
+    """
 
     name = "layercam"
 
@@ -96,6 +110,8 @@ class EigenCAM(CAM):
     The forward pass stops at the layer. The SVD's sign is arbitrary; hookscope fixes it so that
     the larger magnitude is positive (Seg-Eigen-CAM eq. 13), making maps reproducible across
     devices and LAPACK builds. ``torch.linalg.svd`` synchronises with the host on CUDA.
+
+    Takes the arguments of :class:`CAM` (``model, layer, reshape, relu, raw``).
     """
 
     name = "eigencam"
@@ -121,7 +137,19 @@ class ScoreCAM(CAM):
     ``no_grad``: memory stays bounded by ``batch_size`` forwards whatever the channel count.
     Masks are upsampled with ``align_corners=True`` as in the reference implementation. A progress
     bar counts the masked batches (tqdm: a widget in Jupyter, a bar on a terminal, nothing when
-    stderr is not a terminal; removed when done); ``progress=False`` turns it off.
+    stderr is not a terminal; removed when done).
+
+    Args:
+        model, layer, reshape, relu, raw: as for :class:`CAM`.
+        batch_size: masked inputs per forward pass (bounds the memory).
+        progress: show the progress bar (``False``: never).
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        ...                     nn.Flatten(), nn.Linear(4, 2)).eval()
+        >>> hs.ScoreCAM(net, "0", batch_size=2, progress=False)(torch.randn(1, 3, 8, 8), target=0).shape
+        torch.Size([1, 8, 8])
     """
 
     name = "scorecam"

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._main import CLIError, add_model_arguments, load
+from ._main import CLIError, add_model_arguments, load, random_weights_note
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -248,6 +248,9 @@ def run_cam(args: argparse.Namespace) -> int:
     write_atomic(out, write)
     shown_target = "" if not method.needs_target else f", class {target}"
     print(f"wrote {args.out} ({method.name} on {args.layer!r}{shown_target})")
+    note = random_weights_note(args)
+    if note is not None:
+        print(note)
     return 0
 
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ._main import CLIError, add_model_arguments, load
+from ._main import CLIError, add_model_arguments, load, random_weights_note
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -80,7 +80,7 @@ def _out_dir(out: str) -> Path:
     return path
 
 
-def _print_summary(facts: Any, path: Path, seconds: float) -> None:
+def _print_summary(facts: Any, path: Path, seconds: float, note: str | None = None) -> None:
     lines = [
         f"model: {facts.model}"
         + (f" ({facts.params:,} parameters)" if facts.params is not None else "")
@@ -95,6 +95,8 @@ def _print_summary(facts: Any, path: Path, seconds: float) -> None:
         lines.append(f"Grad-CAM layer: {facts.cam_layer}")
         if facts.predictions:
             lines.append(f"prediction: {', '.join(facts.predictions[:4])}")
+    if note is not None:
+        lines.append(note)
     if "gradient flow" in facts.seconds and "gradient flow" not in facts.unavailable:
         alerts = "; ".join(facts.flow_alerts[:3]) if facts.flow_alerts else "none"
         lines.append(f"monitor alerts over the short training run: {alerts}")
@@ -144,7 +146,7 @@ def run_report(args: argparse.Namespace) -> int:
     out = _out_dir(args.out)
     report, facts = build_model_report(model, x, shown, name=args.model, layer=args.layer)
     path = report.write(out / "report.html")
-    _print_summary(facts, path, time.perf_counter() - t0)
+    _print_summary(facts, path, time.perf_counter() - t0, random_weights_note(args))
     return 0
 
 

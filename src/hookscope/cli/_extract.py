@@ -7,6 +7,7 @@ import argparse
 import datetime
 import os
 import sys
+import warnings
 
 import torch
 
@@ -72,6 +73,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-resume", action="store_true", help="start over instead of continuing a run in --out"
     )
+    p.add_argument(
+        "--verify",
+        default="all",
+        choices=("all", "sample"),
+        help="on resume, re-read all finished batches (default) or a spread of 8 to check that "
+        "the images are those the earlier run read",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
@@ -95,6 +103,7 @@ def _init_distributed(device: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     from ..extraction._extract import extract
     from ..extraction._imagefolder import ImageFolder
+    from ..extraction._job import SkippedSamplesWarning
 
     layers = [s.strip() for s in args.layers.split(",") if s.strip()]
     if not layers:
@@ -131,19 +140,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = load(args)
         dataset = ImageFolder(args.data, image_size=args.image_size)
-        feats = extract(
-            model,
-            dataset,
-            layers,
-            args.out,
-            batch_size=args.batch_size,
-            num_workers=args.num_workers,
-            pool=None if args.pool == "none" else args.pool,
-            dtype=dtype,
-            resume=not args.no_resume,
-            progress=not args.no_progress,
-            on_error=args.on_error,
-        )
+        with warnings.catch_warnings():  # the count of skipped images is printed below
+            warnings.simplefilter("ignore", SkippedSamplesWarning)
+            feats = extract(
+                model,
+                dataset,
+                layers,
+                args.out,
+                batch_size=args.batch_size,
+                num_workers=args.num_workers,
+                pool=None if args.pool == "none" else args.pool,
+                dtype=dtype,
+                resume=not args.no_resume,
+                progress=not args.no_progress,
+                on_error=args.on_error,
+                verify=args.verify,
+            )
     finally:
         if started:
             import torch.distributed as dist

@@ -1,6 +1,6 @@
-"""The ``hookscope`` command line. Each subcommand lives in its own ``_cli_<name>.py`` module
-exposing ``register(subparsers)``; this file only dispatches and turns user errors into one line
-on stderr with exit code 2 (never a traceback)."""
+"""The ``hookscope`` command line. Each subcommand lives in its own module (``_trace.py``,
+``_summary.py``, ...) exposing ``register(subparsers)``; this file only dispatches and turns user
+errors into one line on stderr with exit code 2 (never a traceback)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..core._errors import HookscopeError
+from ._hints import check_positions, token_input, vocabulary, with_hint
 
-__all__ = ["CLIError", "main"]
+__all__ = ["CLIError", "main", "random_weights_note"]
 
 # Subcommand modules, in the order they are listed by --help.
 COMMANDS = ["_trace", "_summary", "_extract", "_cam", "_demo", "_compare"]
@@ -24,9 +25,8 @@ class CLIError(HookscopeError):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line, exit 2 (argparse prints usage + message)
-        self.exit(
-            2, f"hookscope: error: {message} (see 'hookscope {self.prog.split()[-1]} --help')\n"
-        )
+        # self.prog: "hookscope" for the top-level parser, "hookscope summary" for a subcommand
+        self.exit(2, f"hookscope: error: {message} (see '{self.prog} --help')\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for mod_name in COMMANDS:
         importlib.import_module(f"{__package__}.{mod_name}").register(sub)
+    parser.set_defaults(_commands=sub.choices)
     return parser
+
+
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; an unknown option is reported by the subcommand it was given to (argparse
+    reports it from the top-level parser, which would point at ``hookscope --help``)."""
+    args, extra = parser.parse_known_args(argv)
+    commands = vars(args).pop("_commands", {})  # not part of the command's arguments
+    if extra:
+        owner = commands.get(getattr(args, "command", None), parser)
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def _one_line(exc: BaseException) -> str:
@@ -52,7 +64,7 @@ def _one_line(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hookscope`` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
@@ -65,13 +77,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("hookscope: interrupted", file=sys.stderr)
         return 130
     except (HookscopeError, FileNotFoundError, IsADirectoryError, PermissionError, ValueError) as e:
-        print(f"hookscope: error: {_one_line(e)}", file=sys.stderr)
+        print(f"hookscope: error: {with_hint(_one_line(e), args)}", file=sys.stderr)
         return 2
     except Exception as e:
         # an exception raised inside the user's model (located by `load`'s error locator) is bad
         # input: one line, exit 2. Anything else is a bug in hookscope: let the traceback show.
         if getattr(e, "hookscope_layer", None) is not None:
-            print(f"hookscope: error: {_one_line(e)}", file=sys.stderr)
+            print(f"hookscope: error: {with_hint(_one_line(e), args)}", file=sys.stderr)
             return 2
         raise
     finally:
@@ -96,7 +108,9 @@ def add_model_arguments(
             help="input shape, e.g. 1,3,224,224 (repeat for several inputs)",
         )
         p.add_argument(
-            "--dtype", default="float32", help="input dtype (float32, float16, bfloat16, long, ...)"
+            "--dtype",
+            default="float32",
+            help="input dtype (float32, float16, bfloat16, long, ...); token ids: long",
         )
     p.add_argument("--device", default="cpu", help="device to run on (cpu, cuda, cuda:1)")
     if compile:
@@ -134,28 +148,53 @@ def make_inputs(args: argparse.Namespace, model: Any) -> list[Any]:
         device = torch.device(args.device)
     except RuntimeError:
         raise CLIError(f"unknown --device {args.device!r}; try cpu or cuda") from None
+    tokens = token_input(model)
+    if tokens is not None and dtype.is_floating_point:
+        raise CLIError(
+            f"the model takes token ids ({tokens}), not {args.dtype} values: add --dtype long"
+        )
+    if tokens is not None and any(len(s) != 2 for s in shapes):
+        bad = next(",".join(map(str, s)) for s in shapes if len(s) != 2)
+        raise CLIError(
+            f"--input {bad}: token ids are (batch, sequence), e.g. --input 1,16 --dtype long"
+        )
+    too_long = check_positions(model, shapes, dtype)
+    if too_long is not None:
+        raise CLIError(too_long)
     gen = torch.Generator().manual_seed(0)
+    high = min(100, vocabulary(model) or 100)  # token ids must be inside the vocabulary
     out = []
     for s in shapes:
         if dtype.is_floating_point:
             out.append(torch.randn(s, generator=gen).to(device=device, dtype=dtype))
         else:
-            out.append(torch.randint(0, 100, s, generator=gen).to(device=device, dtype=dtype))
+            out.append(torch.randint(0, high, s, generator=gen).to(device=device, dtype=dtype))
     return out
 
 
 _LOCATORS: list[Any] = []
 
 
+def random_weights_note(args: argparse.Namespace) -> str | None:
+    """The note printed under predictions of a model with random weights, or ``None``."""
+    why = getattr(args, "random_weights", None)
+    if why is None:
+        return None
+    return f"note: the model was {why}"
+
+
 def load(args: argparse.Namespace) -> Any:
     """Load MODEL (eval mode, on --device), with an error locator attached until :func:`main`
-    returns, so an exception inside the model is reported as one line naming the layer."""
+    returns, so an exception inside the model is reported as one line naming the layer. Sets
+    ``args.random_weights`` (why the model's weights are random, or ``None``: see
+    :func:`random_weights_note`)."""
     import torch
 
     from ..core._scope import locate_errors
-    from ._modelspec import load_model
+    from ._modelspec import load_model, random_weights
 
     model = load_model(args.model)
+    args.random_weights = random_weights(args.model)
     try:
         model = model.to(torch.device(getattr(args, "device", "cpu")))
     except RuntimeError as e:

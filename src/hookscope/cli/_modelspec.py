@@ -7,6 +7,7 @@ import ast
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch.nn as nn
 
 from ..core._errors import HookscopeError
 
-__all__ = ["ModelSpecError", "load_model", "parse_shape", "parse_shapes"]
+__all__ = ["ModelSpecError", "load_model", "parse_shape", "parse_shapes", "random_weights"]
 
 
 class ModelSpecError(HookscopeError):
@@ -118,6 +119,49 @@ def load_model(spec: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise ModelSpecError(f"{spec!r} returned {type(model).__name__}, not an nn.Module")
     return model
+
+
+def random_weights(spec: str) -> str | None:
+    """Why the model ``spec`` builds has random weights, or ``None`` when it has trained ones or
+    this cannot be told. Known: a Hugging Face config (``hf:``, always built with random weights)
+    and a factory with a ``weights=`` or ``pretrained=`` parameter called without it (torchvision's
+    ``resnet50``, ``vit_b_16``, ...; timm's ``create_model``). A class, a module instance and a
+    ``file.py:Name`` spec are taken as they are.
+
+    Example:
+        >>> random_weights("torchvision.models:resnet18(num_classes=10)")
+        "built without weights=: its weights are random, so its predictions reflect no training (for trained weights: resnet18(weights='DEFAULT'))"
+        >>> random_weights("torchvision.models:resnet18(weights='DEFAULT')") is None
+        True
+    """
+    if spec.startswith("hf:"):
+        return "built from a config: its weights are random, so its predictions reflect no training"
+    if ":" not in spec or spec == "demo":
+        return None
+    where, _, target = spec.rpartition(":")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        return None
+    try:
+        name, kwargs = _split_call(target)
+        obj: Any = sys.modules.get(where) or importlib.import_module(where)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # the spec itself failed: load_model says why
+        return None
+    if isinstance(obj, type) or not callable(obj):
+        return None
+    try:
+        params = inspect.signature(obj).parameters
+    except (TypeError, ValueError):
+        return None
+    for flag, value in (("weights", "'DEFAULT'"), ("pretrained", "True")):
+        if flag in params and not kwargs.get(flag):
+            short = name.rpartition(".")[2]
+            return (
+                f"built without {flag}=: its weights are random, so its predictions reflect no "
+                f"training (for trained weights: {short}({flag}={value}))"
+            )
+    return None
 
 
 def _load_hf(ref: str) -> nn.Module:

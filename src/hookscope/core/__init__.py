@@ -16,7 +16,6 @@ from ._errors import (
     UnsupportedModelError,
     UnsupportedTensorError,
 )
-from ._heads import HeadSplitError
 from ._inventory import HookInfo, hooks_on, remove_hooks
 from ._observe import TensorGrads, observe, tensor_grads
 from ._scope import HookScope
@@ -27,7 +26,6 @@ from ._trace import Trace, TraceEvent, trace
 __all__ = [
     "Call",
     "Capture",
-    "HeadSplitError",
     "HookConflictError",
     "HookInfo",
     "HookScope",

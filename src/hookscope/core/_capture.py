@@ -16,15 +16,18 @@ from ._recompute import REENTRANT_HINT, Recomputes
 from ._scope import (
     HookScope,
     _Hook,
+    acts_here,
     check_model,
+    get_ident,
     graph_task_id,
     identity_views,
     in_backward,
+    thread_checked,
     warn_once,
 )
 from ._select import resolve, suggest
 from ._sequence import SequenceError, TokenSequence, TokenTracker, assemble
-from ._transfer import move, ready
+from ._transfer import device_arg, move, ready
 
 __all__ = ["Call", "Capture", "Inputs", "TokenSequence", "capture"]
 
@@ -33,7 +36,9 @@ _NEVER_RAN_HINT = (
     "through __call__: a parent that calls child.forward(...) directly skips them "
     "(e.g. nn.MultiheadAttention.out_proj), and branches not taken for this input never run. "
     "If the model runs through torch.compile, give hookscope the compiled model (the object you "
-    "call), not the module it wraps: a compiled graph hookscope was not given ignores its hooks"
+    "call), not the module it wraps: a compiled graph hookscope was not given ignores its hooks. "
+    "A scope acts only on the calls of the thread that created it: a call from another thread "
+    "is not recorded"
 )
 
 
@@ -56,7 +61,7 @@ class _Recorder:
         # into Calls when read (see materialize)
         self.calls: dict[str, list[Any]] = {}
         # itertools.count: next() is atomic, so DataParallel replicas running the shared hooks in
-        # threads get unique call indices (PITFALL 17); list.append is atomic too
+        # threads get unique call indices (docs/pitfalls.md §17); list.append is atomic too
         self.counts: dict[str, itertools.count[int]] = {}
         self.hooks: list[_OutputHook] = []
         self.warned: set[str] = set()
@@ -140,7 +145,7 @@ class _Recorder:
             and note is not None
             and self.recomputes.note(note[0], value, note[1])
         ):
-            reason = REENTRANT_HINT  # the gradient hooks go on the recompute (PITFALL 27)
+            reason = REENTRANT_HINT  # the gradient hooks go on the recompute (docs/pitfalls.md §27)
         elif reason is not None and not torch.is_grad_enabled():
             warn_once(
                 self.warned,
@@ -184,8 +189,11 @@ class _OutputHook(_Hook):
         self.lean = rec.simple and finish is None
         rec.hooks.append(self)
 
+    @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if graph_task_id() != -1:  # activation checkpointing re-running forward (PITFALL 27)
+        if get_ident() != self.thread and not acts_here(self.thread):
+            return None  # another thread's call (see acts_here)
+        if graph_task_id() != -1:  # activation checkpointing re-running forward (docs/pitfalls.md §27)
             if self.rec.recomputes.pending:  # reentrant: the gradient flows through the recompute
                 call = self.rec.recomputes.claim(self.name, output)
                 if call is not None:
@@ -347,7 +355,7 @@ class Capture(Mapping[str, Any]):
                 and torch.is_grad_enabled()
                 and any(t.requires_grad for _, t in iter_tensors((args, kwargs)))
             ):
-                # gradients through this layer only; identity checks keep their path (PITFALL 4)
+                # gradients through this layer only; identity checks keep their path (docs/pitfalls.md §4)
                 replaced = identity_views(args, kwargs)
                 call._in_grad, _ = rec.attach_grads(scope, name, replaced, f"inputs of {name!r}")
             versions: list[tuple[torch.Tensor, int]] | None = [] if track_versions else None
@@ -585,11 +593,21 @@ def capture(
     """
     check_model(model)
     named = resolve(model, layers)
+    for arg, v in (
+        ("inputs", inputs),
+        ("grads", grads),
+        ("detach", detach),
+        ("clone", clone),
+        ("stop", stop),
+        ("sequence", sequence),
+    ):
+        if not isinstance(v, bool):
+            raise TypeError(f"capture: {arg} must be True or False; got {type(v).__name__}: {v!r}")
     if keep not in ("all", "last"):
         raise ValueError(f"keep must be 'all' or 'last', got {keep!r}")
     if sequence and (keep != "all" or stop):
         raise ValueError("capture(sequence=True) needs every call: use keep='all' and stop=False")
-    device = torch.device(to) if to is not None else None
+    device = device_arg(to, "capture: to") if to is not None else None
     recorder = _Recorder(
         inputs=inputs, grads=grads, detach=detach, clone=clone, to=device, keep=keep
     )

@@ -58,6 +58,7 @@ __all__ = [
     "named_modules",
     "named_parameters",
     "region_of",
+    "routing",
     "strip_compiled",
 ]
 
@@ -449,6 +450,12 @@ def index_generate(model: nn.Module) -> None:
         guard = GenerateGuard(model)
         for sub in model.modules():
             _generate_guards[sub] = guard
+
+
+def routing() -> bool:
+    """Whether any module is indexed in a compiled region or a generating model (else
+    :func:`region_of` and :func:`generate_guard` are None for every module: hot loops skip them)."""
+    return bool(_region_of) or bool(_generate_guards)
 
 
 def generate_guard(module: nn.Module) -> GenerateGuard | None:

@@ -1,4 +1,4 @@
-"""``DistributedDataParallel``: parameter gradient edits act on the averaged gradient (PITFALL 18).
+"""``DistributedDataParallel``: parameter gradient edits act on the averaged gradient (docs/pitfalls.md §18).
 
 DDP averages gradients in its reducer: autograd accumulates this rank's gradient into ``.grad``,
 a hook DDP placed on that accumulation copies it into a bucket, the buckets are all-reduced

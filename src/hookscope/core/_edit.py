@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import math
+import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -12,16 +15,79 @@ import torch.nn as nn
 
 from . import _ops as ops
 from ._compiled import named_modules, named_parameters
-from ._errors import HookscopeError, LayerNotFoundError
+from ._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_names
 from ._gradcheck import FireCheck
 from ._nested import iter_tensors
 from ._scope import HookScope, check_model
-from ._select import find, suggest
+from ._select import find, resolve, suggest
 from ._sharded import add_param_grad_editor, check_tensor_type
 
 __all__ = ["clip_grads", "edit", "edit_grads", "positional_index"]
 
 Edit = Callable[[Any], Any] | torch.Tensor | ops.Op
+
+
+def positive_number(v: Any, what: str) -> float:
+    """``v`` as a float, refusing a non-number, NaN, infinity, zero or a negative number."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{what} must be a number > 0; got {type(v).__name__}: {v!r}")
+    if not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{what} must be a finite number > 0; got {v}")
+    return float(v)
+
+
+NEVER_RAN = (
+    "it was never called through module(...) while the scope was open (a parent that calls "
+    "child.forward(...) directly skips hooks, a branch not taken does not run, and a compiled "
+    "graph hookscope was not given ignores them: give hookscope the object you call); a scope "
+    "acts only on the calls of the thread that created it"
+)
+
+
+class _Reached:
+    """Counts the calls an edit acted on, per layer; when its scope closes without an exception,
+    warns (:class:`HookscopeWarning`) naming the layers it never acted on."""
+
+    __slots__ = ("counts", "owner", "scope", "what")
+
+    def __init__(self, scope: HookScope, owner: str, what: str) -> None:
+        self.scope, self.owner, self.what = scope, owner, what
+        self.counts: dict[str, int] = {}
+        scope.on_remove(self._check)
+
+    def watch(self, name: str) -> dict[str, int]:
+        """The counts; the hook of ``name`` adds 1 to ``counts[name]`` for each call it acts on."""
+        self.counts.setdefault(name, 0)
+        return self.counts
+
+    def params(self, check: FireCheck, names: list[str]) -> None:
+        """Also warn for the parameters ``names`` whose gradient hook never ran (``check``)."""
+        self.scope.on_remove(lambda: self._check_params(check, names))
+
+    def _check_params(self, check: FireCheck, names: list[str]) -> None:
+        if self.scope.failed or sys.exc_info()[1] is not None:
+            return
+        never = [n for n in names if not check.count.get(n)]
+        if never:
+            warnings.warn(
+                f"{self.owner}: parameter(s) {some_names(never)} got no gradient while the scope "
+                "was open, so nothing was edited there: the layer holding them never ran in a "
+                "forward whose loss was back-propagated (or ran under no_grad)",
+                HookscopeWarning,
+                stacklevel=4,
+            )
+
+    def _check(self) -> None:
+        if self.scope.failed or sys.exc_info()[1] is not None:
+            return  # an exception is on its way: it says more than a warning
+        never = [n for n, c in self.counts.items() if not c]
+        if never:
+            warnings.warn(
+                f"{self.owner}: layer(s) {some_names(never)} {self.what}, so nothing was edited "
+                f"there: {NEVER_RAN}",
+                HookscopeWarning,
+                stacklevel=4,
+            )
 
 
 def positional_index(module: nn.Module, arg: str) -> int | None:
@@ -45,11 +111,17 @@ def edit(
 ) -> HookScope:
     """Replace or change layer outputs (or inputs) while the returned scope is active.
 
-    Each value of ``edits`` is a :mod:`hookscope.ops` op (applied to every tensor of the value), a
-    tensor (the replacement) or a function ``fn(value) -> new_value | None`` (``None`` keeps the
-    value). With ``at="input"`` the edit applies to the first positional input, or to ``arg``: a
-    positional index or a parameter name of the layer's ``forward`` (passed by keyword or by
-    position).
+    Args:
+        model: any ``nn.Module``.
+        edits: ``{layer selector: edit}``. Each edit is a :mod:`hookscope.ops` op (applied to
+            every tensor of the value), a tensor (the replacement) or a function
+            ``fn(value) -> new_value | None`` (``None`` keeps the value).
+        at: ``"output"`` (the default) edits what the layer returns; ``"input"`` what it
+            receives: its first positional input, or ``arg``.
+        arg: with ``at="input"``, which input: a positional index or a parameter name of the
+            layer's ``forward`` (passed by keyword or by position).
+
+    Returns the scope: the edits act until it is removed (or its ``with`` block ends).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -63,18 +135,25 @@ def edit(
         raise ValueError(f"at must be 'output' or 'input', got {at!r}")
     if arg is not None and at != "input":
         raise ValueError("arg= selects an input; use it with at='input'")
+    _check_edits(edits, "edit")
     plan: list[tuple[str, nn.Module, Edit]] = []
     for sel, fn in edits.items():
-        for name, module in find(model, sel).items():
+        _check_edit(fn, f"edit: the edit for {sel!r}")
+        for name, module in resolve(model, sel, "a key of edits").items():
             plan.append((name, module, fn))
     scope = HookScope("edit")
     try:
+        reached = _Reached(scope, "edit", "never ran while the scope was open")
         for name, module, fn in plan:
+            ran = reached.watch(name)
             if at == "output":
-                scope.add_forward(module, _output_editor(name, fn), layer=name)
+                scope.add_forward(module, _output_editor(name, fn, ran), layer=name)
             else:
                 scope.add_forward_pre(
-                    module, _input_editor(name, module, fn, arg), layer=name, with_kwargs=True
+                    module,
+                    _input_editor(name, module, fn, arg, ran),
+                    layer=name,
+                    with_kwargs=True,
                 )
     except BaseException:
         scope.remove()
@@ -82,21 +161,44 @@ def edit(
     return scope
 
 
-def _output_editor(name: str, fn: Edit) -> Callable[..., Any]:
+def _check_edits(edits: Any, owner: str) -> None:
+    if not isinstance(edits, Mapping):
+        raise TypeError(
+            f"{owner}: edits must be a dict {{layer selector: edit}}; got {type(edits).__name__}"
+        )
+    if not edits:
+        raise LayerNotFoundError(
+            f"{owner}: edits is empty, so nothing would be edited; give {{layer: edit}} pairs, "
+            "e.g. {'fc1': hs.ops.zero()}"
+        )
+
+
+def _check_edit(fn: Any, what: str) -> None:
+    """Refuse, when the scope is made, an edit that could only fail (or do nothing) at run time."""
+    if not isinstance(fn, (torch.Tensor, ops.Op)) and not callable(fn):
+        raise TypeError(
+            f"{what} must be a hs.ops op, a tensor or a callable fn(value) -> new value | None; "
+            f"got {type(fn).__name__}: {fn!r}"
+        )
+
+
+def _output_editor(name: str, fn: Edit, ran: dict[str, int]) -> Callable[..., Any]:
     what = f"the output of {name!r}"
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        ran[name] += 1
         return ops.apply(fn, output, what)
 
     return hook
 
 
 def _input_editor(
-    name: str, module: nn.Module, fn: Edit, arg: int | str | None
+    name: str, module: nn.Module, fn: Edit, arg: int | str | None, ran: dict[str, int]
 ) -> Callable[..., Any]:
     position = positional_index(module, arg) if isinstance(arg, str) else arg
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        ran[name] += 1
         if isinstance(arg, str) and arg in kwargs:
             kwargs = dict(kwargs)
             kwargs[arg] = ops.apply(fn, kwargs[arg], f"input {arg!r} of {name!r}")
@@ -159,10 +261,14 @@ def _resolve_grad_targets(
 def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
     """Change gradients while the returned scope is active.
 
-    Keys name what to edit: a layer selector (the gradient w.r.t. the layer's output, before it
-    flows back into the layer), a parameter name or glob (``"fc.bias"``, ``"*.bias"``: the
-    gradient before it is accumulated into ``.grad``), or a tensor (e.g. a leaf input; ``model``
-    may then be ``None``). Values are ops, tensors or ``fn(grad) -> new_grad | None``.
+    Args:
+        model: the model whose layers and parameters the keys name; ``None`` when every key is
+            a tensor.
+        edits: ``{what: edit}``. A key is a layer selector (the gradient w.r.t. the layer's
+            output, before it flows back into the layer), a parameter name or glob
+            (``"fc.bias"``, ``"*.bias"``: the gradient before it is accumulated into ``.grad``),
+            or a tensor (e.g. a leaf input). An edit is an op, a tensor or
+            ``fn(grad) -> new_grad | None``.
 
     Works with in-place layers (``ReLU(inplace=True)``): gradients are edited through tensor
     hooks, never through module backward hooks. Distributed, a parameter edit acts on the
@@ -180,13 +286,22 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
     """
     if model is not None:
         check_model(model)
+    _check_edits(edits, "edit_grads")
+    for key, fn in edits.items():
+        _check_edit(fn, f"edit_grads: the edit for {key!r}")
     scope = HookScope("edit_grads")
     check: FireCheck | None = None
     try:
+        reached = _Reached(
+            scope,
+            "edit_grads",
+            "never ran while the scope was open with an output that requires grad",
+        )
         for key, fn in edits.items():
             modules, tensors = _resolve_grad_targets(model, key)
             for name, module in modules.items():
-                scope.add_forward(module, _output_grad_editor(scope, name, fn), layer=name)
+                ran = reached.watch(name)
+                scope.add_forward(module, _output_grad_editor(scope, name, fn, ran), layer=name)
             for name, t in tensors.items():
                 if not t.requires_grad:
                     raise HookscopeError(
@@ -197,13 +312,17 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                 add_param_grad_editor(
                     scope, model, name, t, _grad_editor(fn, f"the gradient of {name}"), check
                 )
+                if check is not None:
+                    reached.params(check, [name])
     except BaseException:
         scope.remove()
         raise
     return scope
 
 
-def _output_grad_editor(scope: HookScope, name: str, fn: Edit) -> Callable[..., None]:
+def _output_grad_editor(
+    scope: HookScope, name: str, fn: Edit, ran: dict[str, int]
+) -> Callable[..., None]:
     what = f"the gradient of {name!r}'s output"
     on_grad = _grad_editor(fn, what)
 
@@ -211,6 +330,7 @@ def _output_grad_editor(scope: HookScope, name: str, fn: Edit) -> Callable[..., 
         for _, t in iter_tensors(output):
             check_tensor_type(t, f"the output of layer {name!r}")
             if t.requires_grad:
+                ran[name] += 1
                 scope.add_activation_grad_hook(t, on_grad, layer=name)
 
     return hook
@@ -225,10 +345,14 @@ def clip_grads(
 ) -> HookScope:
     """Clip every parameter's gradient by hooks, as it is computed; stays until removed.
 
-    ``value`` clamps each element into ``[-value, value]``; ``max_norm`` rescales each
-    parameter's gradient to an L2 norm of at most ``max_norm`` (per parameter, unlike
-    ``torch.nn.utils.clip_grad_norm_``, which uses the global norm). ``params`` restricts it to
-    parameter names/globs. Returns the scope: ``.remove()`` it (or use ``with``) to stop.
+    Args:
+        model: the model whose parameters' gradients are clipped.
+        value: clamp each element into ``[-value, value]``.
+        max_norm: rescale each parameter's gradient to an L2 norm of at most ``max_norm`` (per
+            parameter, unlike ``torch.nn.utils.clip_grad_norm_``, which uses the global norm).
+        params: parameter names or globs to clip (default: every parameter).
+
+    Returns the scope: ``.remove()`` it (or use ``with``) to stop.
     Distributed (DDP, FSDP2, tensor parallel), it clips the averaged, full gradient, as one
     process on the combined batch would (see :func:`edit_grads`).
 
@@ -243,8 +367,9 @@ def clip_grads(
     """
     if value is None and max_norm is None:
         raise ValueError("clip_grads needs value=, max_norm= or both")
-    if value is not None and value <= 0:
-        raise ValueError(f"clip_grads: value must be > 0, got {value}")
+    for arg, v in (("value", value), ("max_norm", max_norm)):
+        if v is not None:
+            positive_number(v, f"clip_grads: {arg}")
     check_model(model)
     chain: list[ops.Op] = []
     if value is not None:
@@ -260,6 +385,11 @@ def clip_grads(
     named = dict(named_parameters(model))
     if params is not None:
         pats = [params] if isinstance(params, str) else list(params)
+        if not pats or not all(isinstance(x, str) for x in pats):
+            raise TypeError(
+                f"clip_grads: params must be a parameter name or glob, or a non-empty list of "
+                f"them (e.g. '*.weight'); got {params!r}"
+            )
         chosen = {
             k: p for k, p in named.items() if any(fnmatch.fnmatchcase(k, pat) for pat in pats)
         }
@@ -274,6 +404,9 @@ def clip_grads(
         for name, p in named.items():
             if p.requires_grad:
                 add_param_grad_editor(scope, model, name, p, clip, check)
+        if params is not None:  # named: each should get a gradient (all of them: some may not)
+            reached = _Reached(scope, "clip_grads", "")
+            reached.params(check, [n for n, p in named.items() if p.requires_grad])
     except BaseException:
         scope.remove()
         raise

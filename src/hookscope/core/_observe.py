@@ -28,7 +28,7 @@ def observe(model: nn.Module, layers: Any, fn: Callable[[Call], Any]) -> HookSco
     copies taken before the layer ran, so they are what it received even when it changes its
     input in place (``ReLU(inplace=True)``). ``fn``'s return value is ignored, so
     ``lambda c: c.output.register_hook(f)`` (which returns a handle) cannot replace the output by
-    accident (PITFALL 11); use :func:`edit` to change values.
+    accident (docs/pitfalls.md §11); use :func:`edit` to change values.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -41,6 +41,10 @@ def observe(model: nn.Module, layers: Any, fn: Callable[[Call], Any]) -> HookSco
     """
     check_model(model)
     named = resolve(model, layers)
+    if not callable(fn):
+        raise TypeError(
+            f"observe: fn must be a function fn(call) called after each call; got {type(fn).__name__}"
+        )
     scope = HookScope("observe")
     counts: dict[str, int] = {}
 

@@ -2,7 +2,7 @@
 
 Each op is a small callable ``op(tensor) -> tensor`` that always returns a *new* tensor (never
 modifies its input in place: a gradient edited in place could change the caller's
-``backward(gradient=g)`` tensor, PITFALL 24) and never synchronises with the device. Applied to a
+``backward(gradient=g)`` tensor, docs/pitfalls.md §24) and never synchronises with the device. Applied to a
 nested value (a tuple or dict output), an op is applied to every tensor inside it.
 
 Example:
@@ -13,12 +13,25 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 __all__ = ["Op", "ablate", "add", "clamp", "clip_norm", "replace", "scale", "zero"]
+
+
+def _number(v: Any, what: str, tensor: bool = True) -> Any:
+    """Refuse, when the op is made, a value that is not a finite number (or a tensor)."""
+    if tensor and isinstance(v, torch.Tensor):
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        kinds = "a finite number or a tensor" if tensor else "a finite number"
+        raise TypeError(f"{what} must be {kinds}; got {type(v).__name__}: {v!r}")
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be finite; got {v}")
+    return v
 
 
 class Op:
@@ -39,7 +52,7 @@ class _Zero(Op):
 
 class _Scale(Op):
     def __init__(self, k: float | torch.Tensor) -> None:
-        self.k = k
+        self.k = _number(k, "hs.ops.scale: k")
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         return t * self.k
@@ -47,7 +60,7 @@ class _Scale(Op):
 
 class _Add(Op):
     def __init__(self, v: float | torch.Tensor) -> None:
-        self.v = v
+        self.v = _number(v, "hs.ops.add: v")
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         v = self.v
@@ -60,6 +73,9 @@ class _Clamp(Op):
     def __init__(self, min: float | None = None, max: float | None = None) -> None:
         if min is None and max is None:
             raise ValueError("clamp needs min, max or both")
+        for name, v in (("min", min), ("max", max)):
+            if v is not None:
+                _number(v, f"hs.ops.clamp: {name}", tensor=False)
         if min is not None and max is not None and min > max:
             raise ValueError(f"clamp: min={min} is greater than max={max}")
         self.min, self.max = min, max
@@ -70,6 +86,12 @@ class _Clamp(Op):
 
 class _Replace(Op):
     def __init__(self, value: torch.Tensor | float) -> None:
+        if not isinstance(value, torch.Tensor) and (
+            isinstance(value, bool) or not isinstance(value, (int, float))
+        ):
+            raise TypeError(
+                f"hs.ops.replace: value must be a number or a tensor; got {type(value).__name__}: {value!r}"
+            )
         self.value = value
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -93,9 +115,16 @@ class _Replace(Op):
 
 class _Ablate(Op):
     def __init__(self, channels: int | Sequence[int] | torch.Tensor, dim: int = 1) -> None:
-        idx = torch.as_tensor(
-            [channels] if isinstance(channels, int) else channels, dtype=torch.long
-        )
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"hs.ops.ablate: dim must be an int; got {type(dim).__name__}: {dim!r}")
+        try:
+            idx = torch.as_tensor(
+                [channels] if isinstance(channels, int) else channels, dtype=torch.long
+            )
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"hs.ops.ablate: channels must be an int or a list of ints; got {channels!r}"
+            ) from None
         if idx.ndim != 1:
             raise ValueError(
                 f"ablate: channels must be an int or a 1-D list of ints, got shape {tuple(idx.shape)}"
@@ -121,8 +150,9 @@ class _Ablate(Op):
 
 class _ClipNorm(Op):
     def __init__(self, max_norm: float, eps: float = 1e-6) -> None:
+        _number(max_norm, "hs.ops.clip_norm: max_norm", tensor=False)
         if max_norm <= 0:
-            raise ValueError(f"clip_norm: max_norm must be > 0, got {max_norm}")
+            raise ValueError(f"hs.ops.clip_norm: max_norm must be > 0, got {max_norm}")
         self.max_norm, self.eps = max_norm, eps
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
@@ -185,6 +215,6 @@ def apply(fn: Any, value: Any, what: str) -> Any:
         raise TypeError(
             f"the edit function for {what} returned {type(new).__name__}; it must return a Tensor (the new "
             "value) or None (keep the value). A hook that returns e.g. a RemovableHandle by accident "
-            "would otherwise replace the layer's output (PITFALL 11)"
+            "would otherwise replace the layer's output (docs/pitfalls.md §11)"
         )
     return new

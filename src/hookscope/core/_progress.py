@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._optional import need
+
 __all__ = ["progress_bar"]
 
 
@@ -34,7 +36,9 @@ def progress_bar(
         >>> err.getvalue()
         ''
     """
-    from tqdm.auto import tqdm  # here: tqdm.auto decides notebook vs terminal when first imported
+    # imported here (tqdm.auto decides notebook vs terminal when first imported), and through
+    # need(): core imports no third-party package directly (pyproject's import contract)
+    tqdm = need("tqdm.auto", "all", "a progress bar").tqdm
 
     return tqdm(
         total=total,

@@ -1,4 +1,4 @@
-"""Reentrant activation checkpointing: gradients exist only in the recompute (PITFALL 27).
+"""Reentrant activation checkpointing: gradients exist only in the recompute (docs/pitfalls.md §27).
 
 ``torch.utils.checkpoint(..., use_reentrant=True)`` runs the checkpointed forward under
 ``no_grad`` and runs it again in backward, with grad enabled; backward flows through the

@@ -8,6 +8,15 @@ them apart and :func:`remove_hooks` removes only ours), never holds the module (
 freed by reference counting alone) and turns into an inert no-op when the model is deep-copied or
 pickled (so ``copy.deepcopy(model)`` does not write into the original's store and
 ``torch.save(model)`` works while hooks are attached).
+
+Threads: a scope acts only on the calls made by the thread that created it (see
+:func:`acts_here`): another thread calling the same model meanwhile runs it as if the scope were
+not there, so two threads capturing, editing or steering one model never see each other's calls.
+The worker threads of ``nn.DataParallel`` (``parallel_apply``) count as the thread whose call
+started them, and autograd's own threads (a CUDA backward re-running forward for activation
+checkpointing) as every thread's: PyTorch does not say which thread's backward they run.
+Gradient hooks on tensors (parameters, activations) are not filtered: an activation's hooks are
+attached by its own thread's forward, and a parameter is shared by every thread that trains it.
 """
 
 from __future__ import annotations
@@ -24,20 +33,78 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from ._compiled import compiled_regions, generate_guard, index_generate, named_modules, region_of
+from ._compiled import (
+    compiled_regions,
+    generate_guard,
+    index_generate,
+    named_modules,
+    region_of,
+    routing,
+)
 from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError, enter_once
 from ._nested import describe_call, map_tensors
 
 __all__ = [
     "HookScope",
+    "acts_here",
     "check_model",
+    "get_ident",
     "graph_task_id",
     "in_backward",
     "locate_errors",
     "note_exception",
+    "thread_checked",
 ]
 
 _scope_ids = itertools.count(1)
+get_ident: Callable[[], int] = threading.get_ident
+"""The calling thread's id (a C function: what a hot hook compares with its ``thread``)."""
+
+_verdicts = threading.local()  # per thread: {opening thread id: whether this thread acts for it}
+
+
+def _parallel_apply_frame(frame: Any) -> Any:
+    """The frame of ``torch.nn.parallel.parallel_apply`` (or its ``_worker``) on a stack, if any."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith("parallel_apply.py") and code.co_name in (
+            "parallel_apply",
+            "_worker",
+        ):
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _worker_of(thread: int) -> bool:
+    """Whether this thread is a ``parallel_apply`` worker (``nn.DataParallel``'s replica threads)
+    running one of the modules that ``thread`` passed to its ``parallel_apply`` call now."""
+    mine = _parallel_apply_frame(sys._getframe(1))
+    if mine is None or mine.f_code.co_name != "_worker":
+        return False
+    theirs = _parallel_apply_frame(sys._current_frames().get(thread))
+    if theirs is None:
+        return False
+    module = mine.f_locals.get("module")
+    return any(m is module for m in theirs.f_locals.get("modules") or ())
+
+
+def acts_here(thread: int) -> bool:
+    """For a hook of a scope opened by ``thread``, called from another thread: whether it acts.
+
+    It does in ``nn.DataParallel``'s worker threads started by ``thread``'s call, and in autograd's
+    own threads during a backward pass (a recompute for activation checkpointing on CUDA); in any
+    other thread the hook does nothing. Only called off the opening thread (the fast path compares
+    :func:`get_ident` with the hook's ``thread``). The verdict is kept per thread.
+    """
+    verdicts = _verdicts.__dict__.setdefault("of", {})
+    verdict = verdicts.get(thread)
+    if verdict is None:
+        verdict = verdicts[thread] = _worker_of(thread)
+    if verdict:
+        return True
+    # a thread Python did not start (autograd's device threads) shows as a "dummy" thread
+    return in_backward() and type(threading.current_thread()).__name__ == "_DummyThread"
 
 
 class _InertHook:
@@ -58,17 +125,29 @@ class _InertHook:
 class _Hook:
     """The callable hookscope registers with PyTorch. Holds the function, not the module.
 
-    Hot paths subclass it and override ``__call__`` to skip the indirection through ``fn``.
+    Hot paths subclass it and override ``__call__`` to skip the indirection through ``fn``. A
+    subclass's ``__call__`` is wrapped so that it runs only for the scope's own thread (see
+    :func:`acts_here`), unless it is marked ``thread_checked`` (it makes the check itself, inline:
+    ``if get_ident() != self.thread and not acts_here(self.thread): return None``).
     """
 
-    __slots__ = ("fn", "kind", "layer", "owner", "scope_id")
+    __slots__ = ("fn", "kind", "layer", "owner", "scope_id", "thread")
 
     def __init__(
         self, fn: Callable[..., Any], owner: str, kind: str, layer: str, scope_id: int
     ) -> None:
         self.fn, self.owner, self.kind, self.layer, self.scope_id = fn, owner, kind, layer, scope_id
+        self.thread = get_ident()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        call = cls.__dict__.get("__call__")
+        if call is not None and not getattr(call, "thread_checked", False):
+            cls.__call__ = _thread_checked(call)  # type: ignore[method-assign]
 
     def __call__(self, *args: Any) -> Any:
+        if get_ident() != self.thread and not acts_here(self.thread):
+            return None
         return self.fn(*args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
@@ -79,6 +158,42 @@ class _Hook:
 
     def __repr__(self) -> str:
         return f"<hookscope {self.kind} hook of {self.owner} on {self.layer!r}>"
+
+
+def _thread_checked(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` of a :class:`_Hook` subclass, run only for its scope's thread (:func:`acts_here`)."""
+
+    def checked(self: _Hook, *args: Any) -> Any:
+        if get_ident() != self.thread and not acts_here(self.thread):
+            return None
+        return call(self, *args)
+
+    checked.thread_checked = True  # type: ignore[attr-defined]
+    checked.__doc__ = call.__doc__
+    return checked
+
+
+def thread_checked(call: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark a hot ``__call__`` that checks the thread itself (see :class:`_Hook`)."""
+    call.thread_checked = True  # type: ignore[attr-defined]
+    return call
+
+
+class _GradHook(_Hook):
+    """A gradient hook on a tensor: runs in whatever thread autograd runs it (not filtered).
+
+    A compiled graph (``torch.compile``'s AOT autograd) calls the hooks of an output that got no
+    gradient with ``None`` where eager autograd does not call them: such calls are skipped, so
+    the hook sees what it sees in eager mode.
+    """
+
+    __slots__ = ()
+
+    @thread_checked
+    def __call__(self, *args: Any) -> Any:
+        if args[0] is None:
+            return None
+        return self.fn(*args)
 
 
 class _OpaqueHook(_Hook):
@@ -94,6 +209,7 @@ class _OpaqueHook(_Hook):
         super().__init__(inner, inner.owner, inner.kind, inner.layer, inner.scope_id)
         self.region, self.release = region, release
 
+    @thread_checked  # the inner hook checks
     def __call__(self, *args: Any) -> Any:
         self.region.fired += 1
         return self.fn(*args)
@@ -111,18 +227,22 @@ def _opaque(inner: _Hook, region: Any, release: Callable[[], None]) -> _OpaqueHo
 
 
 def check_model(model: nn.Module) -> None:
-    """Refuse models whose hooks would fail; make hooks on compiled parts run (PITFALLS 15, 16).
+    """Refuse models whose hooks would fail; make hooks on compiled parts run (docs/pitfalls.md §15, §16).
 
     A ``torch.compile``'d model, a ``model.compile()``'d one and a model with compiled submodules
     are indexed, so that a hook a scope adds inside a compiled region makes that region's calls run
     a hooked variant of the compiled code (see :mod:`hookscope.core._compiled`).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model must be a torch.nn.Module (the object you call); got {type(model).__name__}"
+        )
     if isinstance(model, torch.jit.ScriptModule):
         raise UnsupportedModelError(
             f"{type(model).__name__} is a TorchScript module, which cannot run Python hooks; "
             "use the original nn.Module (before torch.jit.script/trace)"
         )
-    compiled_regions(model)  # index its compiled parts: hooks on them get routed (PITFALL 15)
+    compiled_regions(model)  # index its compiled parts: hooks on them get routed (docs/pitfalls.md §15)
     index_generate(model)  # generate() compiling the model by itself: run those steps eagerly
 
 
@@ -143,7 +263,7 @@ def identity_views(
     A gradient hook on the view sees the gradient flowing through *this* layer only (a tensor also
     used elsewhere, e.g. by a residual, gets the rest of its gradient from other paths). The same
     tensor gets the same view, so identity checks such as ``query is key`` keep their path
-    (PITFALL 4). ``on_view(view, tensor)`` is called once per new view. Returns
+    (docs/pitfalls.md §4). ``on_view(view, tensor)`` is called once per new view. Returns
     ``(args, kwargs)`` for a ``with_kwargs`` forward pre-hook to return.
     """
     views: dict[int, torch.Tensor] = {}
@@ -227,6 +347,8 @@ class HookScope:
         self.owner = owner
         self.id = next(_scope_ids)
         self.active = True
+        self.thread = get_ident()  # the thread whose calls the hooks act on (see acts_here)
+        self.failed = False  # its `with` block is ending by an exception
         self._handles: list[RemovableHandle] = []
         # hooks placed by add_forward_many: (the module's hook dict, the hook's id)
         self._direct: list[tuple[dict[int, Any], int]] = []
@@ -238,8 +360,13 @@ class HookScope:
             raise RuntimeError(f"{self!r} was removed; create a new scope to add hooks")
         if isinstance(fn, _Hook):  # a feature's own hook class (a hot path without indirection)
             fn.owner, fn.kind, fn.layer, fn.scope_id = self.owner, kind, layer, self.id
+            fn.thread = self.thread
             return fn
-        return _Hook(fn, self.owner, kind, layer, self.id)
+        if kind in ("tensor", "post_accumulate_grad"):
+            return _GradHook(fn, self.owner, kind, layer, self.id)
+        hook = _Hook(fn, self.owner, kind, layer, self.id)
+        hook.thread = self.thread
+        return hook
 
     def _keep(self, handle: RemovableHandle) -> RemovableHandle:
         self._handles.append(handle)
@@ -297,21 +424,28 @@ class HookScope:
         """
         if not self.active:
             raise RuntimeError(f"{self!r} was removed; create a new scope to add hooks")
-        owner, scope_id, direct = self.owner, self.id, self._direct
+        owner, scope_id, direct, thread = self.owner, self.id, self._direct, self.thread
         kind = "forward_pre" if pre else "forward"
         method = "register_forward_pre_hook" if pre else "register_forward_hook"
         public = getattr(nn.Module, method)
         attr = "_forward_pre_hooks" if pre else "_forward_hooks"
+        routed = routing()  # any compiled region or generating model indexed at all
+        plain_types: set[type] = set()  # module classes that keep nn.Module's register method
         for module, hook, layer in hooks:
             hook.owner, hook.kind, hook.layer, hook.scope_id = owner, kind, layer, scope_id
+            hook.thread = thread
             d = module.__dict__.get(attr)
             always = module.__dict__.get("_forward_hooks_always_called")
+            cls = module.__class__
+            if cls not in plain_types and getattr(cls, method) is public:
+                plain_types.add(cls)
             if (
-                getattr(type(module), method) is not public
+                cls not in plain_types
                 or d.__class__ is not OrderedDict
                 or (always_call and always.__class__ is not OrderedDict)
-                or region_of(module) is not None
-                or generate_guard(module) is not None
+                or (
+                    routed and (region_of(module) is not None or generate_guard(module) is not None)
+                )
             ):
                 placed = self._place(module, hook)
                 if pre:
@@ -347,8 +481,8 @@ class HookScope:
     ) -> RemovableHandle:
         """``fn(module, grad_input, grad_output)``: a full backward hook, for callers that need one.
 
-        hookscope's own features never use it (tensor hooks are in-place safe, PITFALLS 3-5), and
-        the legacy ``register_backward_hook`` is never used at all (PITFALL 1).
+        hookscope's own features never use it (tensor hooks are in-place safe, docs/pitfalls.md §3-5), and
+        the legacy ``register_backward_hook`` is never used at all (docs/pitfalls.md §1).
         """
         if getattr(module, "_is_full_backward_hook", None) is False:
             raise HookConflictError(
@@ -384,12 +518,12 @@ class HookScope:
                 return fn(grad)
             return None
 
-        tensor.register_hook(_Hook(guarded, self.owner, "tensor", layer, self.id))
+        tensor.register_hook(_GradHook(guarded, self.owner, "tensor", layer, self.id))
 
     def add_post_accumulate_grad(
         self, param: torch.Tensor, fn: Callable[[torch.Tensor], None], *, layer: str
     ) -> RemovableHandle:
-        """``fn(param)`` after ``param.grad`` was accumulated (PITFALLS 7 and 19)."""
+        """``fn(param)`` after ``param.grad`` was accumulated (docs/pitfalls.md §7 and §19)."""
         hook = self._wrap(fn, "post_accumulate_grad", layer)
         return self._keep(param.register_post_accumulate_grad_hook(hook))
 
@@ -429,8 +563,10 @@ class HookScope:
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        stopped = isinstance(exc, _StopSignal) and exc.scope_id == self.id
+        self.failed = exc is not None and not stopped
         self.remove()
-        return isinstance(exc, _StopSignal) and exc.scope_id == self.id
+        return stopped
 
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"

@@ -11,6 +11,7 @@ import fnmatch
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
+import torch
 import torch.nn as nn
 
 from ._compiled import clean_name, named_modules, strip_compiled
@@ -143,19 +144,38 @@ def find(model: nn.Module, *selectors: Selector, leaves: bool = False) -> dict[s
     return chosen
 
 
-def resolve(model: nn.Module, layers: Any) -> dict[str, nn.Module]:
-    """Resolve a ``layers`` argument: one selector, or an iterable/mapping of selectors."""
+_FORMS = (
+    "a layer name, a glob, a module class, a module, a predicate (name, module) -> bool, "
+    "or a list or {name: module} dict of these"
+)
+
+
+def resolve(model: nn.Module, layers: Any, what: str = "layers") -> dict[str, nn.Module]:
+    """Resolve a ``layers`` argument: one selector, or an iterable/mapping of selectors.
+
+    ``None`` selects every module. An empty list, tuple, set or dict selects nothing, which is
+    always a mistake: it raises (as a selector that matches nothing does). ``what`` names the
+    argument in the messages.
+
+    Raises:
+        LayerNotFoundError: the selection is empty or a selector matched nothing.
+        TypeError: ``layers`` is not a selector form (e.g. an int).
+    """
     if layers is None:
         return find(model)
     if isinstance(layers, Mapping):
-        return find(model, *layers.keys())
-    if isinstance(layers, (str, type, nn.Module)) or (
+        layers = list(layers.keys())
+    elif isinstance(layers, (str, type, nn.Module)) or (
         callable(layers) and not isinstance(layers, Iterable)
     ):
         return find(model, layers)
-    layers = list(layers)
+    elif isinstance(layers, Iterable) and not isinstance(layers, (bytes, torch.Tensor)):
+        layers = list(layers)
+    else:
+        raise TypeError(f"{what} must be {_FORMS}; got {type(layers).__name__}: {layers!r}")
     if not layers:
-        raise ValueError(
-            "layers is empty: name at least one layer (a name, glob, type or predicate)"
+        raise LayerNotFoundError(
+            f"{what} is empty: it selects no layer; name at least one ({_FORMS}), "
+            "or pass None for every module"
         )
     return find(model, *layers)

@@ -1,31 +1,42 @@
 """Token positions of language-model calls: what ``capture(sequence=True)`` and ``steer`` build on.
 
-``model.generate()`` (and any loop of KV-cached forward calls) calls every layer once on the
+``model.generate()`` (and any loop of cached forward calls) calls every layer once on the
 prompt, then once per new token on one position; rows can be left-padded, and beam search
-reorders them between calls (PITFALL 32). A :class:`TokenTracker` is a ``with_kwargs`` forward
+reorders them between calls (docs/pitfalls.md §32). A :class:`TokenTracker` is a ``with_kwargs`` forward
 pre-hook on the root model that reads, for each model call, where its tokens sit:
 
-* the **column** of the call's first token in the padded sequence: the width of a 2-D
-  ``attention_mask`` minus the call's length (what ``generate`` and a hand loop pass), else
-  ``past_key_values.get_seq_length()`` (dynamic and static caches), else ``cache_position``,
-  else 0 (a full forward over a new sequence);
-* which columns of each row are **real tokens**: the 2-D ``attention_mask``, or the last query
-  row of a 4-D mask (what ``generate`` passes with a static cache: 0 or ``True`` = attended), else
-  every column is real;
-* the **tokens** (``input_ids``), kept so that the sequence can be read beside its values;
-* a **reorder** of the rows between calls (beam search): the key cache of the last layer is
-  compared, on the device and without a host sync, with what it held after the previous call.
+* the **tokens**: ``input_ids`` (or ``inputs_embeds``); on an encoder–decoder model (T5, BART:
+  ``config.is_encoder_decoder``) the decoder's, ``decoder_input_ids``, which are the tokens
+  ``generate`` adds (the encoder runs once, over the source, outside the decoding calls);
+* the **column** of the call's first token in the padded sequence: the width of a 2-D attention
+  mask minus the call's length (what ``generate`` and a hand loop pass with a dynamic cache),
+  else the length of the Hugging Face cache (``past_key_values``: dynamic, static, sliding-window,
+  quantized, encoder–decoder caches count every token they were given, also past a window), else
+  ``cache_position``, else, for a cache whose length cannot be read (the recurrent state of a
+  state-space model: Mamba's ``cache_params``), the end of the previous call when it got the same
+  cache object; else 0 (a full forward over a new sequence);
+* which of the call's tokens are **real** (not padding): its columns of a 2-D mask, or the
+  diagonal of a 4-D mask (``generate`` passes one with a static cache, alone or as a dict per
+  attention kind: a query sees its own key unless it is padding, also under a sliding window);
+  a mask of another kind (a flex ``BlockMask``) is read through ``position_ids`` only when they
+  show no padding, otherwise the call is refused; no mask: every token is real;
+* a **reorder** of the rows between calls (beam search): the cache's ``reorder_cache`` is
+  wrapped while the scope is open, so the exact ``beam_idx`` of every reorder is known
+  (also with a sliding window, whose cache no longer holds the early tokens).
 
 A token's *position* is the number of real tokens before it in its row (what ``generate`` passes
-as ``position_ids``). A 2-D mask whose width disagrees with the cache's length is not guessed
-from: :meth:`Capture.sequence` raises naming the call. Limits: a model called with neither a mask, a cache nor ``cache_position``
-is taken to start a new sequence at each call; a cache hookscope cannot read (not a Hugging Face
-``Cache``) is not checked for reorders.
+as ``position_ids``). What cannot be placed exactly is refused, naming the call: a 2-D mask
+whose width disagrees with the cache's length, an unreadable mask over padded rows, a call
+that starts neither at 0 nor where the previous one ended without a mask to say where its
+real tokens are. Limits: a model called with neither a mask, a cache nor ``cache_position`` is
+taken to start a new sequence at each call; a cache without ``reorder_cache`` (not a Hugging
+Face ``Cache``) cannot be followed through beam search.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -52,7 +63,7 @@ class TokenSequence(NamedTuple):
             lengths line up token by token; positions past a row's end are zeros.
         mask: ``[batch, positions]`` bool, ``True`` where ``values`` holds a real token.
         tokens: ``[batch, positions]`` token ids in the same layout (the pad slots hold -1), or
-            ``None`` when the model was called without ``input_ids``.
+            ``None`` when the model was called without token ids.
     """
 
     values: torch.Tensor
@@ -64,12 +75,13 @@ class _Step:
     """One call of the root model: where its tokens sit."""
 
     __slots__ = (
-        "_real",
+        "_before",
+        "_own",
         "batch",
         "conflict",
         "device",
         "marks",
-        "mask",
+        "mask2d",
         "n",
         "perm",
         "seq",
@@ -79,12 +91,13 @@ class _Step:
 
     def __init__(self, start: int, n: int, batch: int, seq: int) -> None:
         self.start, self.n, self.batch, self.seq = start, n, batch, seq
-        self.mask: Any = None  # the attention mask the call got (read when needed)
-        self.conflict: str | None = None  # why the call's columns are uncertain
+        self.conflict: str | None = None  # why the call cannot be placed exactly
         self.device = torch.device("cpu")  # where the call's inputs are
-        self._real: Any = _UNREAD
+        self.mask2d: torch.Tensor | None = None  # a 2-D mask over columns 0..end (read lazily)
+        self._own: Any = None  # [batch, n] bool: real tokens (None: all)
+        self._before: Any = start  # real tokens before the call per row: int or [batch]
         self.tokens: torch.Tensor | None = None
-        self.perm: tuple[torch.Tensor, torch.Tensor] | None = None  # (row map, matched) on device
+        self.perm: torch.Tensor | None = None  # row r of this call continues row perm[r] before
         self.marks: dict[str, int] = {}
 
     @property
@@ -92,37 +105,70 @@ class _Step:
         return self.start + self.n
 
     @property
-    def real(self) -> torch.Tensor | None:
-        """``[batch, start + n]`` bool: the real-token columns so far (None: every column)."""
-        if self._real is _UNREAD:
-            self._real = _mask_2d(self.mask, self.end)
-        return self._real
+    def own(self) -> torch.Tensor | None:
+        """``[batch, n]`` bool: which of the call's tokens are real (None: all of them)."""
+        if self._own is None and self.mask2d is not None:
+            self._own = self.mask2d[:, self.start : self.end].bool()
+        return self._own
+
+    @property
+    def before(self) -> Any:
+        """Real tokens in the columns before the call, per row (int: the same for every row)."""
+        if self._before is None and self.mask2d is not None:
+            self._before = self.mask2d[:, : self.start].sum(1)
+        return self._before
+
+    def count(self) -> Any:
+        """Real tokens up to the call's end per row (int or ``[batch]``)."""
+        return self.before + (self.n if self.own is None else self.own.sum(1))
 
 
-_UNREAD = object()
+def _full_mask(mask: Any) -> Any:
+    """The 4-D mask of a dict of masks per attention kind (``generate`` with a static cache)."""
+    if isinstance(mask, dict):
+        full = mask.get("full_attention")
+        if isinstance(full, torch.Tensor):
+            return full
+        return next((m for m in mask.values() if isinstance(m, torch.Tensor)), None)
+    return mask
 
 
-def _mask_2d(mask: Any, width: int) -> torch.Tensor | None:
-    """Real-token columns ``[batch, width]`` from a 2-D or 4-D attention mask (None: unknown)."""
+def _own_real(mask: Any, start: int, n: int) -> tuple[torch.Tensor | None, bool]:
+    """``(real [batch, n] or None, readable)``: the call's real tokens from its attention mask.
+
+    A 4-D mask ``[batch, 1, queries, keys]`` covers the keys ``offset .. offset + keys``, where
+    ``offset`` is 0 while the keys cover the sequence so far (a static cache's buffer) and the
+    columns before the last ``keys`` under a sliding window; a query sees its own key unless it
+    is padding. No host sync."""
+    end = start + n
+    if mask is None:
+        return None, True
     if not isinstance(mask, torch.Tensor):
-        return None
+        return None, False
     if mask.dim() == 2:
-        return mask[:, :width].bool() if mask.shape[1] >= width else None
-    if mask.dim() == 4 and mask.shape[-1] >= width:
-        last = mask[:, 0, -1, :width]  # the call's last query attends to every real token so far
-        return last if last.dtype == torch.bool else last == 0
-    return None
+        if mask.shape[1] < end:
+            return None, False
+        return mask[:, start:end].bool(), True
+    if mask.dim() != 4 or mask.shape[-2] != n:
+        return None, False
+    width = mask.shape[-1]
+    offset = 0 if width >= end else end - width
+    if start - offset < 0:
+        return None, False
+    q = torch.arange(n, device=mask.device)
+    diag = mask[:, 0, q, q + (start - offset)]
+    return (diag if diag.dtype == torch.bool else diag == 0), True
 
 
-def _cache_keys(cache: Any) -> torch.Tensor | None:
-    """The last layer's key tensor ``[batch, heads, columns, dim]`` of a Hugging Face cache."""
-    layers = getattr(cache, "layers", None)
-    if layers:
-        keys = getattr(layers[-1], "keys", None)
-    else:
-        kc = getattr(cache, "key_cache", None)
-        keys = kc[-1] if kc else None
-    return keys if isinstance(keys, torch.Tensor) and keys.dim() == 4 else None
+def _cache_length(cache: Any) -> int | None:
+    """Tokens a Hugging Face cache holds (None: not a cache, or a recurrent state without one)."""
+    fn = getattr(cache, "get_seq_length", None)
+    if not callable(fn):
+        return None
+    try:
+        return int(fn())
+    except (ValueError, TypeError, AttributeError, IndexError, NotImplementedError):
+        return None  # a state-space model's cache: linear-attention layers have no length
 
 
 class TokenTracker:
@@ -136,84 +182,177 @@ class TokenTracker:
         self.steps: list[_Step] = []
         self.marks = marks or {}
         self.prompt_end = 0  # the column where the current sequence's prompt ends
-        self.current: _Step | None = None
+        self.current: _Step | None = None  # the model call under way (None between calls)
+        self.encoder_decoder = False
         self._seq = 0
-        self._after: tuple[torch.Tensor, int] | None = None  # (cache keys column, column)
+        self._cache: Any = None  # weak reference to the previous call's cache
+        self._pending: torch.Tensor | None = None  # beam_idx of reorders since the last call
+        self._wrapped: list[Any] = []  # caches whose reorder_cache is wrapped
 
     def attach(self, scope: HookScope, model: nn.Module, *, reorders: bool = True) -> None:
-        """Add the pre-hook to the root model (and, with ``reorders``, the post-hook that keeps
-        a column of the key cache to see beam search reorder the rows)."""
+        """Add the pre-hook and post-hook to the root model; caches met in the calls get their
+        ``reorder_cache`` wrapped until the scope is removed (``reorders`` is kept for callers:
+        rows are always followed)."""
         root = strip_compiled(model)
+        cfg = getattr(root, "config", None)
+        self.encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False))
         scope.add_forward_pre(root, self._pre, layer="", with_kwargs=True)
-        if reorders:
-            scope.add_forward(root, self._post, layer="", with_kwargs=True)
+        scope.add_forward(root, self._post, layer="")
+        scope.on_remove(self._unwrap)
 
     def clear(self) -> None:
         self.steps.clear()
         self.current = None
-        self._after = None
+        self._pending = None
+        self._cache = None
         self.prompt_end = 0
 
     # -- hooks ----------------------------------------------------------------------------------
+    def _inputs(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """``(token ids or embeddings, token ids or None, attention mask)`` of a call."""
+        if self.encoder_decoder:
+            ids = kwargs.get("decoder_input_ids")
+            x = ids if isinstance(ids, torch.Tensor) else kwargs.get("decoder_inputs_embeds")
+            return x, ids, kwargs.get("decoder_attention_mask")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        x = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+        return x, ids, kwargs.get("attention_mask")
+
     def _pre(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if in_backward():
             return
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        x = ids if isinstance(ids, torch.Tensor) else kwargs.get("inputs_embeds")
+        x, ids, mask = self._inputs(args, kwargs)
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             self.current = None
             return
         batch, n = x.shape[0], x.shape[1]
-        mask, cache = kwargs.get("attention_mask"), kwargs.get("past_key_values")
-        cached = int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else None
+        cache = kwargs.get("past_key_values")
+        if cache is None:
+            cache = kwargs.get("cache_params")
+        length = _cache_length(cache)
+        mask = _full_mask(mask)
+        prev = self.steps[-1] if self.steps else None
         conflict = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             start = mask.shape[1] - n
-            if cached is not None and cached != start:
+            if length is not None and length != start:
                 conflict = (
                     f"its attention mask is {mask.shape[1]} columns wide for {n} new tokens, but "
-                    f"the KV cache held {cached} tokens before it (a mask must cover the cached "
+                    f"the KV cache held {length} tokens before it (a mask must cover the cached "
                     "and the new tokens, as generate() passes it)"
                 )
-        elif cached is not None:
-            start = cached
+        elif length is not None:
+            start = length
         elif isinstance(kwargs.get("cache_position"), torch.Tensor):
             start = int(kwargs["cache_position"][0])
+        elif cache is not None and prev is not None and self._same_cache(cache):
+            start = prev.end  # a recurrent state (Mamba): the calls continue one another
         else:
             start = 0
         tokens = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
-        prev = self.steps[-1] if self.steps else None
         if start == 0 and not self._recompute(prev, batch, n, tokens):
             self._seq += 1
             self.prompt_end = n
         step = _Step(start, n, batch, self._seq)
-        step.conflict = conflict
         step.device = x.device
-        step.mask = mask
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4:  # a static cache's buffer: read now
-            step.real  # noqa: B018
         step.tokens = tokens.detach().clone() if tokens is not None else None
         step.marks = {name: count() for name, count in self.marks.items()}
-        after = self._after
-        if after is not None and prev is not None and start > 0 and prev.batch == batch > 1:
-            keys = _cache_keys(cache)
-            col = after[1]
-            if keys is not None and keys.shape[0] == batch and keys.shape[2] > col:
-                now = keys[:, :, col].detach()
-                same = (now[:, None] == after[0][None]).flatten(2).all(-1)  # [row now, row before]
-                step.perm = (same.int().argmax(1), same.any(1))
-        self._after = None
+        pending, self._pending = self._pending, None
+        if pending is not None and prev is not None and start > 0 and pending.numel() == batch:
+            step.perm = pending
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= step.end:
+            step.mask2d = mask  # read when needed: generate passes a new mask each call
+            step._before = None if start else 0
+        else:
+            step._before = self._before(step, prev)
+            own, readable = _own_real(mask, start, n)
+            if not readable:
+                own, why = None, self._unreadable(kwargs.get("position_ids"), step, mask)
+                conflict = conflict or why
+            step._own = own
+        step.conflict = conflict
+        self._remember(cache)
         self.steps.append(step)
         self.current = step
 
-    def _post(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-        step = self.current
-        if step is None or step.batch == 1 or in_backward():  # one row cannot be reordered
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not in_backward():
+            self.current = None
+
+    def _before(self, step: _Step, prev: _Step | None) -> Any:
+        """Real tokens in the columns before a call without a 2-D mask, per row."""
+        if step.start == 0:
+            return 0
+        if prev is not None and prev.seq == step.seq and prev.end == step.start:
+            count = prev.count()
+            if isinstance(count, torch.Tensor) and step.perm is not None:
+                count = count[step.perm.to(count.device)]
+            return count
+        if prev is not None and prev.seq == step.seq:
+            real = _real_columns(
+                [s for s in self.steps if s.seq == step.seq], step.batch, step.start
+            )
+            if real is not None:
+                return real.sum(1)
+        return step.start  # a cache filled before the scope opened: taken as real tokens
+
+    def _unreadable(self, pos: Any, step: _Step, mask: Any) -> str | None:
+        """A mask hookscope cannot read: every token is real if ``position_ids`` say so."""
+        if isinstance(pos, torch.Tensor) and pos.dim() == 2 and pos.shape == (step.batch, step.n):
+            before = step.before
+            if isinstance(before, torch.Tensor):
+                before = before.to(pos.device)[:, None]
+            want = torch.arange(step.n, device=pos.device) + before
+            if bool((pos == want).all()):
+                return None
+        return (
+            f"its attention mask ({type(mask).__name__}) does not say which tokens are padding "
+            "and its position_ids do not show that none are; pass a 2-D attention_mask, or "
+            "generate without padding"
+        )
+
+    def _same_cache(self, cache: Any) -> bool:
+        ref = self._cache
+        return ref is not None and ref() is cache
+
+    def _remember(self, cache: Any) -> None:
+        if cache is None:
+            self._cache = None
             return
-        keys = _cache_keys(kwargs.get("past_key_values"))
-        col = step.end - 1
-        if keys is not None and keys.shape[2] > col:
-            self._after = (keys[:, :, col].detach().clone(), col)
+        try:
+            self._cache = weakref.ref(cache)
+        except TypeError:
+            self._cache = None
+        self._wrap(cache)
+
+    def _wrap(self, cache: Any) -> None:
+        """Wrap ``cache.reorder_cache`` (on the instance) to learn beam search's ``beam_idx``;
+        every tracker open on the cache (a capture and a steer) is told."""
+        if not callable(getattr(cache, "reorder_cache", None)):
+            return
+        if any(c is cache for c in self._wrapped):
+            return
+        present = getattr(cache, "__dict__", {}).get("reorder_cache")
+        if present is not None and not isinstance(present, _Reorder):
+            return  # set by its owner: leave it
+        if present is None:
+            present = _Reorder(cache.reorder_cache)
+            cache.reorder_cache = present
+        present.trackers.append(weakref.ref(self))
+        self._wrapped.append(cache)
+
+    def _unwrap(self) -> None:
+        for cache in self._wrapped:
+            present = cache.__dict__.get("reorder_cache")
+            if isinstance(present, _Reorder):
+                present.trackers = [t for t in present.trackers if t() not in (self, None)]
+                if not present.trackers:
+                    del cache.__dict__["reorder_cache"]
+        self._wrapped.clear()
+        self.current = None
+
+    def _reordered(self, idx: torch.Tensor) -> None:
+        self._pending = idx if self._pending is None else self._pending.to(idx.device)[idx]
 
     def _recompute(self, prev: _Step | None, batch: int, n: int, tokens: Any) -> bool:
         """A call from column 0 that re-runs the current sequence (``use_cache=False``)."""
@@ -223,17 +362,59 @@ class TokenTracker:
         return known is not None and torch.equal(tokens[:, : known.shape[1]], known)
 
     # -- per call (steering) --------------------------------------------------------------------
-    def positions(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """``(position ids [batch, n], real [batch, n] or None)`` of the current call."""
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor | None, Any] | None:
+        """``(position ids [batch, n], real [batch, n] or None, real tokens up to the call's end
+        per row)`` of the current call; raises when the call cannot be placed exactly."""
         step = self.current
         if step is None:
             return None
-        real = step.real
-        if real is None:
-            pos = torch.arange(step.start, step.end, device=step.device)
-            return pos.expand(step.batch, step.n), None
-        pos = real.to(step.device).cumsum(1) - 1
-        return pos[:, step.start :], real[:, step.start :]
+        if step.conflict is not None:
+            raise SequenceError(f"model call {len(self.steps) - 1}: {step.conflict}")
+        before = step.before
+        if isinstance(before, torch.Tensor):
+            before = before.to(step.device)[:, None]
+        if step.own is None:
+            pos = torch.arange(step.start, step.end, device=step.device) - step.start + before
+            pos = pos.expand(step.batch, step.n) if pos.dim() == 1 else pos
+        else:
+            pos = step.own.to(step.device).long().cumsum(1) - 1 + before
+        total = step.count()
+        return pos, step.own, total
+
+
+class _Reorder:
+    """A cache's ``reorder_cache`` while trackers are open on it: tells them each ``beam_idx``."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        self.trackers: list[Any] = []
+
+    def __call__(self, beam_idx: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        idx = beam_idx.detach()
+        for ref in self.trackers:
+            tracker = ref()
+            if tracker is not None:
+                tracker._reordered(idx)
+        return self.method(beam_idx, *args, **kwargs)
+
+
+def _real_columns(steps: list[_Step], batch: int, width: int) -> torch.Tensor | None:
+    """``[batch, width]`` real columns from the steps (later calls win; None: a gap)."""
+    if not steps:
+        return None
+    dev = steps[-1].device
+    real = torch.ones(batch, width, dtype=torch.bool, device=dev)
+    seen = torch.zeros(width, dtype=torch.bool)
+    for s in steps:
+        if s.batch != batch:
+            return None
+        lo, hi = min(s.start, width), min(s.end, width)
+        if s.own is not None:
+            real[:, lo:hi] = s.own[:, : hi - lo].to(dev)
+        else:
+            real[:, lo:hi] = True
+        seen[lo:hi] = True
+    return real if bool(seen.all()) else None
 
 
 def _tokens_upto(steps: list[_Step], seq: int, end: int) -> torch.Tensor | None:
@@ -243,7 +424,7 @@ def _tokens_upto(steps: list[_Step], seq: int, end: int) -> torch.Tensor | None:
             continue
         if out is None:
             out = torch.full((s.batch, end), -1, dtype=s.tokens.dtype, device=s.tokens.device)
-        out[:, s.start : s.end] = s.tokens
+        out[:, s.start : s.end] = s.tokens[:, : max(0, min(s.end, end) - s.start)]
     return out
 
 
@@ -258,8 +439,9 @@ def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSeque
     seqs = sorted({s.seq for s in tracker.steps})
     if not seqs:
         raise SequenceError(
-            f"sequence({name!r}): the model was never called with token inputs (input_ids or "
-            "inputs_embeds) while the capture was open"
+            f"sequence({name!r}): the model was never called with token inputs ("
+            + ("decoder_input_ids" if tracker.encoder_decoder else "input_ids or inputs_embeds")
+            + ") while the capture was open"
         )
     if len(seqs) > 1:
         raise SequenceError(
@@ -267,7 +449,28 @@ def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSeque
             "generate() calls); open one capture per sequence, or call cap.clear() between them"
         )
     steps = tracker.steps
+    if steps[0].start > 0:
+        raise SequenceError(
+            f"sequence({name!r}): the first model call starts at token {steps[0].start} (its "
+            "cache already held the earlier tokens when the capture opened); open the capture "
+            "before the first call of the sequence"
+        )
     counts = [*(s.marks.get(name, 0) for s in steps), len(outputs)]
+    enc = (
+        f" ({name!r} looks like a layer of the encoder: on an encoder-decoder model sequence() "
+        "follows the decoder's tokens; read the encoder's values with cap.calls(layer))"
+        if tracker.encoder_decoder
+        else ""
+    )
+    if counts[0] > 0 and counts[-1] == counts[0]:
+        raise SequenceError(
+            f"sequence({name!r}): layer {name!r} ran {counts[0]} times outside the model's "
+            "calls and never during them"
+            + (
+                enc
+                or "; sequence() aligns what runs inside the calls of the model given to capture"
+            )
+        )
     parts: list[torch.Tensor] = []
     for i, step in enumerate(steps):
         k = counts[i + 1] - counts[i]
@@ -291,7 +494,7 @@ def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSeque
             raise SequenceError(
                 f"sequence({name!r}): model call {i} had {step.batch} rows of {step.n} tokens, "
                 f"but the layer's output (first tensor) has shape {shape}; sequence() needs "
-                "outputs shaped [batch, tokens, ...]"
+                "outputs shaped [batch, tokens, ...]" + enc
             )
         parts.append(t)
     return _build(steps, parts)
@@ -302,43 +505,34 @@ def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
     batch, width = last.batch, max(s.end for s in steps)
     ref = parts[-1]
     device = ref.device
-    # the rows each step's row r became at the end (beam search reorders rows between calls)
-    rowmaps: list[torch.Tensor] = [torch.arange(batch, device=device)] * len(steps)
-    for i in range(len(steps) - 1, 0, -1):
-        perm = steps[i].perm
-        if perm is None:
-            rowmaps[i - 1] = rowmaps[i]
-            continue
-        idx, matched = perm
-        if not bool(matched.all()):
-            raise SequenceError(
-                f"model call {i}: rows were reordered between calls in a way hookscope could not "
-                "follow (the key cache rows match no row of the previous call); read cap.calls() "
-                "per call instead"
-            )
-        rowmaps[i - 1] = idx.to(device)[rowmaps[i]]
     for part in parts:
         if part.shape[0] != batch:
             raise SequenceError(
                 f"the batch changed from {part.shape[0]} to {batch} rows between model calls; "
                 "sequence() needs the same rows throughout"
             )
-    contiguous = all(a.end == b.start for a, b in itertools.pairwise(steps)) and steps[0].start == 0
-    if contiguous and all(s.perm is None for s in steps[1:]):  # the common case: one cat
+    reordered = any(s.perm is not None for s in steps)
+    contiguous = all(a.start + a.n == b.start for a, b in itertools.pairwise(steps))
+    if contiguous and not reordered:  # the common case: one cat
         values = torch.cat([p.to(device) for p in parts], 1)
         toks = [s.tokens for s in steps]
         tokens = (
             None if any(t is None for t in toks) else torch.cat([t.to(device) for t in toks], 1)
         )
-    else:
+        if last.mask2d is not None and last.end == width:  # generate: its last mask says it all
+            return _realign(values, last.mask2d[:, :width].bool().to(device), tokens)
+    # the rows each step's row r became at the end (beam search reorders rows between calls)
+    rowmaps: list[torch.Tensor] = [torch.arange(batch, device=device)] * len(steps)
+    for i in range(len(steps) - 1, 0, -1):
+        perm = steps[i].perm
+        rowmaps[i - 1] = rowmaps[i] if perm is None else perm.to(device)[rowmaps[i]]
+    if not contiguous or reordered:
         values, tokens = _scatter(steps, parts, rowmaps, batch, width, ref)
     real = torch.ones(batch, width, dtype=torch.bool, device=device)
-    hi = 0  # the latest mask of each column wins: walk back from the last call
-    for step, rows in zip(reversed(steps), reversed(rowmaps)):
-        r = step.real
-        if r is not None and step.end > hi:
-            real[:, hi : step.end] = r[:, hi : step.end].to(device)[rows]
-            hi = step.end
+    if any(s.own is not None for s in steps):  # else no padding: every column is real
+        for step, rows in zip(steps, rowmaps):  # later calls win (use_cache=False re-runs)
+            own = step.own
+            real[:, step.start : step.end] = True if own is None else own.to(device)[rows]
     return _realign(values, real, tokens)
 
 

@@ -1,4 +1,4 @@
-"""Sharded parameters: FSDP2 (``fully_shard``) and tensor-parallel ``DTensor`` s (PITFALL 19).
+"""Sharded parameters: FSDP2 (``fully_shard``) and tensor-parallel ``DTensor`` s (docs/pitfalls.md §19).
 
 A ``DTensor`` parameter is a view of a *full* tensor of which each rank holds a shard. Two facts
 decide how hookscope reaches its gradient:
@@ -330,7 +330,7 @@ def add_param_grad_editor(
     found = None
     if model is not None and not is_dtensor(param):
         found = ddp_of(model, name, None if check is None else check.helpers)
-    if found is not None:  # DDP: edit the averaged gradient, after DDP's reducer (PITFALL 18)
+    if found is not None:  # DDP: edit the averaged gradient, after DDP's reducer (docs/pitfalls.md §18)
         assert model is not None
         if check is None:
             check = FireCheck(scope, model, "edit_grads")

@@ -73,6 +73,55 @@ class Trace(HookScope):
         self.events: list[TraceEvent] = []
 
 
+class _Lines:
+    """The printed lines, in the order their calls started: each call takes a slot when it starts
+    (:meth:`open`), fills it when it returns (:meth:`fill`), and a slot is printed (and added to
+    the scope's events) once every slot before it is filled."""
+
+    def __init__(
+        self, scope: Trace, file: TextIO | None, quiet: bool, width: int, type_width: int
+    ) -> None:
+        self.scope, self.file, self.quiet = scope, file, quiet
+        self.width, self.type_width = width, type_width
+        self.slots: list[TraceEvent | None] = []
+        self.printed = 0  # slots printed so far
+        self.header_done = False
+
+    def open(self) -> int:
+        self.slots.append(None)
+        return len(self.slots) - 1
+
+    def fill(self, slot: int, event: TraceEvent) -> None:
+        self.slots[slot] = event
+        slots = self.slots
+        while self.printed < len(slots):
+            ev = slots[self.printed]
+            if ev is None:
+                return
+            self.printed += 1
+            self._emit(ev)
+        slots.clear()
+        self.printed = 0
+
+    def finish(self) -> None:
+        """Print the calls that returned after one that never did (hooks removed mid-call)."""
+        for ev in self.slots[self.printed :]:
+            if ev is not None:
+                self._emit(ev)
+        self.slots.clear()
+        self.printed = 0
+
+    def _emit(self, ev: TraceEvent) -> None:
+        self.scope.events.append(ev)
+        if self.quiet:
+            return
+        out = self.file or sys.stdout
+        if not self.header_done:
+            self.header_done = True
+            print(header(self.width, self.type_width), file=out, flush=True)
+        print(ev.format(self.width, self.type_width), file=out, flush=True)
+
+
 def trace(
     model: nn.Module,
     layers: Any = None,
@@ -91,9 +140,15 @@ def trace(
     Names longer than the name column are shortened from the left with ``…``
     (``.events`` keeps them whole).
 
-    ``layers`` selects what to print (default: every module). ``sync=True`` synchronises CUDA
-    around each call for exact GPU timings (off by default: no host sync in hooks). An exception
-    inside the model gets a note naming the innermost layer and the shapes it got.
+    An exception inside the model gets a note naming the innermost layer and the shapes it got.
+
+    Args:
+        model: any ``nn.Module``.
+        layers: what to print (see :func:`find`); default: every module.
+        file: where lines go (default: ``sys.stdout``).
+        sync: synchronise CUDA around each call for exact GPU timings (off by default: no host
+            sync in hooks).
+        quiet: print nothing; the calls are still in ``.events``.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs, io
@@ -117,29 +172,7 @@ def trace(
     width = min(60, max((len(n or "<root>") + 2 * depth_of[n] for n in named), default=10))
     width = max(width, len("layer"))
     type_width = min(24, max((len(type(m).__name__) for m in named.values()), default=8))
-    # calls in the order they started; each slot is filled when its call returns, and printed
-    # once every slot before it is filled
-    slots: list[TraceEvent | None] = []
-    printed = [0]
-    started_header = [False]
-
-    def emit(line: str) -> None:
-        if quiet:
-            return
-        if not started_header[0]:
-            started_header[0] = True
-            print(header(width, type_width), file=file or sys.stdout, flush=True)
-        print(line, file=file or sys.stdout, flush=True)
-
-    def flush() -> None:
-        while printed[0] < len(slots) and slots[printed[0]] is not None:
-            ev = slots[printed[0]]
-            printed[0] += 1
-            scope.events.append(ev)  # type: ignore[arg-type]
-            emit(ev.format(width, type_width))  # type: ignore[union-attr]
-        if printed[0] == len(slots):
-            slots.clear()
-            printed[0] = 0
+    lines = _Lines(scope, file, quiet, width, type_width)
 
     for name, module in named.items():
         starts: list[tuple[float, int]] = []
@@ -150,8 +183,7 @@ def trace(
             t = first_tensor((args, kwargs))
             if sync and t is not None and t.is_cuda:
                 torch.cuda.synchronize(t.device)
-            slots.append(None)
-            starts.append((time.perf_counter(), len(slots) - 1))
+            starts.append((time.perf_counter(), lines.open()))
 
         def post(
             module: nn.Module,
@@ -173,7 +205,7 @@ def trace(
             if sync and t is not None and t.is_cuda:
                 torch.cuda.synchronize(t.device)
             ms = (time.perf_counter() - start) * 1e3
-            slots[slot] = TraceEvent(
+            event = TraceEvent(
                 layer=name,
                 index=index,
                 type=type(module).__name__,
@@ -185,17 +217,10 @@ def trace(
                 ms=ms,
                 raised=raised,
             )
-            flush()
+            lines.fill(slot, event)
 
         scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
         scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
 
-    def finish() -> None:  # calls that never returned (hooks removed mid-call): print the rest
-        for ev in slots[printed[0] :]:
-            if ev is not None:
-                scope.events.append(ev)
-                emit(ev.format(width, type_width))
-        slots.clear()
-
-    scope.on_remove(finish)
+    scope.on_remove(lines.finish)  # calls that never returned (hooks removed mid-call)
     return scope

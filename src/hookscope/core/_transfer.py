@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Pending", "move", "ready"]
+__all__ = ["Pending", "device_arg", "move", "ready"]
 
 
 class Pending:
@@ -45,3 +45,33 @@ def move(t: torch.Tensor, device: torch.device) -> torch.Tensor | Pending:
 def ready(value: Any) -> Any:
     """Resolve a value produced by :func:`move` (waits for a pending copy)."""
     return value.get() if isinstance(value, Pending) else value
+
+
+def device_arg(to: Any, what: str) -> torch.device:
+    """``to`` as a device this process can use, refused when the call is made (not at the first
+    forward): an unknown name, a device type with no device here, an index past the last one."""
+    if isinstance(to, bool) or not isinstance(to, (str, torch.device, int)):
+        raise TypeError(
+            f"{what} must be a device such as 'cpu' or 'cuda:0'; got {type(to).__name__}: {to!r}"
+        )
+    try:
+        device = torch.device(to)
+    except RuntimeError as e:
+        raise ValueError(f"{what}={to!r} is not a device: {str(e).splitlines()[0]}") from None
+    if device.type in ("cpu", "meta"):
+        return device
+    backend = getattr(torch, device.type, None)
+    count = (
+        backend.device_count() if backend is not None and hasattr(backend, "device_count") else 0
+    )
+    available = backend is not None and getattr(backend, "is_available", lambda: False)()
+    if not available or count == 0:
+        raise ValueError(
+            f"{what}={to!r}: this process has no {device.type} device; use 'cpu' (or None to keep "
+            "tensors where the model computes them)"
+        )
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"{what}={to!r}: there are {count} {device.type} device(s), numbered 0 to {count - 1}"
+        )
+    return device

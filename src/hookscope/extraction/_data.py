@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, SequentialSam
 from torch.utils.data._utils.collate import default_collate
 from torch.utils.data._utils.pin_memory import pin_memory as _pin
 
+from ._digest import batch_digest, signature
 from ._featstore import ExtractError
 from ._imagefolder import ImageFolder
 
@@ -27,6 +28,7 @@ __all__ = [
     "SafeCollate",
     "SafeDataset",
     "as_dataset",
+    "collate_error",
     "sampled_rows",
     "reason",
     "sample_error",
@@ -36,10 +38,13 @@ __all__ = [
 
 
 class Failed:
-    __slots__ = ("reason",)
+    """A sample that could not be used: ``what`` happened (``"could not be loaded"``, ``"cannot be
+    batched"``), ``reason`` says why (recorded in the manifest's ``skipped`` list)."""
 
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
+    __slots__ = ("reason", "what")
+
+    def __init__(self, reason: str, what: str = "could not be loaded") -> None:
+        self.reason, self.what = reason, what
 
 
 def reason(e: BaseException) -> str:
@@ -64,12 +69,23 @@ class SafeDataset(Dataset):
 
 
 class Batch:
-    __slots__ = ("data", "failed", "good", "indices")
+    """A collated batch: ``data`` holds the samples at positions ``good`` of ``indices``;
+    ``failed`` the others; ``digest`` hashes what the model reads (:func:`batch_digest`);
+    ``error`` is set when ``collate_fn`` failed for a reason no single sample explains."""
+
+    __slots__ = ("data", "digest", "error", "failed", "good", "indices")
 
     def __init__(
-        self, indices: list[int], good: list[int], data: Any, failed: list[tuple[int, str]]
+        self,
+        indices: list[int],
+        good: list[int],
+        data: Any,
+        failed: list[tuple[int, Failed]],
+        error: str | None = None,
     ) -> None:
         self.indices, self.good, self.data, self.failed = indices, good, data, failed
+        self.error = error
+        self.digest = "" if error else batch_digest(data, indices, [i for i, _ in failed])
 
     def pin_memory(self) -> Batch:
         self.data = _pin(self.data)
@@ -77,16 +93,48 @@ class Batch:
 
 
 class SafeCollate:
-    """Collate the samples that loaded with the user's ``collate_fn``; keep the failures aside."""
+    """Collate the samples that loaded with the user's ``collate_fn``; keep the failures aside.
 
-    def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
-        self.collate = collate
+    When ``collate_fn`` fails, the samples whose structure differs from ``reference`` (the
+    :func:`signature` of the run's first sample) are set aside as "cannot be batched" and the others
+    collated again; a failure no sample explains is returned as the batch's ``error``. (Runs in the
+    ``DataLoader`` workers, which is where the batch's digest is computed too.)"""
+
+    def __init__(self, collate: Callable[[list[Any]], Any], reference: str | None = None) -> None:
+        self.collate, self.reference = collate, reference
 
     def __call__(self, items: list[tuple[int, Any]]) -> Batch:
+        indices = [i for i, _ in items]
+        failed = [(i, s) for i, s in items if isinstance(s, Failed)]
         good = [k for k, (_, s) in enumerate(items) if not isinstance(s, Failed)]
-        failed = [(i, s.reason) for i, s in items if isinstance(s, Failed)]
-        data = self.collate([items[k][1] for k in good]) if good else None
-        return Batch([i for i, _ in items], good, data, failed)
+        if not good:
+            return Batch(indices, good, None, failed)
+        try:
+            return Batch(indices, good, self.collate([items[k][1] for k in good]), failed)
+        except Exception as e:
+            first = reason(e)
+        sigs = {k: signature(items[k][1]) for k in good}
+        ref = self.reference
+        if ref is None:  # the structure most samples of the batch share
+            ref = max(set(sigs.values()), key=list(sigs.values()).count)
+        odd = [k for k in good if sigs[k] != ref]
+        if odd:
+            for k in odd:
+                failed.append(
+                    (
+                        indices[k],
+                        Failed(f"it is {sigs[k]} where the samples are {ref}", "cannot be batched"),
+                    )
+                )
+            failed.sort(key=lambda f: f[0])
+            good = [k for k in good if k not in odd]
+            if not good:
+                return Batch(indices, good, None, failed)
+            try:
+                return Batch(indices, good, self.collate([items[k][1] for k in good]), failed)
+            except Exception as e:
+                first = reason(e)
+        return Batch(indices, good, None, failed, error=first)
 
 
 class Batches:
@@ -204,13 +252,24 @@ def sample_index(dataset: Any) -> np.ndarray:
     return np.arange(n, dtype=np.int64)
 
 
+def collate_error(index: np.ndarray, batch: Batch) -> ExtractError:
+    """``collate_fn`` failed on a batch although every sample has the run's structure."""
+    first, last = batch.indices[0], batch.indices[-1]
+    return ExtractError(
+        f"collate_fn failed on the batch of {sample_name(index, first)} .. {last}: {batch.error}; "
+        "every sample has the structure of the first one, so fix the collate_fn"
+    )
+
+
 def sample_name(index: np.ndarray, i: int) -> str:
     return f"sample {i}" if index.dtype.kind in "iu" else f"sample {i} ({index[i]})"
 
 
-def sample_error(index: np.ndarray, i: int, reason: str) -> ExtractError:
+def sample_error(
+    index: np.ndarray, i: int, reason: str, what: str = "could not be loaded"
+) -> ExtractError:
     err = ExtractError(
-        f"{sample_name(index, i)} could not be loaded: {reason}; fix or remove it, or use on_error='skip' "
+        f"{sample_name(index, i)} {what}: {reason}; fix or remove it, or use on_error='skip' "
         "(CLI: --on-error skip) to record it in the manifest and go on"
     )
     err.sample = i  # type: ignore[attr-defined]

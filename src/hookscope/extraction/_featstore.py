@@ -117,12 +117,18 @@ def layer_files(layers: list[str]) -> dict[str, str]:
     return files
 
 
-def write_failed(out: Path, e: OSError, done: int, total: int) -> ExtractError:
-    """The error for a failed write: what failed, and that the work so far is kept."""
+def write_failed(out: Path, e: OSError) -> ExtractError:
+    """The error for a failed write: what failed, and how many samples the journals hold durable
+    (kept: a re-run continues after them)."""
     what = "no space left on device" if e.errno == errno.ENOSPC else f"{type(e).__name__}: {e}"
+    try:
+        done, total = durable_rows(out), (read_run(out) or {}).get("planned", "?")
+        kept = f"the {done} of {total} samples durably written so far are kept"
+    except ExtractError:
+        kept = "the samples durably written so far are kept"
     return ExtractError(
-        f"writing features to {out} failed ({what}); the {done} of {total} samples written so far "
-        "are kept: free space / fix the problem and run the same extraction again to continue"
+        f"writing features to {out} failed ({what}); {kept}: free space / fix the problem and "
+        "run the same extraction again to continue"
     )
 
 
@@ -187,18 +193,21 @@ def open_arrays(out: Path, run: dict[str, Any]) -> dict[str, np.memmap]:
 class Journal:
     """Progress of one process's shard: batches durable on disk and samples skipped so far."""
 
-    def __init__(self, out: Path, rank: int) -> None:
+    def __init__(self, out: Path, rank: int, key: dict[str, Any]) -> None:
         self.path = state_dir(out) / f"journal-{rank}.json"
-
-    def load(self, key: dict[str, Any]) -> tuple[int, list[dict[str, Any]]]:
-        """``(batches done, skipped records)``; ``(0, [])`` when absent or for another shard."""
+        self.key = key  # the shard: fingerprint, rank, world size, its global batches
+        self.done, self.skipped, self.digests = 0, [], []  # as loaded
         data = read_json(self.path)
-        if not data or data.get("key") != key:
-            return 0, []
-        return int(data["done"]), list(data["skipped"])
+        if data and data.get("key") == key:  # this shard, killed since the consolidation
+            self.done = int(data["done"])
+            self.skipped = list(data["skipped"])
+            self.digests = list(data.get("digests", []))[: self.done]
 
-    def save(self, key: dict[str, Any], done: int, skipped: list[dict[str, Any]]) -> None:
-        atomic_write_json(self.path, {"key": key, "done": done, "skipped": skipped})
+    def save(self, done: int, skipped: list[dict[str, Any]], digests: list[str]) -> None:
+        atomic_write_json(
+            self.path,
+            {"key": self.key, "done": done, "skipped": skipped, "digests": digests[:done]},
+        )
 
 
 def durable_rows(out: Path) -> int:
@@ -211,23 +220,24 @@ def durable_rows(out: Path) -> int:
 
 def done_batches(
     out: Path, fingerprint: Any, journals: bool = True
-) -> tuple[set[int], list[dict[str, Any]]]:
-    """Global batches durable on disk and the samples skipped in them: ``done.json`` (what
-    earlier runs, of any world size, finished) and, with ``journals``, every process's journal.
-    (At the start of a run, processes share out the work from ``done.json`` alone: a journal may
-    already be growing under another process's hands.)"""
+) -> tuple[dict[int, str], list[dict[str, Any]]]:
+    """Global batches durable on disk (``{batch: digest of what it read}``) and the samples
+    skipped in them: ``done.json`` (what earlier runs, of any world size, finished) and, with
+    ``journals``, every process's journal. (At the start of a run, processes share out the work
+    from ``done.json`` alone: a journal may already be growing under another process's hands.)"""
     sdir = state_dir(out)
     base = read_json(sdir / DONE) or {}
     if base.get("fingerprint") != fingerprint:
         base = {}
-    done = set(base.get("batches", []))
+    done = dict(zip(base.get("batches", []), base.get("digests", [])))
     skipped = {s["row"]: s for s in base.get("skipped", [])}
     for p in sorted(sdir.glob("journal-*.json")) if journals else []:
         data = read_json(p) or {}
         key = data.get("key") or {}
         if key.get("fingerprint") != fingerprint:
             continue
-        done.update(key.get("batches", [])[: int(data.get("done", 0))])
+        n = int(data.get("done", 0))
+        done.update(zip(key.get("batches", [])[:n], data.get("digests", [])[:n]))
         skipped.update({s["row"]: s for s in data.get("skipped", [])})
     return done, sorted(skipped.values(), key=lambda s: s["row"])
 
@@ -236,9 +246,15 @@ def consolidate(out: Path, fingerprint: Any) -> None:
     """Fold the journals into ``done.json`` (written first, atomically), then delete them: a
     resumed run, of any world size, shares out the batches not done yet afresh."""
     done, skipped = done_batches(out, fingerprint)
+    batches = sorted(done)
     atomic_write_json(
         state_dir(out) / DONE,
-        {"fingerprint": fingerprint, "batches": sorted(done), "skipped": skipped},
+        {
+            "fingerprint": fingerprint,
+            "batches": batches,
+            "digests": [done[k] for k in batches],
+            "skipped": skipped,
+        },
     )
     for p in state_dir(out).glob("journal-*.json"):
         p.unlink()
@@ -250,7 +266,7 @@ class WriteItem:
     sampler chose them): ``feats`` holds the rows of the samples at ``good`` (positions in the
     batch, ``None`` = all), the others are filled (skipped samples)."""
 
-    __slots__ = ("feats", "good", "n", "row0", "rows", "skipped")
+    __slots__ = ("digest", "feats", "good", "n", "row0", "rows", "skipped")
 
     def __init__(
         self,
@@ -260,9 +276,10 @@ class WriteItem:
         feats: dict[str, Any],
         skipped: list[dict[str, Any]],
         rows: list[int] | None = None,
+        digest: str = "",
     ) -> None:
         self.row0, self.n, self.good, self.feats, self.skipped = row0, n, good, feats, skipped
-        self.rows = rows
+        self.rows, self.digest = rows, digest
 
 
 _STOP = object()
@@ -280,19 +297,14 @@ class Writer:
         out: Path,
         arrays: dict[str, np.memmap],
         journal: Journal,
-        key: dict[str, Any],
-        *,
-        done: int,
-        skipped: list[dict[str, Any]],
         fill: dict[str, Any],
-        total: int,
-        rows_done: int = 0,
+        *,
         maxsize: int = 4,
         sync_interval: float = 1.0,
     ) -> None:
-        self.out, self.arrays, self.journal, self.key = out, arrays, journal, key
-        self.done, self.skipped, self.fill, self.total = done, skipped, fill, total
-        self.rows_done = rows_done
+        self.out, self.arrays, self.journal, self.fill = out, arrays, journal, fill
+        done = self.done = journal.done  # continues the journal's shard where it stopped
+        self.skipped, self.digests = list(journal.skipped), list(journal.digests)
         self.sync_interval = sync_interval
         self.error: BaseException | None = None
         self._durable = done
@@ -330,7 +342,7 @@ class Writer:
         e = self.error
         if e is not None:
             if isinstance(e, OSError):
-                raise write_failed(self.out, e, self.rows_done, self.total) from e
+                raise write_failed(self.out, e) from e
             raise e
 
     def _run(self) -> None:
@@ -368,15 +380,15 @@ class Writer:
                 block[item.good] = ready(value).numpy()
             arr[where] = block
         self.skipped.extend(item.skipped)
+        self.digests.append(item.digest)
         self.done += 1
-        self.rows_done += n
 
     def _sync(self) -> None:
         if self.done == self._durable:
             return
         for arr in self.arrays.values():
             arr.flush()
-        self.journal.save(self.key, self.done, self.skipped)
+        self.journal.save(self.done, self.skipped, self.digests)
         self._durable = self.done
 
 
@@ -404,7 +416,14 @@ class Features(Mapping[str, np.ndarray]):
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        from ._lock import writer_of
+
         self.path = Path(path)
+        writer = writer_of(self.path)
+        if writer is not None:
+            raise IncompleteExtractionError(
+                f"{self.path} is being written by {writer}: wait for that extraction to finish"
+            )
         manifest = read_json(self.path / MANIFEST)
         if manifest is None:
             if (state_dir(self.path) / RUN).exists():

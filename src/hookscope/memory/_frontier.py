@@ -84,6 +84,7 @@ class _Problem:
         self.lb: dict[str, int] = {}  # node -> least settled bytes of its subtree
         rows = {r.name: r for r in profile.rows}
         self.rows = rows
+        self.excluded = set(profile.excluded)  # never checkpointed (see MemoryProfile.excluded)
         self.children: dict[str, list[str]] = {n: [] for n in rows}
         for n in rows:
             if n:
@@ -177,7 +178,9 @@ class _Problem:
                             lst.append((fa + fb, ka + kb, ba + bb, (sa, sb)))
             front = self._prune(got, limit - rest)
         row = self.rows[v]
-        if v and row.calls > 0:  # checkpointed: its subtree's saves go, its inputs stay
+        if (
+            v and row.calls > 0 and v not in self.excluded
+        ):  # checkpointed: its subtree's saves go, its inputs stay
             m = self.inputs.get(v, 0) & ~self.always
             front.setdefault(m, []).append((0, 0, 0, None) if least else (row.flops_total, 1, 0, v))
         inner = self.settled[v]

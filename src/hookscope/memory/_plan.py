@@ -35,6 +35,8 @@ class CheckpointPlan:
         drops: per module, the bytes checkpointing it alone would free.
         exact: whether the plan is the least-FLOPs one for sure (False when the search had to
             thin its frontiers: a very large model).
+        excluded: modules never considered, with the reason (see
+            :attr:`MemoryProfile.excluded`: checkpointing them would change the gradients).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -54,6 +56,7 @@ class CheckpointPlan:
     recompute_flops: int
     drops: dict[str, int] = field(default_factory=dict)
     exact: bool = True
+    excluded: dict[str, str] = field(default_factory=dict)
 
     @property
     def predicted_drop(self) -> int:
@@ -62,11 +65,23 @@ class CheckpointPlan:
     def __str__(self) -> str:
         from ..core._errors import some_names
 
-        return (
+        text = (
             f"checkpoint {len(self.modules)} module(s) ({some_names(self.modules, 6)}): saved "
             f"{self.saved_bytes_before:,} -> {self.predicted_saved_bytes:,} bytes (budget "
             f"{self.budget_bytes:,}), recompute {self.recompute_flops:,} FLOPs"
         )
+        if self.excluded:
+            text += "\n" + _excluded_text(self.excluded)
+        return text
+
+
+def _excluded_text(excluded: dict[str, str], most: int = 6) -> str:
+    lines = [
+        f"  never checkpointed: {name!r}: {why}" for name, why in list(excluded.items())[:most]
+    ]
+    if len(excluded) > most:
+        lines.append(f"  ... and {len(excluded) - most} more (plan.excluded)")
+    return "\n".join(lines)
 
 
 def saved_after(profile: MemoryProfile, chosen: Iterable[str]) -> int:
@@ -89,6 +104,20 @@ def saved_after(profile: MemoryProfile, chosen: Iterable[str]) -> int:
     return sum(kept.values())
 
 
+def _budget(budget: Any) -> int:
+    """``budget_bytes`` as an int: a number of bytes, whole and not negative."""
+    if isinstance(budget, float) and budget.is_integer():
+        budget = int(budget)
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise TypeError(
+            f"plan(): budget_bytes must be a number of bytes (an int such as 4_000_000), got "
+            f"{type(budget).__name__} {budget!r:.40}"
+        )
+    if budget < 0:
+        raise ValueError(f"plan(): budget_bytes must be >= 0, got {budget}")
+    return budget
+
+
 def make_plan(profile: MemoryProfile, budget_bytes: int) -> CheckpointPlan:
     """The least-FLOPs set of modules (none inside another) whose checkpointing fits the budget
     (see :func:`pareto_plans`); ties go to fewer modules, then fewer bytes."""
@@ -98,8 +127,7 @@ def make_plan(profile: MemoryProfile, budget_bytes: int) -> CheckpointPlan:
             "saved is the compiler's choice; profile the model before compiling it, plan there, "
             "apply the plan, then compile"
         )
-    if budget_bytes < 0:
-        raise ValueError(f"plan(): budget_bytes must be >= 0, got {budget_bytes}")
+    budget_bytes = _budget(budget_bytes)
     before = profile.total_saved_bytes
     flops = {r.name: r.flops_total for r in profile.rows}
     base, front = frontier(profile, budget_bytes)
@@ -116,6 +144,12 @@ def make_plan(profile: MemoryProfile, budget_bytes: int) -> CheckpointPlan:
             f"plan(): no set of modules to checkpoint brings the {before:,} saved bytes under "
             f"the budget of {budget_bytes:,}; the lowest found is {base + kept:,} bytes "
             f"(checkpointing {names or 'nothing'}). Raise the budget, or make the batch smaller"
+            + (
+                f"; {len(profile.excluded)} module(s) were left out because checkpointing them "
+                f"would change the gradients (profile.excluded: {sorted(profile.excluded)[:4]})"
+                if profile.excluded
+                else ""
+            )
         )
     order = {r.name: i for i, r in enumerate(profile.rows)}
     chosen.sort(key=order.__getitem__)
@@ -127,4 +161,5 @@ def make_plan(profile: MemoryProfile, budget_bytes: int) -> CheckpointPlan:
         recompute_flops=sum(flops[c] for c in chosen),
         drops={c: before - saved_after(profile, [c]) for c in chosen},
         exact=front.exact,
+        excluded=dict(profile.excluded),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,12 +10,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._buffers import buffers_kept
 from ..core._compiled import compiled_regions, named_modules, strip_compiled
 from ..core._errors import HookscopeError, LayerNotFoundError
 from ..core._nested import iter_tensors
-from ..core._saved import CallInputs, SavedTensors, SaveEvent
 from ..core._scope import check_model
 from ..core._select import suggest
+from ._saved import CallInputs, SavedTensors, SaveEvent
 
 __all__ = ["MemoryProfile", "MemoryRow", "memory_profile"]
 
@@ -83,6 +85,10 @@ class MemoryProfile:
             bytes (the dispatch mode would change what it compiles): those are 0.
         per_region: ``True`` for a ``torch.compile``'d model: what is saved is the compiled
             graph's choice, so each compiled region gets one row (its subtree is not split).
+        excluded: modules that checkpointing would make wrong, with the reason, seen in the
+            step: one that changes in place a tensor it did not create (its input, as
+            ``ReLU(inplace=True)`` does) or a parameter, or whose input a later operation changes
+            in place. :meth:`plan` never picks them (their parents can be).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -104,6 +110,7 @@ class MemoryProfile:
     peak_backward_bytes: int | None
     per_region: bool = False
     device: str = "cpu"
+    excluded: dict[str, str] = field(default_factory=dict)
     _events: list[SaveEvent] = field(default_factory=list, repr=False)
     _calls: list[CallInputs] = field(default_factory=list, repr=False)
 
@@ -140,6 +147,7 @@ class MemoryProfile:
                 "peak_backward_bytes",
                 "per_region",
                 "device",
+                "excluded",
             )
         }
         d["rows"] = [dataclasses.asdict(r) for r in self.rows]
@@ -198,9 +206,12 @@ def run_step(
     existing ``.grad`` and buffers (BatchNorm running statistics) are put back."""
     params = [p for p in model.parameters()]
     grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.dtype != torch.bool]
+    buffers = contextlib.ExitStack()  # buffers put back as found (in place or reassigned)
+    buffers.enter_context(buffers_kept(model))
     for p in params:
         p.grad = None
+    rng = torch.random.fork_rng(devices=_cuda_devices(model, inputs, kwargs))
+    rng.__enter__()  # the random generators are put back: dropout draws leave no trace
     try:
         with SavedTensors(model, ops=ops, backward_ops=backward_ops) as rec:
             output = model(*inputs, **kwargs)
@@ -220,12 +231,39 @@ def run_step(
             loss.backward()
             del loss
     finally:
+        rng.__exit__(None, None, None)
         for p, g in zip(params, grads):
             p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        buffers.close()
     return rec
+
+
+def _tensors(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
+    yield from model.parameters()
+    yield from model.buffers()
+    for _, t in iter_tensors((inputs, kwargs)):
+        yield t
+
+
+def _cuda_devices(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int]:
+    """The CUDA devices whose generators the step may draw from (none before CUDA is used)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return []
+    devices = {t.device.index for t in _tensors(model, inputs, kwargs) if t.is_cuda}
+    devices.add(torch.cuda.current_device())
+    return sorted(d for d in devices if d is not None)
+
+
+def _check_data(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse tensors without data: a ``meta``-device model or input saves nothing measurable."""
+    for t in _tensors(model, inputs, kwargs):
+        if t.is_meta:
+            raise HookscopeError(
+                "memory_profile: the model or its inputs are on the 'meta' device (shapes "
+                "without data: autograd saves nothing there, every figure would be 0); "
+                "materialize the model first (model.to_empty(device='cpu') and load or "
+                "initialize its weights) and pass real inputs"
+            )
 
 
 def memory_profile(
@@ -244,7 +282,11 @@ def memory_profile(
     Parameters and buffers are reported apart. FLOPs and live bytes come from a dispatch mode
     watching the same step. The model is left as found: its ``.grad`` and buffers (BatchNorm
     running statistics) are put back, its mode is unchanged (profile in ``model.train()`` for
-    training figures).
+    training figures), and so are the random generators (CPU and CUDA: dropout draws leave no
+    trace). The same dispatch mode sees in-place writes: a module that changes a tensor it did
+    not create (its input) or whose input is changed later is listed in
+    :attr:`MemoryProfile.excluded`, and plans never checkpoint it. A model or input on the
+    ``meta`` device (no data) is refused.
 
     Args:
         model: any ``nn.Module`` (a ``torch.compile``'d one is reported per compiled region).
@@ -263,6 +305,7 @@ def memory_profile(
         (32, 64, 96)
     """
     check_model(model)
+    _check_data(model, inputs, kwargs)
     regions = compiled_regions(model)
     rec = run_step(model, inputs, kwargs, loss_fn, ops=not regions, backward_ops=backward_peak)
     return build_profile(model, rec, per_region=bool(regions))
@@ -327,6 +370,7 @@ def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> M
         peak_backward_bytes=rec.peak_backward if rec.peak_backward_measured else None,
         per_region=per_region,
         device=device,
+        excluded={name: why for name, why in rec.unsafe.items() if name},
         _events=rec.events,
         _calls=rec.calls,
     )

@@ -66,7 +66,15 @@ class Thresholds:
 
 @dataclass(frozen=True)
 class Alert:
-    """One diagnosis: ``kind`` is ``vanishing``, ``exploding``, ``dead``, ``saturation`` or ``nonfinite``."""
+    """One diagnosis of a logged step.
+
+    Attributes:
+        kind: ``vanishing``, ``exploding``, ``dead``, ``saturation`` or ``nonfinite``.
+        layer: the layer or parameter it is about.
+        step: the step it was found in.
+        message: one line for people (what the monitor warns or logs).
+        values: the numbers behind it, e.g. ``{"grad_norm": 1e6}``.
+    """
 
     kind: str
     layer: str

@@ -5,7 +5,7 @@ the ``step()`` that precedes a logged step and removes it at the ``step()`` that
 other ``N - 1`` steps run on PyTorch's no-hook fast path. Statistics are computed on the device
 (fp32, foreach ops) inside the hooks and read with one host transfer per logged step. Parameter
 gradients are read from ``.grad`` at ``step()``, after backward (and after DDP averaged them),
-never from a module backward hook (PITFALLS 7, 18).
+never from a module backward hook (docs/pitfalls.md §7, §18).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import torch.nn as nn
 
 from ..core._compiled import named_parameters
 from ..core._errors import UnsupportedTensorError, enter_once, some_names
-from ..core._nested import iter_tensors
-from ..core._recompute import Recomputes
-from ..core._scope import HookScope, check_model, in_backward
+from ..core._scope import HookScope, check_model
 from ..core._select import find, resolve
 from ..core._sharded import FSDP2_INSTEAD, fsdp1_loaded, fsdp1_marked, fsdp1_wrappers, local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
+from ._hooks import LayerHook, MarkHook, PassHook, ScaleHook, StepHooks, StepState
 from ._nonfinite import NonFiniteOrigin, _Tracker
+from ._pack import Packed, Packer
 from ._record import MonitorRecord
 from ._sharded import (
     TPLayouts,
@@ -44,11 +44,8 @@ from ._sharded import (
 from ._sinks import as_sink
 from ._stats import (
     Scratch,
-    Vec,
-    act_stats,
     combine_acts,
     combine_grads,
-    grad_stats,
     param_stats,
     saturation_bounds,
 )
@@ -58,21 +55,6 @@ __all__ = ["Monitor"]
 log = logging.getLogger("hookscope.monitor")
 
 _GROUPS = ("activations", "gradients", "parameters")
-
-
-class _StepState:
-    """What the hooks of one logged step write (holds no module, so nothing keeps the model alive)."""
-
-    def __init__(self) -> None:
-        # calls of each layer in the current forward pass (reset when a micro-batch starts)
-        self.counts: dict[str, int] = {}
-        # per layer call, one entry per micro-batch of the optimizer step
-        self.acts: dict[str, list[tuple[int, Vec, torch.Tensor | None]]] = {}
-        self.grads: dict[str, list[Vec]] = {}
-        self.kinds: dict[str, str] = {}  # tensor parallel: "shard" / "replicate" per layer call
-        self.passes = 0
-        self.scale: torch.Tensor | None = None
-        self.scaler_states: Any = None
 
 
 class Monitor:
@@ -183,7 +165,7 @@ class Monitor:
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
         self._step = 0
         self._scope: HookScope | None = None
-        self._state = _StepState()
+        self._state = StepState()
         self._before: list[torch.Tensor] | None = None
         self._buf: list[torch.Tensor] | None = None
         self._scratch = Scratch()
@@ -218,118 +200,60 @@ class Monitor:
     def _attach(self) -> None:
         if self._closed or not self._logged(self._step):
             return
-        self._state = state = _StepState()
+        self._state = StepState()
         if self._params and self._want_updates:
-            ws = local_tensors([p for _, p in self._params])
-            if self._buf is None or any(
-                b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
-                for b, w in zip(self._buf, ws)
-            ):
-                self._buf = [torch.empty_like(w) for w in ws]  # kept: no per-step allocation
-            torch._foreach_copy_(self._buf, ws)
-            self._before = self._buf
+            self._snapshot_weights()
         want_acts, want_grads = "activations" in self.stats, "gradients" in self.stats
-        scaler = self.scaler
-        if not (want_acts or want_grads or scaler is not None):
+        if not (want_acts or want_grads or self.scaler is not None):
             return
         scope = self._scope = HookScope("monitor")
-        margin, bins, scratch = self.thresholds.saturation_margin, self.bins, self._scratch
-
-        def note_scale() -> None:
-            if state.scale is None and scaler is not None:
-                s = getattr(scaler, "_scale", None)
-                state.scale = s.detach().clone() if s is not None else torch.ones(())
-                state.scaler_states = getattr(scaler, "_per_optimizer_states", None)
-
-        self_bounds = self._bounds
-        gate = self._gate
-        recomputes = Recomputes()  # PITFALL 27: reentrant checkpointing's gradients
-
-        def grad_hook(key: str) -> Any:
-            def on_grad(g: torch.Tensor) -> None:
-                note_scale()
-                state.grads.setdefault(key, []).append(
-                    grad_stats(g if type(g) is torch.Tensor else local(g))
-                )
-
-            return on_grad
-
-        layouts = self._layouts
+        hooks = StepHooks(
+            scope,
+            self._state,
+            self._gate,
+            acts=want_acts,
+            grads=want_grads,
+            scratch=self._scratch,
+            margin=self.thresholds.saturation_margin,
+            bins=self.bins,
+            scaler=self.scaler,
+            layouts=self._layouts,
+        )
         try:
             if want_acts or want_grads:
-                for name, module in self.named.items():
-
-                    def hook(module: nn.Module, args: Any, output: Any, name: str = name) -> None:
-                        if not gate[0]:  # paused
-                            return
-                        if in_backward():  # activation checkpointing re-running forward
-                            if want_grads and recomputes.pending:  # reentrant: grads flow here
-                                key = recomputes.claim(name, output)
-                                if key is not None:
-                                    t = next(
-                                        t for _, t in iter_tensors(output) if t.is_floating_point()
-                                    )
-                                    if t.requires_grad:
-                                        scope.add_activation_grad_hook(
-                                            t, grad_hook(key), layer=name
-                                        )
-                            return
-                        t = next(
-                            (t for _, t in iter_tensors(output) if t.is_floating_point()), None
-                        )
-                        if t is None:
-                            return
-                        call = state.counts.get(name, 0)
-                        state.counts[name] = call + 1
-                        key = name if call == 0 else f"{name}#{call}"
-                        if layouts is not None:  # tensor parallel: sharded or replicated output
-                            state.kinds[key] = layouts.kind(name, module, args, t)
-                        if want_acts:
-                            x = t if type(t) is torch.Tensor else local(t)  # DTensor: shard
-                            v, h = act_stats(x, self_bounds.get(name), margin, bins, scratch)
-                            state.acts.setdefault(key, []).append((x.numel(), v, h))
-                        if want_grads and t.requires_grad:
-                            scope.add_activation_grad_hook(t, grad_hook(key), layer=name)
-                        elif want_grads:  # inside a reentrant checkpoint: hooked on the recompute
-                            recomputes.note(name, output, key)
-
-                    scope.add_forward(module, hook, layer=name)
-
-                if layouts is not None:  # modules the plan names mark their outputs' layout
-                    monitored = {id(m) for m in self.named.values()}
-                    for name, module in layouts.plan_modules(self.model):
-                        if id(module) in monitored:
-                            continue
-
-                        def mark(
-                            module: nn.Module, args: Any, output: Any, name: str = name
-                        ) -> None:
-                            if in_backward() or not gate[0]:
-                                return
-                            t = next(
-                                (t for _, t in iter_tensors(output) if t.is_floating_point()), None
-                            )
-                            if t is not None:
-                                layouts.kind(name, module, args, t)
-
-                        scope.add_forward(module, mark, layer=name)
-
-                # each call of the model starts a micro-batch (as micro_batch(), which this hook
-                # cannot call: it must hold no reference to the monitor or the model)
-                def new_pass(module: nn.Module, args: Any) -> None:
-                    if gate[0] and not in_backward():
-                        state.counts.clear()
-                        state.passes += 1
-                        if layouts is not None:
-                            layouts.reset()
-
-                scope.add_forward_pre(self.model, new_pass, layer="", prepend=True)
-            if scaler is not None:
+                self._attach_layers(scope, hooks)
+            if self.scaler is not None:
                 for pname, p in self._params:
-                    scope.add_post_accumulate_grad(p, lambda _p: note_scale(), layer=pname)
+                    scope.add_post_accumulate_grad(p, ScaleHook(hooks), layer=pname)
         except BaseException:
             scope.remove()
             raise
+
+    def _snapshot_weights(self) -> None:
+        """Copy the weights before the step, for update-to-weight ratios (a buffer kept between
+        logged steps: no per-step allocation)."""
+        ws = local_tensors([p for _, p in self._params])
+        if self._buf is None or any(
+            b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
+            for b, w in zip(self._buf, ws)
+        ):
+            self._buf = [torch.empty_like(w) for w in ws]
+        torch._foreach_copy_(self._buf, ws)
+        self._before = self._buf
+
+    def _attach_layers(self, scope: HookScope, hooks: StepHooks) -> None:
+        """A :class:`LayerHook` per monitored layer; under tensor parallelism a :class:`MarkHook`
+        on the other modules the plan names; a :class:`PassHook` on the model (micro-batches)."""
+        scope.add_forward_many(
+            (module, LayerHook(hooks, name, self._bounds.get(name)), name)
+            for name, module in self.named.items()
+        )
+        if self._layouts is not None:  # modules the plan names mark their outputs' layout
+            monitored = {id(m) for m in self.named.values()}
+            for name, module in self._layouts.plan_modules(self.model):
+                if id(module) not in monitored:
+                    scope.add_forward(module, MarkHook(hooks, name), layer=name)
+        scope.add_forward_pre(self.model, PassHook(hooks), layer="", prepend=True)
 
     def micro_batch(self) -> None:
         """Mark the start of a micro-batch (a forward pass) of the current optimizer step: layer
@@ -337,8 +261,7 @@ class Monitor:
         statistics instead of appearing as ``"layer#1"``, ``"layer#2"``. Called automatically
         when the monitored module is called; call it yourself only when the training step
         calls sub-modules directly."""
-        self._state.counts.clear()
-        self._state.passes += 1
+        self._state.new_pass()
 
     def pause(self) -> None:
         """Stop recording layer statistics until :meth:`resume` (e.g. around an evaluation loop
@@ -426,74 +349,92 @@ class Monitor:
         return True
 
     def _record(self, step: int, optimizer: Any) -> MonitorRecord:
-        st = self._state
-        parts: list[Vec] = []
-        hosts: list[float] = []
-
-        def put(t: Vec) -> int:
-            parts.append(t)
-            return len(parts) - 1
-
-        # one entry per (layer call, micro-batch): micro-batches combine like ranks below
-        layout_a = []
-        for key, entries in st.acts.items():
-            ks, hks = [], []
-            for n, v, _ in entries:
-                ks.append(put(v))
-                hks.append(len(hosts))
-                hosts.append(float(n))
-            h = entries[0][2]  # the histogram of the first micro-batch
-            layout_a.append((key, ks, hks, put(h) if h is not None else -1))
-        layout_g = [(key, [put(g) for g in gs]) for key, gs in st.grads.items()]
-        pidx = -1
-        if self._params:
-            if self._sharded:
-                pidx = put(sharded_param_sumsq(self._params, self._before))
-            else:
-                ws = [p for _, p in self._params]
-                pidx = put(param_stats(ws, [p.grad for p in ws], self._before))
-        sidx = put(st.scale.double()) if st.scale is not None else -1
-        # with a GradScaler: did it skip this step? It does when any gradient of the optimizer's
-        # parameters is not finite; the norms of those the monitor does not read come along here
-        kidx, mine, scaling = -1, [], _enabled(self.scaler)
-        if scaling:
-            ids = {id(p): n for n, p in self._params} if pidx >= 0 else {}
-            ps = (
-                [p for g in optimizer.param_groups for p in g["params"]]
-                if optimizer is not None
-                else [p for _, p in self._params]
+        """The step's record: every statistic is filed in one :class:`Packer`, read with one host
+        transfer (one ``all_gather`` under torch.distributed), and combined by slot."""
+        st, pack = self._state, Packer()
+        # one entry per (layer call, micro-batch): micro-batches combine like ranks below;
+        # the histogram is the first micro-batch's
+        acts = {
+            key: (
+                [(pack.add_host(n), pack.add(v)) for n, v, _ in entries],
+                pack.add(entries[0][2]) if entries[0][2] is not None else None,
             )
-            mine = [ids[id(p)] for p in ps if id(p) in ids]
-            rest = [local(p.grad) for p in ps if id(p) not in ids and p.grad is not None]
-            if rest:
-                kidx = put(torch.stack(torch._foreach_norm(rest, 2)).double())
+            for key, entries in st.acts.items()
+        }
+        grads = {key: [pack.add(g) for g in gs] for key, gs in st.grads.items()}
+        pslot = self._pack_params(pack)
+        sslot = pack.add(st.scale.double()) if st.scale is not None else None
+        scaling = _enabled(self.scaler)
+        mine, rest = self._pack_skip_check(pack, optimizer, pslot) if scaling else ([], None)
         has = [p.grad is not None for _, p in self._params]
-        if not parts:
+        if not len(pack):
             return MonitorRecord(step)
-        ranks = _gather(parts, hosts)  # one host transfer (after one all_gather if distributed)
-        off = _offsets([len(p) if isinstance(p, list) else p.numel() for p in parts])
-        ho = off[-1]
+        got = pack.gather()
+        scale = (got.read(sslot)[0] or 1.0) if sslot is not None else 1.0
+        layers, hists = self._layer_values(got, acts, grads, scale)
+        params = self._param_values(got, pslot, has, scale, optimizer)
+        skipped = None
+        if scaling:  # a GradScaler skips the step when a gradient is not finite
+            norms = [params[n].get("grad_norm", 0.0) for n in mine]
+            if rest is not None:
+                norms += [v for r in got.each(rest) for v in r]
+            skipped = not all(math.isfinite(v) for v in norms)
+        rec = MonitorRecord(step, layers, params, histograms=hists, skipped=skipped)
+        rec.alerts = diagnose(step, layers, params, self._prev, self.thresholds, self._allowed)
+        self._prev = (layers, params)
+        return rec
 
-        def vals(r: list[float], k: int) -> list[float]:
-            return r[off[k] : off[k + 1]]
+    def _pack_params(self, pack: Packer) -> int | None:
+        """File the parameters' ``[grad, weight, update, before]`` norms; their slot."""
+        if not self._params:
+            return None
+        if self._sharded:
+            return pack.add(sharded_param_sumsq(self._params, self._before))
+        ws = [p for _, p in self._params]
+        return pack.add(param_stats(ws, [p.grad for p in ws], self._before))
 
-        scale = (vals(ranks[0], sidx)[0] or 1.0) if sidx >= 0 else 1.0
+    def _pack_skip_check(
+        self, pack: Packer, optimizer: Any, pslot: int | None
+    ) -> tuple[list[str], int | None]:
+        """With a GradScaler: did it skip this step? It does when any gradient of the optimizer's
+        parameters is not finite. Returns the names of those the monitor reads anyway, and the
+        slot of the norms of the others (``None``: no others)."""
+        ids = {id(p): n for n, p in self._params} if pslot is not None else {}
+        ps = (
+            [p for g in optimizer.param_groups for p in g["params"]]
+            if optimizer is not None
+            else [p for _, p in self._params]
+        )
+        mine = [ids[id(p)] for p in ps if id(p) in ids]
+        rest = [local(p.grad) for p in ps if id(p) not in ids and p.grad is not None]
+        if not rest:
+            return mine, None
+        return mine, pack.add(torch.stack(torch._foreach_norm(rest, 2)).double())
+
+    def _layer_values(
+        self,
+        got: Packed,
+        acts: dict[str, tuple[list[tuple[int, int]], int | None]],
+        grads: dict[str, list[int]],
+        scale: float,
+    ) -> tuple[dict[str, dict[str, float]], dict[str, tuple[list[float], list[float]]]]:
+        """Per layer call: activation and output-gradient statistics combined over micro-batches
+        and ranks; activation histograms (rank 0's)."""
+        st, tp = self._state, self._tp
         layers: dict[str, dict[str, float]] = {}
         hists: dict[str, tuple[list[float], list[float]]] = {}
-        for key, ks, hks, kh in layout_a:
+        for key, (micro, hslot) in acts.items():
             ns: list[float] = []
             vs: list[list[float]] = []
-            for k, hk in zip(ks, hks):  # each micro-batch: its per-rank pieces
-                ns_k, vs_k = [r[ho + hk] for r in ranks], [vals(r, k) for r in ranks]
-                if self._tp:  # the same batch on every rank: replicated or sharded outputs
-                    ns_k, vs_k = tp_pieces(
-                        ns_k, vs_k, st.kinds.get(key) == "replicate", self._tp[1]
-                    )
+            for nslot, vslot in micro:  # each micro-batch: its per-rank pieces
+                ns_k, vs_k = [r[0] for r in got.each(nslot)], got.each(vslot)
+                if tp:  # the same batch on every rank: replicated or sharded outputs
+                    ns_k, vs_k = tp_pieces(ns_k, vs_k, st.kinds.get(key) == "replicate", tp[1])
                 ns += ns_k
                 vs += vs_k
             layers[key] = combine_acts(ns, vs)
-            if kh >= 0:  # histogram of rank 0, over [-absmax, absmax]
-                a, counts = vs[0][2], vals(ranks[0], kh)
+            if hslot is not None:  # histogram of rank 0, over [-absmax, absmax]
+                a, counts = vs[0][2], got.read(hslot)
                 edges = [a * (-1 + 2 * (j + 1) / len(counts)) for j in range(len(counts))]
                 hists[f"activations/{key}"] = (edges, counts)
         # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
@@ -503,44 +444,39 @@ class Monitor:
         # output gradients replicated or sharded.)
         # Micro-batches are not divided: a loop that accumulates divides each micro-batch's loss
         # by their number itself (the mean over the combined batch).
-        gscale = scale * (self._tp[0] if self._tp else len(ranks))
-        for key, ks in layout_g:
+        gscale = scale * (tp[0] if tp else got.world)
+        for key, slots in grads.items():
             gs = []
-            for k in ks:
-                gs_k = [vals(r, k) for r in ranks]
-                if self._tp:
-                    gs_k = tp_pieces(
-                        [0.0] * len(gs_k), gs_k, st.kinds.get(key) == "replicate", self._tp[1]
-                    )[1]
+            for slot in slots:
+                gs_k = got.each(slot)
+                if tp:
+                    replicated = st.kinds.get(key) == "replicate"
+                    gs_k = tp_pieces([0.0] * len(gs_k), gs_k, replicated, tp[1])[1]
                 gs += gs_k
             layers.setdefault(key, {}).update(combine_grads(gs, gscale))
+        return layers, hists
+
+    def _param_values(
+        self, got: Packed, pslot: int | None, has: list[bool], scale: float, optimizer: Any
+    ) -> dict[str, dict[str, float]]:
+        """Per parameter: gradient norm (unscaled), weight norm, update-to-weight ratio."""
         params: dict[str, dict[str, float]] = {}
-        if pidx >= 0:
-            pscale = scale if self._scaled(optimizer) else 1.0
-            row = (  # full-tensor norms from every rank's shards; DDP: the same on every rank
-                sum_ranks_sqrt([vals(r, pidx) for r in ranks])
-                if self._sharded
-                else vals(ranks[0], pidx)
-            )
-            for j, (pname, _) in enumerate(self._params):
-                gn, wn, un, bn = row[4 * j : 4 * j + 4]
-                d = {}
-                if has[j]:  # a NaN gradient is reported as NaN, never as "no gradient"
-                    d["grad_norm"] = gn / pscale
-                d["weight_norm"] = wn
-                if optimizer is not None and self._before is not None:
-                    d["update_ratio"] = un / bn if bn > 0 else (0.0 if un == 0 else math.inf)
-                params[pname] = d
-        skipped = None
-        if scaling:
-            norms = [params[n].get("grad_norm", 0.0) for n in mine]
-            if kidx >= 0:
-                norms += [v for r in ranks for v in vals(r, kidx)]
-            skipped = not all(math.isfinite(v) for v in norms)
-        rec = MonitorRecord(step, layers, params, histograms=hists, skipped=skipped)
-        rec.alerts = diagnose(step, layers, params, self._prev, self.thresholds, self._allowed)
-        self._prev = (layers, params)
-        return rec
+        if pslot is None:
+            return params
+        pscale = scale if self._scaled(optimizer) else 1.0
+        row = (  # full-tensor norms from every rank's shards; DDP: the same on every rank
+            sum_ranks_sqrt(got.each(pslot)) if self._sharded else got.read(pslot)
+        )
+        for j, (pname, _) in enumerate(self._params):
+            gn, wn, un, bn = row[4 * j : 4 * j + 4]
+            d = {}
+            if has[j]:  # a NaN gradient is reported as NaN, never as "no gradient"
+                d["grad_norm"] = gn / pscale
+            d["weight_norm"] = wn
+            if optimizer is not None and self._before is not None:
+                d["update_ratio"] = un / bn if bn > 0 else (0.0 if un == 0 else math.inf)
+            params[pname] = d
+        return params
 
     def _sentinel_check(self) -> NonFiniteOrigin | None:
         tracker = self._tracker
@@ -643,50 +579,8 @@ class Monitor:
         return f"<Monitor {len(self.named)} layers, every={self.every}, step {self._step}, {len(self.records)} records>"
 
 
-def _offsets(sizes: list[int]) -> list[int]:
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _gather(parts: list[Vec], hosts: list[float]) -> list[list[float]]:
-    """Every rank's vector, ``parts`` then ``hosts`` end to end (one ``all_gather``); just this
-    rank's without torch.distributed. Statistics computed on the host (lists) stay Python floats;
-    device tensors are read with one transfer."""
-    single = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
-    if single and all(isinstance(p, list) for p in parts):
-        return [[v for p in parts for v in p] + hosts]  # type: ignore[union-attr]
-    dev = next((p.device for p in parts if isinstance(p, torch.Tensor)), torch.device("cpu"))
-    if not single and dist.get_backend() == "nccl":
-        dev = torch.device("cuda", torch.cuda.current_device())
-    flat = torch.cat(
-        [
-            p.reshape(-1).to(dev)
-            if isinstance(p, torch.Tensor)
-            else torch.tensor(p, dtype=torch.float64, device=dev)
-            for p in parts
-        ]
-        + [torch.tensor(hosts, dtype=torch.float64, device=dev)]
-    )
-    if single:
-        return [flat.tolist()]
-    world = dist.get_world_size()
-    n = torch.tensor([flat.numel()], device=flat.device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    if len({int(s) for s in sizes}) != 1:
-        raise RuntimeError(
-            "Monitor: ranks recorded different layer calls this step "
-            f"(vector sizes {[int(s) for s in sizes]}); every rank must run the same layers"
-        )
-    out = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(out, flat)
-    return torch.stack(out).tolist()
 
 
 def _enabled(scaler: Any) -> bool:

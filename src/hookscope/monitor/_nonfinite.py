@@ -14,6 +14,7 @@ layers that may produce infinities on purpose (``-inf`` attention masks); a NaN 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
@@ -24,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
+from ..core._buffers import buffers_kept
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning
 from ..core._nested import first_tensor, iter_tensors, map_tensors
@@ -391,7 +393,8 @@ def find_nonfinite(
         ('1', 'forward', 'nan')
     """
     check_model(model)
-    saved = [(b, b.detach().clone()) for b in model.buffers()]  # e.g. BatchNorm running stats
+    saved = contextlib.ExitStack()  # buffers put back as found (in place or reassigned)
+    saved.enter_context(buffers_kept(model))
     tracker = _Tracker(model, allow, detail=True, owner="find_nonfinite")
     try:
         with tracker.scope:
@@ -433,6 +436,4 @@ def find_nonfinite(
             return origin
     finally:
         tracker.scope.remove()
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
+        saved.close()

@@ -19,8 +19,14 @@ def plot_grad_flow(
 ) -> Any:
     """Bar chart of ``stat`` per layer (model order, log scale): mean over records and max.
 
-    ``source="params"`` plots parameter gradients, ``"layers"`` gradients w.r.t. layer outputs.
-    Returns the matplotlib ``Figure`` (Agg canvas, no display needed); saves a PNG when ``path``.
+    Args:
+        records: :class:`MonitorRecord` objects (e.g. ``list(monitor.records)``).
+        path: where to save a PNG (default: not saved).
+        source: ``"params"`` plots parameter gradients, ``"layers"`` gradients w.r.t. layer
+            outputs.
+        stat: the statistic plotted (``"grad_norm"``, or another one the records hold).
+
+    Returns the matplotlib ``Figure`` (Agg canvas, no display needed).
 
     Example:
         >>> import hookscope as hs

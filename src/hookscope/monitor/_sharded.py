@@ -5,7 +5,7 @@ reports are those of the full tensors, computed without gathering them: every ra
 sums of squares of its shards (weight, gradient, update, snapshot), divided by the number of ranks
 holding a copy of the same values (1 for ``Shard``, the mesh size for each ``Replicate`` dimension;
 the world size for a plain, replicated parameter), and the monitor adds these vectors over the
-ranks in the one collective it already makes per logged step (:func:`_monitor._gather`), then
+ranks in the one collective it already makes per logged step (:func:`_pack._gather`), then
 takes square roots.
 """
 

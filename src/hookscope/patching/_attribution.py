@@ -16,11 +16,11 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from ..core._compiled import named_modules
 from ..core._scope import HookScope
 from ._inputs import PatchingError
-from ._sites import Site, grid, per_site, resolve_sites, set_act, view
-from ._sweep import PatchMetric, _check_calls, _scalar, check_training, prepare, record, sweep_layer
+from ._job import PatchMetric, SweepJob, check_calls, prepare, score
+from ._layer_sweep import LayerSweep
+from ._sites import PatchedLayer, grid, per_site, resolve_layers, set_act, stack_layers, view
 
 __all__ = ["attribution_patch"]
 
@@ -50,6 +50,25 @@ def attribution_patch(
     exactly, and ``(scores, exact)`` is returned: ``exact`` holds ``metric(patched) -
     metric(corrupted run)`` at those sites and NaN elsewhere.
 
+    Refused as :func:`patch_sweep` refuses (a model whose clean run draws random numbers, batch
+    norm in training mode, meta weights, heads where the module declares none), and under
+    ``torch.inference_mode()`` (no gradients there; ``torch.no_grad()`` is fine: gradients are
+    turned on inside).
+
+    Args:
+        model: any ``nn.Module``.
+        clean: token ids, or a dict of keyword inputs.
+        corrupt: as ``clean``, aligned token by token.
+        metric: ``metric(output) -> scalar tensor`` computed from the output (autograd).
+        layers: the layers to score.
+        at: ``"output"`` or ``"input"`` of each layer.
+        over: the sweep axes, as in :func:`patch_sweep`.
+        arg: with ``at="input"``, the input to score.
+        reverse: the gradient at the clean run, the difference reversed.
+        n_heads: the head count of a module that declares none.
+        head_proj: the output projection under the attention module.
+        top_k: also patch the ``top_k`` sites of largest ``|score|`` exactly.
+
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
@@ -59,29 +78,54 @@ def attribution_patch(
         >>> torch.allclose(s, e, atol=1e-5)  # a linear model: the estimate is exact
         True
     """
-    src, dst, batch = prepare(model, clean, corrupt, reverse)
-    check_training(model, "attribution_patch")
-    sites, over_t = resolve_sites(
+    if torch.is_inference_mode_enabled():
+        raise PatchingError(
+            "attribution_patch needs autograd, but it was called under torch.inference_mode(); "
+            "call it outside that block (it turns gradients on itself: torch.no_grad() around it "
+            "is fine)"
+        )
+    src, dst = prepare(model, clean, corrupt, reverse)
+    chosen, over_t = resolve_layers(
         model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
     )
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
+    job = SweepJob.create(model, dst, metric, over_t, what="attribution_patch")
     with torch.no_grad():
-        clean_acts, _, _ = record(model, src, sites, batch)
-    modules = dict(named_modules(model))
+        clean_acts, _, job.per_row = job.record(src, chosen, what="attribution_patch")
+    acts, grads, value = _gradients(job, chosen)
+    scores = []
+    for layer in chosen:
+        g = grads.get(layer.point)
+        delta = clean_acts[layer.point] - acts[layer.point]
+        if g is None:
+            g = torch.zeros_like(delta)
+        prod = view(layer, delta.to(torch.float32) * g.to(torch.float32))
+        scores.append(per_site(layer, over_t, prod, torch.sum))
+    out = stack_layers(scores, chosen).detach()
+    if top_k is None:
+        return out
+    return out, _exact_top(job, chosen, clean_acts, out, top_k, value)
+
+
+def _gradients(
+    job: SweepJob, chosen: list[PatchedLayer]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
+    """One corrupted forward and one backward: each layer's activation and the metric's gradient
+    with respect to it (missing where the metric does not depend on it), and the metric."""
     acts: dict[str, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
     calls: dict[str, int] = {}
     zeros: list[torch.Tensor] = []
     with torch.enable_grad(), HookScope("attribution_patch") as scope:
-        for site in {s.point: s for s in sites}.values():
+        for layer in {s.point: s for s in chosen}.values():
 
-            def track(x: torch.Tensor, s: Site = site) -> torch.Tensor:
+            def track(x: torch.Tensor, s: PatchedLayer = layer) -> torch.Tensor:
                 calls[s.point] = calls.get(s.point, 0) + 1
                 acts[s.point] = x.detach()
                 z = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
                 zeros.append(z)
-                a = x + z  # the same values; a tensor whose gradient is this site's own
+                a = x + z  # the same values; a tensor whose gradient is this layer's own
 
                 def keep(g: torch.Tensor, p: str = s.point) -> None:
                     grads[p] = g
@@ -89,52 +133,37 @@ def attribution_patch(
                 scope.add_activation_grad_hook(a, keep, layer=s.point)
                 return a
 
-            if site.kind == "input":
+            if layer.kind == "input":
 
-                def pre(m: nn.Module, a: Any, k: Any, s: Site = site, f=track) -> Any:
+                def pre(m: nn.Module, a: Any, k: Any, s: PatchedLayer = layer, f=track) -> Any:
                     return set_act(s, m, a, k, None, f)
 
-                scope.add_forward_pre(modules[site.point], pre, layer=site.point, with_kwargs=True)
+                module = job.modules[layer.point]
+                scope.add_forward_pre(module, pre, layer=layer.point, with_kwargs=True)
             else:
 
-                def post(m: nn.Module, a: Any, o: Any, s: Site = site, f=track) -> Any:
+                def post(m: nn.Module, a: Any, o: Any, s: PatchedLayer = layer, f=track) -> Any:
                     return set_act(s, m, a, {}, o, f)
 
-                scope.add_forward(modules[site.point], post, layer=site.point)
-        base = metric(model(**dst))
-        for site in sites:
-            _check_calls(site, calls.get(site.point, 0))
-        value = torch.as_tensor(base)
-        if value.ndim != 0:
-            _scalar(value, sites[0].layer)  # raises with the message
-        if not value.requires_grad:
+                scope.add_forward(job.modules[layer.point], post, layer=layer.point)
+        value = job.metric(job.model(**job.dst))
+        for layer in chosen:
+            check_calls(layer, calls.get(layer.point, 0))
+        score(value, chosen[0].name)  # raises for anything but a scalar
+        if not isinstance(value, torch.Tensor) or not value.requires_grad:
             raise PatchingError(
                 "the metric does not depend on the patched layers through autograd (it returned "
-                "a tensor without a gradient); return a tensor computed from the output"
+                f"{'a tensor' if isinstance(value, torch.Tensor) else type(value).__name__} "
+                "without a gradient); return a tensor computed from the output"
             )
         torch.autograd.grad(value, zeros, allow_unused=True)
-    scores = []
-    for site in sites:
-        g = grads.get(site.point)
-        delta = clean_acts[site.point] - acts[site.point]
-        if g is None:
-            g = torch.zeros_like(delta)
-        prod = view(site, delta.to(torch.float32) * g.to(torch.float32))
-        scores.append(per_site(site, over_t, prod, torch.sum))
-    out = torch.stack(scores).detach()
-    if top_k is None:
-        return out
-    return out, _exact_top(model, dst, sites, over_t, clean_acts, metric, batch, out, top_k, value)
+    return acts, grads, value
 
 
 def _exact_top(
-    model: nn.Module,
-    dst: dict[str, Any],
-    sites: list[Site],
-    over: tuple[str, ...],
+    job: SweepJob,
+    chosen: list[PatchedLayer],
     clean_acts: dict[str, torch.Tensor],
-    metric: PatchMetric,
-    batch: int,
     scores: torch.Tensor,
     top_k: int,
     base: torch.Tensor,
@@ -146,16 +175,16 @@ def _exact_top(
     top = flat.topk(min(top_k, flat.numel())).indices.tolist()
     base_value = float(base.detach())
     with torch.no_grad():
-        for li, site in enumerate(sites):
-            chosen = sorted(
+        for li, layer in enumerate(chosen):
+            sites = sorted(
                 i - li * per_layer for i in top if li * per_layer <= i < (li + 1) * per_layer
             )
-            if not chosen:
+            if not sites:
                 continue
-            sizes = grid(site, over, clean_acts[site.point].shape)
+            act = clean_acts[layer.point]
+            sizes = grid(layer, job.over, act.shape)
             assert math.prod(sizes) == per_layer
-            act = clean_acts[site.point]
-            vals = sweep_layer(model, dst, site, over, sizes, [chosen], act, metric, batch)
-            for i, v in zip(chosen, vals):
-                exact.view(len(sites), -1)[li, i] = float(v) - base_value
+            vals = LayerSweep(job, layer, act, sizes).values(sites)
+            for i, v in zip(sites, vals):
+                exact.view(len(chosen), -1)[li, i] = float(v) - base_value
     return exact

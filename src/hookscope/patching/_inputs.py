@@ -1,7 +1,7 @@
 """The two runs of a patching experiment: their inputs, and the check that they align.
 
 Patching copies an activation of one run into the other at the same token position, so the runs
-must align token by token: same shapes, and padding at the same places (PITFALL 33; nnsight #672
+must align token by token: same shapes, and padding at the same places (docs/pitfalls.md §33; nnsight #672
 patched the wrong positions of left-padded batches silently). Anything else raises
 :class:`PatchingError` naming the rows and positions.
 """

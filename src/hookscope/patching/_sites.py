@@ -1,6 +1,7 @@
-"""What a sweep patches: for each selected layer, where its activation is read and written (the
-layer's output or input, or the input of its output projection for heads), how it is cut into
-sites (positions, heads, both, or the whole activation), and where batched rows start."""
+"""What a sweep patches: for each selected layer (a :class:`PatchedLayer`), where its activation is
+read and written (the layer's output or input, or the input of its output projection for heads),
+how it is cut into sites (a site is one position, one head, one head at one position, or the
+whole activation), and where batched rows start."""
 
 from __future__ import annotations
 
@@ -16,22 +17,23 @@ from ..core._blocks import blocks
 from ..core._compiled import strip_compiled
 from ..core._edit import positional_index
 from ..core._errors import LayerNotFoundError
-from ..core._heads import HeadSplit, head_split
 from ..core._nested import first_tensor, iter_tensors, map_tensors, replace_first
 from ..core._select import resolve
+from ._heads import HeadSplit, head_split
 from ._inputs import PatchingError
 
 __all__ = [
     "OVER",
-    "Site",
+    "PatchedLayer",
     "first_positions",
     "get_act",
     "grid",
     "patched",
     "per_site",
-    "resolve_sites",
+    "resolve_layers",
     "set_act",
     "site_masks",
+    "stack_layers",
     "view",
 ]
 
@@ -39,10 +41,10 @@ OVER = ((), ("position",), ("head",), ("position", "head"))
 
 
 @dataclass
-class Site:
-    """One selected layer of a sweep."""
+class PatchedLayer:
+    """One selected layer of a sweep (its sites are cut from its activation by ``over``)."""
 
-    layer: str
+    name: str  # the layer as selected
     point: str  # the module whose input/output holds the activation
     kind: Literal["input", "output"]
     arg: int | str | None
@@ -64,7 +66,7 @@ def _check_over(over: Sequence[str]) -> tuple[str, ...]:
     return t
 
 
-def resolve_sites(
+def resolve_layers(
     model: nn.Module,
     layers: Any,
     *,
@@ -73,8 +75,8 @@ def resolve_sites(
     arg: int | str | None,
     n_heads: int | None,
     head_proj: str | None,
-) -> tuple[list[Site], tuple[str, ...]]:
-    """The sites of a sweep, in the model's order, and the normalised ``over``."""
+) -> tuple[list[PatchedLayer], tuple[str, ...]]:
+    """The selected layers of a sweep, in the model's order, and the normalised ``over``."""
     over_t = _check_over(over)
     if at not in ("output", "input"):
         raise PatchingError(f"at must be 'output' or 'input', got {at!r}")
@@ -92,7 +94,7 @@ def resolve_sites(
         block_names = list(blocks(model))
     except LayerNotFoundError:
         block_names = []
-    sites = []
+    found = []
     for name in names:
         module = chosen[name]
         outer = next((b for b in block_names if name.startswith(b + ".")), None)
@@ -102,22 +104,22 @@ def resolve_sites(
                     "a head sweep patches each head's slice of the input of the attention "
                     "module's output projection; leave at='output'"
                 )
-            split = head_split(model, name, module, heads=n_heads, proj=head_proj)
+            split = head_split(name, module, heads=n_heads, proj=head_proj)
             start = outer or name
-            sites.append(Site(name, split.proj, "input", None, split, start, "input"))
+            found.append(PatchedLayer(name, split.proj, "input", None, split, start, "input"))
         else:
             if outer is not None:
-                sites.append(Site(name, name, at, arg, None, outer, "input"))  # type: ignore[arg-type]
+                found.append(PatchedLayer(name, name, at, arg, None, outer, "input"))  # type: ignore[arg-type]
             else:
-                sites.append(Site(name, name, at, arg, None, name, at))  # type: ignore[arg-type]
-    return sites, over_t
+                found.append(PatchedLayer(name, name, at, arg, None, name, at))  # type: ignore[arg-type]
+    return found, over_t
 
 
 def _input_slot(
-    site: Site, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    layer: PatchedLayer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[str, Any]:
     """Where the activation is among a call's inputs: ``("arg", i)`` or ``("kw", name)``."""
-    arg = site.arg
+    arg = layer.arg
     if isinstance(arg, str):
         if arg in kwargs:
             return "kw", arg
@@ -136,30 +138,30 @@ def _input_slot(
     given = [f"{len(args)} positional"] + [repr(k) for k in kwargs]
     wanted = "a tensor input or 'hidden_states'" if arg is None else f"input {arg!r}"
     raise PatchingError(
-        f"at='input' on {site.point!r}: the call has no {wanted}; it got {', '.join(given)}. "
+        f"at='input' on {layer.point!r}: the call has no {wanted}; it got {', '.join(given)}. "
         "Pass arg= with a positional index or a keyword name"
     )
 
 
 def get_act(
-    site: Site, module: nn.Module, args: Any, kwargs: Any, output: Any = None
+    layer: PatchedLayer, module: nn.Module, args: Any, kwargs: Any, output: Any = None
 ) -> torch.Tensor:
-    """The activation of ``site`` in a call (the output's first tensor, or the input)."""
-    if site.kind == "output":
+    """The activation of ``layer`` in a call (the output's first tensor, or the input)."""
+    if layer.kind == "output":
         t = first_tensor(output)
         if t is None:
-            raise PatchingError(f"layer {site.point!r} returned no tensor to patch")
+            raise PatchingError(f"layer {layer.point!r} returned no tensor to patch")
         return t
-    where, key = _input_slot(site, module, args, kwargs)
+    where, key = _input_slot(layer, module, args, kwargs)
     value = args[key] if where == "arg" else kwargs[key]
     t = first_tensor(value)
     if t is None:
-        raise PatchingError(f"input {key!r} of {site.point!r} holds no tensor to patch")
+        raise PatchingError(f"input {key!r} of {layer.point!r} holds no tensor to patch")
     return t
 
 
 def set_act(
-    site: Site,
+    layer: PatchedLayer,
     module: nn.Module,
     args: Any,
     kwargs: Any,
@@ -168,12 +170,12 @@ def set_act(
 ) -> Any:
     """The call's output (``kind="output"``) or ``(args, kwargs)`` with the activation replaced
     by ``fn(activation)``."""
-    if site.kind == "output":
+    if layer.kind == "output":
         if isinstance(output, torch.Tensor):
             return fn(output)
         first = next(iter(iter_tensors(output)))[1]
         return map_tensors(lambda t: fn(t) if t is first else t, output)
-    where, key = _input_slot(site, module, args, kwargs)
+    where, key = _input_slot(layer, module, args, kwargs)
     if where == "arg":
         args = list(args)
         args[key] = replace_first(args[key], fn)
@@ -183,28 +185,28 @@ def set_act(
     return args, kwargs
 
 
-def grid(site: Site, over: tuple[str, ...], act_shape: torch.Size) -> tuple[int, ...]:
-    """The sizes of the sweep axes of ``site`` for an activation of ``act_shape`` (batch first)."""
+def grid(layer: PatchedLayer, over: tuple[str, ...], act_shape: torch.Size) -> tuple[int, ...]:
+    """The sizes of the sweep axes of ``layer`` for an activation of ``act_shape`` (batch first)."""
     sizes = []
     for axis in over:
         if axis == "position":
             if len(act_shape) < 3:
                 raise PatchingError(
                     f"over='position' needs an activation shaped (batch, position, ...); "
-                    f"{site.point!r} gives {tuple(act_shape)}"
+                    f"{layer.point!r} gives {tuple(act_shape)}"
                 )
             sizes.append(int(act_shape[1]))
         else:
-            assert site.heads is not None
-            sizes.append(site.heads.heads)
+            assert layer.heads is not None
+            sizes.append(layer.heads.heads)
     return tuple(sizes)
 
 
-def view(site: Site, t: torch.Tensor) -> torch.Tensor:
+def view(layer: PatchedLayer, t: torch.Tensor) -> torch.Tensor:
     """``t`` with the heads split out of its last dimension (``(..., heads, head_dim)``)."""
-    if site.heads is None:
+    if layer.heads is None:
         return t
-    h = site.heads
+    h = layer.heads
     if t.shape[-1] != h.heads * h.head_dim:
         raise PatchingError(
             f"the input of {h.proj!r} has {t.shape[-1]} features, not {h.heads} heads x "
@@ -214,7 +216,7 @@ def view(site: Site, t: torch.Tensor) -> torch.Tensor:
 
 
 def per_site(
-    site: Site, over: tuple[str, ...], t: torch.Tensor, op: Callable[..., torch.Tensor]
+    layer: PatchedLayer, over: tuple[str, ...], t: torch.Tensor, op: Callable[..., torch.Tensor]
 ) -> torch.Tensor:
     """``op(t, dim=...)`` over everything but the sweep axes of ``t`` (batch first, heads split):
     ``torch.sum`` gives attribution scores, ``torch.any`` the sites where two runs differ."""
@@ -234,10 +236,14 @@ def per_site(
 
 
 def first_positions(
-    site: Site, over: tuple[str, ...], sizes: tuple[int, ...], differ: torch.Tensor, todo: list[int]
+    layer: PatchedLayer,
+    over: tuple[str, ...],
+    sizes: tuple[int, ...],
+    differ: torch.Tensor,
+    todo: list[int],
 ) -> list[int]:
-    """The first position (dim 1) at which each site in ``todo`` changes the activation:
-    ``differ`` is where the clean and corrupted (head-split) activations differ. A position site
+    """The first position (dim 1) at which each layer in ``todo`` changes the activation:
+    ``differ`` is where the clean and corrupted (head-split) activations differ. A position layer
     is its position; a head, or the whole activation, its first position that differs (patching
     the equal positions before it changes nothing)."""
     if "position" in over:
@@ -248,12 +254,12 @@ def first_positions(
         if d != 1 and not (over == ("head",) and d == differ.ndim - 2):
             t = t.any(dim=d)
     t = t.view(t.shape[0], -1).to(torch.uint8)  # (positions, heads or 1)
-    firsts = t.argmax(dim=0).tolist()  # the first True (every site in todo has one)
+    firsts = t.argmax(dim=0).tolist()  # the first True (every layer in todo has one)
     return [firsts[i] if over else firsts[0] for i in todo]
 
 
 def site_masks(
-    site: Site, over: tuple[str, ...], sizes: tuple[int, ...], chunk: range, ndim: int
+    layer: PatchedLayer, over: tuple[str, ...], sizes: tuple[int, ...], chunk: range, ndim: int
 ) -> torch.Tensor | None:
     """Boolean masks ``(k, 1, ...)`` over the (head-split) activation of ``ndim`` dimensions
     (batch first) for the sites in ``chunk``; ``None`` for the whole activation."""
@@ -275,20 +281,36 @@ def site_masks(
 
 
 def patched(
-    site: Site, mask: torch.Tensor | None, clean: torch.Tensor, x: torch.Tensor, k: int
+    layer: PatchedLayer, mask: torch.Tensor | None, clean: torch.Tensor, x: torch.Tensor, k: int
 ) -> torch.Tensor:
     """``x`` (``k * B`` rows of the corrupted activation) with each copy's sites taken from
     ``clean`` (``B`` rows)."""
     b = clean.shape[0]
     if x.shape[0] != k * b or x.shape[1:] != clean.shape[1:]:
         raise PatchingError(
-            f"the activation of {site.point!r} is {tuple(x.shape[1:])} per row in the corrupted "
+            f"the activation of {layer.point!r} is {tuple(x.shape[1:])} per row in the corrupted "
             f"run and {tuple(clean.shape[1:])} in the clean run: the runs do not align"
         )
-    cv = view(site, clean).unsqueeze(0)
+    cv = view(layer, clean).unsqueeze(0)
     if mask is None:
         out = cv.expand(k, *cv.shape[1:])
     else:
-        xv = view(site, x).view(k, b, *cv.shape[2:])
+        xv = view(layer, x).view(k, b, *cv.shape[2:])
         out = torch.where(mask.to(x.device), cv, xv)
     return out.reshape(x.shape)
+
+
+def stack_layers(results: list[torch.Tensor], layers: list[PatchedLayer]) -> torch.Tensor:
+    """The per-layer sweeps stacked ``[layers, *sites]``; an error naming a layer of each shape
+    where they differ (e.g. an encoder's and a decoder's blocks: different lengths)."""
+    first: dict[tuple[int, ...], str] = {}
+    for r, layer in zip(results, layers):
+        first.setdefault(tuple(r.shape), layer.name)
+    if len(first) > 1:
+        shown = ", ".join(f"{s} from {n!r}" for s, n in sorted(first.items()))
+        raise PatchingError(
+            f"the layers give sweeps of different shapes {sorted(first)}; sweep them separately: "
+            f"{shown} (an encoder-decoder model's encoder and decoder blocks see different "
+            "sequences)"
+        )
+    return torch.stack(results)

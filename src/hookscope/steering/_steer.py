@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -14,7 +15,7 @@ from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import replace_first
 from ..core._scope import HookScope, _Hook, check_model
 from ..core._select import Selector, find
-from ..core._sequence import TokenTracker
+from ..core._sequence import SequenceError, TokenTracker
 
 __all__ = ["Steering", "steer"]
 
@@ -173,6 +174,20 @@ class _SteerHook(_Hook):
         return replace_first(output, new)
 
 
+def _no_tokens(positions: Any, tracker: TokenTracker) -> HookscopeError:
+    if tracker.encoder_decoder:
+        return HookscopeError(
+            f"steer(positions={positions!r}): a steered layer ran outside a decoder call of the "
+            "encoder-decoder model (its encoder, which generate() runs once over the source, or "
+            "a call without decoder_input_ids); positions count the decoder's tokens: steer "
+            "encoder layers with positions='all'"
+        )
+    return HookscopeError(
+        f"steer(positions={positions!r}) needs token inputs: the model was called without "
+        "input_ids or inputs_embeds (or the layer ran outside a call of the model given to steer)"
+    )
+
+
 def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]:
     """``select()`` for the current model call: None (every position), False (none) or a bool
     tensor ``[batch, tokens]``."""
@@ -182,10 +197,7 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
     def named() -> Any:
         step = tracker.current
         if step is None:
-            raise HookscopeError(
-                f"steer(positions={positions!r}) needs token inputs: the model was called "
-                "without input_ids or inputs_embeds"
-            )
+            raise _no_tokens(positions, tracker)
         end = tracker.prompt_end
         if step.end <= end:  # prompt tokens only
             return None if positions == "prompt" else False
@@ -195,21 +207,27 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
         sel = (cols < end) if positions == "prompt" else (cols >= end)
         return sel.expand(step.batch, step.n)
 
-    def from_k() -> Any:
-        got = tracker.positions()
+    def current() -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        try:
+            got = tracker.positions()
+        except SequenceError as e:
+            raise HookscopeError(f"steer(positions={_show(positions)}): {e}") from None
         if got is None:
-            raise HookscopeError(
-                f"steer(positions={positions!r}) needs token inputs: the model was called "
-                "without input_ids or inputs_embeds"
-            )
-        pos, _ = got
-        return pos.to(_dev(tracker.current)) >= positions
+            raise _no_tokens(_show(positions), tracker)
+        return got
+
+    def from_k() -> Any:
+        pos, real, total = current()
+        if positions >= 0:
+            sel = pos >= positions
+        else:  # the last -positions tokens of each row so far
+            if isinstance(total, torch.Tensor):
+                total = total.to(pos.device)[:, None]
+            sel = pos >= total + positions
+        return sel if real is None else sel & real.to(sel.device)
 
     def from_mask() -> Any:
-        got = tracker.positions()
-        if got is None:
-            raise HookscopeError("steer(positions=mask) needs token inputs (input_ids)")
-        pos, _ = got
+        pos, real, _ = current()
         m = positions if positions.dim() == 2 else positions.expand(pos.shape[0], -1)
         if m.shape[0] != pos.shape[0]:
             raise HookscopeError(
@@ -219,7 +237,8 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
         m = m.to(pos.device)
         width = m.shape[1]
         inside = (pos >= 0) & (pos < width)
-        return m.gather(1, pos.clamp(0, width - 1)) & inside
+        sel = m.gather(1, pos.clamp(0, width - 1)) & inside
+        return sel if real is None else sel & real.to(sel.device)
 
     if isinstance(positions, str):
         return named
@@ -228,8 +247,75 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
     return from_mask
 
 
+def _show(positions: Any) -> str:
+    return "mask" if isinstance(positions, torch.Tensor) else repr(positions)
+
+
 def _dev(step: Any) -> torch.device:
     return step.device
+
+
+_KINDS = "'all', 'prompt', 'generated', an int (k: positions k and later; -k: the last k tokens) or a bool mask"
+
+
+def _check_scale(scale: Any) -> float:
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.is_floating_point():
+        scale = float(scale)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(
+            f"steer: scale must be a number, got {type(scale).__name__} {scale!r}"
+            + (
+                f"; pass scale={float(scale)}"
+                if isinstance(scale, str) and _is_number(scale)
+                else ""
+            )
+        )
+    if not math.isfinite(scale):
+        raise ValueError(f"steer: scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _check_positions(positions: Any) -> None:
+    if isinstance(positions, str) and positions not in _NAMED:
+        raise ValueError(f"steer: positions must be {_KINDS}; got {positions!r}")
+    if isinstance(positions, bool) or not isinstance(positions, (str, int, torch.Tensor)):
+        raise TypeError(f"steer: positions must be {_KINDS}; got {type(positions).__name__}")
+    if isinstance(positions, torch.Tensor) and (
+        positions.dtype != torch.bool or positions.dim() not in (1, 2)
+    ):
+        raise ValueError(
+            "steer: a positions mask must be a bool tensor [batch, positions] or [positions]; "
+            f"got {positions.dtype} of shape {tuple(positions.shape)}"
+        )
+
+
+def _check_vector(sel: Any, vec: Any, mode: str) -> None:
+    if not isinstance(vec, torch.Tensor) or vec.dim() != 1:
+        raise HookscopeError(
+            f"steer: the vector for {sel!r} must be a 1-D tensor (one value per feature); got "
+            f"{type(vec).__name__} {tuple(getattr(vec, 'shape', ()))}"
+        )
+    if not vec.is_floating_point():
+        raise HookscopeError(
+            f"steer: the vector for {sel!r} is {vec.dtype}; give a floating tensor (vector.float())"
+        )
+    if vec.device.type != "meta":
+        bad = ~torch.isfinite(vec)
+        if bool(bad.any()):
+            raise HookscopeError(
+                f"steer: the vector for {sel!r} has {int(bad.sum())} non-finite values "
+                f"(NaN or inf; first at index {int(bad.nonzero()[0, 0])}); steering with it "
+                "would make every steered value NaN/inf"
+            )
+        if mode == "ablate" and not bool(vec.any()):
+            raise HookscopeError(f"steer(mode='ablate'): the direction for {sel!r} is zero")
 
 
 def steer(
@@ -244,18 +330,26 @@ def steer(
     output (for a tuple output, to its first item, the hidden states), or with ``mode="ablate"``
     project the vector's direction out (``h - scale * (h·u) u``, ``u`` the unit vector).
 
-    Works in plain forwards and in ``model.generate()`` (dynamic or static KV cache, sampling,
-    beam search, a compiled model). ``positions`` selects the tokens, counted over the whole
-    sequence (prompt and generated tokens) per row, padding taken out:
+    Works in plain forwards and in ``model.generate()`` (see the generation guide for the caches
+    and architectures: dynamic, static and sliding-window caches, greedy, sampling and beam
+    search, state-space models, the decoder of an encoder–decoder model). ``positions`` selects
+    the tokens by their *position*: the number of real tokens before them in their row, counted
+    over the whole sequence (prompt and generated tokens), padding taken out:
 
     * ``"all"`` (the default): every position of every call (padded slots too; they are masked
-      out of attention, so real tokens see the same result);
+      out of attention, so real tokens see the same result); no token tracking;
     * ``"prompt"`` / ``"generated"``: the tokens of the first call of a sequence (the prompt) /
       the tokens ``generate`` adds;
-    * an int ``k``: token positions ``k`` and later (as ``steering-vectors``' ``min_token_index``,
+    * an int ``k >= 0``: positions ``k`` and later (as ``steering-vectors``' ``min_token_index``,
       but also for tokens generated with the KV cache);
+    * a negative int ``-k``: the last ``k`` tokens of each row in each call (``-1``: the last
+      token; in ``generate``: the prompt's last ``k`` tokens, then every generated token, which is
+      the last one when it is computed);
     * a bool mask ``[batch, positions]`` (or ``[positions]`` for every row): ``mask[b, p]``
       steers row ``b``'s ``p``-th token; positions past the mask's end are not steered.
+
+    On an encoder–decoder model, positions count the decoder's tokens; encoder layers take
+    ``positions="all"``. ``scale`` is a finite number; the vectors are finite floating tensors.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -268,27 +362,11 @@ def steer(
     check_model(model)
     if mode not in ("add", "ablate"):
         raise ValueError(f"steer: mode must be 'add' or 'ablate', got {mode!r}")
-    if isinstance(positions, str) and positions not in _NAMED:
-        raise ValueError(
-            f"steer: positions must be 'all', 'prompt', 'generated', an int or a bool mask; got {positions!r}"
-        )
-    if isinstance(positions, bool) or not isinstance(positions, (str, int, torch.Tensor)):
-        raise TypeError(
-            f"steer: positions must be 'all', 'prompt', 'generated', an int or a bool mask; got {type(positions).__name__}"
-        )
-    if isinstance(positions, torch.Tensor) and (
-        positions.dtype != torch.bool or positions.dim() not in (1, 2)
-    ):
-        raise ValueError(
-            f"steer: a positions mask must be a bool tensor [batch, positions] or [positions]; got {positions.dtype} of shape {tuple(positions.shape)}"
-        )
+    scale = _check_scale(scale)
+    _check_positions(positions)
     plan: list[tuple[str, nn.Module, torch.Tensor]] = []
     for sel, vec in vectors.items():
-        if not isinstance(vec, torch.Tensor) or vec.dim() != 1:
-            raise HookscopeError(
-                f"steer: the vector for {sel!r} must be a 1-D tensor (one value per feature); got "
-                f"{type(vec).__name__} {tuple(getattr(vec, 'shape', ()))}"
-            )
+        _check_vector(sel, vec, mode)
         for name, module in find(model, sel).items():
             plan.append((name, module, vec))
     scope = Steering()

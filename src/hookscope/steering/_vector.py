@@ -9,8 +9,10 @@ import torch
 import torch.nn as nn
 
 from ..core._capture import capture
-from ..core._errors import HookscopeError
+from ..core._compiled import named_modules, strip_compiled
+from ..core._errors import HookscopeError, LayerNotRunError
 from ..core._nested import first_tensor
+from ..core._random import random_draws, training_modules
 from ..core._scope import check_model, model_device
 from ..core._select import resolve
 from ..core._signature import accepts
@@ -30,7 +32,13 @@ def _ids(prompts: Any, tokenizer: Any, what: str) -> list[torch.Tensor]:
                     "or give token ids"
                 )
             p = tokenizer(p)["input_ids"]
-        t = torch.as_tensor(p, dtype=torch.long).flatten()
+        t = torch.as_tensor(p)
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise HookscopeError(
+                f"steering_vector: {what}[{i}] holds {t.dtype} values, not token ids; give "
+                "integer ids (a float id would be truncated to another token)"
+            )
+        t = t.to(torch.long).flatten()
         if t.numel() == 0:
             raise HookscopeError(f"steering_vector: {what}[{i}] has no tokens")
         out.append(t)
@@ -59,6 +67,11 @@ def steering_vector(
     ``train_steering_vector(model, tokenizer, pairs, layers=[i], read_token_index=read)`` computes
     for layer ``i`` of the decoder blocks; here layers are named as everywhere in hookscope.
 
+    Refused, each with one line naming the fix: a forward that draws random numbers (dropout in
+    training mode, asked of the run itself: call ``model.eval()``), token ids that are not
+    integers, a layer that does not run on the prompts, a model on the meta device, and a decoder
+    layer of an encoder–decoder model (the prompts are the encoder's input: read an encoder layer).
+
     Returns ``{layer: vector}`` (shape ``[features]``), ready for :func:`steer`.
 
     Example:
@@ -79,6 +92,7 @@ def steering_vector(
     if batch_size < 1:
         raise ValueError(f"steering_vector: batch_size must be >= 1, got {batch_size}")
     named = resolve(model, layers)
+    _check_runnable(model, named)
     pos_ids, neg_ids = _ids(positive, tokenizer, "positive"), _ids(negative, tokenizer, "negative")
     pad = getattr(tokenizer, "pad_token_id", None) or 0
     device = model_device(model)
@@ -103,11 +117,7 @@ def steering_vector(
             ids[i, : len(r)] = r
             mask[i, : len(r)] = 1
         ids, mask = ids.to(device), mask.to(device)
-        with capture(model, named, stop=True) as cap:
-            if with_mask:
-                model(input_ids=ids, attention_mask=mask)
-            else:
-                model(ids)
+        cap = _forward(model, named, ids, mask, with_mask, first=lo == 0)
         arange = torch.arange(len(rows), device=device)
         for name in named:
             h = first_tensor(cap[name])
@@ -119,3 +129,68 @@ def steering_vector(
             acts = h[arange, index.to(device)]
             diffs[name].append(acts[:half] - acts[half:])
     return {name: torch.cat(d).mean(dim=0) for name, d in diffs.items()}
+
+
+def _check_runnable(model: nn.Module, named: dict[str, nn.Module]) -> None:
+    """Refuse a model without values (meta) and the decoder layers of an encoder-decoder model."""
+    meta = next((n for n, p in model.named_parameters() if p.device.type == "meta"), None)
+    if meta is not None:
+        raise HookscopeError(
+            f"steering_vector: the model's parameters are on the meta device (e.g. {meta!r}), "
+            "which holds no values; load the weights first (model.to_empty(device=...) then "
+            "load_state_dict, or from_pretrained without a meta device map)"
+        )
+    root = strip_compiled(model)
+    if not getattr(getattr(root, "config", None), "is_encoder_decoder", False):
+        return
+    get = getattr(root, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    prefix = next((n for n, m in named_modules(model) if m is decoder and n), None)
+    inside = [
+        n for n in named if prefix is not None and (n == prefix or n.startswith(prefix + "."))
+    ]
+    if inside:
+        raise HookscopeError(
+            f"steering_vector: {inside[0]!r} is in the decoder ({prefix!r}) of the "
+            f"encoder-decoder {type(root).__name__}, whose tokens are the decoder_input_ids, "
+            "not the prompts; read a layer of the encoder (the prompts are its input), or "
+            "compute the mean difference with hs.capture over your own decoder inputs"
+        )
+
+
+def _forward(
+    model: nn.Module,
+    named: dict[str, nn.Module],
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    with_mask: bool,
+    first: bool,
+) -> Any:
+    """One forward over a batch of prompts, stopped after the last selected layer (the capture
+    is returned); the first batch checks that the run draws no random numbers."""
+    root = strip_compiled(model)
+    kwargs: dict[str, Any] = {"input_ids": ids}
+    if with_mask:
+        kwargs["attention_mask"] = mask
+    if getattr(getattr(root, "config", None), "is_encoder_decoder", False):
+        kwargs["decoder_input_ids"] = ids[:, :1]  # the encoder layers run first; stopped there
+    try:
+        with random_draws() as draws, capture(model, named, stop=True) as cap:
+            if with_mask or len(kwargs) > 1:
+                model(**kwargs)
+            else:
+                model(ids)
+    except LayerNotRunError:
+        raise LayerNotRunError(
+            f"steering_vector: layer(s) {', '.join(map(repr, cap.missing))} did not run in the "
+            "forward over the prompts; read a layer that runs on token ids (e.g. one of "
+            "hs.blocks(model))"
+        ) from None
+    if first and draws.drew:
+        modes = training_modules(model)
+        raise HookscopeError(
+            "steering_vector: the forward over the prompts draws random numbers (dropout in "
+            + (f"training mode: {', '.join(modes)}" if modes else "the forward")
+            + "), so every call would give another vector; call model.eval() first"
+        )
+    return cap

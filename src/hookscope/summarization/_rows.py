@@ -21,11 +21,25 @@ class SummaryRow:
     Shapes are in hookscope's one form (the same as :class:`TraceEvent`'s): a single tensor's
     shape as a list (``[2, 4]``); several tensors as ``{path: shape}``, where ``input_shapes``
     keys are positional paths (``"0"``, ``"1.h"``) and keyword names (``"attention_mask"``) and
-    ``output_shapes`` keys are paths into the output (``"0"``, ``"last_hidden_state"``). ``params``/``trainable`` count the module's own and
-    its children's parameters; ``shared_params`` of those were already counted by an earlier row
-    that is not an ancestor (tied weights, a repeated call): totals count them once. ``flops`` are
-    the FLOPs of operators run by this call itself, not inside a child row (so rows sum to the
-    total); ``time_ms`` is inclusive of children.
+    ``output_shapes`` keys are paths into the output (``"0"``, ``"last_hidden_state"``).
+
+    Attributes:
+        name: the module's dotted name (``""`` for the model itself; see :attr:`label`).
+        type: the module's class name.
+        depth: nesting depth (0 for the model).
+        call: which call of this module the row is (0 for its first).
+        calls: how many times the module was called in the forward.
+        input_shapes: shapes of the positional and keyword inputs.
+        output_shapes: shapes of the output (nested outputs too).
+        params: parameters of the module and its children.
+        trainable: of those, the ones that require a gradient.
+        shared_params: of ``params``, those already counted by an earlier row that is not an
+            ancestor (tied weights, a repeated call): totals count them once.
+        flops: FLOPs of the operators this call ran itself, not inside a child row (rows sum to
+            the total).
+        time_ms: wall time of the call, children included.
+        output_bytes: bytes of the output's tensors.
+        leaf: no child row below it (an innermost layer, or folded by ``depth=``).
     """
 
     name: str
@@ -54,8 +68,18 @@ class SummaryRow:
 class SummaryTotals:
     """Totals of a summary. Parameters are counted once each, however many modules share them.
 
-    ``activation_bytes`` sums the outputs of innermost rows; ``peak_memory_bytes`` is the extra
-    memory the forward needed at its peak (``peak_memory_measure`` says how it was measured).
+    Attributes:
+        params: parameters of the model.
+        trainable: of those, the ones that require a gradient.
+        flops: forward FLOPs (the sum of the rows).
+        param_bytes: bytes of the parameters.
+        buffer_bytes: bytes of the buffers.
+        activation_bytes: bytes of the outputs of the innermost rows.
+        peak_memory_bytes: the extra memory the forward needed at its peak.
+        peak_memory_measure: how ``peak_memory_bytes`` was measured (CUDA allocator or CPU
+            tensor tracking).
+        time_ms: wall time of the forward.
+        device: the device the forward ran on.
     """
 
     params: int

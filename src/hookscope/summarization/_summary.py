@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._buffers import buffers_kept
 from ..core._compiled import compiled_regions, named_modules
 from ..core._errors import HookscopeWarning, some_names
 from ..core._inventory import has_global_hooks
@@ -68,29 +69,20 @@ def make_inputs(input_size: Any, dtypes: Any, device: torch.device) -> list[torc
 
 @contextlib.contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
-    """Restore what one forward can change: buffers (BatchNorm statistics in train mode), the RNG,
+    """Restore what one forward can change: buffers (changed in place, e.g. BatchNorm statistics in
+    train mode, or reassigned), the RNG,
     and the MHA fast-path switch (turned off so sub-layers run through ``__call__``)."""
-    # Kernels such as batch_norm update running statistics without bumping _version: compare values.
-    bufs = (
-        [(b, b.detach().clone()) for b in model.buffers()]
-        if any(m.training for m in model.modules())
-        else []
-    )
     mha = getattr(torch.backends, "mha", None)
     fast = mha.get_fastpath_enabled() if mha is not None else None
     devices = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
     try:
         if mha is not None:
             mha.set_fastpath_enabled(False)
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), buffers_kept(model):
             yield
     finally:
         if mha is not None:
             mha.set_fastpath_enabled(fast)
-        with torch.no_grad():
-            for b, saved in bufs:
-                if not torch.equal(b, saved):
-                    b.copy_(saved)
 
 
 class _PreHook(_Hook):
@@ -115,7 +107,7 @@ class _PostHook(_Hook):
         self.fn(module, args, kw, output, self.name)
 
 
-class _Recorder:
+class _CallStack:
     """The hooks of one summary run: a stack of the module calls in progress, each recorded as a
     :class:`CallRecord`; the FLOP counter's sink follows the innermost one."""
 
@@ -232,14 +224,22 @@ def summary(
     ``max_memory_allocated`` over the forward, after resetting the peak counter; CPU: the peak of
     bytes of tensors created by the forward and alive at once, tracked at the dispatcher).
 
-    Give inputs as tensors/keywords, or ``input_size=(1, 3, 224, 224)`` (a list for several inputs)
-    with ``dtypes``. ``depth=N`` folds deeper rows into their ancestor at depth ``N`` (totals
-    unchanged); ``columns`` picks the table's columns (``"all"``, or from ``type, input, output,
-    params, trainable, flops, time, bytes``). The model is left as found: mode, device,
-    ``requires_grad``, buffers, RNG state, no hooks. The MHA fast path is off during the run so
-    attention sub-layers are shown and counted. An exception inside the model is re-raised with a
-    note naming the layer and the shapes it got. (``input_size``, ``dtypes``, ``depth`` and
-    ``columns`` are summary's own keywords; every other keyword goes to the model.)
+    The model is left as found: mode, device, ``requires_grad``, buffers, RNG state, no hooks. The
+    MHA fast path is off during the run so attention sub-layers are shown and counted. An
+    exception inside the model is re-raised with a note naming the layer and the shapes it got.
+
+    Args:
+        model: any ``nn.Module``.
+        inputs: the model's positional inputs (tensors or anything it takes).
+        input_size: instead of ``inputs``: a shape such as ``(1, 3, 224, 224)``, or a list of
+            shapes for several inputs; random tensors are made on the model's device.
+        dtypes: with ``input_size``: one dtype for every input, or one per input (default
+            ``float32``; an integer dtype gives random 0/1 values).
+        depth: fold rows deeper than ``depth`` into their ancestor at that depth (totals
+            unchanged).
+        columns: the table's columns: ``"all"``, or some of ``type, input, output, params,
+            trainable, flops, time, bytes``.
+        kwargs: keyword inputs of the model (every keyword other than the four above goes to it).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -278,7 +278,7 @@ def summary(
 
     warm_up()
     known = [*model.parameters(), *model.buffers(), *(t for _, t in iter_tensors((inputs, kwargs)))]
-    rec = _Recorder(OpCounter(known), next((t.device for t in known if t.is_cuda), None))
+    rec = _CallStack(OpCounter(known), next((t.device for t in known if t.is_cuda), None))
     dev = rec.cuda or device
     # leaf layers that may run natively, decided before our own hooks are on them
     rules = {} if has_global_hooks() else {id(m): native_rule(m) for m in model.modules()}

@@ -1,8 +1,8 @@
 """What autograd keeps for backward, per module: ``saved_tensors_hooks`` and a dispatch mode.
 
-:class:`SavedTensors` is the engine under :func:`hookscope.memory_profile`, in core because any
-product may want to know which layer saved what (it uses ``saved_tensors_hooks`` and a
-``TorchDispatchMode``, both process-wide states that belong with the hook engine):
+:class:`SavedTensors` is the engine under :func:`hookscope.memory_profile` (its only client): it
+uses ``saved_tensors_hooks`` and a ``TorchDispatchMode``, both process-wide states, and registers
+its module hooks through core's :class:`~hookscope.core._scope.HookScope` like every product:
 
 * every tensor autograd saves during the forward pass (the pack hook of
   :func:`torch.autograd.graph.saved_tensors_hooks`) is recorded as a :class:`SaveEvent`: its
@@ -28,7 +28,6 @@ about the run changes.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +35,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._compiled import named_modules, region_of
-from ._nested import iter_tensors
-from ._scope import HookScope, _Hook, graph_task_id
+from ..core._compiled import named_modules, region_of
+from ..core._nested import iter_tensors
+from ..core._scope import HookScope, _Hook, graph_task_id
 
 __all__ = ["CallInputs", "SaveEvent", "SavedTensors", "storage_key"]
 
@@ -91,15 +90,16 @@ class _Pre(_Hook):
 class _Post(_Hook):
     """Forward hook (``always_call``): pop the module."""
 
-    __slots__ = ("name", "stack")
+    __slots__ = ("name", "stack", "starts")
 
     def __init__(self, rec: SavedTensors, name: str) -> None:
-        self.stack, self.name, self.fn = rec.stack, name, None
+        self.stack, self.starts, self.name, self.fn = rec.stack, rec.starts, name, None
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         stack = self.stack
         if stack and stack[-1] == self.name and graph_task_id() == -1:
             stack.pop()
+            self.starts.pop()
 
 
 class SavedTensors:
@@ -114,12 +114,16 @@ class SavedTensors:
         self.calls: list[CallInputs] = []
         self.call_counts: dict[str, int] = {}
         self.flops: dict[str, int] = {}
-        self.param_keys = {
-            k[0]
-            for t in [*model.parameters(), *model.buffers()]
-            if (k := storage_key(t)) is not None
+        self.buffer_keys = {k[0] for t in model.buffers() if (k := storage_key(t)) is not None}
+        self.param_keys = self.buffer_keys | {
+            k[0] for t in model.parameters() if (k := storage_key(t)) is not None
         }
         self.stack: list[str] = []
+        self.starts: list[int] = []  # per stack entry: the generation of its first new storage
+        # modules that checkpointing would make wrong (an input changed in place...): the reason
+        self.unsafe: dict[str, str] = {}
+        # storage (with generation) -> modules whose calls took it as a positional input
+        self._takers: dict[tuple[torch.device, int, int], list[str]] = {}
         self.scope = HookScope("memory_profile")
         self.ops = ops
         self.backward_ops = backward_ops  # keep the dispatch mode on in backward (peak there)
@@ -134,7 +138,7 @@ class SavedTensors:
         # storage address -> generation of the storage now there (the dispatch mode numbers each
         # new storage): a transient input freed and its address reused is another storage
         self._gen: dict[tuple[torch.device, int], int] = {}
-        self._gens = itertools.count(1)
+        self._next_gen = 1
         self._mode: Any = None
         self._hooks: Any = None
 
@@ -151,6 +155,7 @@ class SavedTensors:
 
     def _enter_call(self, name: str, args: Any) -> None:
         self.stack.append(name)
+        self.starts.append(self._next_gen)
         self.call_counts[name] = self.call_counts.get(name, 0) + 1
         call = CallInputs(name, tuple(self.stack))
         params, gen, inputs = self.param_keys, self._gen, call.inputs
@@ -161,8 +166,41 @@ class SavedTensors:
         for t in tensors:
             k = storage_key(t)
             if k is not None and k[0] not in params:
-                inputs.append(((*k[0], gen.get(k[0], 0)), k[1]))
+                key = (*k[0], gen.get(k[0], 0))
+                inputs.append((key, k[1]))
+                self._takers.setdefault(key, []).append(name)
         self.calls.append(call)
+
+    # -- in-place writes (dispatch mode) ----------------------------------------------------------
+    def _written(self, t: torch.Tensor) -> None:
+        """An operation of the forward wrote ``t`` in place. Every running module call that did
+        not create its storage, and every finished call that took it as an input, would recompute
+        from the changed value under checkpointing: they are marked unsafe. Buffers are left out
+        (``apply_checkpointing`` replays them exactly)."""
+        k = storage_key(t)
+        if k is None or k[0] in self.buffer_keys:
+            return
+        unsafe, stack = self.unsafe, self.stack
+        if k[0] in self.param_keys:
+            for name in stack:
+                unsafe.setdefault(name, "changes a parameter in place in its forward")
+            return
+        gen = self._gen.get(k[0], 0)
+        for name, start in zip(stack, self.starts):
+            if gen < start:  # the storage is older than this call: an input, or outside state
+                unsafe.setdefault(
+                    name,
+                    "changes in place a tensor it did not create (its input), so its "
+                    "recompute would start from the changed value",
+                )
+        writer = stack[-1] if stack else ""
+        for name in self._takers.get((*k[0], gen), ()):
+            if name not in stack:
+                unsafe.setdefault(
+                    name,
+                    f"its input is changed in place after its call (by {writer!r}), so "
+                    "its recompute would start from the changed value",
+                )
 
     # -- saved tensors ----------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -234,7 +272,8 @@ class SavedTensors:
         ref = weakref.ref(st, self._free)
         self._seen[key] = ref
         self._refs[ref] = (key, n)
-        self._gen[key] = next(self._gens)
+        self._gen[key] = self._next_gen
+        self._next_gen += 1
         live = self.live = self.live + n
         if self.phase == "forward":
             if live > self.peak_forward:
@@ -252,9 +291,9 @@ class SavedTensors:
 
 
 # How the dispatch mode treats an operation, decided once per operation overload (``_kind``):
-# ``(flops, data, new)``: how to count its FLOPs, the matmul index or FLOP rule, and whether its
-# outputs may be new storages (not for a view, nor for an in-place op: it writes a storage that
-# exists)
+# ``(flops, data, new, writes)``: how to count its FLOPs, the matmul index or FLOP rule, whether
+# its outputs may be new storages (not for a view, nor for an in-place op: it writes a storage
+# that exists), and which arguments it writes in place
 _NONE = 0  # a view (or an alias): no FLOPs
 _NUMEL = 1  # no FLOP rule: one FLOP per output element
 _RULE = 2  # a rule of torch.utils.flop_counter
@@ -263,11 +302,26 @@ _MM = 3  # a matmul: 2 * numel(a) * columns(b), what torch.utils.flop_counter co
 _MATMUL = {"mm": 0, "addmm": 1, "bmm": 0, "baddbmm": 1}
 # views that the dispatcher does not mark as such
 _NO_COMPUTE = {"_unsafe_view", "alias", "detach", "lift_fresh"}
-_kinds: dict[Any, tuple[int, Any, bool]] = {}
+# ``writes``: the arguments it writes in place (its schema's ``Tensor(a!)`` ones), as positions and
+# keyword names, or None
+_Writes = tuple[tuple[int, ...], tuple[str, ...]] | None
+_kinds: dict[Any, tuple[int, Any, bool, _Writes]] = {}
 
 
-def _kind(func: Any) -> tuple[int, Any, bool]:
-    """``(flops, data, new)`` of an operation overload (see above), decided once."""
+def _written_args(func: Any) -> _Writes:
+    schema = func._schema
+    if not schema.is_mutable:
+        return None
+    where = [
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+    return (tuple(i for i, _ in where), tuple(n for _, n in where)) if where else None
+
+
+def _kind(func: Any) -> tuple[int, Any, bool, _Writes]:
+    """``(flops, data, new, writes)`` of an operation overload (see above), decided once."""
     got = _kinds.get(func)
     if got is None:
         from torch.utils.flop_counter import flop_registry
@@ -276,14 +330,15 @@ def _kind(func: Any) -> tuple[int, Any, bool]:
         name = packet.__name__
         view = bool(getattr(func, "is_view", False)) or name in _NO_COMPUTE
         inplace = not view and func._schema.is_mutable and name.endswith("_")
+        writes = _written_args(func)
         if name in _MATMUL:
-            got = (_MM, _MATMUL[name], True)
+            got = (_MM, _MATMUL[name], True, writes)
         elif packet in flop_registry:
-            got = (_RULE, flop_registry[packet], not inplace)
+            got = (_RULE, flop_registry[packet], not inplace, writes)
         elif view:
-            got = (_NONE, None, False)
+            got = (_NONE, None, False, writes)
         else:
-            got = (_NUMEL, None, not inplace)
+            got = (_NUMEL, None, not inplace, writes)
         _kinds[func] = got
     return got
 
@@ -306,6 +361,13 @@ def _make_mode(rec: SavedTensors) -> Any:
                 self.rec, self.new_storage = rec, rec._new_storage
                 self.flops, self.stack = rec.flops, rec.stack
 
+            def wrote(self, writes: Any, args: Any, kwargs: Any) -> None:
+                positions, names = writes
+                for i, name in zip(positions, names):
+                    t = args[i] if i < len(args) else (kwargs or {}).get(name)
+                    for _, x in iter_tensors(t):
+                        self.rec._written(x)
+
             @classmethod
             def _should_skip_dynamo(cls) -> bool:
                 # no ``torch._disable_dynamo`` wrapper around every call: the mode never runs in
@@ -316,7 +378,9 @@ def _make_mode(rec: SavedTensors) -> Any:
                 self, func: Any, types: Any, args: Any = (), kwargs: Any = None
             ) -> Any:
                 out = func(*args, **kwargs) if kwargs else func(*args)
-                kind, data, new = _kinds.get(func) or _kind(func)
+                kind, data, new, writes = _kinds.get(func) or _kind(func)
+                if writes is not None and self.rec.phase == "forward":
+                    self.wrote(writes, args, kwargs)
                 single = out.__class__ is Tensor
                 if new:
                     if single:

@@ -13,7 +13,7 @@ the reference run (with ``use_cache=True``) returned a ``transformers`` ``Dynami
 on the inputs sliced to ``p0..T-1`` (``input_ids``, ``inputs_embeds``, ``token_type_ids``,
 ``position_ids``; the ``attention_mask`` stays full length, Hugging Face's convention for a cache
 plus new tokens) with a fresh cache of the reference keys and values before ``p0``. A cache layer
-tiles its rows when a pass runs ``k`` copies of the batch from some block on (``_rows.FanOut``).
+tiles its rows when a pass runs ``k`` copies of the batch from some block on (``_batching.FanOut``).
 :meth:`CausalPrefix.rebuild` puts the reference run's first ``p0`` positions back in front of each
 output tensor, so a caller sees what a full run gives. Callers check the first pass against a full
 run and fall back where it differs: the conditions above are necessary, not a proof.
@@ -27,10 +27,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ._compiled import is_optimized, named_modules
-from ._nested import iter_tensors, map_tensors
-from ._rows import tile
-from ._signature import forward_parameters
+from ..core._compiled import is_optimized, named_modules
+from ..core._errors import HookscopeError
+from ..core._nested import iter_tensors, map_tensors
+from ..core._signature import forward_parameters
+from ._batching import tile
 
 __all__ = ["CausalPrefix", "PrefixError", "drop_cache", "wants_cache"]
 
@@ -39,8 +40,9 @@ _SLICED = ("input_ids", "inputs_embeds", "token_type_ids", "position_ids")
 _KEPT = ("attention_mask", "use_cache", "past_key_values")
 
 
-class PrefixError(Exception):
-    """A pass from ``p0`` cannot be built or its output cannot be rebuilt (the caller falls back)."""
+class PrefixError(HookscopeError):
+    """A pass from ``p0`` cannot be built or its output cannot be rebuilt (the sweep falls back to
+    full-length passes, with a warning)."""
 
 
 def wants_cache(model: nn.Module, kwargs: dict[str, Any]) -> bool:

@@ -1,18 +1,19 @@
-"""Sweeps as one batched job: pack variants into the rows of a pass, chunked by a memory budget.
+"""A layer's sites as one batched job: pack sites into the rows of a pass, chunked by a budget.
 
-A sweep runs the model many times on the same batch of ``B`` rows with one small change each
-(a patched site, a steering strength). Instead of one forward per change, ``k`` changes go into
-one pass of ``k * B`` rows, laid out change-major: rows ``[j*B, (j+1)*B)`` are change ``j``
-(:func:`tile`). :func:`plan` picks ``k`` from a budget in bytes (or a number of rows).
+A sweep runs the model many times on the same batch of ``B`` rows with one site patched each.
+Instead of one forward per site, ``k`` sites go into one pass of ``k * B`` rows, laid out
+site-major: rows ``[j*B, (j+1)*B)`` are site ``j`` (:func:`tile`). :func:`plan` picks ``k`` from
+a budget in bytes (or a number of rows); :func:`plan_from` groups the sites of a causal model by
+the first position they change.
 
 :class:`FanOut` goes further: the model runs on the ``B`` rows only up to the module where the
-changes start, since what comes before cannot differ between them; there it tiles the values to
+rows start, since what comes before cannot differ between sites; there it tiles the values to
 ``k * B`` rows, and forward-pre hooks on every module called later from the frames still running
 (the later blocks, the final norm, the head) tile any argument whose leading dimension is ``B``
 (attention masks, position embeddings). No per-architecture code: a model that computes
 something from the ``B`` rows outside a module call and mixes it in later gets a shape error
 (``B`` and ``k * B`` rows do not broadcast for ``B > 1``; for ``B == 1`` broadcasting gives the
-same values), so callers catch errors and fall back to tiling the model's inputs.
+same values), so callers check a batched pass against one site alone and fall back.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from ._compiled import named_modules
-from ._nested import map_tensors
-from ._scope import HookScope
+from ..core._nested import map_tensors
+from ..core._scope import HookScope
 
 __all__ = ["FanOut", "default_budget", "later_callees", "plan", "plan_from", "tile"]
 
@@ -101,27 +101,26 @@ def plan_from(
     bytes_per_row: Callable[[int], int],
     rows: int | None = None,
     budget: int,
-    overhead: float | None = None,
     shared: float = 0.0,
 ) -> list[tuple[int, list[int]]]:
     """Group changes into passes that each run positions ``p0..length-1`` only, ``p0`` the
     smallest first position touched (``firsts[i]``) among a pass's changes (a causal model: the
     positions before are the reference run's). Returns ``(p0, [change indices])`` per pass.
 
-    A pass costs ``overhead + (k + shared) * (length - p0)`` row-positions per batch row
-    (``overhead`` defaults to ``length / 4``: a pass's fixed cost; ``shared``: what every pass
+    A pass costs ``length / 4 + (k + shared) * (length - p0)`` row-positions per batch row
+    (``length / 4``: a pass's fixed cost; ``shared``: what every pass
     computes once whatever its ``k``, e.g. the blocks before the rows fan out, in units of one
     change's rows); changes sorted by first position are cut
     into the passes of least total cost (a dynamic programme over the groups of one first
     position), each holding at most ``rows // batch`` changes, or as many as fit ``budget`` at
     ``bytes_per_row(p0)``.
 
-    >>> plan_from([0, 3, 3, 1], 4, 1, bytes_per_row=lambda p: 1, budget=2, overhead=0)
-    [(0, [0]), (1, [3]), (3, [1, 2])]
+    >>> plan_from([0, 3, 3, 1], 4, 1, bytes_per_row=lambda p: 1, budget=2)
+    [(0, [0, 3]), (3, [1, 2])]
     """
     if rows is not None and rows < 1:
         raise ValueError(f"rows must be >= 1 (rows per pass), got {rows}")
-    cost0 = length / 4 if overhead is None else overhead
+    cost0 = length / 4  # a pass's fixed cost (calibrated on GPT-2, benchmarks/README.md)
 
     def kmax(p: int) -> int:
         if rows is not None:
@@ -161,7 +160,8 @@ def plan_from(
 
 
 class FanOut:
-    """Run ``batch`` rows up to module ``start``, then ``k * batch`` rows from there on.
+    """Run ``batch`` rows up to module ``start``, then ``k * batch`` rows from there on
+    (``modules``: the model's modules by name, as ``core._compiled.named_modules`` gives them).
 
     With ``at="input"`` the tiling happens in a forward-pre hook of ``start`` (its inputs), with
     ``at="output"`` in a forward hook (its output). Forward-pre hooks (``with_kwargs``) on every
@@ -173,7 +173,7 @@ class FanOut:
 
     def __init__(
         self,
-        model: nn.Module,
+        modules: dict[str, nn.Module],
         start: str,
         batch: int,
         scope: HookScope,
@@ -182,7 +182,6 @@ class FanOut:
     ) -> None:
         self.batch, self.k, self.active = batch, 1, False
         self.memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        modules = dict(named_modules(model))
         if at == "input":
             scope.add_forward_pre(modules[start], self._start_pre, layer=start, with_kwargs=True)
         else:
@@ -244,6 +243,6 @@ def later_callees(modules: dict[str, nn.Module], start: str) -> list[str]:
 
     for i in range(len(parts)):
         anc = ".".join(parts[:i])
-        if anc in path and not (anc and isinstance(modules[anc], _CONTAINERS)):
+        if not (anc and isinstance(modules[anc], _CONTAINERS)):
             visit(anc)
     return out

@@ -1,0 +1,187 @@
+"""The hooks of one logged step of :class:`~hookscope.monitor.Monitor`.
+
+Each is a hot :class:`~hookscope.core._scope._Hook` subclass (PyTorch calls it directly, no extra
+frame) holding a :class:`StepHooks`: what the hooks of one logged step share, and where they
+write. Nothing here holds the monitor or the model, so the model can be freed while hooks exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core._nested import iter_tensors
+from ..core._recompute import Recomputes
+from ..core._scope import HookScope, _Hook, in_backward
+from ..core._sharded import local
+from ._sharded import TPLayouts
+from ._stats import Scratch, Vec, act_stats, grad_stats
+
+__all__ = ["LayerHook", "MarkHook", "PassHook", "ScaleHook", "StepHooks", "StepState"]
+
+
+class StepState:
+    """What the hooks of one logged step write (holds no module, so nothing keeps the model alive)."""
+
+    def __init__(self) -> None:
+        # calls of each layer in the current forward pass (reset when a micro-batch starts)
+        self.counts: dict[str, int] = {}
+        # per layer call, one entry per micro-batch of the optimizer step
+        self.acts: dict[str, list[tuple[int, Vec, torch.Tensor | None]]] = {}
+        self.grads: dict[str, list[Vec]] = {}
+        self.kinds: dict[str, str] = {}  # tensor parallel: "shard" / "replicate" per layer call
+        self.passes = 0
+        self.scale: torch.Tensor | None = None
+        self.scaler_states: Any = None
+
+    def new_pass(self) -> None:
+        """A micro-batch starts: layer calls are numbered from 0 again."""
+        self.counts.clear()
+        self.passes += 1
+
+
+def _first_float(output: Any) -> torch.Tensor | None:
+    return next((t for _, t in iter_tensors(output) if t.is_floating_point()), None)
+
+
+@dataclass(slots=True)
+class StepHooks:
+    """What every hook of one logged step shares: the settings, the state it writes, the scope
+    (for gradient hooks on activations) and the on/off gate of :meth:`Monitor.pause`."""
+
+    scope: HookScope
+    state: StepState
+    gate: list[bool]  # [False] while the monitor is paused; shared by every step's hooks
+    acts: bool  # activation statistics
+    grads: bool  # output-gradient statistics
+    scratch: Scratch
+    margin: float = 0.0  # saturation margin
+    bins: int = 0  # histogram bins (0: none)
+    scaler: Any = None
+    layouts: TPLayouts | None = None  # tensor parallel: the layout of each layer's output
+    # reentrant checkpointing: forward calls waiting for their recompute (docs/pitfalls.md §27)
+    recomputes: Recomputes = field(default_factory=Recomputes)
+
+    def note_scale(self) -> None:
+        """Remember the GradScaler's scale of this backward (once), to report gradients unscaled."""
+        state, scaler = self.state, self.scaler
+        if state.scale is None and scaler is not None:
+            s = getattr(scaler, "_scale", None)
+            state.scale = s.detach().clone() if s is not None else torch.ones(())
+            state.scaler_states = getattr(scaler, "_per_optimizer_states", None)
+
+
+class _GradStats:
+    """Gradient hook on a layer's output: files the gradient's statistics under the call's key."""
+
+    __slots__ = ("hooks", "key")
+
+    def __init__(self, hooks: StepHooks, key: str) -> None:
+        self.hooks, self.key = hooks, key
+
+    def __call__(self, g: torch.Tensor) -> None:
+        self.hooks.note_scale()
+        stats = grad_stats(g if type(g) is torch.Tensor else local(g))
+        self.hooks.state.grads.setdefault(self.key, []).append(stats)
+
+
+class LayerHook(_Hook):
+    """Forward hook of a monitored layer: activation statistics of its first floating output, and
+    a gradient hook on that output."""
+
+    __slots__ = ("bounds", "hooks", "name")
+
+    def __init__(self, hooks: StepHooks, name: str, bounds: tuple[float, float] | None) -> None:
+        # _Hook's other fields are set by HookScope when the hook is registered
+        self.fn = None  # type: ignore[assignment]
+        self.hooks, self.name, self.bounds = hooks, name, bounds
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        h = self.hooks
+        if not h.gate[0]:  # paused
+            return
+        if in_backward():  # activation checkpointing re-running forward
+            self._recompute(output)
+            return
+        t = _first_float(output)
+        if t is None:
+            return
+        state, name = h.state, self.name
+        call = state.counts.get(name, 0)
+        state.counts[name] = call + 1
+        key = name if call == 0 else f"{name}#{call}"
+        if h.layouts is not None:  # tensor parallel: sharded or replicated output
+            state.kinds[key] = h.layouts.kind(name, module, args, t)
+        if h.acts:
+            x = t if type(t) is torch.Tensor else local(t)  # DTensor: this rank's shard
+            v, hist = act_stats(x, self.bounds, h.margin, h.bins, h.scratch)
+            state.acts.setdefault(key, []).append((x.numel(), v, hist))
+        if h.grads and t.requires_grad:
+            h.scope.add_activation_grad_hook(t, _GradStats(h, key), layer=name)
+        elif h.grads:  # inside a reentrant checkpoint: hooked on the recompute
+            h.recomputes.note(name, output, key)
+
+    def _recompute(self, output: Any) -> None:
+        """Reentrant checkpointing: the gradient flows through the recompute, so the gradient
+        hook goes there, filed under the key of the first forward's call."""
+        h = self.hooks
+        if not (h.grads and h.recomputes.pending):
+            return
+        key = h.recomputes.claim(self.name, output)
+        if key is not None:
+            t = _first_float(output)
+            if t is not None and t.requires_grad:
+                h.scope.add_activation_grad_hook(t, _GradStats(h, key), layer=self.name)
+
+
+class MarkHook(_Hook):
+    """Forward hook of a module a tensor-parallel plan names, outside the monitored layers: it
+    marks its output's layout (sharded or replicated) for the layers after it."""
+
+    __slots__ = ("hooks", "name")
+
+    def __init__(self, hooks: StepHooks, name: str) -> None:
+        self.fn = None  # type: ignore[assignment]
+        self.hooks, self.name = hooks, name
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        h = self.hooks
+        if in_backward() or not h.gate[0] or h.layouts is None:
+            return
+        t = _first_float(output)
+        if t is not None:
+            h.layouts.kind(self.name, module, args, t)
+
+
+class PassHook(_Hook):
+    """Forward pre-hook of the model: each call starts a micro-batch (as ``Monitor.micro_batch``,
+    which this hook cannot call: it holds no reference to the monitor or the model)."""
+
+    __slots__ = ("hooks",)
+
+    def __init__(self, hooks: StepHooks) -> None:
+        self.fn = None  # type: ignore[assignment]
+        self.hooks = hooks
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        h = self.hooks
+        if h.gate[0] and not in_backward():
+            h.state.new_pass()
+            if h.layouts is not None:
+                h.layouts.reset()
+
+
+class ScaleHook(_Hook):
+    """Post-accumulate-grad hook of a parameter: notes the GradScaler's scale of this backward."""
+
+    __slots__ = ("hooks",)
+
+    def __init__(self, hooks: StepHooks) -> None:
+        self.fn = None  # type: ignore[assignment]
+        self.hooks = hooks
+
+    def __call__(self, param: torch.Tensor) -> None:
+        self.hooks.note_scale()
