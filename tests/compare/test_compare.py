@@ -219,8 +219,9 @@ def test_each_module_runs_once_in_the_replay_whatever_the_depth():
     b_leaf.weight.data.mul_(1.01)
     calls["n"] = 0
     r = hs.compare(deep, b, torch.randn(2, 4), loss_fn=lambda o: o.sum())
-    # A: one run + one replay for its parameter gradients; B: one run + one replay
-    assert calls["n"] == 4
+    # A: one run; B: one run + one replay (A's module, called once, needs no replay: its local
+    # parameter gradients are the run's .grad)
+    assert calls["n"] == 3
     assert r.culprit == ".".join(["0"] * 8)
 
 
@@ -243,3 +244,16 @@ def test_report_renders_as_table_dict_and_plot():
     console = Console(record=True, width=200)
     console.print(r)
     assert "culprit '3'" in console.export_text()
+
+
+def test_a_module_called_twice_gets_its_parameter_gradients_per_call():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    a = nn.Sequential(lin, nn.Tanh(), lin)  # one module, two calls: a shared weight
+    b = copy.deepcopy(a)
+    b[0].__class__ = BadBackwardLinear  # the copy keeps the sharing: both calls are off
+    r = hs.compare(a, b, torch.randn(3, 4), loss_fn=lambda o: o.pow(2).sum())
+    assert [x.label for x in r.rows] == ["<root>", "0", "1", "0#1"]
+    assert r.row("0", 0).local_grad_error == pytest.approx(0.5, rel=1e-6)
+    assert r.row("0", 1).local_grad_error == pytest.approx(0.5, rel=1e-6)
+    assert r.culprit == "0" and r.culprits == ["0", "0#1"]

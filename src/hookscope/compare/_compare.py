@@ -149,25 +149,28 @@ class _Job:
         if not self.grads or got.in_grads is None or ca.in_grad is None:
             return
         errs = [rel_pairs(list(zip(ca.in_grad, got.in_grads))), *got.child_grad_errors]
-        if got.param_grads and self.rep_a is not None:
+        once = (ca.name, 1) not in self.ra.by_key
+        direct = got.param_grads and all("." not in n for n in got.param_grads)
+        pre = f"{ca.name}." if ca.name else ""
+        if (
+            got.param_grads
+            and once
+            and direct
+            and not any(pre + n in self.shared for n in got.param_grads)
+        ):
+            # a module called once whose own parameters no other module uses: its local
+            # parameter gradients are the whole run's .grad of A (no replay of A needed)
+            errs.append(
+                rel_pairs(
+                    [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
+                )
+            )
+        elif got.param_grads and self.rep_a is not None:
             ref = self._run(self.rep_a, i, True, r)
             if ref is not None and ref.param_grads is not None:
                 errs.append(
                     rel_pairs([(ref.param_grads.get(n), g) for n, g in got.param_grads.items()])
                 )
-        elif got.param_grads and (ca.name, 1) not in self.ra.by_key:
-            # a recorded A: a module called once, whose own parameters no other module uses,
-            # gets its local parameter gradients checked against the recorded run's .grad
-            pre = f"{ca.name}." if ca.name else ""
-            errs.append(
-                rel_pairs(
-                    [
-                        (self.ra.param_grads.get(pre + n), g)
-                        for n, g in got.param_grads.items()
-                        if "." not in n and pre + n not in self.shared
-                    ]
-                )
-            )
         r.local_grad_error = _worst(errs)
 
     def _verdict(self, i: int, r: CompareRow) -> None:
@@ -215,15 +218,16 @@ class _Job:
 
 
 def _shared_params(ra: RunRecord, b: nn.Module | None) -> set[str]:
-    """A's names of parameters that several modules of B hold (tied weights)."""
-    if b is None or ra.modules is not None:
+    """Names of parameters that several modules hold (tied weights), in A (live) or B."""
+    model = ra.modules.get("") if ra.modules is not None else b
+    if model is None:
         return set()
     owners: dict[int, int] = {}
-    for _, m in named_modules(b):
+    for _, m in named_modules(model):
         for p in m.parameters(recurse=False):
             owners[id(p)] = owners.get(id(p), 0) + 1
     shared = set()
-    for mname, m in named_modules(b):
+    for mname, m in named_modules(model):
         for pname, p in m.named_parameters(recurse=False):
             if owners[id(p)] > 1:
                 shared.add(f"{mname}.{pname}" if mname else pname)

@@ -1,0 +1,186 @@
+"""hs.compare and hs.record: their cost against plain steps, and how often each way of diffing two
+runs names the faulty module on the fault suite.
+
+Models: the fault suite's (``tests/helpers/faults.py``): a 2-layer Llama decoder (hidden 64,
+GQA 4/2 heads, RoPE, RMSNorm; 2x12 tokens), a BatchNorm CNN (4x3x16x16) and a 2-layer ViT
+(hidden 32, 2x3x16x16). CPU, one intra-op thread, contenders interleaved (``_timing``).
+
+Cost: one plain forward+backward of A plus one of B (a bf16 copy) against ``hs.compare(a, b,
+loss_fn=...)`` (goal: <= 3x), and one plain step against the same step inside ``hs.record``
+(goal: <= 1.5x plus the writing).
+
+Detection: for each fault (fp32 B, and bf16 B where the fault is one in bf16), whether
+``report.culprit`` is the faulty module; whether the hand-written per-layer output diff (the
+first module, in the order outputs are produced, whose relative output error exceeds a guessed
+threshold: 1e-4 for fp32 pairs, 1e-2 for bf16 pairs) is; whether PyTorch DebugMode's
+``check_hash_mismatches`` (first mismatching operator, attributed to the module it ran in) is.
+
+Run: ``.venv/bin/python benchmarks/bench_compare.py [--rounds 5] [--skip-cost] [--skip-faults]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+import hookscope as hs
+from _timing import interleaved, table
+from helpers.faults import FAULTS, MODELS, faulty
+
+
+def _step(model, inputs, kwargs, loss):
+    model.zero_grad(set_to_none=True)
+    loss(model(*inputs, **kwargs)).backward()
+
+
+def _llama_wide():
+    """A Llama decoder where compute, not per-call overhead, dominates: 4 layers, hidden 512,
+    2x256 tokens."""
+    from helpers.faults import _reinit
+    from helpers.lm import tiny_llama
+
+    model = _reinit(tiny_llama(n_layer=4, hidden=512, heads=8, kv_heads=2), 0)
+    model.config.max_position_embeddings = 512
+    ids = torch.randint(3, 40, (2, 256), generator=torch.Generator().manual_seed(1))
+    return model, (ids,), {"use_cache": False}, lambda o: o.logits.float().logsumexp(-1).mean()
+
+
+def _cost_row(name: str, build, rounds: int) -> list[str]:
+    a, inputs, kwargs, loss = build()
+    b = copy.deepcopy(a).to(torch.bfloat16)
+    b_in = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in inputs)
+
+    def plain_ab():
+        _step(a, inputs, kwargs, loss)
+        _step(b, b_in, kwargs, loss)
+
+    def compare():
+        hs.compare(a, b, *inputs, loss_fn=loss, **kwargs)
+
+    def plain_a():
+        _step(a, inputs, kwargs, loss)
+
+    def record():
+        a.zero_grad(set_to_none=True)
+        with tempfile.TemporaryDirectory() as d, hs.record(a, d):
+            loss(a(*inputs, **kwargs)).backward()
+        a.zero_grad(set_to_none=True)
+
+    t = interleaved({"ab": plain_ab, "compare": compare, "a": plain_a, "record": record}, rounds)
+    return [
+        name, f"{t['ab'] * 1e3:.1f}", f"{t['compare'] * 1e3:.1f}", f"{t['compare'] / t['ab']:.1f}x",
+        f"{t['a'] * 1e3:.1f}", f"{t['record'] * 1e3:.1f}", f"{t['record'] / t['a']:.1f}x",
+    ]  # fmt: skip
+
+
+def cost(rounds: int) -> None:
+    models = [*MODELS.items(), ("llama wide (4x512, 256 tokens)", _llama_wide)]
+    rows = [_cost_row(name, build, rounds) for name, build in models]
+    print(table(
+        ["model", "A+B fwd+bwd ms", "compare ms", "compare / A+B", "A fwd+bwd ms", "record ms",
+         "record / A"], rows))  # fmt: skip
+
+
+def _diff_verdict(report, threshold: float) -> str | None:
+    over = sorted(
+        (r.end, r.name) for r in report.rows if r.error is not None and r.error > threshold
+    )
+    return over[0][1] if over else None
+
+
+def _debugmode_verdict(a, b, inputs, b_in, kwargs, loss) -> str | None:
+    from torch.utils._debug_mode import DebugMode
+
+    logs = []
+    for m, x in ((a, inputs), (b, b_in)):
+        m.zero_grad(set_to_none=True)
+        with DebugMode(record_nn_module=True) as dm, DebugMode.log_tensor_hashes():
+            loss(m(*x, **kwargs)).backward()
+        logs.append(dm.logs)
+        m.zero_grad(set_to_none=True)
+    if not DebugMode.check_hash_mismatches(logs[0], logs[1]):
+        return None  # raises ValueError when the operator sequences differ
+    where: dict[int, str] = {}
+    for x, y in zip(logs[0], logs[1]):
+        if type(x).__name__ == "_AnnotateCall":
+            where[x.call_depth] = str(x).split("] ", 1)[-1].strip()
+            continue
+        if type(x).__name__ != "_OpCall" or not getattr(x, "log", None):
+            continue
+        if x.log.get("hash") != y.log.get("hash"):
+            module = where.get(x.call_depth - 1, "")
+            return module.split(".", 1)[1] if "." in module else ""
+    return None
+
+
+def faults() -> None:
+    rows, score = [], {"compare": 0, "diff": 0, "debugmode": 0, "cases": 0}
+    secs = {"compare": 0.0, "diff": 0.0, "debugmode": 0.0}
+    built = {k: f() for k, f in MODELS.items()}
+    for fault in FAULTS:
+        a, inputs, kwargs, loss = built[fault.model]
+        for variant in ("fp32", "bf16"):
+            if variant == "bf16" and not fault.bf16:
+                continue
+            b = faulty(a, fault)
+            if variant == "bf16":
+                b = b.to(torch.bfloat16)
+            t0 = time.perf_counter()
+            r = hs.compare(a, b, *inputs, loss_fn=loss, **kwargs)
+            secs["compare"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            b_in = [
+                t.to(torch.bfloat16) if variant == "bf16" and t.is_floating_point() else t
+                for t in inputs
+            ]
+            with hs.capture(a, dict(a.named_modules())), hs.capture(b, dict(b.named_modules())):
+                a(*inputs, **kwargs)
+                b(*b_in, **kwargs)
+            secs["diff"] += time.perf_counter() - t0
+            diff = _diff_verdict(r, 1e-4 if variant == "fp32" else 1e-2)
+            t0 = time.perf_counter()
+            try:
+                dm = _debugmode_verdict(a, b, inputs, b_in, kwargs, loss)
+            except (ValueError, AssertionError, RuntimeError) as e:
+                dm = f"raised {type(e).__name__}"
+            secs["debugmode"] += time.perf_counter() - t0
+            ok = [r.culprit == fault.culprit, diff == fault.culprit, dm == fault.culprit]
+            for k, v in zip(("compare", "diff", "debugmode"), ok):
+                score[k] += v
+            score["cases"] += 1
+            rows.append([fault.id, variant, r.culprit, diff, dm])
+    print(table(["fault", "B", "hs.compare culprit", "per-layer diff", "DebugMode"], rows))
+    n = score["cases"]
+    print()
+    print(table(
+        ["method", "names the faulty module", "seconds for the suite"],
+        [["hs.compare", f"{score['compare']}/{n}", f"{secs['compare']:.1f}"],
+         ["per-layer output diff (first over threshold)", f"{score['diff']}/{n}", f"{secs['diff']:.1f}"],
+         ["DebugMode check_hash_mismatches", f"{score['debugmode']}/{n}", f"{secs['debugmode']:.1f}"]],
+    ))  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--skip-cost", action="store_true")
+    p.add_argument("--skip-faults", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if not args.skip_cost:
+        cost(args.rounds)
+        print()
+    if not args.skip_faults:
+        faults()
+
+
+if __name__ == "__main__":
+    main()
