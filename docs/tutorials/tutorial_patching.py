@@ -139,8 +139,8 @@ print(f"layer 0: the head the noising hurts most is {int(destroyed[0].argmax())}
       f"the previous-token head by attention is {prev_head}")  # fmt: skip
 assert int(destroyed[0].argmax()) == prev_head
 
-fig, ax = plt.subplots(figsize=(4, 2.2))
-hs.plot_patching(destroyed, attn, ax=ax, title="destroyed by noising one head (share)")
+fig, ax = plt.subplots(figsize=(5, 2.2))
+hs.plot_patching(destroyed, attn, ax=ax, title="destroyed by noising (share)")
 fig.tight_layout()
 
 # %%
