@@ -75,35 +75,3 @@ def test_features_and_gradients_equal_fx_and_autograd(name, layers, size):
     assert not model.training
     assert hs.hooks_on(model) == []
     model.zero_grad(set_to_none=True)
-
-
-def test_feature_extractor_equals_fx_resnet18():
-    model = _build("resnet18")
-    x = torch.randn(2, 3, 64, 64)
-    for layers in (["layer2"], ["layer4", "avgpool"]):
-        fx = create_feature_extractor(model, return_nodes=layers)
-        ours = hs.FeatureExtractor(model, layers)
-        got, want = ours(x), fx(x)
-        assert list(got) == layers
-        for n in layers:
-            assert torch.equal(got[n], want[n])
-        assert hs.hooks_on(model) == []  # hooks exist only during a call
-
-
-def test_feature_extractor_stops_early_and_backpropagates():
-    model = _build("resnet18")
-
-    class Boom(torch.nn.Module):
-        def forward(self, x):
-            raise AssertionError("the forward pass went past the last requested layer")
-
-    model.layer4 = Boom()
-    fx = hs.FeatureExtractor(model, ["layer2", "layer3"])
-    x = torch.randn(1, 3, 64, 64, requires_grad=True)
-    feats = fx(x)
-    feats["layer3"].sum().backward()  # detach=False by default: trainable through
-    assert x.grad is not None and x.grad.abs().sum() > 0
-    # a layer that never runs is a clear error, not a silent empty dict
-    fx_bad = hs.FeatureExtractor(model, ["layer2", "avgpool"], stop=False)
-    with pytest.raises(AssertionError, match="went past"):
-        fx_bad(x)
