@@ -122,3 +122,20 @@ def test_only_the_core_scope_registers_hooks():
                 if name.startswith("register_") and "hook" in name:
                     offenders.append(f"{path.relative_to(root)}:{node.lineno} {name}")
     assert offenders == []
+
+
+def test_the_tests_tree_mirrors_the_packages():
+    """Each product package has ``tests/<package>/`` with a test file; the other folders are the
+    shared ``helpers/`` and the cross-cutting ``suites/``; no loose test files at the root; test
+    file basenames are unique (pytest's rootdir-relative imports need it)."""
+    from collections import Counter
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    packages = {m.name for m in pkgutil.iter_modules(hookscope.__path__) if m.ispkg}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders - packages == {"helpers", "suites"}
+    assert sorted(p for p in packages if not any((tests / p).rglob("test_*.py"))) == []
+    assert sorted(p.name for p in tests.glob("test_*.py")) == []
+    names = Counter(p.name for p in tests.rglob("test_*.py"))
+    assert sorted(n for n, k in names.items() if k > 1) == []
