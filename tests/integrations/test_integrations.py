@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import hookscope as hs
 from helpers.common import mlp6
+from helpers.trainers import hf_trainer
 
 pytestmark = pytest.mark.filterwarnings(
     # the trackers' and trainers' own notices, not ours to fix
@@ -180,41 +181,19 @@ def test_lightning_callback_one_record_per_optimizer_step_in_the_csv_logger(tmp_
 # -- Hugging Face Trainer -----------------------------------------------------------------------
 
 
-class _HFModel(nn.Module):
-    def __init__(self, net: nn.Module, seen: list) -> None:
-        super().__init__()
-        self.net, self._seen = net, seen
-
-    def forward(self, x, labels):
-        self._seen.append((x.detach().clone(), labels.detach().clone()))
-        logits = self.net(x)
-        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
-
-
 def _hf_trainer(tmp_path, base, seen, report_to, fp16=False, data=None, device="cpu", **kw):
-    from transformers import Trainer, TrainingArguments
-
     x, y = data if data is not None else _data(16)
-    ds = [{"x": x[i], "labels": y[i]} for i in range(16)]
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "hf"),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_steps=2,
-        learning_rate=0.1,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        logging_steps=1,
+    samples = [{"x": x[i], "labels": y[i]} for i in range(16)]
+    return hf_trainer(
+        str(tmp_path / "hf"),
+        copy.deepcopy(base),
+        seen,
+        samples,
         report_to=report_to,
         use_cpu=device == "cpu",
         fp16=fp16,
-        save_strategy="no",
-        seed=0,
-        **{"disable_tqdm": True, **kw},
+        **kw,
     )
-    return Trainer(model=_HFModel(copy.deepcopy(base), seen), args=args, train_dataset=ds)
 
 
 def test_hf_trainer_callback_reaches_mlflow_through_report_to(tmp_path, monkeypatch):
@@ -367,26 +346,33 @@ def test_hf_log_history_false_keeps_records_out_of_the_saved_state_only(tmp_path
 # -- Accelerate ---------------------------------------------------------------------------------
 
 
-def test_accelerate_accumulate_one_record_per_optimizer_step():
-    accelerate = pytest.importorskip("accelerate")
-    base = mlp6()
-    x, y = _data(16)
-    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+def _accelerate_run(acc, base: nn.Module, data, unwrap: bool = True, **monitor_kw) -> tuple:
+    """Train a copy of ``base`` through ``acc`` on ``data`` (micro-batches of 4) under a Monitor
+    stepped at each optimizer step (with the torch optimizer, or the accelerated one where
+    ``unwrap`` is false): the records, the micro-batches as the model got them, the optimizer."""
     net = copy.deepcopy(base)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*data), batch_size=4)
     net, opt, loader = acc.prepare(net, opt, loader)
     seen = []
-    with hs.Monitor(net, alerts="off") as mon:
+    with hs.Monitor(net, alerts="off", **monitor_kw) as mon:
         for xb, yb in loader:
             with acc.accumulate(net):
                 seen.append((xb, yb))
                 acc.backward(F.cross_entropy(net(xb), yb))
                 opt.step()
                 if acc.sync_gradients:
-                    mon.step(opt.optimizer)
+                    mon.step(opt.optimizer if unwrap else opt)
                 opt.zero_grad()
-        got = list(mon.records)
+        return list(mon.records), seen, opt
+
+
+def test_accelerate_accumulate_one_record_per_optimizer_step():
+    accelerate = pytest.importorskip("accelerate")
+    base = mlp6()
+    x, y = _data(16)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    got, seen, _ = _accelerate_run(acc, base, (x, y))
     want = _hand_loop(copy.deepcopy(base), [seen[:2], seen[2:]])
     assert [r.step for r in got] == [0, 1]
     for g, w in zip(got, want):
@@ -572,21 +558,7 @@ def test_accelerate_fp16_grad_scaler_records_unscaled_and_skipped_steps(device):
     if device == "cpu":
         _cpu_fp16(acc)
     init = acc.scaler.get_scale()
-    net = copy.deepcopy(base)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    net, opt, loader = acc.prepare(net, opt, loader)
-    seen = []
-    with hs.Monitor(net, scaler=acc.scaler, alerts="off") as mon:
-        for xb, yb in loader:
-            with acc.accumulate(net):
-                seen.append((xb, yb))
-                acc.backward(F.cross_entropy(net(xb), yb))
-                opt.step()
-                if acc.sync_gradients:
-                    mon.step(opt.optimizer)
-                opt.zero_grad()
-        got = list(mon.records)
+    got, seen, opt = _accelerate_run(acc, base, (x, y), scaler=acc.scaler)
     assert opt.step_was_skipped  # Accelerate's own word on the last step (step 1)
     _check_fp16(got, base, seen, init, device)
 
@@ -596,20 +568,8 @@ def _accelerate_fp16_records(pass_scaler: bool, unwrap: bool) -> list:
     base, (x, y) = _net16(), _data16()
     acc = accelerate.Accelerator(cpu=True, mixed_precision="fp16", gradient_accumulation_steps=2)
     _cpu_fp16(acc)
-    net = copy.deepcopy(base)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
-    net, opt, loader = acc.prepare(net, opt, loader)
     kw = {"scaler": acc.scaler} if pass_scaler else {}
-    with hs.Monitor(net, alerts="off", **kw) as mon:
-        for xb, yb in loader:
-            with acc.accumulate(net):
-                acc.backward(F.cross_entropy(net(xb), yb))
-                opt.step()
-                if acc.sync_gradients:
-                    mon.step(opt.optimizer if unwrap else opt)
-                opt.zero_grad()
-        return list(mon.records)
+    return _accelerate_run(acc, base, (x, y), unwrap=unwrap, **kw)[0]
 
 
 def test_monitor_reads_through_an_accelerated_optimizer_and_adopts_its_scaler():

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import hookscope as hs
 from helpers.common import mlp6
 from helpers.dist import WORLD, assert_records_close, launch
+from helpers.trainers import hf_trainer
 
 pytestmark = pytest.mark.filterwarnings(
     # the trainers' own notices, not ours to fix
@@ -222,43 +223,21 @@ def test_lightning_rank0_logs_the_combined_batch_statistics(tmp_path, strategy):
 # -- Hugging Face Trainer under DDP -------------------------------------------------------------
 
 
-class _HFModel(nn.Module):
-    def __init__(self, seen: list) -> None:
-        super().__init__()
-        self.net, self._seen = mlp6(), seen
-
-    def forward(self, x, labels, idx):
-        self._seen.append(idx.clone())
-        logits = self.net(x)
-        return {"loss": F.cross_entropy(logits, labels), "logits": logits}
-
-
 def _hf_trainer(out: str, seen: list, **kw):
-    """An HF Trainer of ``_HFModel`` on ``_data()``: ACCUM micro-batches of BATCH per rank,
-    STEPS optimizer steps of plain SGD (constant rate, no decay, no clipping), a log each step."""
-    from transformers import Trainer, TrainingArguments
-
+    """An HF Trainer on ``_data()``: ACCUM micro-batches of BATCH per rank, STEPS optimizer
+    steps; each sample carries its index, which the model notes in ``seen``."""
     x, y = _data()
-    ds = [{"x": x[i], "labels": y[i], "idx": torch.tensor(i)} for i in range(N)]
-    args = TrainingArguments(
-        output_dir=out,
+    samples = [{"x": x[i], "labels": y[i], "idx": torch.tensor(i)} for i in range(N)]
+    return hf_trainer(
+        out,
+        mlp6(),
+        seen,
+        samples,
         per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUM,
         max_steps=STEPS,
-        learning_rate=0.1,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
         **kw,
     )
-    return Trainer(model=_HFModel(seen), args=args, train_dataset=ds)
 
 
 def _hf_worker(rank: int, tmp: str) -> None:
