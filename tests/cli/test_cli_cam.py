@@ -44,18 +44,23 @@ def files(tmp_path):
     return tmp_path
 
 
-def test_cam_writes_the_api_overlay(files, capsys):
-    out = files / "cam.png"
-    argv = [
-        "cam",
-        f"{files}/tiny.py:Tiny",
+def _argv(command: str, files, model: str, layer: str, out) -> list[str]:
+    """``command`` on ``files/img.png`` through ``files/tiny.py:<model>``, written to ``out``."""
+    return [
+        command,
+        f"{files}/tiny.py:{model}",
         "--image",
         str(files / "img.png"),
         "--layer",
-        "2",
+        layer,
         "--out",
         str(out),
     ]
+
+
+def test_cam_writes_the_api_overlay(files, capsys):
+    out = files / "cam.png"
+    argv = _argv("cam", files, "Tiny", "2", out)
     assert main([*argv, "--resize", "24", "--crop", "20", "--target", "3"]) == 0
     assert "gradcam on '2', class 3" in capsys.readouterr().out
     # the same through the API: resize the shorter side to 24, center-crop 20, ImageNet mean/std
@@ -75,21 +80,9 @@ def test_cam_writes_the_api_overlay(files, capsys):
 
 
 def test_cam_methods_and_preprocessing_flags(files, capsys):
-    img = str(files / "img.png")
     for method in ("gradcam++", "eigencam", "scorecam"):
         out = files / f"{method}.png"
-        argv = [
-            "cam",
-            f"{files}/tiny.py:Tiny",
-            "--image",
-            img,
-            "--layer",
-            "2",
-            "--out",
-            str(out),
-            "--method",
-            method,
-        ]
+        argv = [*_argv("cam", files, "Tiny", "2", out), "--method", method]
         assert main([*argv, "--resize", "0", "--crop", "0", "--mean", "0.5", "--std", "0.5"]) == 0
         with PIL_Image.open(out) as im:
             assert im.size == (40, 30)
@@ -98,16 +91,7 @@ def test_cam_methods_and_preprocessing_flags(files, capsys):
 
 def test_gray_input(files, capsys):
     out = files / "gray.png"
-    argv = [
-        "cam",
-        f"{files}/tiny.py:TinyGray",
-        "--image",
-        str(files / "img.png"),
-        "--layer",
-        "0",
-        "--out",
-        str(out),
-    ]
+    argv = _argv("cam", files, "TinyGray", "0", out)
     assert main([*argv, "--gray", "--crop", "24"]) == 0
     with PIL_Image.open(out) as im:
         assert im.size == (24, 24) and im.mode == "RGB"
@@ -116,16 +100,7 @@ def test_gray_input(files, capsys):
 
 def test_maps_writes_a_png(files, capsys):
     out = files / "maps.png"
-    argv = [
-        "maps",
-        f"{files}/tiny.py:Tiny",
-        "--image",
-        str(files / "img.png"),
-        "--layer",
-        "0",
-        "--out",
-        str(out),
-    ]
+    argv = _argv("maps", files, "Tiny", "0", out)
     assert main([*argv, "--crop", "32", "--max-channels", "4", "--order", "index"]) == 0
     assert "4 of 6 channels of '0'" in capsys.readouterr().out
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -166,10 +166,18 @@ def test_bad_input_is_one_line_exit_2(folder, tmp_path, capsys, args, message):
     assert len(err.splitlines()) == 1 and message in err, err
 
 
-def test_sigkill_then_resume_is_byte_identical(folder, tmp_path):
-    add_corrupt(folder)  # skipped rows and the skipped list must survive the kill too
+def _reference_with_a_skipped_file(folder, tmp_path):
+    """Add a corrupt file to ``folder`` and extract it in process with ``--on-error skip``:
+    the folder the other runs must write byte for byte."""
+    add_corrupt(folder)
     ref = tmp_path / "ref"
     assert in_process(cli(tmp_path, folder, ref, "--on-error", "skip", "--no-progress")) == 0
+    return ref
+
+
+def test_sigkill_then_resume_is_byte_identical(folder, tmp_path):
+    # skipped rows and the skipped list must survive the kill too
+    ref = _reference_with_a_skipped_file(folder, tmp_path)
     out = tmp_path / "out"
     cmd = [
         sys.executable,
@@ -209,9 +217,7 @@ def test_sigkill_then_resume_is_byte_identical(folder, tmp_path):
 
 @pytest.mark.distributed
 def test_torchrun_two_processes_equal_one(folder, tmp_path):
-    add_corrupt(folder)
-    ref = tmp_path / "ref"
-    assert in_process(cli(tmp_path, folder, ref, "--on-error", "skip", "--no-progress")) == 0
+    ref = _reference_with_a_skipped_file(folder, tmp_path)
     out = tmp_path / "dist"
     cmd = [
         sys.executable,
