@@ -107,12 +107,9 @@ class SafeCollate:
         indices = [i for i, _ in items]
         failed = [(i, s) for i, s in items if isinstance(s, Failed)]
         good = [k for k, (_, s) in enumerate(items) if not isinstance(s, Failed)]
-        if not good:
-            return Batch(indices, good, None, failed)
-        try:
-            return Batch(indices, good, self.collate([items[k][1] for k in good]), failed)
-        except Exception as e:
-            first = reason(e)
+        batch, first = self._collate(items, good, failed)
+        if batch is not None:
+            return batch
         sigs = {k: signature(items[k][1]) for k in good}
         ref = self.reference
         if ref is None:  # the structure most samples of the batch share
@@ -128,13 +125,23 @@ class SafeCollate:
                 )
             failed.sort(key=lambda f: f[0])
             good = [k for k in good if k not in odd]
-            if not good:
-                return Batch(indices, good, None, failed)
-            try:
-                return Batch(indices, good, self.collate([items[k][1] for k in good]), failed)
-            except Exception as e:
-                first = reason(e)
+            batch, first = self._collate(items, good, failed)
+            if batch is not None:
+                return batch
         return Batch(indices, good, None, failed, error=first)
+
+    def _collate(
+        self, items: list[tuple[int, Any]], good: list[int], failed: list[tuple[int, Failed]]
+    ) -> tuple[Batch | None, str]:
+        """The batch of the samples at positions ``good`` (none left: a batch without data), or
+        ``None`` and why ``collate_fn`` failed."""
+        indices = [i for i, _ in items]
+        if not good:
+            return Batch(indices, good, None, failed), ""
+        try:
+            return Batch(indices, good, self.collate([items[k][1] for k in good]), failed), ""
+        except Exception as e:
+            return None, reason(e)
 
 
 class Batches:
