@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import tempfile
 
 import torch
@@ -186,6 +187,22 @@ def tiny_bert(n_layer: int = 2, hidden: int = 64, heads: int = 4, seed: int = 0)
 
 
 PROMPTS = ["the cat went to the park", "mary gave"]  # 6 and 2 tokens: row 1 is left-padded
+
+
+def final_forward_inputs(model, sequences: torch.Tensor, prompt_mask: torch.Tensor) -> dict:
+    """``generate``'s final sequence as the keyword arguments of one forward (the reference of the
+    generation tests): the tokens minus the last (which generate never ran), the attention mask
+    with the generated tokens, and, where the model's forward takes them, the position ids
+    generate passes: the prompt's (padding at 0), then one more per token."""
+    ids = sequences[:, :-1]
+    n_new = ids.shape[1] - prompt_mask.shape[1]
+    mask = torch.cat([prompt_mask, torch.ones(len(ids), n_new, dtype=torch.long)], 1)
+    prompt_pos = (prompt_mask.cumsum(1) - 1).masked_fill(prompt_mask == 0, 0)
+    pos = torch.cat([prompt_pos, prompt_pos[:, -1:] + torch.arange(1, n_new + 1)], 1)
+    kw = {"input_ids": ids, "attention_mask": mask}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        kw["position_ids"] = pos
+    return kw
 
 
 def lm_blocks(model) -> list[str]:

@@ -3,8 +3,6 @@ hand-written hook over the final sequence and against the ``steering-vectors`` p
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ import hookscope as hs
 from helpers.lm import (
     PROMPTS,
     PromptBranchLM,
+    final_forward_inputs,
     tiny_decoder,
     tiny_gpt2,
     tiny_llama,
@@ -114,6 +113,21 @@ def _hand_steer(model, layer, add_at):
     return module.register_forward_hook(lambda m, a, out: out + add_at(out))
 
 
+def _assert_equals_a_hand_hook(model, layer, read, seq, add_at, ids, amask, **kw):
+    """The steered generation's ``seq`` at ``read`` equals one forward over ``ids`` with a hand
+    hook adding ``add_at(output)`` at ``layer``, token for token over the real tokens."""
+    handle = _hand_steer(model, layer, add_at)
+    try:
+        with hs.capture(model, read) as ref:
+            model(input_ids=ids, attention_mask=amask, **kw)
+    finally:
+        handle.remove()
+    keep = amask.bool()
+    for b in range(len(keep)):
+        n = int(keep[b].sum())
+        torch.testing.assert_close(seq.values[b, :n], ref[read][b][keep[b]], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_steer_in_generate_equals_steering_vectors_apply(k):
     from steering_vectors import train_steering_vector
@@ -172,16 +186,8 @@ def test_steer_positions_equal_a_hand_hook_over_the_final_sequence(positions):
         "mask": mask_sel.gather(1, pos) & amask.bool(),
     }[positions]
     assert 0 < chosen.sum() < chosen.numel()
-    handle = _hand_steer(model, layer, lambda out: 0.5 * v * chosen[..., None])
-    try:
-        with hs.capture(model, read) as ref:
-            model(input_ids=ids, attention_mask=amask, position_ids=pos)
-    finally:
-        handle.remove()
-    keep = amask.bool()
-    for b in range(2):
-        n = int(keep[b].sum())
-        torch.testing.assert_close(seq.values[b, :n], ref[read][b][keep[b]], atol=ATOL, rtol=0)
+    add_at = lambda out: 0.5 * v * chosen[..., None]  # noqa: E731
+    _assert_equals_a_hand_hook(model, layer, read, seq, add_at, ids, amask, position_ids=pos)
     assert seq.tokens[0, :10].tolist() == ids[0].tolist()  # the steered generation was checked
 
 
@@ -272,28 +278,12 @@ def _steered_against_a_hand_hook(model, layer, read, enc, positions, **how):
     ):
         out = model.generate(**enc, max_new_tokens=5, do_sample=False, eos_token_id=None, **how)
     seq = cap.sequence(read)
-    ids = out[:, :-1]
-    prompt_mask = enc["attention_mask"]
-    chosen = _chosen(positions, prompt_mask, ids.shape[1])
+    kw = final_forward_inputs(model, out, enc["attention_mask"])
+    ids, amask = kw.pop("input_ids"), kw.pop("attention_mask")
+    chosen = _chosen(positions, enc["attention_mask"], ids.shape[1])
     assert 0 < chosen.sum() < chosen.numel()
-    amask = torch.cat([prompt_mask, torch.ones(2, ids.shape[1] - prompt_mask.shape[1])], 1).long()
-    prompt_pos = (prompt_mask.cumsum(1) - 1).masked_fill(prompt_mask == 0, 0)
-    pos = torch.cat([prompt_pos, prompt_pos[:, -1:] + torch.arange(1, 5)], 1)
-    kw = (
-        {"position_ids": pos}
-        if "position_ids" in inspect.signature(model.forward).parameters
-        else {}
-    )
-    handle = _hand_steer(model, layer, lambda out: 0.5 * v * chosen[..., None])
-    try:
-        with hs.capture(model, read) as ref:
-            model(input_ids=ids, attention_mask=amask, **kw)
-    finally:
-        handle.remove()
-    keep = amask.bool()
-    for b in range(2):
-        n = int(keep[b].sum())
-        torch.testing.assert_close(seq.values[b, :n], ref[read][b][keep[b]], atol=ATOL, rtol=0)
+    add_at = lambda out: 0.5 * v * chosen[..., None]  # noqa: E731
+    _assert_equals_a_hand_hook(model, layer, read, seq, add_at, ids, amask, **kw)
     plain = model.generate(**enc, max_new_tokens=5, do_sample=False, eos_token_id=None, **how)
     return out, plain
 
