@@ -120,6 +120,21 @@ def test_timm_swin_channels_last():
 
 
 # -- torchvision -------------------------------------------------------------------------------
+def _check_torchvision_vit(vit, block: str, x, target: list[int], side: int) -> None:
+    """GradCAM at the block's ``ln_1`` (a side x side grid of patches after the class token) equals
+    the hand-written reference, and is not all zero."""
+    ours = hs.GradCAM(vit, f"encoder.layers.{block}.ln_1")(x, target=target)
+    ref = reference(
+        vit,
+        lambda m: getattr(m.encoder.layers, block).ln_1,
+        x,
+        target,
+        tokens_to_grid(side, side, 1),
+    )
+    assert ours.amax() > 0
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+
+
 def test_torchvision_vision_transformer_small():
     """The class behind vit_b_16, with fewer, narrower layers (fast); vit_b_16 itself is the slow test."""
     tv_vit = pytest.importorskip("torchvision.models.vision_transformer")
@@ -135,12 +150,7 @@ def test_torchvision_vision_transformer_small():
     ).eval()
     nn.init.normal_(vit.heads.head.weight, std=0.5)  # torchvision initialises the head to zeros
     x = torch.randn(2, 3, 48, 48, generator=torch.Generator().manual_seed(0))
-    ours = hs.GradCAM(vit, "encoder.layers.encoder_layer_1.ln_1")(x, target=[2, 4])
-    ref = reference(
-        vit, lambda m: m.encoder.layers.encoder_layer_1.ln_1, x, [2, 4], tokens_to_grid(3, 3, 1)
-    )
-    assert ours.amax() > 0
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    _check_torchvision_vit(vit, "encoder_layer_1", x, [2, 4], 3)
 
 
 @pytest.mark.slow
@@ -150,13 +160,7 @@ def test_torchvision_vit_b_16():
     vit = torchvision.models.vit_b_16(image_size=64, num_classes=5).eval()
     nn.init.normal_(vit.heads.head.weight, std=0.05)  # torchvision initialises the head to zeros
     x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
-    layer = "encoder.layers.encoder_layer_11.ln_1"
-    ours = hs.GradCAM(vit, layer)(x, target=[2])
-    ref = reference(
-        vit, lambda m: m.encoder.layers.encoder_layer_11.ln_1, x, [2], tokens_to_grid(4, 4, 1)
-    )
-    assert ours.amax() > 0
-    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
+    _check_torchvision_vit(vit, "encoder_layer_11", x, [2], 4)
 
 
 # -- HuggingFace -------------------------------------------------------------------------------
