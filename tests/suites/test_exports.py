@@ -68,29 +68,31 @@ def test_every_public_function_has_an_example():
     assert not missing, f"public names without a docstring example: {missing}"
 
 
-def test_import_loads_no_optional_extra():
-    """``import hookscope`` needs torch and NumPy only; extras are imported when used (tqdm is
-    left out: torch itself imports it)."""
+def _python(code: str) -> str:
+    """What a fresh interpreter running ``code`` prints (stripped)."""
     import subprocess
     import sys
 
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_import_loads_no_optional_extra():
+    """``import hookscope`` needs torch and NumPy only; extras are imported when used (tqdm is
+    left out: torch itself imports it)."""
     code = (
         "import sys, hookscope; "
         "print(sorted(m for m in ('matplotlib', 'PIL', 'rich', 'tensorboard', "
         "'torchvision', 'lightning', 'transformers', 'accelerate', 'wandb', 'mlflow') "
         "if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _python(code) == "[]"
 
 
 def test_a_plain_model_does_not_import_dtensor():
     """A Monitor or a capture on a model without DTensor parameters leaves
     ``torch.distributed.tensor`` unimported (importing it costs ~0.5 s; no DTensor can exist
     without it), while one on a DTensor parameter still sees it (tests/suites/test_sharded.py)."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, torch, hookscope as hs; net = hs.DemoNet(); "
         "mon = hs.Monitor(net, alerts='off', sentinel=True); "
@@ -99,8 +101,7 @@ def test_a_plain_model_does_not_import_dtensor():
         "with cap: net(torch.randn(2, 3, 16, 16)).sum().backward()\n"
         "print('torch.distributed.tensor' in sys.modules, tuple(cap.grads['stage1.1'].shape))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False (2, 16, 16, 16)"
+    assert _python(code) == "False (2, 16, 16, 16)"
 
 
 def test_only_the_core_scope_registers_hooks():

@@ -1,4 +1,5 @@
-"""The classic PyTorch-hook tutorial examples, done through hookscope, with asserted values."""
+"""Common hook recipes (a non-leaf tensor's gradient, clamped gradients, every layer's activations or
+output shape, pre-hooks and output replacement) done through hookscope, with asserted values."""
 
 from __future__ import annotations
 
