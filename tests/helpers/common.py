@@ -34,3 +34,24 @@ def mlp6() -> nn.Sequential:
     return nn.Sequential(
         nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
     )
+
+
+# bn2's output gets ``out += identity`` later in its block: a site an in-place op changes
+RESNET34_RESIDUAL_SITES = ["layer2.1.bn2", "layer3.3.conv2"]
+
+
+def resnet34_with_fx_features(
+    layers: list[str] | None = None,
+) -> tuple[nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
+    """A seeded random-weight torchvision resnet34 (eval), a seeded 1x3x64x64 input, and the
+    independent reference: torchvision's FX features at ``layers`` (default: the residual sites)."""
+    import torchvision
+    from torchvision.models.feature_extraction import create_feature_extractor
+
+    layers = list(RESNET34_RESIDUAL_SITES if layers is None else layers)
+    torch.manual_seed(0)
+    model = torchvision.models.resnet34(weights=None).eval()
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = create_feature_extractor(model, return_nodes=layers)(x)
+    return model, x, ref
