@@ -196,6 +196,30 @@ def _hf_trainer(tmp_path, base, seen, report_to, fp16=False, data=None, device="
     )
 
 
+def _log_tracker():
+    """A Trainer callback keeping every ``on_log`` with its step: it stands for any report_to
+    integration."""
+    from transformers import TrainerCallback
+
+    class Tracker(TrainerCallback):
+        def __init__(self) -> None:
+            self.logs: list[dict] = []
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.logs.append({"step": state.global_step, **logs})
+
+    return Tracker()
+
+
+def _records_in(logs: list[dict]) -> list[dict]:
+    """The ``hookscope/`` part of each log that holds one."""
+    return [
+        {k: v for k, v in d.items() if k.startswith("hookscope/")}
+        for d in logs
+        if any(k.startswith("hookscope/") for k in d)
+    ]
+
+
 def test_hf_trainer_callback_reaches_mlflow_through_report_to(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     mlflow = pytest.importorskip("mlflow")
@@ -266,22 +290,14 @@ def test_hf_records_reach_on_log_but_not_the_console_unless_asked(
     tmp_path, capsys, printer, console
 ):
     pytest.importorskip("transformers")
-    from transformers import TrainerCallback
 
     from hookscope.integrations.transformers import HookscopeTrainerCallback
-
-    class Tracker(TrainerCallback):  # stands for any report_to integration: it sees on_log
-        def __init__(self) -> None:
-            self.logs: list[dict] = []
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            self.logs.append({"step": state.global_step, **logs})
 
     base, seen = mlp6(), []
     # disable_tqdm=False: the Trainer prints logs through ProgressCallback, else PrinterCallback
     trainer = _hf_trainer(tmp_path, base, seen, "none", disable_tqdm=printer == "PrinterCallback")
     assert any(type(c).__name__ == printer for c in trainer.callback_handler.callbacks)
-    tracker = Tracker()
+    tracker = _log_tracker()
     trainer.add_callback(tracker)
     cb = HookscopeTrainerCallback(trainer, every=1, alerts="off", console=console)
     trainer.add_callback(cb)
@@ -298,11 +314,7 @@ def test_hf_records_reach_on_log_but_not_the_console_unless_asked(
     # every other callback (report_to integrations among them) and log_history got each record
     want = [r.scalars() for r in cb.records]
     assert len(want) == 2
-    got = [
-        {k: v for k, v in d.items() if k.startswith("hookscope/")}
-        for d in tracker.logs
-        if any(k.startswith("hookscope/") for k in d)
-    ]
+    got = _records_in(tracker.logs)
     assert got == want
     assert [d["step"] for d in tracker.logs if "hookscope/net.0/mean" in d] == [1, 2]
     hist = [h for h in trainer.state.log_history if "hookscope/net.0/mean" in h]
@@ -311,20 +323,12 @@ def test_hf_records_reach_on_log_but_not_the_console_unless_asked(
 
 def test_hf_log_history_false_keeps_records_out_of_the_saved_state_only(tmp_path):
     pytest.importorskip("transformers")
-    from transformers import TrainerCallback
 
     from hookscope.integrations.transformers import HookscopeTrainerCallback
 
-    class Tracker(TrainerCallback):
-        def __init__(self) -> None:
-            self.logs: list[dict] = []
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            self.logs.append(dict(logs))
-
     base, seen = mlp6(), []
     trainer = _hf_trainer(tmp_path, base, seen, "none")
-    tracker = Tracker()
+    tracker = _log_tracker()
     trainer.add_callback(tracker)
     cb = HookscopeTrainerCallback(trainer, every=1, alerts="off", log_history=False)
     trainer.add_callback(cb)
@@ -332,11 +336,7 @@ def test_hf_log_history_false_keeps_records_out_of_the_saved_state_only(tmp_path
     want = [r.scalars() for r in cb.records]
     assert len(want) == 2
     # report_to integrations (any on_log) still get every record ...
-    got = [
-        {k: v for k, v in d.items() if k.startswith("hookscope/")}
-        for d in tracker.logs
-        if any(k.startswith("hookscope/") for k in d)
-    ]
+    got = _records_in(tracker.logs)
     assert got == want
     # ... the history (saved in trainer_state.json) has none, and keeps the Trainer's own logs
     assert not any(k.startswith("hookscope/") for h in trainer.state.log_history for k in h)
