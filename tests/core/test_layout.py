@@ -34,7 +34,6 @@ MOVING = {
     "_heads": "patching",
     "_prefix": "patching",
     "_rows": "patching",
-    "_saved": "memory",
     "_random": "shared: memory and extraction adopt random_draws/training_modules",
 }
 # the one third-party import allowed in core until core/_prefix.py moves into patching
