@@ -244,6 +244,11 @@ def test_hf_attention_with_cache_on(family):
         assert_same_step(model, ids, names, loss=loss)
     prof = hs.memory_profile(model, ids, loss_fn=lambda o: o.logits.sum())
     assert_same_step(model, ids, prof.plan(prof.total_saved_bytes // 2), loss=loss)
+    # selective checkpointing replays the call op for op: with the cache on, refused by name
+    only_mm = [torch.ops.aten.mm.default]
+    selective = hs.apply_checkpointing(model, [f"{stack}.0"], kind="selective", policy=only_mm)
+    with selective, pytest.raises(hs.HookscopeError, match=rf"'{stack}.0'.*use_cache=False"):
+        model(ids)
     # a cache that already holds positions for the layer cannot be replayed: refused by name
     first = model(ids[:, :6])
     held = rf"'{stack}.0'.*holds 6 .*use_cache=False"

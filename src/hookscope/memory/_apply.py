@@ -76,6 +76,13 @@ class _CheckpointedForward:
         # (reentrant checkpointing of a call whose inputs need no gradient would leave the
         # module's parameter gradients None: such a call is checkpointed non-reentrant)
         if self.kind == "selective":
+            if caches:  # its recompute replays the call's operations one for one
+                raise HookscopeError(
+                    f"apply_checkpointing(kind='selective'): layer {self.memory.name!r} was "
+                    "called with a key/value cache, whose recompute runs with the cache off and "
+                    "so differs from the call operation for operation; train with "
+                    "use_cache=False, or use kind='non_reentrant'"
+                )
             policy = self.policy
             return checkpoint(
                 fn,
