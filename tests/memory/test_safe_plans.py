@@ -102,6 +102,17 @@ def test_buffer_read_then_updated_recomputes_from_the_call():
     assert twin[0].calls == 1  # the counter counted the call once
 
 
+@pytest.mark.parametrize("api", ["hook", "parametrization"])
+def test_spectral_norm_inside_a_checkpointed_block(api):
+    # its power iteration updates buffers in a pre-hook (old API) or a parametrization (new)
+    from torch.nn.utils import parametrizations
+
+    sn = nn.utils.spectral_norm if api == "hook" else parametrizations.spectral_norm
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(sn(nn.Linear(4, 8)), nn.Tanh()), nn.Linear(8, 1))
+    assert_same_step(net, torch.randn(5, 4), ["0"])
+
+
 def test_memory_profile_leaves_buffers_and_attributes_as_found():
     # a reassigned buffer goes back in its slot, a counter to its value
     torch.manual_seed(0)
