@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hookscope as hs
+from helpers.common import one_thread
 from hookscope.demo import train_demo_lm
 
 pytest.importorskip("transformers")
@@ -127,9 +128,10 @@ def test_noising_the_previous_token_head_breaks_the_induction(lm, prompts):
 
 
 def test_training_with_the_same_seed_gives_the_same_weights():
-    a = train_demo_lm(steps=3, seed=5, log=None).state_dict()
-    b = train_demo_lm(steps=3, seed=5, log=None).state_dict()
-    c = train_demo_lm(steps=3, seed=6, log=None).state_dict()
+    with one_thread():
+        a = train_demo_lm(steps=3, seed=5, log=None).state_dict()
+        b = train_demo_lm(steps=3, seed=5, log=None).state_dict()
+        c = train_demo_lm(steps=3, seed=6, log=None).state_dict()
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
@@ -163,7 +165,8 @@ def test_a_missing_weights_file_names_the_command_that_writes_it(tmp_path):
 
 @pytest.mark.slow
 def test_the_default_training_forms_induction_heads():
-    model = train_demo_lm(log=None)
+    with one_thread():  # as `python -m hookscope.demo._lm train` (two threads: 10x slower here)
+        model = train_demo_lm(log=None)
     p = hs.make_induction_prompts(64, 12, seed=11)
     with torch.no_grad():
         pred = model(p.clean).logits[:, p.positions].argmax(-1)

@@ -102,6 +102,17 @@ def test_buffer_read_then_updated_recomputes_from_the_call():
     assert twin[0].calls == 1  # the counter counted the call once
 
 
+@pytest.mark.parametrize("api", ["hook", "parametrization"])
+def test_spectral_norm_inside_a_checkpointed_block(api):
+    # its power iteration updates buffers in a pre-hook (old API) or a parametrization (new)
+    from torch.nn.utils import parametrizations
+
+    sn = nn.utils.spectral_norm if api == "hook" else parametrizations.spectral_norm
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(sn(nn.Linear(4, 8)), nn.Tanh()), nn.Linear(8, 1))
+    assert_same_step(net, torch.randn(5, 4), ["0"])
+
+
 def test_memory_profile_leaves_buffers_and_attributes_as_found():
     # a reassigned buffer goes back in its slot, a counter to its value
     torch.manual_seed(0)
@@ -244,6 +255,11 @@ def test_hf_attention_with_cache_on(family):
         assert_same_step(model, ids, names, loss=loss)
     prof = hs.memory_profile(model, ids, loss_fn=lambda o: o.logits.sum())
     assert_same_step(model, ids, prof.plan(prof.total_saved_bytes // 2), loss=loss)
+    # selective checkpointing replays the call op for op: with the cache on, refused by name
+    only_mm = [torch.ops.aten.mm.default]
+    selective = hs.apply_checkpointing(model, [f"{stack}.0"], kind="selective", policy=only_mm)
+    with selective, pytest.raises(hs.HookscopeError, match=rf"'{stack}.0'.*use_cache=False"):
+        model(ids)
     # a cache that already holds positions for the layer cannot be replayed: refused by name
     first = model(ids[:, :6])
     held = rf"'{stack}.0'.*holds 6 .*use_cache=False"

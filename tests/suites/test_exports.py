@@ -125,6 +125,22 @@ def test_only_the_core_scope_registers_hooks():
     assert offenders == []
 
 
+def test_architecture_page_names_every_source_file():
+    """docs/ARCHITECTURE.md gives each file of the package one line: a new file needs its line."""
+    from pathlib import Path
+
+    root = Path(hookscope.__file__).parent
+    page = (root.parents[1] / "docs" / "ARCHITECTURE.md").read_text()
+    missing = [
+        str(f.relative_to(root))
+        for f in sorted(root.rglob("*.py"))
+        if f.name != "__init__.py"
+        and f"`{f.name}`" not in page
+        and f"`{f.relative_to(root)}`" not in page
+    ]
+    assert not missing, f"files without a line in docs/ARCHITECTURE.md: {missing}"
+
+
 def test_the_tests_tree_mirrors_the_packages():
     """Each product package has ``tests/<package>/`` with a test file; the other folders are the
     shared ``helpers/`` and the cross-cutting ``suites/``; no loose test files at the root; test

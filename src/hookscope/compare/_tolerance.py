@@ -63,7 +63,7 @@ def reduction_size(inputs: Any, params: Any) -> int:
 
 def rel_error(ref: Any, got: Any) -> float | None:
     """Norm-wise relative error of ``got`` against ``ref`` over their floating tensors (paired in
-    order), in float64: ``||got - ref|| / ||ref||``. ``0.0`` when equal, ``inf`` when the
+    order; norms in float32, in float64 where a tensor is not finite or is float64): ``||got - ref|| / ||ref||``. ``0.0`` when equal, ``inf`` when the
     structures or shapes differ or ``got`` is not finite where ``ref`` is; ``None`` when there is
     nothing to compare.
 
@@ -78,14 +78,14 @@ def rel_error(ref: Any, got: Any) -> float | None:
 
 
 def _fast(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float] | None:
-    """Squared norms of ``y - x`` and ``x`` in float32 arithmetic with float64 sums, when both
-    are finite (the common case); ``None`` sends the pair down the careful path."""
+    """Squared norms of ``y - x`` and ``x`` in float32, when both are finite (the common case;
+    equal tensors still give exactly 0); ``None`` sends the pair down the careful path."""
     if x.dtype == torch.float64 or y.dtype == torch.float64:
         return None
     xf = x.detach().float()
     yf = y.detach().to(device=xf.device, dtype=torch.float32)
-    d = float(torch.linalg.vector_norm(yf - xf, dtype=torch.float64))
-    n = float(torch.linalg.vector_norm(xf, dtype=torch.float64))
+    d = float(torch.linalg.vector_norm(yf - xf))
+    n = float(torch.linalg.vector_norm(xf))
     if math.isfinite(d) and math.isfinite(n):
         return d * d, n * n
     return None

@@ -191,9 +191,11 @@ class _OutputHook(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return None  # another thread's call (see acts_here)
-        if graph_task_id() != -1:  # activation checkpointing re-running forward (docs/pitfalls.md §27)
+        if (
+            graph_task_id() != -1
+        ):  # activation checkpointing re-running forward (docs/pitfalls.md §27)
             if self.rec.recomputes.pending:  # reentrant: the gradient flows through the recompute
                 call = self.rec.recomputes.claim(self.name, output)
                 if call is not None:

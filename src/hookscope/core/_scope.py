@@ -89,14 +89,20 @@ def _worker_of(thread: int) -> bool:
     return any(m is module for m in theirs.f_locals.get("modules") or ())
 
 
-def acts_here(thread: int) -> bool:
+_GRAD_KINDS = frozenset(("tensor", "post_accumulate_grad"))
+
+
+def acts_here(thread: int, kind: str = "forward") -> bool:
     """For a hook of a scope opened by ``thread``, called from another thread: whether it acts.
 
-    It does in ``nn.DataParallel``'s worker threads started by ``thread``'s call, and in autograd's
-    own threads during a backward pass (a recompute for activation checkpointing on CUDA); in any
-    other thread the hook does nothing. Only called off the opening thread (the fast path compares
+    A gradient hook on a tensor (``kind`` ``"tensor"`` or ``"post_accumulate_grad"``) always does.
+    A module hook does in ``nn.DataParallel``'s worker threads started by ``thread``'s call, and in
+    autograd's own threads during a backward pass (a recompute for activation checkpointing on
+    CUDA); in any other thread it does nothing. Only called off the opening thread (the fast path compares
     :func:`get_ident` with the hook's ``thread``). The verdict is kept per thread.
     """
+    if kind in _GRAD_KINDS:
+        return True
     verdicts = _verdicts.__dict__.setdefault("of", {})
     verdict = verdicts.get(thread)
     if verdict is None:
@@ -128,7 +134,7 @@ class _Hook:
     Hot paths subclass it and override ``__call__`` to skip the indirection through ``fn``. A
     subclass's ``__call__`` is wrapped so that it runs only for the scope's own thread (see
     :func:`acts_here`), unless it is marked ``thread_checked`` (it makes the check itself, inline:
-    ``if get_ident() != self.thread and not acts_here(self.thread): return None``).
+    ``if get_ident() != self.thread and not acts_here(self.thread, self.kind): return None``).
     """
 
     __slots__ = ("fn", "kind", "layer", "owner", "scope_id", "thread")
@@ -146,7 +152,7 @@ class _Hook:
             cls.__call__ = _thread_checked(call)  # type: ignore[method-assign]
 
     def __call__(self, *args: Any) -> Any:
-        if get_ident() != self.thread and not acts_here(self.thread):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return None
         return self.fn(*args)
 
@@ -164,7 +170,7 @@ def _thread_checked(call: Callable[..., Any]) -> Callable[..., Any]:
     """``call`` of a :class:`_Hook` subclass, run only for its scope's thread (:func:`acts_here`)."""
 
     def checked(self: _Hook, *args: Any) -> Any:
-        if get_ident() != self.thread and not acts_here(self.thread):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return None
         return call(self, *args)
 
@@ -242,7 +248,9 @@ def check_model(model: nn.Module) -> None:
             f"{type(model).__name__} is a TorchScript module, which cannot run Python hooks; "
             "use the original nn.Module (before torch.jit.script/trace)"
         )
-    compiled_regions(model)  # index its compiled parts: hooks on them get routed (docs/pitfalls.md §15)
+    compiled_regions(
+        model
+    )  # index its compiled parts: hooks on them get routed (docs/pitfalls.md §15)
     index_generate(model)  # generate() compiling the model by itself: run those steps eagerly
 
 

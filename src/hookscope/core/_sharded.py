@@ -330,7 +330,9 @@ def add_param_grad_editor(
     found = None
     if model is not None and not is_dtensor(param):
         found = ddp_of(model, name, None if check is None else check.helpers)
-    if found is not None:  # DDP: edit the averaged gradient, after DDP's reducer (docs/pitfalls.md §18)
+    if (
+        found is not None
+    ):  # DDP: edit the averaged gradient, after DDP's reducer (docs/pitfalls.md §18)
         assert model is not None
         if check is None:
             check = FireCheck(scope, model, "edit_grads")

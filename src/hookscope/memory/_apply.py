@@ -76,6 +76,13 @@ class _CheckpointedForward:
         # (reentrant checkpointing of a call whose inputs need no gradient would leave the
         # module's parameter gradients None: such a call is checkpointed non-reentrant)
         if self.kind == "selective":
+            if caches:  # its recompute replays the call's operations one for one
+                raise HookscopeError(
+                    f"apply_checkpointing(kind='selective'): layer {self.memory.name!r} was "
+                    "called with a key/value cache, whose recompute runs with the cache off and "
+                    "so differs from the call operation for operation; train with "
+                    "use_cache=False, or use kind='non_reentrant'"
+                )
             policy = self.policy
             return checkpoint(
                 fn,
@@ -207,7 +214,8 @@ def apply_checkpointing(
     running statistics, found by the run) change once, from the values at the call; plain
     attributes (a counter, ``training``) are those of the call; a Hugging Face key/value cache
     is off in the recompute (``use_cache=True`` works; a cache that already holds the layer's
-    positions is refused); random generators are restored. A module that changes its input in
+    positions, or any cache under ``kind="selective"``, is refused); random generators are
+    restored. A module that changes its input in
     place (``ReLU(inplace=True)``, or found in the run) is refused by name, and a recompute
     whose input was changed in place after the call raises. With ``kind="reentrant"``, a call
     whose inputs need no gradient is checkpointed non-reentrant (reentrant checkpointing would
