@@ -1,0 +1,45 @@
+"""Audit findings for core scopes (owner: core). Each test fails on main for the reason given."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+pytestmark = pytest.mark.skip(reason="audit finding, not yet fixed")
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_edit_returning_another_shape_is_refused_naming_the_layer():
+    """User's edit of the last layer returns out[:1] (a slip that drops the batch): the model's
+    output silently becomes (1, 2) instead of (3, 2); an edit that changes the output's shape
+    should raise a HookscopeError naming the layer (as edit_grads' PyTorch check does, loudly)."""
+    net, x = _net(), torch.randn(3, 4)
+    with pytest.raises(hs.HookscopeError, match="'2'"), hs.edit(net, {"2": lambda out: out[:1]}):
+        net(x)
+
+
+def test_edit_returning_another_dtype_is_refused_naming_the_layer():
+    """User's edit returns out.double(): the next layer fails with PyTorch's "mat1 and mat2 must
+    have the same dtype, but got Double and Float", which names neither the edit nor the layer; it
+    should be a HookscopeError naming layer '0' and the dtype expected (float32)."""
+    net, x = _net(), torch.randn(3, 4)
+    with (
+        pytest.raises(hs.HookscopeError, match="'0'"),
+        hs.edit(net, {"0": lambda out: out.double()}),
+    ):
+        net(x)
+
+
+def test_edit_grads_returning_another_shape_names_the_layer():
+    """User's gradient edit returns g[:1]: PyTorch raises "hook '<unknown>' has changed the size of
+    value", naming no layer; it should be a HookscopeError naming layer '0' and the shape expected."""
+    net, x = _net(), torch.randn(3, 4)
+    with pytest.raises(hs.HookscopeError, match="'0'"), hs.edit_grads(net, {"0": lambda g: g[:1]}):
+        net(x).sum().backward()
