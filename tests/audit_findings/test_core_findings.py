@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -43,3 +45,32 @@ def test_edit_grads_returning_another_shape_names_the_layer():
     net, x = _net(), torch.randn(3, 4)
     with pytest.raises(hs.HookscopeError, match="'0'"), hs.edit_grads(net, {"0": lambda g: g[:1]}):
         net(x).sum().backward()
+
+
+def test_edit_grads_on_a_layer_whose_backward_runs_after_the_scope_is_not_silent():
+    """User edits layer '2''s output gradient (x0) but calls backward() after the with block:
+    layer '0''s weight gradient is 1.26 (the edit never acted) and no warning is given, although
+    the same slip with a parameter key warns "got no gradient while the scope was open"; it should
+    warn the same way for a layer key."""
+    net, x = _net(), torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with hs.edit_grads(net, {"2": lambda g: g * 0}):
+            out = net(x)
+        out.sum().backward()
+    warned = any(issubclass(c.category, hs.HookscopeWarning) for c in w)
+    assert warned or net[0].weight.grad.abs().max().item() == 0.0
+
+
+def test_clip_grads_scope_that_clipped_nothing_warns():
+    """User writes `with hs.clip_grads(net, value=1e-3): out = net(x)` and calls backward after
+    the block: gradients reach 2.14 (nothing clipped), silently; like edit_grads' "parameter(s) ...
+    got no gradient while the scope was open", clip_grads should warn at exit."""
+    net, x = _net(), torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with hs.clip_grads(net, value=1e-3):
+            out = net(x)
+        out.sum().backward()
+    warned = any(issubclass(c.category, hs.HookscopeWarning) for c in w)
+    assert warned or net[2].weight.grad.abs().max().item() <= 1e-3

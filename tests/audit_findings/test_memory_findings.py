@@ -41,3 +41,13 @@ def test_checkpointed_forward_that_appends_to_a_list_appends_once_per_step(neste
     finally:
         handle.remove()
     assert len(inner.maps) == 1
+
+
+def test_memory_profile_under_inference_mode_names_inference_mode():
+    """User calls hs.memory_profile inside torch.inference_mode() (e.g. an eval loop): the error
+    says "no tensor in the model's output requires grad ... check requires_grad of the parameters,
+    or pass loss_fn=", neither of which helps; it should name torch.inference_mode() and say to
+    call it outside (as GradCAM's error does)."""
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with pytest.raises(hs.HookscopeError, match="inference_mode"), torch.inference_mode():
+        hs.memory_profile(net, torch.randn(3, 4))
