@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hookscope as hs
+from helpers.lm import tiny_gpt2
 
 pytestmark = pytest.mark.skip(reason="audit finding, not yet fixed")
 
@@ -66,3 +67,28 @@ def test_patch_sweep_sees_a_forward_that_draws_from_its_own_generator():
     except hs.HookscopeError:
         return
     torch.testing.assert_close(a, b)
+
+
+def _lm_case():
+    model = tiny_gpt2().eval()
+    clean, corrupt = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[3, 4, 7, 6]])
+    return model, clean, corrupt, lambda out: out.logits[:, -1, 5].sum()
+
+
+@pytest.mark.parametrize("fn", ["patch_sweep", "attribution_patch"])
+def test_arg_without_at_input_is_refused(fn):
+    """User passes arg=5 (meaning an input of the block) but forgets at="input": the sweep patches
+    the block's output, silently, and returns output values; hs.edit refuses the same call
+    ("arg= selects an input; use it with at='input'"), so should patch_sweep/attribution_patch."""
+    model, clean, corrupt, metric = _lm_case()
+    with pytest.raises((ValueError, hs.PatchingError), match="at="):
+        getattr(hs, fn)(model, clean, corrupt, metric, ["transformer.h.1"], arg=5)
+
+
+def test_float_arg_is_refused_not_read_as_the_first_input():
+    """User passes arg=1.0 with at="input": the sweep silently patches input 0 (its values equal
+    arg=0's, where arg=1 raises "input 1 ... holds no tensor"); a non-int, non-str arg should raise
+    naming arg=."""
+    model, clean, corrupt, metric = _lm_case()
+    with pytest.raises((TypeError, ValueError, hs.PatchingError), match="arg"):
+        hs.patch_sweep(model, clean, corrupt, metric, ["transformer.h.1"], at="input", arg=1.0)
