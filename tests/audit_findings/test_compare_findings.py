@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -22,3 +23,47 @@ def test_compare_with_loss_fn_under_inference_mode_is_a_clear_error():
     b = copy.deepcopy(a)
     with pytest.raises(hs.CompareError, match="inference_mode"), torch.inference_mode():
         hs.compare(a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+
+
+def test_compare_against_a_record_made_with_another_loss_is_not_silent(tmp_path):
+    """User records `a(x).sum().backward()` and compares with loss_fn=lambda o: (o**2).sum():
+    every row's grad_error is about 1.2, yet culprit and first_divergent are None and nothing
+    warns; compare checks the recorded inputs ("the inputs given differ from those of the recorded
+    run") and should check the output gradient the same way (a CompareError or HookscopeWarning
+    naming loss_fn)."""
+    a, x = _net(), torch.randn(3, 4)
+    with hs.record(a, tmp_path / "rec"):
+        a(x).sum().backward()
+    b = copy.deepcopy(a)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            report = hs.compare(tmp_path / "rec", b, x, loss_fn=lambda o: (o**2).sum())
+        except hs.CompareError:
+            return
+    if any(issubclass(w.category, hs.HookscopeWarning) for w in caught):
+        return
+    assert report.culprit is not None or report.first_divergent is not None
+
+
+def test_compare_against_a_record_of_two_forwards_says_which_it_compares(tmp_path):
+    """User records two forward passes (a(x1); a(x2)) and compares with b on x1: compare returns
+    4 rows (the first pass only) with no word about the second pass, which is silently dropped; it
+    should raise or warn that the record holds 2 model calls (and how to compare the other)."""
+    a = _net()
+    x1, x2 = torch.randn(3, 4), torch.randn(3, 4)
+    with hs.record(a, tmp_path / "rec"):
+        a(x1)
+        a(x2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            hs.compare(tmp_path / "rec", copy.deepcopy(a), x1)
+        except hs.CompareError:
+            return
+    assert any(issubclass(w.category, hs.HookscopeWarning) for w in caught)
