@@ -44,3 +44,15 @@ def test_extract_does_not_silently_store_features_of_a_stochastic_forward(tmp_pa
     if any(issubclass(c.category, hs.HookscopeWarning) for c in w):
         return
     torch.testing.assert_close(torch.tensor(f1["b"][:]), torch.tensor(f2["b"][:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool])
+def test_extract_refuses_a_storage_dtype_that_cannot_hold_features(tmp_path, dtype):
+    """User passes dtype=torch.int64 (or uint8, bool) to extract: float features such as
+    [-0.48, -0.10, -0.60, -0.18] are stored as [0, 0, 0, 0] (bool: all True), silently; a
+    non-floating dtype should raise naming dtype= and the valid choices (float16/bfloat16/float32)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 4), nn.ReLU()).eval()
+    data = TensorDataset(torch.randn(10, 8))
+    with pytest.raises((TypeError, ValueError, hs.HookscopeError), match="dtype"):
+        hs.extract(net, data, ["0"], tmp_path / "out", progress=False, dtype=dtype)
