@@ -67,3 +67,33 @@ def test_compare_against_a_record_of_two_forwards_says_which_it_compares(tmp_pat
         except hs.CompareError:
             return
     assert any(issubclass(w.category, hs.HookscopeWarning) for w in caught)
+
+
+class _Port(nn.Module):
+    """The same function as _net() under other module names."""
+
+    def __init__(self, a: nn.Sequential) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = copy.deepcopy(a[0]), nn.ReLU(), copy.deepcopy(a[2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_compare_names_mapping_to_a_module_b_lacks_is_refused():
+    """User maps names={"0": "fc9", ...} (a typo for "fc1"): compare runs, row '0' silently
+    disappears from .rows and nothing warns; a names= target that is no module of B should raise a
+    CompareError naming 'fc9' and the closest names of B ('fc1')."""
+    a = _net()
+    b = _Port(a)
+    with pytest.raises(hs.CompareError, match="fc9"):
+        hs.compare(a, b, torch.randn(3, 4), names={"0": "fc9", "1": "act", "2": "fc2"})
+
+
+def test_compare_names_of_the_wrong_type_is_a_clear_error():
+    """User passes names=["fc1", "act", "fc2"] (a list): Python's "dictionary update sequence
+    element #0 has length 3; 2 is required"; it should be one line naming names= and the accepted
+    forms (a dict or a function from A's names to B's)."""
+    a = _net()
+    with pytest.raises((TypeError, hs.CompareError), match="names"):
+        hs.compare(a, _Port(a), torch.randn(3, 4), names=["fc1", "act", "fc2"])
