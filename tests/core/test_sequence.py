@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import threading
 
 import pytest
 import torch
@@ -415,3 +416,69 @@ def test_sequence_with_a_quantized_cache_equals_the_calls_aligned_by_hand(sample
         n = int(keep[b].sum())
         assert torch.equal(seq.values[b, :n], full[b][keep[b]])
         assert seq.tokens[b, :n].tolist() == out[b, :-1][keep[b]].tolist()
+
+
+def test_sequence_error_for_a_generate_in_another_thread_names_the_thread():
+    """capture(sequence=True) around generate() run in a background thread records nothing (a
+    scope acts only on its own thread's calls): sequence() says so, naming the thread and the fix,
+    rather than that the model was never called with token inputs."""
+    model = tiny_gpt2().eval()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    kwargs = dict(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with hs.capture(model, ["transformer.h.0"], sequence=True) as cap:
+        worker = threading.Thread(target=model.generate, kwargs=kwargs, name="generator")
+        worker.start()
+        worker.join()
+    with pytest.raises(
+        hs.SequenceError,
+        match=r"sequence\('transformer.h.0'\): the model was called only from another thread "
+        r"\('generator'\).*acts only on the calls of the thread that created it.*open the "
+        r"capture inside the function the thread runs",
+    ):
+        cap.sequence("transformer.h.0")
+
+
+def test_sequence_error_for_a_layer_the_model_runs_in_a_thread_of_its_own_names_the_rule():
+    """A layer that the model's forward runs in a thread it starts is not recorded; the error for
+    the call it missed names the thread rule besides a compiled forward."""
+
+    class Threaded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin = nn.Embedding(10, 4), nn.Linear(4, 4)
+
+        def forward(self, input_ids):
+            out = []
+            worker = threading.Thread(target=lambda: out.append(self.lin(self.emb(input_ids))))
+            worker.start()
+            worker.join()
+            return out[0]
+
+    net = Threaded()
+    with hs.capture(net, "lin", sequence=True) as cap:
+        net(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(
+        hs.SequenceError,
+        match=r"'lin' ran 0 times during model call 0.*acts only on the calls of the thread "
+        r"that created it",
+    ):
+        cap.sequence("lin")
+
+
+def test_sequence_error_for_calls_without_tokens_here_and_calls_in_another_thread_says_both():
+    """The scope's thread called the model without token inputs (a 1-D tensor) and another thread
+    called it with tokens: the error names both facts."""
+    net = nn.Embedding(10, 4)
+    with hs.capture(net, "", sequence=True) as cap:
+        net(torch.tensor([1, 2]))
+        worker = threading.Thread(target=net, args=(torch.tensor([[1, 2]]),), name="other")
+        worker.start()
+        worker.join()
+    assert len(cap.calls("")) == 1  # the scope's own call only
+    with pytest.raises(
+        hs.SequenceError,
+        match=r"never called with token inputs \(input_ids or inputs_embeds\) while the capture "
+        r"was open; its calls from thread 'other' were left alone: a scope acts only on the calls "
+        r"of the thread that created it",
+    ):
+        cap.sequence("")

@@ -36,6 +36,7 @@ Face ``Cache``) cannot be followed through beam search.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Any, NamedTuple
 
@@ -45,7 +46,7 @@ import torch.nn as nn
 from ._compiled import strip_compiled
 from ._errors import HookscopeError
 from ._nested import first_tensor
-from ._scope import HookScope, in_backward
+from ._scope import HookScope, _Hook, acts_here, get_ident, in_backward, thread_checked
 
 __all__ = ["SequenceError", "TokenSequence", "TokenTracker", "assemble"]
 
@@ -188,6 +189,8 @@ class TokenTracker:
         self._cache: Any = None  # weak reference to the previous call's cache
         self._pending: torch.Tensor | None = None  # beam_idx of reorders since the last call
         self._wrapped: list[Any] = []  # caches whose reorder_cache is wrapped
+        self.elsewhere: str | None = None  # a thread whose model calls the scope left alone
+        self.called = False  # whether the scope's thread called the model
 
     def attach(self, scope: HookScope, model: nn.Module, *, reorders: bool = True) -> None:
         """Add the pre-hook and post-hook to the root model; caches met in the calls get their
@@ -196,7 +199,7 @@ class TokenTracker:
         root = strip_compiled(model)
         cfg = getattr(root, "config", None)
         self.encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False))
-        scope.add_forward_pre(root, self._pre, layer="", with_kwargs=True)
+        scope.add_forward_pre(root, _TrackerHook(self), layer="", with_kwargs=True)
         scope.add_forward(root, self._post, layer="")
         scope.on_remove(self._unwrap)
 
@@ -206,6 +209,7 @@ class TokenTracker:
         self._pending = None
         self._cache = None
         self.prompt_end = 0
+        self.elsewhere, self.called = None, False
 
     # -- hooks ----------------------------------------------------------------------------------
     def _inputs(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -221,6 +225,7 @@ class TokenTracker:
     def _pre(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if in_backward():
             return
+        self.called = True
         x, ids, mask = self._inputs(args, kwargs)
         if not isinstance(x, torch.Tensor) or x.dim() < 2:
             self.current = None
@@ -382,6 +387,30 @@ class TokenTracker:
         return pos, step.own, total
 
 
+class _TrackerHook(_Hook):
+    """The tracker's pre-hook: reads the scope's thread's calls, and notes the name of a thread
+    whose calls it leaves alone (see :func:`~hookscope.core._scope.acts_here`)."""
+
+    __slots__ = ("tracker",)
+
+    def __init__(self, tracker: TokenTracker) -> None:
+        self.fn = None  # type: ignore[assignment]
+        self.tracker = tracker  # _Hook's other fields are set by HookScope when it is registered
+
+    @thread_checked
+    def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            if self.tracker.elsewhere is None:
+                self.tracker.elsewhere = threading.current_thread().name
+            return None
+        return self.tracker._pre(module, args, kwargs)
+
+
+_THREADS = (
+    "a scope acts only on the calls of the thread that created it (docs/guide/core.md, Threads)"
+)
+
+
 class _Reorder:
     """A cache's ``reorder_cache`` while trackers are open on it: tells them each ``beam_idx``."""
 
@@ -438,10 +467,21 @@ def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSeque
             )
     seqs = sorted({s.seq for s in tracker.steps})
     if not seqs:
+        fix = "open the capture inside the function the thread runs"
+        if tracker.elsewhere is not None and not tracker.called:
+            raise SequenceError(
+                f"sequence({name!r}): the model was called only from another thread "
+                f"({tracker.elsewhere!r}) while the capture was open, and {_THREADS}: {fix}"
+            )
         raise SequenceError(
             f"sequence({name!r}): the model was never called with token inputs ("
             + ("decoder_input_ids" if tracker.encoder_decoder else "input_ids or inputs_embeds")
             + ") while the capture was open"
+            + (
+                f"; its calls from thread {tracker.elsewhere!r} were left alone: {_THREADS}: {fix}"
+                if tracker.elsewhere is not None
+                else ""
+            )
         )
     if len(seqs) > 1:
         raise SequenceError(
@@ -480,7 +520,8 @@ def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSeque
                 "transformers' generate() compiles the forward by itself for a static cache on a "
                 "GPU (pass disable_compile=True to generate), and so does model.forward = "
                 "torch.compile(model.forward); compile with model.compile() or "
-                "torch.compile(model) instead, which hookscope routes"
+                f"torch.compile(model) instead, which hookscope routes; and {_THREADS}: a "
+                "layer that the forward runs in a thread of its own is not seen"
                 if k == 0
                 else "it ran several times in that call; sequence() needs one call per model call"
             )

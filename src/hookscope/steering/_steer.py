@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -13,11 +14,22 @@ import torch.nn as nn
 from ..core._compiled import strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import replace_first
-from ..core._scope import HookScope, _Hook, check_model
+from ..core._scope import HookScope, _Hook, acts_here, check_model, get_ident, thread_checked
 from ..core._select import Selector, find
 from ..core._sequence import SequenceError, TokenTracker
 
 __all__ = ["Steering", "steer"]
+
+_THREAD_RULE = (
+    "a scope acts only on the calls of the thread that created it (docs/guide/core.md, "
+    "Threads): open the scope inside the function the thread runs"
+)
+_NEVER_RAN = (
+    "it was never called through module(...) in the thread that opened the scope (a parent "
+    "that calls child.forward(...) directly skips hooks, a branch not taken does not run, and a "
+    "compiled graph hookscope was not given ignores them: give hookscope the object you call); "
+    + _THREAD_RULE
+)
 
 Positions = Literal["all", "prompt", "generated"] | int | torch.Tensor
 _NAMED = ("all", "prompt", "generated")
@@ -26,8 +38,11 @@ _NAMED = ("all", "prompt", "generated")
 class Steering(HookScope):
     """The scope :func:`steer` returns: removes its hooks on exit, like every hookscope scope.
 
-    On a clean exit it warns when the steered layers ran but no position was ever selected
-    (``positions="generated"`` around a plain forward, ``"prompt"`` after the prompt only).
+    On a clean exit it warns when a steered layer never ran in the scope's thread (the model
+    was not called inside the ``with`` block, or ``generate`` ran in another thread: a scope acts
+    only on the calls of the thread that created it), and when the steered layers ran but no
+    position was ever selected (``positions="generated"`` around a plain forward, ``"prompt"``
+    after the prompt only).
     """
 
     def __init__(self) -> None:
@@ -37,6 +52,7 @@ class Steering(HookScope):
         self.positions: Any = "all"
         self.layers: list[str] = []
         self._failed = False
+        self._exiting = False  # removed by the with block's exit (for the warnings' stacklevel)
         self.model_calls = 0
         self.hooks: list[_SteerHook] = []
         self._seen: list[int] = []
@@ -48,33 +64,75 @@ class Steering(HookScope):
         self.model_calls += 1
         self._seen = [h.count for h in self.hooks]
 
-    def _check_ran(self) -> None:
+    def _check_ran(self, stacklevel: int = 3) -> None:
         if not self.model_calls or not self._seen:
             return
-        missed = [h.name for h, c in zip(self.hooks, self._seen) if h.count == c]
-        new = [n for n in missed if n not in self._skipped]
+        missed = [h for h, c in zip(self.hooks, self._seen) if h.count == c]
+        new = [h for h in missed if h.name not in self._skipped]
         if new:
-            self._skipped.update(new)
+            self._skipped.update(h.name for h in new)
+            away = next((h for h in new if h.elsewhere), None)
             warnings.warn(
-                f"steer: layers {some_names(new)} did not run during model call "
-                f"{self.model_calls - 1}, so that call was not steered. A compiled forward that "
+                f"steer: layers {some_names([h.name for h in new])} did not run during model "
+                f"call {self.model_calls - 1}, so that call was not steered. "
+                + (
+                    f"{away.name!r} ran in thread {away.elsewhere!r}, and a scope acts only on "
+                    "the calls of the thread that created it (docs/guide/core.md, Threads): "
+                    "steer a layer that the model calls in this thread, or open the scope in "
+                    "the thread that calls the layer. "
+                    if away is not None
+                    else ""
+                )
+                + "A compiled forward that "
                 "hookscope was not given ignores hooks: transformers' generate() compiles the "
                 "forward by itself for a static cache on a GPU (pass disable_compile=True to "
                 "generate), and so does model.forward = torch.compile(model.forward); compile "
                 "with model.compile() or torch.compile(model) instead, which hookscope routes",
                 HookscopeWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
+            )
+
+    def _check_never(self, stacklevel: int) -> None:
+        """At exit: warn for the steered layers that never ran in the scope's thread."""
+        never = [h for h in self.hooks if not h.count and h.name not in self._skipped]
+        if not never:
+            return
+        self._skipped.update(h.name for h in never)
+        away = [h for h in never if h.elsewhere]
+        if away:
+            h = away[0]
+            warnings.warn(
+                f"steer: layer(s) {some_names([h.name for h in away])} never ran in the thread "
+                "that opened the scope, so nothing was steered: their "
+                f"{sum(a.elsewhere_calls for a in away)} calls from thread {h.elsewhere!r} were "
+                "left alone (as generate() in a background thread, TextIteratorStreamer's "
+                f"recipe); {_THREAD_RULE}",
+                HookscopeWarning,
+                stacklevel=stacklevel,
+            )
+        rest = [h.name for h in never if not h.elsewhere]
+        if rest:
+            warnings.warn(
+                f"steer: layer(s) {some_names(rest)} never ran while the scope was open, so "
+                f"nothing was steered there: {_NEVER_RAN}",
+                HookscopeWarning,
+                stacklevel=stacklevel,
             )
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         self._failed = exc is not None
+        self._exiting = True
         return super().__exit__(exc_type, exc, tb)
 
     def remove(self) -> None:
         check = self.active and not self._failed
+        up = (
+            4 if self._exiting else 2
+        )  # the warnings' frame: the with statement, or remove()'s caller
         super().remove()
         if check:
-            self._check_ran()
+            self._check_ran(up + 1)
+            self._check_never(up + 1)
         if check and self.ran and not self.steered:
             warnings.warn(
                 f"steer(positions={self.positions!r}): layers {some_names(self.layers)} ran "
@@ -85,7 +143,7 @@ class Steering(HookScope):
                     else "(every call was past the prompt)"
                 ),
                 HookscopeWarning,
-                stacklevel=3,
+                stacklevel=up,
             )
 
     close = remove
@@ -106,7 +164,18 @@ def _first(output: Any, name: str) -> torch.Tensor:
 class _SteerHook(_Hook):
     """Forward hook adding ``scale * vector`` (or removing ``scale`` times the projection on it)."""
 
-    __slots__ = ("_cache", "count", "mode", "name", "scale", "scope_", "select", "vector")
+    __slots__ = (
+        "_cache",
+        "count",
+        "elsewhere",
+        "elsewhere_calls",
+        "mode",
+        "name",
+        "scale",
+        "scope_",
+        "select",
+        "vector",
+    )
 
     def __init__(
         self,
@@ -121,7 +190,9 @@ class _SteerHook(_Hook):
         self.name, self.vector, self.scale, self.mode = name, vector, scale, mode
         self.select, self.scope_ = select, scope
         self._cache: tuple[torch.device, torch.dtype, torch.Tensor] | None = None
-        self.count = 0
+        self.count = 0  # calls steered (or looked at) in the scope's thread
+        self.elsewhere: str | None = None  # the name of a thread whose calls were left alone
+        self.elsewhere_calls = 0
 
     def _delta(self, h: torch.Tensor) -> torch.Tensor:
         c = self._cache
@@ -147,7 +218,11 @@ class _SteerHook(_Hook):
         self._cache = (h.device, h.dtype, d)
         return d
 
+    @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            self._away()  # another thread's call: left alone (see acts_here)
+            return None
         h = _first(output, self.name)
         self.count += 1
         scope = self.scope_
@@ -172,6 +247,11 @@ class _SteerHook(_Hook):
                 )
             new = h + delta * sel.unsqueeze(-1).to(device=h.device, dtype=h.dtype)
         return replace_first(output, new)
+
+    def _away(self) -> None:
+        self.elsewhere_calls += 1
+        if self.elsewhere is None:
+            self.elsewhere = threading.current_thread().name
 
 
 def _no_tokens(positions: Any, tracker: TokenTracker) -> HookscopeError:

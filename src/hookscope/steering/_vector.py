@@ -184,7 +184,9 @@ def _forward(
         raise LayerNotRunError(
             f"steering_vector: layer(s) {', '.join(map(repr, cap.missing))} did not run in the "
             "forward over the prompts; read a layer that runs on token ids (e.g. one of "
-            "hs.blocks(model))"
+            "hs.blocks(model)). Hooks see only calls made through module(...) in the thread "
+            "that created the scope (docs/guide/core.md, Threads): a layer that the forward runs "
+            "in a thread of its own is not seen; read a layer that the model calls in this thread"
         ) from None
     if first and draws.drew:
         modes = training_modules(model)
