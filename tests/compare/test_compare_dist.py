@@ -73,6 +73,16 @@ def test_each_rank_writes_its_own_record_with_eager_names(cnn_record):
 
 
 @pytest.mark.distributed
+def test_a_folder_holding_the_ranks_records_takes_no_other_record(cnn_record):
+    model = make_cnn()
+    with (
+        pytest.raises(hs.CompareError, match="already holds a record"),
+        hs.record(model, cnn_record),
+    ):
+        model(batch())
+
+
+@pytest.mark.distributed
 def test_ddp_ranks_match_one_process_on_the_combined_batch(cnn_record):
     report = hs.compare(cnn_record, make_cnn(), batch(), loss_fn=mean_loss)
     assert report.culprit is None and report.first_divergent is None
@@ -213,6 +223,10 @@ def test_calls_that_differ_across_ranks_are_listed_never_paired(tmp_path):
     assert stat.note.startswith("ranks cannot be joined: output leaf 0")
     lin = report.row("lin")  # before any rank-dependent step: joined exactly
     assert lin.error is not None and lin.error < 1e-6
+    # the root's replay would stand in rank 0's value for stat's: no local error, no verdict
+    root = report.row("")
+    assert root.local_error is None and root.flagged is None and "stat#0" in root.note
+    assert report.culprit is None and report.first_divergent == "<root>"
 
 
 def _record_fsdp2(rank: int, folder: str) -> None:

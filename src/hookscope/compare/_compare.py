@@ -120,11 +120,24 @@ class _Job:
             if got is not None:
                 r.compile_error = rel_error(got.output, cb.output)  # compiled against eager
         self._verdict(i, r)
+        self._unjoined(i, j, r)
+        return r
+
+    def _unjoined(self, i: int, j: int, r: CompareRow) -> None:
+        """Rows of a record of several ranks whose values could not be joined: no errors, no
+        verdict; a call whose replay stood in such a child's value: no local errors."""
+        ra, rb = self.ra, self.rb
+        assert rb is not None
         unjoined = ra.notes.get(i) or rb.notes.get(j)
-        if unjoined:  # a record of several ranks whose values for this call could not be joined
+        if unjoined:
             r.note, r.flagged = unjoined, None
             r.error = r.local_error = r.grad_error = r.local_grad_error = None
-        return r
+            return
+        child = next((k for k in ra.calls[i].children if k in ra.notes), None)
+        if child is not None:
+            c = ra.calls[child]
+            r.note = f"no local error: its call of {c.name}#{c.index} cannot be joined across ranks"
+            r.flagged = r.local_error = r.local_grad_error = None
 
     def _param_grads(self, a_name: str, b_name: str) -> float | None:
         ra, rb = self.ra, self.rb

@@ -61,7 +61,9 @@ class Record:
         check_model(model)
         named = dict(named_modules(model)) if self._layers is None else resolve(model, self._layers)
         self._dir.mkdir(parents=True, exist_ok=True)
-        if (self.folder / "index.json").exists() or (self._dir / "index.json").exists():
+        # one process: nor a record of several ranks (their folders) already in it
+        taken = (self.folder, self._dir) if self.world > 1 else (self.folder, self.folder / "rank0")
+        if any((d / "index.json").exists() for d in taken):
             raise CompareError(
                 f"hs.record: {str(self.folder)!r} already holds a record; give an empty folder"
             )
