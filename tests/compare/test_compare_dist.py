@@ -287,3 +287,36 @@ def test_batchnorm_in_training_mode_is_named_for_its_per_rank_statistics(tmp_pat
     report = hs.compare(folder, make_bn_cnn().train(train), batch(), loss_fn=mean_loss)
     assert report.culprit == ("1" if train else None)
     assert report.row("0").error == 0.0
+
+
+CNN_FILE = """
+import torch, torch.nn as nn
+
+class CNN(nn.Sequential):
+    def __init__(self, bias=0.0):
+        torch.manual_seed(0)
+        super().__init__(
+            nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Tanh(),
+            nn.Flatten(), nn.Linear(4 * 4 * 4, 5),
+        )
+        with torch.no_grad():
+            self[2].bias += bias
+"""
+
+
+@pytest.mark.distributed
+def test_the_cli_reads_the_ranks_record_on_the_combined_inputs(cnn_record, tmp_path, capsys):
+    import json
+
+    from hookscope.cli import main
+
+    (tmp_path / "cnn.py").write_text(CNN_FILE)
+    spec = f"{tmp_path / 'cnn.py'}:CNN"
+    # --loss square is mean_loss: out.pow(2).mean()
+    assert main(["compare", cnn_record, spec, "--loss", "square", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["culprit"] is None
+    assert main(["compare", cnn_record, spec + "(bias=0.05)", "--loss", "square", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["culprit"] == "2"
+    args = ["compare", cnn_record, spec, "--loss", "square", "--loss-reduction", "sum"]
+    assert main(args) == 2
+    assert "loss_reduction='mean'" in capsys.readouterr().err
