@@ -24,7 +24,7 @@ def make_cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),  # an in-place module, as real models have
         nn.Conv2d(4, 4, 3),
         nn.Tanh(),
         nn.Flatten(),
@@ -87,6 +87,7 @@ def test_ddp_ranks_match_one_process_on_the_combined_batch(cnn_record):
     report = hs.compare(cnn_record, make_cnn(), batch(), loss_fn=mean_loss)
     assert report.culprit is None and report.first_divergent is None
     assert report.unmatched == []
+    assert report.notes == ["a: the records of 2 ranks, joined into one run on the combined batch"]
     assert len(report.rows) == 7
     # fp32 round-off only: the joined outputs, the rescaled activation gradients and DDP's
     # averaged parameter gradients against the combined run's
