@@ -55,14 +55,20 @@ def test_a_record_against_a_live_model_gives_the_live_comparison(tmp_path, fault
         assert x.flagged == y.flagged
 
 
+def _record_in_another_process(model, folder, inputs, kwargs, loss) -> None:
+    torch.set_num_threads(1)
+    _record(model, folder, inputs, kwargs, loss)
+
+
 def test_a_record_made_in_another_process_compares_with_a_live_bf16_copy(tmp_path):
     a, inputs, kwargs, loss = cnn()
 
-    def child() -> None:
-        torch.set_num_threads(1)
-        _record(a, tmp_path, inputs, kwargs, loss)
-
-    p = mp.get_context("fork").Process(target=child)
+    # a fork server: a fork of this process is unsafe once a test before it started autograd's
+    # threads (see helpers.dist.launch)
+    mp.set_forkserver_preload(["torch", "hookscope"])
+    p = mp.get_context("forkserver").Process(
+        target=_record_in_another_process, args=(a, tmp_path, inputs, kwargs, loss)
+    )
     p.start()
     p.join(120)
     assert p.exitcode == 0 and (tmp_path / "index.json").exists()

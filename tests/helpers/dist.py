@@ -36,11 +36,18 @@ def _entry(rank: int, port: int, fn: Callable[..., None], args: tuple, world: in
 def launch(
     fn: Callable[..., None], *args: object, timeout: float = 300.0, world: int = WORLD
 ) -> None:
-    """Run ``fn(rank, *args)`` on ``world`` (2) gloo ranks. fork: the children need not import torch again
-    (several seconds each on a busy machine); they use one thread, so the parent's thread pool is
-    never needed after the fork. A rank still running after ``timeout`` seconds (one waiting in a
-    collective the others never reach) is killed and the test fails, instead of hanging."""
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    """Run ``fn(rank, *args)`` on ``world`` (2) gloo ranks. The ranks are forked from a fork
+    server (a fresh process that has imported torch and hookscope once per test process): a fork
+    of the test process itself is unsafe once anything in it has started autograd's threads
+    (PyTorch then refuses a backward in the child, "Unable to handle autograd's threading in
+    combination with fork-based multiprocessing"), and which tests ran before depends on the
+    order. ``fn`` must be a module-level function. A rank still running after ``timeout``
+    seconds (one waiting in a collective the others never reach) is killed and the test fails,
+    instead of hanging."""
+    methods = mp.get_all_start_methods()
+    method = "forkserver" if "forkserver" in methods else "spawn"
+    if method == "forkserver":
+        mp.set_forkserver_preload(["torch", "hookscope"])
     ctx = mp.start_processes(
         _entry, args=(free_port(), fn, args, world), nprocs=world, join=False, start_method=method
     )

@@ -33,10 +33,20 @@ def _reinit(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
+def lm_loss(out: Any) -> torch.Tensor:
+    """The language models' loss (module level, so a record can be made in another process)."""
+    return out.logits.float().logsumexp(-1).mean()
+
+
+def logsumexp_loss(out: torch.Tensor) -> torch.Tensor:
+    """The image models' loss (module level, so a record can be made in another process)."""
+    return out.logsumexp(-1).mean()
+
+
 def llama() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callable[[Any], torch.Tensor]]:
     model = _reinit(tiny_llama(n_layer=2, hidden=64, heads=4, kv_heads=2, seed=0), 0)
     ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(1))
-    return model, (ids,), {"use_cache": False}, lambda o: o.logits.float().logsumexp(-1).mean()
+    return model, (ids,), {"use_cache": False}, lm_loss
 
 
 class CNN(nn.Module):
@@ -62,7 +72,7 @@ def cnn() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callable[[Any], t
     torch.manual_seed(0)
     model = CNN().train()  # BatchNorm on batch statistics, as in training
     x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-    return model, (x,), {}, lambda o: o.logsumexp(-1).mean()
+    return model, (x,), {}, logsumexp_loss
 
 
 def vit() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callable[[Any], torch.Tensor]]:
@@ -75,7 +85,7 @@ def vit() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Callable[[Any], t
     ).eval()  # fmt: skip
     _reinit(model, 0)
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
-    return model, (x,), {}, lambda o: o.logsumexp(-1).mean()
+    return model, (x,), {}, logsumexp_loss
 
 
 MODELS = {"llama": llama, "cnn": cnn, "vit": vit}
