@@ -96,3 +96,38 @@ def test_memory_profile_leaves_a_list_the_forward_appends_to_as_found():
     first = inner.maps[0]
     hs.memory_profile(nn.Sequential(inner, nn.Linear(8, 1)), torch.randn(2, 8))
     assert len(inner.maps) == 1 and inner.maps[0] is first
+
+
+class _TensorCounter(nn.Module):
+    """Counts its calls in a tensor attribute (not a buffer) changed in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_recompute_that_changes_a_tensor_attribute_in_place_warns_naming_it():
+    """A checkpointed module adding 1 in place to a tensor attribute: the recompute adds again
+    (no copy was kept to undo it): a HookscopeWarning names the attribute and the fix
+    (register_buffer), and the count shows the two additions."""
+    inner = _TensorCounter()
+    handle = hs.apply_checkpointing(nn.Sequential(inner), ["0"])
+    try:
+        with pytest.warns(hs.HookscopeWarning, match=r"attribute '0\.calls'.*register_buffer"):
+            inner(torch.randn(2, 4)).sum().backward()
+    finally:
+        handle.remove()
+    assert float(inner.calls) == 2.0
+
+
+def test_memory_profile_puts_back_a_tensor_attribute_changed_in_place():
+    """memory_profile's step adds 1 to a tensor attribute in place: it holds its value before."""
+    inner = _TensorCounter()
+    inner.calls.fill_(5.0)
+    hs.memory_profile(inner, torch.randn(2, 4))
+    assert float(inner.calls) == 5.0

@@ -249,6 +249,13 @@ class Attributes:
     def __init__(self, model: nn.Module) -> None:
         self.attrs = [(m, plain_attributes(m.__dict__)) for m in model.modules()]
         self.containers = Containers(model.modules())
+        # tensor attributes (not buffers) a step may change in place: their values, put back
+        self.values = [
+            (v, v._version, v.detach().clone())
+            for _, before in self.attrs
+            for v in before.values()
+            if isinstance(v, torch.Tensor) and not v.is_meta
+        ]
 
     def restore(self) -> None:
         for m, before in self.attrs:
@@ -257,6 +264,10 @@ class Attributes:
                 del d[k]
             d.update(before)
         self.containers.restore()
+        for v, version, value in self.values:
+            if v._version != version:
+                with torch.no_grad():
+                    v.copy_(value)
 
 
 def _tensors(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:

@@ -35,7 +35,8 @@ what the recompute needs to see the call's own starting point and to leave no tr
   inputs or the module's parameters are restored here.
 
 What is not restored: other objects a forward changes (an attribute holding an instance of
-your own class, a tensor attribute changed in place), and state outside the checkpointed module.
+your own class), and state outside the checkpointed module. A tensor attribute (not a buffer)
+changed in place by the recompute changed twice: no copy was kept, and a warning names it.
 """
 
 from __future__ import annotations
@@ -354,15 +355,19 @@ class CallState:
             args = tuple(args)
         undo = self._enter()
         try:
-            if self.rng:
-                devices = list(self.rng)
-                with torch.random.fork_rng(devices=devices, device_type="cuda"):
-                    for d, state in self.rng.items():
-                        torch.cuda.set_rng_state(state, d)
-                    return self.forward(*args, **kwargs)
-            return self.forward(*args, **kwargs)
-        finally:
+            return self._forward_replayed(args, kwargs)
+        finally:  # (torch.utils.checkpoint may stop a recompute early, by an exception)
             self._leave(undo)
+            self._warn_tensor_attributes()
+
+    def _forward_replayed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.rng:
+            devices = list(self.rng)
+            with torch.random.fork_rng(devices=devices, device_type="cuda"):
+                for d, state in self.rng.items():
+                    torch.cuda.set_rng_state(state, d)
+                return self.forward(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def _enter(self) -> tuple[list[Any], list[Any], Containers]:
         """Set the buffers, attributes and containers to their values at the call; return what
@@ -387,7 +392,30 @@ class CallState:
             d.update(before)
         now_held = Containers(self.module.modules())
         self.containers.restore()
+        self.tensors = [
+            (m, k, v, v._version)
+            for m in self.module.modules()
+            for k, v in plain_attributes(m.__dict__).items()
+            if isinstance(v, torch.Tensor)
+        ]
         return bufs, attrs, now_held
+
+    def _warn_tensor_attributes(self) -> None:
+        """Warn about tensor attributes (not buffers) the recompute changed in place: they
+        changed twice this step, and no copy was kept to put them back."""
+        for m, k, v, version in self.tensors:
+            if v._version != version:
+                sub = next((n for n, x in self.module.named_modules() if x is m), "")
+                full = ".".join(p for p in (self.memory.name, sub, k) if p)
+                warnings.warn(
+                    f"apply_checkpointing: attribute {full!r} (a tensor, not a buffer) was "
+                    f"changed in place by the recompute of layer {self.memory.name!r}, so it "
+                    "changed twice this step; register it as a buffer (register_buffer(..., "
+                    "persistent=False): buffers are replayed), or leave this layer out of the "
+                    "checkpointed modules",
+                    HookscopeWarning,
+                    stacklevel=2,
+                )
 
     @staticmethod
     def _leave(undo: tuple[list[Any], list[Any], Containers]) -> None:
