@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -76,14 +77,20 @@ class _Job:
         for i, c in enumerate(ra.calls):
             bn = self.map(c.name)
             j = rb.by_key.get((bn, c.index)) if bn is not None else None
-            if j is None:
-                unmatched.append(f"a: {c.name or '<root>'}#{c.index}")
+            why = ra.excluded.get(c.name) or (rb.excluded.get(bn) if bn is not None else None)
+            if j is None or why:
+                unmatched.append(
+                    f"a: {c.name or '<root>'}#{c.index}" + (f" ({why})" if why else "")
+                )
                 continue
             matched.append((i, j))
             used.add(j)
         for j, c in enumerate(rb.calls):
             if j not in used:
-                unmatched.append(f"b: {c.name or '<root>'}#{c.index}")
+                why = rb.excluded.get(c.name)
+                unmatched.append(
+                    f"b: {c.name or '<root>'}#{c.index}" + (f" ({why})" if why else "")
+                )
         return matched, unmatched
 
     # -- one row -------------------------------------------------------------------------------
@@ -113,7 +120,24 @@ class _Job:
             if got is not None:
                 r.compile_error = rel_error(got.output, cb.output)  # compiled against eager
         self._verdict(i, r)
+        self._unjoined(i, j, r)
         return r
+
+    def _unjoined(self, i: int, j: int, r: CompareRow) -> None:
+        """Rows of a record of several ranks whose values could not be joined: no errors, no
+        verdict; a call whose replay stood in such a child's value: no local errors."""
+        ra, rb = self.ra, self.rb
+        assert rb is not None
+        unjoined = ra.notes.get(i) or rb.notes.get(j)
+        if unjoined:
+            r.note, r.flagged = unjoined, None
+            r.error = r.local_error = r.grad_error = r.local_grad_error = None
+            return
+        child = next((k for k in ra.calls[i].children if k in ra.notes), None)
+        if child is not None:
+            c = ra.calls[child]
+            r.note = f"no local error: its call of {c.name}#{c.index} cannot be joined across ranks"
+            r.flagged = r.local_error = r.local_grad_error = None
 
     def _param_grads(self, a_name: str, b_name: str) -> float | None:
         ra, rb = self.ra, self.rb
@@ -302,6 +326,7 @@ def compare(
     names: Names = None,
     autocast: torch.dtype | None = None,
     max_bytes: int | None = None,
+    loss_reduction: str = "mean",
     **kwargs: Any,
 ) -> CompareReport:
     """Compare two runs module by module and name the module that makes the difference.
@@ -331,8 +356,15 @@ def compare(
     what compilation adds) exceeds its tolerance; ``first_divergent`` the first module, in the
     order outputs are produced, whose output differs beyond it (where the error shows).
 
-    Module calls are matched by name and occurrence; calls that ran in only one model are listed
-    in ``unmatched``. Both models are left as found (``.grad``, buffers, train/eval mode); a model
+    A record made on several ranks of a ``torch.distributed`` run is one run on the combined
+    batch: per module call, each tensor whose first dimension equals the rank's batch share is
+    concatenated in rank order, any other must be equal on every rank (else the row's ``note``
+    says it cannot be joined, and the row has no errors); activation gradients are rescaled
+    for ``loss_reduction``, parameter gradients are the ranks' averaged ones. Give ``b`` the
+    combined batch (the ranks' inputs concatenated in rank order).
+
+    Module calls are matched by name and occurrence; calls that ran in only one model (or a
+    different number of times on different ranks) are listed in ``unmatched``. Both models are left as found (``.grad``, buffers, train/eval mode); a model
     that draws random numbers (dropout in training mode) raises :class:`CompareError`.
 
     Args:
@@ -345,6 +377,9 @@ def compare(
         autocast: run B (and its replays) under ``torch.autocast`` with this dtype.
         max_bytes: keep at most this many bytes of each run's recorded values in memory; the
             rest goes to a temporary folder (read back when compared). ``None``: no bound.
+        loss_reduction: for a record made on several ranks (each its share of the batch), how
+            each rank's loss reduced its share: ``"mean"`` (each rank's activation gradients are
+            ``world`` times the combined run's) or ``"sum"``; checked against B's gradients.
         **kwargs: keyword inputs of both forwards.
 
     Example:
@@ -360,10 +395,14 @@ def compare(
         >>> hs.compare(a, copy.deepcopy(a), torch.randn(4, 8)).culprit is None
         True
     """
-    ra = _side(a, "a", RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes))
-    rb = _side(b, "b", RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes))
+    sa = RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes)
+    ra = _side(a, "a", sa, loss_reduction)
+    rb = _side(
+        b, "b", RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes), loss_reduction
+    )
     if ra.modules is None and rb.modules is not None:
         _check_inputs(ra, inputs, kwargs)
+    _check_reduction(ra, rb, loss_reduction)
     job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
     with contextlib.ExitStack() as stack:
         for m in (a, b):
@@ -372,14 +411,39 @@ def compare(
         return build_report(job)
 
 
-def _side(m: Any, what: str, spec: RunSpec) -> RunRecord:
+def _side(m: Any, what: str, spec: RunSpec, loss_reduction: str) -> RunRecord:
     if isinstance(m, nn.Module):
         return record_run(spec)
     if isinstance(m, (str, os.PathLike)):
-        return load_record(m)
+        return load_record(m, loss_reduction)
     raise TypeError(
         f"hs.compare: {what} must be an nn.Module or a folder written by hs.record, "
         f"got {type(m).__name__}"
+    )
+
+
+def _check_reduction(ra: RunRecord, rb: RunRecord, loss_reduction: str) -> None:
+    """A record of several ranks rescaled with the wrong ``loss_reduction`` has root output
+    gradients ``world`` times (or ``1/world`` times) the other run's: refuse it by name."""
+    world = max(ra.world, rb.world)
+    if ra.world == rb.world or not (ra.has_grads and rb.has_grads):
+        return
+    pa, pb = ra.by_key.get(("", 0)), rb.by_key.get(("", 0))
+    if pa is None or pb is None:
+        return
+    ga, gb = ra.calls[pa].grad, rb.calls[pb].grad
+    na = sum(float(g.double().norm()) ** 2 for g in ga or [] if g is not None) ** 0.5
+    nb = sum(float(g.double().norm()) ** 2 for g in gb or [] if g is not None) ** 0.5
+    if na == 0.0 or nb == 0.0:
+        return
+    ratio = na / nb if ra.world > 1 else nb / na  # the joined ranks' against one process's
+    if abs(math.log(ratio)) < math.log(world) / 2:
+        return
+    other = "mean" if ratio > 1 else "sum"
+    raise CompareError(
+        f"hs.compare: with loss_reduction={loss_reduction!r} the {world} ranks' output gradients "
+        f"are {ratio:.3g} times the one-process run's: the ranks' loss looks like a {other}; "
+        f"pass loss_reduction={other!r}"
     )
 
 
@@ -396,4 +460,5 @@ def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]
     raise CompareError(
         "hs.compare: the inputs given differ from those of the recorded run "
         f"(relative difference {err:.2e}); pass the same inputs the record was made with"
+        + (f" (its {ra.world} ranks' inputs concatenated in rank order)" if ra.world > 1 else "")
     )

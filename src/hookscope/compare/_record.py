@@ -25,6 +25,7 @@ from ..core._errors import enter_once
 from ..core._nested import iter_tensors
 from ..core._scope import HookScope, check_model, identity_views, in_backward
 from ..core._select import resolve
+from ._ranks import join_ranks
 from ._run import CallRec, CompareError, RunRecord, _aliases, model_dtype
 from ._store import ValueStore, cpu_copy
 
@@ -40,6 +41,10 @@ class Record:
     def __init__(self, model: nn.Module, folder: Path, layers: Any) -> None:
         self.folder = folder
         self.calls = 0
+        # DistributedDataParallel: hooks on the wrapped model, so names carry no "module." prefix
+        model = getattr(model, "module", model) if _is_ddp(model) else model
+        self.rank, self.world = _rank_world()
+        self._dir = folder / f"rank{self.rank}" if self.world > 1 else folder
         self._model = model
         self._layers = layers
         self._scope = HookScope("record")
@@ -48,15 +53,17 @@ class Record:
         self._counts: dict[str, int] = {}
         self._ended = 0
         self._grads = False
-        self._store = ValueStore(0, folder)  # everything goes to disk at once
+        self._store = ValueStore(0, self._dir)  # everything goes to disk at once
 
     def __enter__(self) -> Record:
         enter_once(self, "record", self._scope.active)
         model = self._model
         check_model(model)
         named = dict(named_modules(model)) if self._layers is None else resolve(model, self._layers)
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if (self.folder / "index.json").exists():
+        self._dir.mkdir(parents=True, exist_ok=True)
+        # one process: nor a record of several ranks (their folders) already in it
+        taken = (self.folder, self._dir) if self.world > 1 else (self.folder, self.folder / "rank0")
+        if any((d / "index.json").exists() for d in taken):
             raise CompareError(
                 f"hs.record: {str(self.folder)!r} already holds a record; give an empty folder"
             )
@@ -80,11 +87,8 @@ class Record:
         self._scope.remove()
         if exc is not None:
             return
-        params = {
-            n: None if p.grad is None else cpu_copy(p.grad)
-            for n, p in named_parameters(self._model)
-        }
-        torch.save(params, self.folder / "params.pt")
+        params = {n: _full(p.grad) for n, p in named_parameters(self._model)}
+        torch.save(params, self._dir / "params.pt")
         index = {
             "version": _VERSION,
             "model": type(self._model).__name__,
@@ -93,10 +97,12 @@ class Record:
             "grads": self._grads or any(v is not None for v in params.values()),
             "params": self._owners,
             "calls": self._tree,
+            "rank": self.rank,
+            "world": self.world,
         }
-        tmp = self.folder / "index.json.tmp"
+        tmp = self._dir / "index.json.tmp"
         tmp.write_text(json.dumps(index))
-        os.replace(tmp, self.folder / "index.json")
+        os.replace(tmp, self._dir / "index.json")
         self.calls = len(self._tree)
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -159,6 +165,27 @@ class Record:
         return post
 
 
+def _is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _rank_world() -> tuple[int, int]:
+    """This process's rank and the world size of an initialised ``torch.distributed`` run."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _full(g: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter gradient on the CPU, whole: a sharded one (FSDP2 ``DTensor``) is gathered
+    (a collective: every rank calls this for the same parameters in the same order)."""
+    if g is None:
+        return None
+    full = getattr(g, "full_tensor", None)
+    return cpu_copy(full() if full is not None else g)
+
+
 def record(model: nn.Module, folder: str | os.PathLike[str], layers: Any = None) -> Record:
     """Write what :func:`hookscope.compare` needs of one run to ``folder``, as the run goes.
 
@@ -168,6 +195,14 @@ def record(model: nn.Module, folder: str | os.PathLike[str], layers: Any = None)
     (errors and ``first_divergent``; the culprit needs a live B). Each module call's inputs,
     output and gradients are written when they exist (nothing is kept in memory); the files are
     pickles (``torch.save``): load only records you trust.
+
+    In a ``torch.distributed`` run (a ``DistributedDataParallel`` model, or one sharded with
+    FSDP2 ``fully_shard``), every rank records into its own subfolder ``rank<r>`` of ``folder``
+    (the world size in each ``index.json``), with the wrapped model's names (no ``module.``
+    prefix) and the parameter gradients as the ranks share them (averaged, gathered whole);
+    ``hs.compare(folder, b, *combined_inputs, ...)`` joins the ranks' values along the batch
+    dimension and compares them with one process on the combined batch (see
+    :func:`hookscope.compare`, ``loss_reduction``).
 
     Args:
         model: the model to record (compiled models get their eager names).
@@ -194,9 +229,27 @@ def record(model: nn.Module, folder: str | os.PathLike[str], layers: Any = None)
     return Record(model, Path(folder), layers)
 
 
-def load_record(folder: str | os.PathLike[str]) -> RunRecord:
-    """A folder written by :func:`record`, as a run whose values are read from disk on use."""
+def load_record(folder: str | os.PathLike[str], loss_reduction: str = "mean") -> RunRecord:
+    """A folder written by :func:`record`, as a run whose values are read from disk on use; a
+    folder written by several ranks is one run on the combined batch (:func:`join_ranks`)."""
     path = Path(folder)
+    if not (path / "index.json").exists() and (path / "rank0" / "index.json").exists():
+        return _load_ranks(path, loss_reduction)
+    return _load_one(path)
+
+
+def _load_ranks(path: Path, loss_reduction: str) -> RunRecord:
+    world = json.loads((path / "rank0" / "index.json").read_text()).get("world", 1)
+    missing = [r for r in range(world) if not (path / f"rank{r}" / "index.json").exists()]
+    if missing:
+        raise CompareError(
+            f"hs.compare: {str(path)!r} was recorded on {world} ranks but holds no record of "
+            f"rank(s) {missing}; wait for every rank to leave `hs.record`, or record again"
+        )
+    return join_ranks([_load_one(path / f"rank{r}") for r in range(world)], loss_reduction)
+
+
+def _load_one(path: Path) -> RunRecord:
     index_path = path / "index.json"
     if not index_path.exists():
         raise CompareError(

@@ -101,6 +101,9 @@ class RunRecord:
     has_grads: bool = False
     modules: dict[str, nn.Module] | None = None  # None for a run read back from disk
     params: dict[str, str] = dataclasses.field(default_factory=dict)  # param -> owning module
+    world: int = 1  # ranks joined into this run (a record made under torch.distributed)
+    excluded: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> why not paired
+    notes: dict[int, str] = dataclasses.field(default_factory=dict)  # pos -> why no values
 
     @property
     def run_dtype(self) -> torch.dtype:
