@@ -68,6 +68,18 @@ def test_a_loss_other_than_the_recorded_one_is_refused_naming_loss_fn(tmp_path):
         hs.compare(b, tmp_path / "rec", X, loss_fn=lambda o: o.mean())
 
 
+def test_the_recorded_loss_passes_the_check_for_a_record_made_under_autocast(tmp_path):
+    a = _net()
+    loss = lambda o: o.float().logsumexp(-1).mean()  # noqa: E731
+    with hs.record(a, tmp_path / "rec"), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss(a(X)).backward()
+    a.zero_grad(set_to_none=True)
+    r = hs.compare(tmp_path / "rec", copy.deepcopy(a), X, loss_fn=loss, autocast=torch.bfloat16)
+    assert r.culprit is None and r.rows[0].grad_error == 0.0
+    with pytest.raises(hs.CompareError, match="another loss"):
+        hs.compare(tmp_path / "rec", copy.deepcopy(a), X, loss_fn=lambda o: o.float().sum())
+
+
 def test_loss_fn_against_a_record_made_without_backward_is_refused(tmp_path):
     a = _net()
     _record(a, tmp_path / "fwd")

@@ -19,7 +19,7 @@ from ..core._nested import iter_tensors, map_tensors
 from ..core._select import suggest
 from ..core._signature import forward_parameters
 from ._run import CompareError, RunRecord
-from ._tolerance import rel_pairs, tolerance
+from ._tolerance import lower, rel_pairs, tolerance
 
 __all__ = ["check_arguments", "check_loss", "check_names"]
 
@@ -195,7 +195,10 @@ def check_loss(rec: RunRecord, what: str, loss_fn: Any, device: torch.device) ->
     mine = [next(got) if t.requires_grad else None for t in leaves]
     err = rel_pairs(list(zip(recorded, mine)))
     k = max((t.shape[-1] for t in leaves if t.ndim), default=1)
-    if err is None or err <= 8 * tolerance(rec.run_dtype, k):
+    low = rec.run_dtype  # the output may be in a lower dtype (recorded under autocast)
+    for t in leaves:
+        low = lower(low, t.dtype) if t.is_floating_point() else low
+    if err is None or err <= 8 * tolerance(low, k):
         return
     err_s = f"{err:.2e}" if math.isfinite(err) else "inf (other shapes)"
     raise CompareError(
