@@ -3,6 +3,8 @@ running the same weights on the combined batch: the ranks' values joined along t
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -24,7 +26,7 @@ def make_cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(2, 4, 3, padding=1),
-        nn.ReLU(),
+        nn.ReLU(inplace=True),  # an in-place module, as real models have
         nn.Conv2d(4, 4, 3),
         nn.Tanh(),
         nn.Flatten(),
@@ -47,11 +49,26 @@ def _record_ddp(rank: int, folder: str, make: object) -> None:
         mean_loss(ddp(x)).backward()
 
 
+def _record_all(rank: int, root: str) -> None:
+    """Every record of this file, in one launch of the ranks (each launch costs seconds)."""
+    _record_ddp(rank, f"{root}/cnn", make_cnn)
+    _record_sum(rank, f"{root}/sum")
+    _record_uneven(rank, f"{root}/uneven")
+    for train in (False, True):
+        _record_bn(rank, f"{root}/bn-{train}", train)
+    _record_fsdp2(rank, f"{root}/fsdp2")
+
+
 @pytest.fixture(scope="module")
-def cnn_record(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("ddp") / "rec"
-    launch(_record_ddp, str(folder), make_cnn)
-    return str(folder)
+def records(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ranks")
+    launch(_record_all, str(root))
+    return root
+
+
+@pytest.fixture
+def cnn_record(records):
+    return str(records / "cnn")
 
 
 def _worst(report, attr):
@@ -87,6 +104,7 @@ def test_ddp_ranks_match_one_process_on_the_combined_batch(cnn_record):
     report = hs.compare(cnn_record, make_cnn(), batch(), loss_fn=mean_loss)
     assert report.culprit is None and report.first_divergent is None
     assert report.unmatched == []
+    assert report.notes == ["a: the records of 2 ranks, joined into one run on the combined batch"]
     assert len(report.rows) == 7
     # fp32 round-off only: the joined outputs, the rescaled activation gradients and DDP's
     # averaged parameter gradients against the combined run's
@@ -137,9 +155,8 @@ def test_the_wrong_loss_reduction_is_refused_by_name(cnn_record):
 
 
 @pytest.mark.distributed
-def test_a_sum_loss_compares_with_loss_reduction_sum(tmp_path):
-    folder = str(tmp_path / "rec")
-    launch(_record_sum, folder)
+def test_a_sum_loss_compares_with_loss_reduction_sum(records):
+    folder = str(records / "sum")
     b = make_cnn()
     report = hs.compare(folder, b, batch(), loss_fn=sum_loss, loss_reduction="sum")
     assert report.culprit is None
@@ -212,9 +229,8 @@ def _record_uneven(rank: int, folder: str) -> None:
 
 
 @pytest.mark.distributed
-def test_calls_that_differ_across_ranks_are_listed_never_paired(tmp_path):
-    folder = str(tmp_path / "rec")
-    launch(_record_uneven, folder)
+def test_calls_that_differ_across_ranks_are_listed_never_paired(records):
+    folder = str(records / "uneven")
     report = hs.compare(folder, Uneven(), uneven_batch(), loss_fn=mean_loss)
     assert [r.label for r in report.rows if r.name == "extra"] == []
     assert any(u.startswith("a: extra#0 (ran 1/0 times") for u in report.unmatched)
@@ -239,17 +255,18 @@ def _record_fsdp2(rank: int, folder: str) -> None:
         fully_shard(sub, mesh=mesh)
     fully_shard(model, mesh=mesh)
     x = batch()[rank * SHARE : (rank + 1) * SHARE]
-    with hs.record(model, folder):
-        mean_loss(model(x)).backward()
+    # the record hands each output on as an identity view (gradients are then what the callers
+    # send back); FSDP2 warns that an in-place op on a view a sharded module returns would skip
+    # its hooks (the guide says so)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module")
+        with hs.record(model, folder):
+            mean_loss(model(x)).backward()
 
 
 @pytest.mark.distributed
-# the record hands each output on as an identity view (so gradients are what callers send back);
-# FSDP2 warns that an in-place op on a view returned by a sharded module would skip its hooks
-@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
-def test_fsdp2_ranks_match_one_process_and_a_fault_is_named(tmp_path):
-    folder = str(tmp_path / "rec")
-    launch(_record_fsdp2, folder)
+def test_fsdp2_ranks_match_one_process_and_a_fault_is_named(records):
+    folder = str(records / "fsdp2")
     report = hs.compare(folder, make_cnn(), batch(), loss_fn=mean_loss)
     assert report.culprit is None and report.unmatched == []
     assert _worst(report, "error") < 1e-6
@@ -278,12 +295,11 @@ def _record_bn(rank: int, folder: str, train: bool) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("train", [False, True])
-def test_batchnorm_in_training_mode_is_named_for_its_per_rank_statistics(tmp_path, train):
+def test_batchnorm_in_training_mode_is_named_for_its_per_rank_statistics(records, train):
     """Each rank normalises by its own share's statistics (plain BatchNorm under DDP): that is a
     different computation from one process on the combined batch, and BatchNorm is named; in
     eval mode (running statistics) the runs agree."""
-    folder = str(tmp_path / "rec")
-    launch(_record_bn, folder, train)
+    folder = str(records / f"bn-{train}")
     report = hs.compare(folder, make_bn_cnn().train(train), batch(), loss_fn=mean_loss)
     assert report.culprit == ("1" if train else None)
     assert report.row("0").error == 0.0

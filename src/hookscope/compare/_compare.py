@@ -293,7 +293,11 @@ def build_report(job: _Job) -> CompareReport:
     culprits, divergent = _verdicts(ra, rows)
     by_label = {r.label: r for _, r in rows}
     culprit = by_label[culprits[0]].name if culprits else None
-    notes = []
+    notes = [
+        f"{side}: the records of {r.world} ranks, joined into one run on the combined batch"
+        for side, r in (("a", ra), ("b", rb))
+        if r.world > 1
+    ]
     if job.rep_b is None:
         notes.append(
             "no culprit verdict: B is a record, not a live model; the culprit needs B's modules "

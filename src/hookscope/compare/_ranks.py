@@ -15,7 +15,7 @@ number of times on different ranks is left out of the pairing and listed.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from ._run import CallRec, CompareError, RunRecord
 __all__ = ["REDUCTIONS", "join_ranks"]
 
 REDUCTIONS = ("mean", "sum")
+_RECENT = 8  # joined values kept: a row and its replay read the same few values again
 _ATTR = {"in": "inputs", "out": "output", "grad": "grad", "ingrad": "in_grad"}
 
 
@@ -106,8 +107,20 @@ class _Joined:
         self.recs, self.shares, self.scale = recs, shares, scale
         self.excluded, self.notes = excluded, notes
         self.calls: list[CallRec] = []
+        self._recent: OrderedDict[str, Any] = OrderedDict()  # the last joined values, bounded
 
     def get(self, key: str, default: Any = None) -> Any:
+        # copies handed out: a replayed module may change its inputs in place
+        if key in self._recent:
+            self._recent.move_to_end(key)
+            return map_tensors(torch.clone, self._recent[key])
+        value = self._get(key, default)
+        self._recent[key] = value
+        if len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
+        return map_tensors(torch.clone, value)
+
+    def _get(self, key: str, default: Any) -> Any:
         kind = key.rstrip("0123456789")
         pos = int(key[len(kind) :])
         call = self.calls[pos]
