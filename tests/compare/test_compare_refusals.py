@@ -80,6 +80,26 @@ def test_the_recorded_loss_passes_the_check_for_a_record_made_under_autocast(tmp
         hs.compare(tmp_path / "rec", copy.deepcopy(a), X, loss_fn=lambda o: o.float().sum())
 
 
+def test_a_loss_on_another_output_of_the_model_is_refused(tmp_path):
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"logits": self.fc(x), "hidden": torch.tanh(self.fc.bias.sum() * x)}
+
+    torch.manual_seed(0)
+    a = Two()
+    with hs.record(a, tmp_path / "rec"):
+        a(X)["logits"].sum().backward()
+    a.zero_grad(set_to_none=True)
+    b = copy.deepcopy(a)
+    assert hs.compare(tmp_path / "rec", b, X, loss_fn=lambda o: o["logits"].sum()).culprit is None
+    with pytest.raises(hs.CompareError, match=r"by inf \(other leaves"):
+        hs.compare(tmp_path / "rec", b, X, loss_fn=lambda o: o["hidden"].sum())
+
+
 def test_loss_fn_against_a_record_made_without_backward_is_refused(tmp_path):
     a = _net()
     _record(a, tmp_path / "fwd")

@@ -193,14 +193,17 @@ def check_loss(rec: RunRecord, what: str, loss_fn: Any, device: torch.device) ->
         )
         return
     mine = [next(got) if t.requires_grad else None for t in leaves]
-    err = rel_pairs(list(zip(recorded, mine)))
+    pairs = list(zip(recorded, mine))
+    # a leaf the recorded loss reached and this one does not (or the other way): another loss
+    one_sided = any((x is None) != (y is None) for x, y in pairs)
+    err = math.inf if one_sided else rel_pairs(pairs)
     k = max((t.shape[-1] for t in leaves if t.ndim), default=1)
     low = rec.run_dtype  # the output may be in a lower dtype (recorded under autocast)
     for t in leaves:
         low = lower(low, t.dtype) if t.is_floating_point() else low
     if err is None or err <= 8 * tolerance(low, k):
         return
-    err_s = f"{err:.2e}" if math.isfinite(err) else "inf (other shapes)"
+    err_s = f"{err:.2e}" if math.isfinite(err) else "inf (other leaves or shapes)"
     raise CompareError(
         f"hs.compare: record {what}: the output gradient loss_fn gives at the recorded output "
         f"differs from the recorded one by {err_s}: the record was made with another loss; pass "
