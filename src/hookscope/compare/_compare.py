@@ -15,10 +15,11 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, strip_compiled
 from ..core._errors import HookscopeWarning
+from ._checks import check_arguments, check_loss, check_names
 from ._record import load_record
 from ._replay import Replay, Result
 from ._report import CompareReport, CompareRow
-from ._run import CompareError, RunRecord, RunSpec, cast_like, preserved, record_run
+from ._run import CompareError, RunRecord, RunSpec, _device, cast_like, preserved, record_run
 from ._tolerance import lower, reduction_size, rel_error, rel_pairs, tolerance
 
 __all__ = ["compare"]
@@ -376,8 +377,11 @@ def compare(
         b: the model under test (same module names, or ``names=``).
         *inputs: positional inputs of both forwards.
         loss_fn: ``loss_fn(output) -> scalar tensor``; with it, gradients are compared too.
-        names: B's name for each of A's modules: a dict (names not in it are kept) or a
-            function (``None``: no counterpart).
+            Against a record, the output gradient it gives at the recorded output must be the
+            recorded one (else :class:`CompareError`: the record was made with another loss).
+        names: B's name for each of A's modules: a dict (names not in it are kept; each key a
+            module of A, each value one of B) or a function (``None``: no counterpart; a name
+            other than A's own must be a module of B).
         autocast: run B (and its replays) under ``torch.autocast`` with this dtype.
         max_bytes: keep at most this many bytes of each run's recorded values in memory; the
             rest goes to a temporary folder (read back when compared). ``None``: no bound.
@@ -400,13 +404,19 @@ def compare(
         True
     """
     sa = RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes)
+    sb = RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes)
+    check_arguments(a, b, sb, names)
     ra = _side(a, "a", sa, loss_reduction)
-    rb = _side(
-        b, "b", RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes), loss_reduction
-    )
-    if ra.modules is None and rb.modules is not None:
-        _check_inputs(ra, inputs, kwargs)
+    rb = _side(b, "b", sb, loss_reduction)
+    _check_records(ra, rb, sb)
     _check_reduction(ra, rb, loss_reduction)
+    if loss_fn is not None:
+        live = a if isinstance(a, nn.Module) else b if isinstance(b, nn.Module) else None
+        device = _device(live) if live is not None else torch.device("cpu")
+        for rec, what in ((ra, "a"), (rb, "b")):
+            if rec.modules is None:
+                check_loss(rec, what, loss_fn, device)
+    check_names(names, ra, rb)
     job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
     with contextlib.ExitStack() as stack:
         for m in (a, b):
@@ -424,6 +434,15 @@ def _side(m: Any, what: str, spec: RunSpec, loss_reduction: str) -> RunRecord:
         f"hs.compare: {what} must be an nn.Module or a folder written by hs.record, "
         f"got {type(m).__name__}"
     )
+
+
+def _check_records(ra: RunRecord, rb: RunRecord, spec: RunSpec) -> None:
+    """Each recorded side must hold the inputs given (when a live side runs on them, or they
+    are given)."""
+    live = ra.modules is not None or rb.modules is not None
+    for rec in (ra, rb):
+        if rec.modules is None and (live or spec.args or spec.kwargs):
+            _check_inputs(rec, spec.args, spec.kwargs)
 
 
 def _check_reduction(ra: RunRecord, rb: RunRecord, loss_reduction: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._compiled import named_modules, named_parameters
+from ..core._compiled import named_modules, named_parameters, strip_compiled
 from ..core._errors import enter_once
 from ..core._nested import iter_tensors
 from ..core._scope import HookScope, check_model, identity_views, in_backward
@@ -70,6 +70,10 @@ class Record:
         for name, m in named.items():
             self._scope.add_forward_pre(m, self._pre(name), layer=name, with_kwargs=True)
             self._scope.add_forward(m, self._post(name), layer=name, always_call=True)
+        # the number of forward passes recorded (hs.compare compares one): counted on the model
+        self._root, self._model_calls = strip_compiled(model), 0
+        if not any(m is self._root for m in named.values()):
+            self._scope.add_forward_pre(self._root, self._count, layer="")
         self._owners = {
             (f"{n}.{p}" if n else p): n
             for n, m in named_modules(model)
@@ -97,6 +101,7 @@ class Record:
             "grads": self._grads or any(v is not None for v in params.values()),
             "params": self._owners,
             "calls": self._tree,
+            "model_calls": self._model_calls,
             "rank": self.rank,
             "world": self.world,
         }
@@ -120,10 +125,16 @@ class Record:
                 seen.add(id(t))
                 self._scope.add_activation_grad_hook(t, self._grad_hook(f"{key}_{i}"), layer=layer)
 
+    def _count(self, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            self._model_calls += 1
+
     def _pre(self, name: str) -> Callable[..., Any]:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if in_backward():
                 return None
+            if module is self._root:
+                self._model_calls += 1
             i = self._counts.get(name, 0)
             self._counts[name] = i + 1
             pos = len(self._tree)
@@ -226,6 +237,16 @@ def record(model: nn.Module, folder: str | os.PathLike[str], layers: Any = None)
         >>> hs.compare(folder, other, x, loss_fn=lambda o: o.sum()).culprit
         '2'
     """
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(
+            f"hs.record: folder must be a str or os.PathLike (a new or empty folder), "
+            f"got {type(folder).__name__}"
+        )
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise CompareError(
+            f"hs.record: {str(folder)!r} is not a folder (a file is there); give a new or empty "
+            "folder"
+        )
     return Record(model, Path(folder), layers)
 
 
@@ -256,10 +277,25 @@ def _load_one(path: Path) -> RunRecord:
             f"hs.compare: {str(path)!r} is not a record (no index.json): write one with "
             "`with hs.record(model, folder): ...`"
         )
-    index = json.loads(index_path.read_text())
+    try:
+        index = json.loads(index_path.read_text())
+        entries, model = list(index["calls"]), index["model"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CompareError(
+            f"hs.compare: {str(path)!r} is not a record written by hs.record (its index.json "
+            f"cannot be read: {type(exc).__name__}); write one with `with hs.record(model, "
+            "folder): ...`"
+        ) from None
+    n = index.get("model_calls", sum(1 for e in entries if e["name"] == ""))
+    if n > 1:
+        raise CompareError(
+            f"hs.compare: the record {str(path)!r} holds {n} calls of the model ({model}); "
+            "hs.compare compares one forward (and its backward): record each forward in a "
+            "folder of its own (`with hs.record(model, folder): ...` around one call)"
+        )
     store = ValueStore(0, path)
     calls = []
-    for pos, e in enumerate(index["calls"]):
+    for pos, e in enumerate(entries):
         c = CallRec(
             e["name"], e["index"], pos, e["parent"], alias=e["alias"], store=_Files(store, e, pos)
         )
