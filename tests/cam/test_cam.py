@@ -253,7 +253,14 @@ def test_model_left_as_found(training):
     model[0].weight.requires_grad_(False)
     flags = [p.requires_grad for p in model.parameters()]
     for method in hs.cam_methods().values():
-        method(model, "2")(torch.randn(2, 3, 16, 16), target=0)
+        buffers = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+        with (
+            warnings.catch_warnings()
+        ):  # train mode: batch statistics (tested in test_cam_model_state)
+            warnings.simplefilter("ignore" if training else "error", hs.HookscopeWarning)
+            method(model, "2")(torch.randn(2, 3, 16, 16), target=0)
+        for k, v in buffers.items():
+            assert torch.equal(model.state_dict()[k], v), k
         assert model.training is training  # hookscope never calls eval() or train()
         assert [p.requires_grad for p in model.parameters()] == flags
         assert all(p.grad is None for p in model.parameters())

@@ -63,11 +63,32 @@ def test_trace_prints_every_call(model_file, capsys):
         (["trace", "{file}:Tiny"], "--input is required"),
         (["trace", "missing.py:Tiny", "--input", "1,3"], "model file 'missing.py' does not exist"),
         (["trace", "{file}:Nope", "--input", "1,3"], "has no attribute 'Nope'"),
+        (
+            ["summary", "{file}:Tiny", "--input", "2,3", "--width", "0"],
+            "argument --width: expected an int >= 1 (characters), got '0'",
+        ),
+        (
+            ["summary", "{file}:Tiny", "--input", "2,3", "--width", "ten"],
+            "argument --width: expected an int >= 1 (characters), got 'ten'",
+        ),
+        (
+            ["summary", "{file}:Tiny", "--input", "2,3", "--width", "15"],
+            "width=15 is narrower than the narrowest table of these columns",
+        ),
+        (["summary", "{file}:Tiny", "--input", "2,3", "--depth", "-1"], "--depth must be >= 0"),
+        (
+            ["summary", "{file}:Tiny", "--input", "2,3", "--train", "--budget", "0"],
+            "no set of modules to checkpoint brings the 56 saved bytes under the budget of 0",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2(argv, message, model_file, capsys):
     argv = [a.replace("{file}", str(model_file)) for a in argv]
-    assert main(argv) == 2
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own checks (option types) exit from the parser
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hookscope: error: "), err
     assert message in err

@@ -793,3 +793,19 @@ def test_summary_says_which_columns_include_the_children():
     only_shapes = s.to_text(columns=["type", "output"])
     assert "inclusive" not in only_shapes and "exclusive" not in only_shapes
     assert "Params: inclusive" in s.to_text(columns=["params"])
+
+
+def test_to_text_below_the_narrowest_table_raises_with_the_width_that_fits():
+    """width=0 used to print a lone "…" and width=15 rows wider than 15: a width the table cannot
+    fit raises, naming the narrowest width; at that width every line fits and a row fills it."""
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
+    s = hs.summary(net, torch.randn(1, 3, 8, 8), columns=["type", "output", "params", "flops"])
+    with pytest.raises(ValueError, match=r"^width=0 is narrower than .* use width >= (\d+)") as e:
+        s.to_text(width=0)
+    narrowest = int(str(e.value).rsplit(">= ", 1)[1].split()[0])
+    lines = s.to_text(width=narrowest, ascii=True).splitlines()
+    assert max(len(line) for line in lines) == narrowest
+    with pytest.raises(ValueError, match=rf"^width={narrowest - 1} is narrower .*>= {narrowest} "):
+        s.to_text(width=narrowest - 1)
+    with pytest.raises(TypeError, match=r"^width must be an int"):
+        s.to_text(width=40.0)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -22,8 +23,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core._errors import HookscopeError
+from ..core._buffers import buffers_kept
+from ..core._compiled import named_modules
+from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import describe, first_tensor, replace_first
+from ..core._random import random_draws, training_modules
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import resolve
 from ._tokens import Reshape, to_grid
@@ -160,6 +164,40 @@ class _Run:
         return picked.gather(1, idx.view(-1, 1, 1).expand(-1, 1, picked.shape[2])).sum(dim=(1, 2))
 
 
+class _BatchStats:
+    """While open: notes the batch-norm layers that normalise with the batch's own statistics
+    (training mode, or no running statistics) and run (a forward stopped early skips some)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.ran: list[str] = []
+        self.modules = [
+            (name or "<root>", m)
+            for name, m in named_modules(model)
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            and (m.training or m.running_mean is None)
+        ]
+        self.scope: HookScope | None = None
+
+    def _note(self, name: str) -> Callable[..., None]:
+        def note(module: nn.Module, args: Any) -> None:
+            if name not in self.ran:
+                self.ran.append(name)
+
+        return note
+
+    def __enter__(self) -> _BatchStats:
+        if self.modules:
+            self.scope = HookScope("cam")
+            self.scope.__enter__()
+            for name, m in self.modules:
+                self.scope.add_forward_pre(m, self._note(name), layer=name)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.scope is not None:
+            self.scope.__exit__(*exc)
+
+
 class CAM:
     """Base of every class-activation-map method. ``cam = Method(model, layer); cam(x, target)``.
 
@@ -168,8 +206,11 @@ class CAM:
 
     Args:
         model: any ``nn.Module`` taking an image batch ``x`` ``(B, C, H, W)``. Its mode,
-            ``requires_grad`` flags and hooks are left as found; put it in ``eval()`` first, else
-            dropout and batch-norm make maps depend on the batch (and update running stats).
+            ``requires_grad`` flags, hooks and buffers (batch-norm running statistics) are left as
+            found. Put it in ``eval()`` first: a forward that draws random numbers (dropout in
+            training mode) is refused with :class:`CAMError` (each call would give another map),
+            and batch-norm layers computing batch statistics warn (each map would depend on the
+            other samples of the batch).
         layer: a layer selector (name, glob, module, type, predicate) or a list; several layers
             give the average of their (normalised, upsampled) maps.
         reshape: how to read the activation as ``(B, C, h, w)``: ``None`` (automatic, see
@@ -233,6 +274,28 @@ class CAM:
 
     # -- the template -----------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, target: Target = None) -> torch.Tensor:
+        """The maps of ``x`` for ``target`` (see :data:`Target`); the model is left as found."""
+        batch_stats = _BatchStats(self.model)
+        with buffers_kept(self.model), random_draws() as draws, batch_stats:
+            maps = self._maps(x, target)
+        if draws.drew:
+            raise CAMError(
+                f"{type(self).__name__}: the model draws random numbers in its forward (dropout in "
+                f"training mode? modules in training mode: {some_names(training_modules(self.model))}), "
+                "so every call gives another map; call model.eval() first"
+            )
+        if batch_stats.ran:
+            warnings.warn(
+                f"{type(self).__name__}: computed batch statistics in batch-norm layer(s) "
+                f"{some_names(batch_stats.ran)} (training mode), so each map depends on the other "
+                "samples of the batch (the running statistics were left as found); call "
+                "model.eval() first",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        return maps
+
+    def _maps(self, x: torch.Tensor, target: Target) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise TypeError(
                 f"{type(self).__name__} expects an input tensor (B, C, H, W), got {type(x).__name__}"

@@ -35,7 +35,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma-separated: type,input,output,params,trainable,flops,time,bytes or 'all' "
         "(default: type,output,params,flops,time)",
     )
-    p.add_argument("--width", type=int, default=100, help="table width in characters (default 100)")
+    p.add_argument(
+        "--width",
+        type=_positive_int,
+        default=100,
+        metavar="N",
+        help="table width in characters (default 100)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument(
         "--train",
@@ -63,6 +69,17 @@ _UNITS = {
     "mib": 1 << 20,
     "gib": 1 << 30,
 }
+
+
+def _positive_int(text: str) -> int:
+    """``--width``: an int >= 1 (argparse reports the error as one line, exit 2)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1 (characters), got {text!r}")
+    return n
 
 
 def parse_size(text: str) -> int:

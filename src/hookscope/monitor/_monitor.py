@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..core._compiled import named_parameters
 from ..core._errors import UnsupportedTensorError, enter_once, some_names
-from ..core._scope import HookScope, check_model
+from ..core._scope import HookScope, check_model, get_ident
 from ..core._select import find, resolve
 from ..core._sharded import FSDP2_INSTEAD, fsdp1_loaded, fsdp1_marked, fsdp1_wrappers, local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
@@ -76,7 +76,8 @@ class Monitor:
         every: log every ``every``-th step (steps ``0, every, 2*every, ...``); hooks are attached
             only for those steps.
         stats: groups to record: ``"activations"``, ``"gradients"`` (of layer outputs),
-            ``"parameters"`` (grad, weight and update norms).
+            ``"parameters"`` (grad, weight and update norms); none (``()``) only with
+            ``sentinel=True``.
         sinks: where records go on logged steps: :class:`TensorBoardSink`, :class:`JsonlSink`, or
             any callable ``fn(record)``. Under torch.distributed only rank 0 writes.
         thresholds: :class:`Thresholds` or a dict of the thresholds to change.
@@ -132,14 +133,8 @@ class Monitor:
         while isinstance(inner, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             inner = inner.module
         check_model(inner)
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
         self.stats = tuple(stats) if not isinstance(stats, str) else (stats,)
-        bad = [s for s in self.stats if s not in _GROUPS]
-        if bad:
-            raise ValueError(f"unknown stats group(s) {bad}; valid: {list(_GROUPS)}")
-        if alerts not in ("warn", "log", "both", "off"):
-            raise ValueError(f"alerts must be 'warn', 'log', 'both' or 'off', got {alerts!r}")
+        _check_arguments(every, self.stats, alerts, histograms, keep, sentinel)
         self.model = inner
         self.named = find(inner, leaves=True) if layers is None else resolve(inner, layers)
         self.every, self.alerts, self.scaler = every, alerts, scaler
@@ -297,6 +292,7 @@ class Monitor:
         origin = self._sentinel_check() if self._tracker is not None else None
         record = None
         if logged:
+            self._check_layers_ran(step)
             self._detach()
             record = self._record(step, optimizer)
             record.nonfinite = origin
@@ -309,6 +305,35 @@ class Monitor:
         self._step += 1
         self._attach()
         return record
+
+    def _check_layers_ran(self, step: int) -> None:
+        """Warn when a logged step recorded no layer although layers were asked for: the model
+        did not run through ``model(...)``, or ran in a thread the step's hooks do not act on."""
+        st, scope = self._state, self._scope
+        if scope is None or not self._gate[0] or not self.named:
+            return
+        if not ("activations" in self.stats or "gradients" in self.stats):
+            return
+        if st.acts or st.grads or st.counts:
+            return
+        if scope.thread != get_ident():
+            why = (
+                "this step's hooks were attached by another thread (the one that created the "
+                "Monitor or called the previous step()) than the one calling step(), and hooks act "
+                "only on their own thread's calls (docs/guide/core.md, Threads): create the "
+                "Monitor in the thread that trains; later steps are recorded"
+            )
+        else:
+            why = (
+                "was the model called (as model(...), not model.forward(...)) in this thread "
+                "before step()?"
+            )
+        warnings.warn(
+            f"step {step}: no monitored layer ran (or none gave a floating-point output) since "
+            f"the last step(), so its record has no layer statistics; {why}",
+            MonitorWarning,
+            stacklevel=3,
+        )
 
     def _inner_optimizer(self, optimizer: Any) -> Any:
         """The torch optimizer behind a wrapper; adopts (with a warning) the wrapper's scaler."""
@@ -577,6 +602,34 @@ class Monitor:
 
     def __repr__(self) -> str:
         return f"<Monitor {len(self.named)} layers, every={self.every}, step {self._step}, {len(self.records)} records>"
+
+
+def _check_arguments(
+    every: Any, stats: tuple[Any, ...], alerts: Any, histograms: Any, keep: Any, sentinel: Any
+) -> None:
+    """Refuse, before anything is attached, arguments that would give empty or meaningless records."""
+
+    def is_int(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not is_int(every) or every < 1:
+        raise ValueError(f"every must be a positive int (1: every step), got {every!r}")
+    if not isinstance(sentinel, bool):
+        raise ValueError(f"sentinel must be True or False, got {sentinel!r}")
+    if not stats and not sentinel:
+        raise ValueError(
+            f"stats: no group chosen, so every record would be empty; choose one or more of "
+            f"{list(_GROUPS)} (or sentinel=True to record only where a NaN/Inf starts)"
+        )
+    bad = [s for s in stats if s not in _GROUPS]
+    if bad:
+        raise ValueError(f"unknown stats group(s) {bad}; valid: {list(_GROUPS)}")
+    if alerts not in ("warn", "log", "both", "off"):
+        raise ValueError(f"alerts must be 'warn', 'log', 'both' or 'off', got {alerts!r}")
+    if not is_int(histograms) or histograms < 0:
+        raise ValueError(f"histograms must be an int >= 0 (bins; 0: none), got {histograms!r}")
+    if keep is not None and (not is_int(keep) or keep < 1):
+        raise ValueError(f"keep must be None or an int >= 1 (records kept), got {keep!r}")
 
 
 def _rank() -> int:

@@ -17,7 +17,17 @@ from ..core._compiled import compiled_regions, named_modules
 from ..core._errors import HookscopeWarning, some_names
 from ..core._inventory import has_global_hooks
 from ..core._nested import call_shapes, format_shapes, iter_tensors
-from ..core._scope import HookScope, _Hook, check_model, in_backward, model_device, note_exception
+from ..core._scope import (
+    HookScope,
+    _Hook,
+    acts_here,
+    check_model,
+    get_ident,
+    in_backward,
+    model_device,
+    note_exception,
+    thread_checked,
+)
 from ..core._sharded import fsdp1_found
 from ._flops import OpCounter, native_rule, no_dispatch, warm_up
 from ._format import parse_columns
@@ -92,7 +102,10 @@ class _PreHook(_Hook):
         super().__init__(fn, "", "", "", 0)
         self.name, self.rule = name, rule
 
+    @thread_checked
     def __call__(self, module: nn.Module, args: Any, kw: Any) -> None:
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            return  # another thread's call (see acts_here)
         self.fn(module, args, kw, self.name, self.rule)
 
 
@@ -103,7 +116,10 @@ class _PostHook(_Hook):
         super().__init__(fn, "", "", "", 0)
         self.name = name
 
+    @thread_checked
     def __call__(self, module: nn.Module, args: Any, kw: Any, output: Any) -> None:
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            return  # another thread's call (see acts_here)
         self.fn(module, args, kw, output, self.name)
 
 

@@ -115,7 +115,9 @@ class Summary:
     def to_text(
         self, width: int = 100, *, ascii: bool | None = None, columns: Sequence[str] | None = None
     ) -> str:
-        """A plain-text table at most ``width`` characters wide.
+        """A plain-text table at most ``width`` characters wide (a ``ValueError`` says the
+        narrowest width the chosen columns fit in when ``width`` is below it; the title and
+        footer lines are cut to ``width`` with an ellipsis).
 
         ``ascii=None`` uses box-drawing characters only when ``sys.stdout`` can encode them.
         """
@@ -133,7 +135,16 @@ class Summary:
             cells.append([" " * r.depth + r.label if c == "name" else cell(r, c) for c in cols])
         widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
         gap = 2
+        if not isinstance(width, int) or isinstance(width, bool):
+            raise TypeError(f"width must be an int (characters), got {width!r}")
         shrink(widths, cols, width - gap * (len(cols) - 1))
+        narrowest = sum(widths) + gap * (len(cols) - 1)
+        if narrowest > width:
+            raise ValueError(
+                f"width={width} is narrower than the narrowest table of these columns "
+                f"({narrowest} characters, column names cut to their floor); use width >= "
+                f"{narrowest} or fewer columns"
+            )
         out = []
         title = f"{self.model} summary, input {self.inputs}"
         out.append(clip(title, width, ell))

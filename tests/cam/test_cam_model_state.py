@@ -1,0 +1,85 @@
+"""A CAM leaves the model as found and says so when its maps would depend on chance or on the
+batch: every method runs with the model's buffers restored, refuses a forward that draws random
+numbers, and warns about batch-norm layers computing batch statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+METHODS = sorted(hs.cam_methods())
+
+
+def _bn_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    ).train()
+
+
+def _kwargs(method: str) -> dict:
+    return {"progress": False} if method == "scorecam" else {}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cam_on_a_train_mode_batchnorm_model_warns_and_leaves_the_statistics(method):
+    """A model left in train mode: the running statistics are left as found (ScoreCAM used to
+    advance num_batches_tracked 0 -> 3, GradCAM 0 -> 1) and a CAMWarning names the layer and
+    says to call model.eval(); the map equals the map of a fresh copy of the model."""
+    net = _bn_net()
+    ref = _bn_net()
+    x = torch.randn(2, 3, 8, 8)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.warns(hs.HookscopeWarning, match=r"batch statistics .*'1'.*model\.eval\(\)"):
+        m = hs.get_cam(method)(net, "2", **_kwargs(method))(x, 0)
+    after = net.state_dict()
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v, rtol=0, atol=0, msg=k)
+    assert net[1].num_batches_tracked.item() == 0
+    # the call on a copy still at its first batch gives the same map: nothing was carried over
+    with pytest.warns(hs.HookscopeWarning):
+        again = hs.get_cam(method)(ref, "2", **_kwargs(method))(x, 0)
+    torch.testing.assert_close(m, again)
+
+
+def test_cam_in_eval_mode_or_stopped_before_the_batchnorm_does_not_warn():
+    """The model in eval mode, or EigenCAM whose forward stops before the batch-norm layer runs:
+    no warning (pytest turns warnings into errors)."""
+    x = torch.randn(2, 3, 8, 8)
+    hs.GradCAM(_bn_net().eval(), "2")(x, 0)
+    net = _bn_net()
+    hs.EigenCAM(net, "0")(x)
+    assert net[1].num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cam_with_dropout_in_train_mode_is_refused(method):
+    """A forward that draws random numbers (dropout in train mode) gives a different map on every
+    call (GradCAM's differed by 0.29 on a [0, 1] map); every method refuses it, naming the modules
+    in training mode and the fix."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        nn.ReLU(),
+        nn.Dropout(0.5),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    ).train()
+    x = torch.randn(2, 3, 8, 8)
+    cam = hs.get_cam(method)(net, "1", **_kwargs(method))
+    if method == "eigencam":  # its forward stops at the layer, before the dropout: repeatable
+        torch.testing.assert_close(cam(x, 0), cam(x, 0), rtol=0, atol=0)
+        return
+    with pytest.raises(hs.CAMError, match=r"draws random numbers.*model\.eval\(\)"):
+        cam(x, 0)
+    net.eval()
+    torch.testing.assert_close(cam(x, 0), cam(x, 0), rtol=0, atol=0)
