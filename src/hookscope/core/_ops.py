@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ._errors import HookscopeError
+
 __all__ = ["Op", "ablate", "add", "clamp", "clip_norm", "replace", "scale", "zero"]
 
 
@@ -216,5 +218,12 @@ def apply(fn: Any, value: Any, what: str) -> Any:
             f"the edit function for {what} returned {type(new).__name__}; it must return a Tensor (the new "
             "value) or None (keep the value). A hook that returns e.g. a RemovableHandle by accident "
             "would otherwise replace the layer's output (docs/pitfalls.md §11)"
+        )
+    if isinstance(value, torch.Tensor) and (new.shape != value.shape or new.dtype != value.dtype):
+        raise HookscopeError(
+            f"the edit function for {what} returned shape {tuple(new.shape)} and dtype "
+            f"{new.dtype}, but the value it edits has shape {tuple(value.shape)} and dtype "
+            f"{value.dtype}; an edit must keep both (cast with .to({value.dtype}), keep the batch "
+            "dimension, or edit a layer whose output has the shape you mean)"
         )
     return new

@@ -13,6 +13,7 @@ import torch.nn as nn
 from ..core._compiled import strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import replace_first
+from ..core._recompute import Replays
 from ..core._scope import HookScope, _Hook, check_model
 from ..core._select import Selector, find
 from ..core._sequence import SequenceError, TokenTracker
@@ -41,6 +42,7 @@ class Steering(HookScope):
         self.hooks: list[_SteerHook] = []
         self._seen: list[int] = []
         self._skipped: set[str] = set()
+        self.replays = Replays(self, "steer")  # exact under activation checkpointing
 
     def _on_model_call(self, module: nn.Module, args: Any) -> None:
         """Before each model call: did every steered layer run during the previous one?"""
@@ -148,6 +150,9 @@ class _SteerHook(_Hook):
         return d
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        replays = self.scope_.replays
+        if not replays.acts(self.name):
+            return None  # a recompute (activation checkpointing) of a call not steered
         h = _first(output, self.name)
         self.count += 1
         scope = self.scope_
@@ -171,6 +176,7 @@ class _SteerHook(_Hook):
                     "outputs shaped [batch, tokens, features]"
                 )
             new = h + delta * sel.unsqueeze(-1).to(device=h.device, dtype=h.dtype)
+        replays.acted_on(self.name, module, new)
         return replace_first(output, new)
 
 
