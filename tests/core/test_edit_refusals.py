@@ -133,3 +133,19 @@ def test_clip_grads_with_backward_inside_does_not_warn():
     want = [g.clamp(-1e-3, 1e-3) for g in _plain_grads(x)]
     for got, w in zip([p.grad for p in net.parameters()], want):
         torch.testing.assert_close(got, w)
+
+
+def test_edit_of_a_tuple_output_changing_a_tensor_shape_is_refused_naming_the_item():
+    """An LSTM returns (out, (h, c)); an edit that drops the batch of out would give the next
+    layer a value of another shape."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(4, 3, batch_first=True)
+    x = torch.randn(2, 5, 4)
+    with (
+        pytest.raises(hs.HookscopeError, match=r"output of ''.*\(item 0\).*shape \(1, 5, 3\)"),
+        hs.edit(lstm, {"": lambda o: (o[0][:1], o[1])}),
+    ):
+        lstm(x)
+    with hs.edit(lstm, {"": lambda o: (o[0] * 0, o[1])}):  # same shapes: acts
+        out, (h, _) = lstm(x)
+    assert torch.equal(out, torch.zeros(2, 5, 3)) and torch.equal(h, lstm(x)[1][0])
