@@ -61,17 +61,19 @@ class _Reached:
         self.counts.setdefault(name, 0)
         return self.counts
 
-    def grads(self) -> dict[str, int]:
-        """Gradient counts per layer (layer keys of edit_grads): at exit, a layer whose forward ran
-        in the scope but whose output gradient never reached the edit while it was open warns."""
+    def grads(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per layer (layer keys of edit_grads): the outputs given a gradient hook and the
+        gradients that reached it. At exit, a layer whose output got a hook in the scope but no
+        gradient while it was open warns."""
+        hooked: dict[str, int] = {}
         got: dict[str, int] = {}
-        self.scope.on_remove(lambda: self._check_grads(got))
-        return got
+        self.scope.on_remove(lambda: self._check_grads(hooked, got))
+        return hooked, got
 
-    def _check_grads(self, got: dict[str, int]) -> None:
+    def _check_grads(self, hooked: dict[str, int], got: dict[str, int]) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return
-        never = [n for n, c in self.counts.items() if c and not got.get(n)]
+        never = [n for n, c in hooked.items() if c and not got.get(n)]
         if never:
             warnings.warn(
                 f"{self.owner}: the output of layer(s) {some_names(never)} got no gradient while "
@@ -89,7 +91,7 @@ class _Reached:
     def _check_none(self, check: FireCheck, owner: str) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return
-        if not any(check.count.values()):
+        if not any(check.count.values()) and not check.reported:  # (reported: already loud)
             which = (
                 "no parameter of the model requires grad"
                 if not check.count
@@ -356,12 +358,12 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
             "never ran while the scope was open with an output that requires grad",
         )
         named_params: list[str] = []  # parameters named by a key (FireCheck counts their hooks)
-        got = reached.grads()
+        hooked, got = reached.grads()
         for key, fn in edits.items():
             modules, tensors = _resolve_grad_targets(model, key)
             for name, module in modules.items():
                 ran = reached.watch(name)
-                editor = _output_grad_editor(scope, name, fn, (ran, got))
+                editor = _output_grad_editor(scope, name, fn, (ran, hooked, got))
                 scope.add_forward(module, editor, layer=name)
             for name, t in tensors.items():
                 if not t.requires_grad:
@@ -383,11 +385,14 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
 
 
 def _output_grad_editor(
-    scope: HookScope, name: str, fn: Edit, counts: tuple[dict[str, int], dict[str, int]]
+    scope: HookScope,
+    name: str,
+    fn: Edit,
+    counts: tuple[dict[str, int], dict[str, int], dict[str, int]],
 ) -> Callable[..., None]:
     what = f"the gradient of {name!r}'s output"
     edit_grad = _grad_editor(fn, what)
-    ran, got = counts
+    ran, hooked, got = counts
 
     def on_grad(grad: torch.Tensor) -> torch.Tensor | None:
         got[name] = got.get(name, 0) + 1
@@ -400,6 +405,7 @@ def _output_grad_editor(
             check_tensor_type(t, f"the output of layer {name!r}")
             if t.requires_grad:
                 scope.add_activation_grad_hook(t, on_grad, layer=name)
+                hooked[name] = hooked.get(name, 0) + 1
 
     return hook
 
