@@ -108,8 +108,9 @@ def test_batched_equals_serial_and_fans_out_from_the_block():
     finally:
         for h in hooks:
             h.remove()
-    # clean and corrupted runs; a pass, the last block fanned out to 4 heads x 2 rows; a site alone
-    assert rows == [2, 2, 2, 2, 2, 2, 2, 2, 8, 2, 2, 2]
+    # the clean run twice (the second checks the forward repeats exactly) and the corrupted run;
+    # a pass, the last block fanned out to 4 heads x 2 rows; a site alone
+    assert rows == [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 8, 2, 2, 2]
 
 
 def test_reverse_patches_corrupt_into_clean():

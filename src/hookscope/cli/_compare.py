@@ -40,6 +40,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="loss of the output's first tensor for the backward comparison (default: sum; "
         "none: forward only)",
     )
+    p.add_argument(
+        "--loss-reduction",
+        choices=("mean", "sum"),
+        default="mean",
+        help="for a record made on several ranks: how each rank's loss reduced its share of the "
+        "batch (default: mean)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="save the error plot to this file")
     p.set_defaults(func=run)
@@ -48,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _record_folder(text: str) -> Path | None:
     path = Path(text)
     if path.is_dir():
-        if not (path / "index.json").exists():
+        if not (path / "index.json").exists() and not (path / "rank0" / "index.json").exists():
             raise CLIError(f"{text!r} is a folder but not a record (no index.json from hs.record)")
         return path
     return None
@@ -101,17 +108,25 @@ def run(args: argparse.Namespace) -> int:
     folder_a = _record_folder(args.model)
     folder_b = _record_folder(args.b) if args.b is not None else None
     if folder_a is not None and folder_b is not None:
-        report = compare(folder_a, folder_b)
+        report = compare(folder_a, folder_b, loss_reduction=args.loss_reduction)
     elif folder_a is not None:
         if args.b is None:
             raise CLIError("a record needs B: another record folder or a model spec")
-        rec = load_record(folder_a)
+        rec = load_record(folder_a, args.loss_reduction)
         root = rec.by_key.get(("", 0))
         if root is None or rec.calls[root].inputs is None:
             raise CLIError(f"{args.model!r} did not record the root module's inputs")
         inputs, kwargs = rec.calls[root].inputs
         b = _live_b(args, None)
-        report = compare(folder_a, b, *inputs, loss_fn=loss, autocast=autocast, **kwargs)
+        report = compare(
+            folder_a,
+            b,
+            *inputs,
+            loss_fn=loss,
+            autocast=autocast,
+            loss_reduction=args.loss_reduction,
+            **kwargs,
+        )
     else:
         saved = args.compile
         args.compile = None  # A runs eagerly; --compile applies to B

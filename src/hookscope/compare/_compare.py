@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -14,10 +15,11 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, strip_compiled
 from ..core._errors import HookscopeWarning
+from ._checks import check_arguments, check_loss, check_names
 from ._record import load_record
 from ._replay import Replay, Result
 from ._report import CompareReport, CompareRow
-from ._run import CompareError, RunRecord, RunSpec, cast_like, preserved, record_run
+from ._run import CompareError, RunRecord, RunSpec, _device, cast_like, preserved, record_run
 from ._tolerance import lower, reduction_size, rel_error, rel_pairs, tolerance
 
 __all__ = ["compare"]
@@ -76,14 +78,20 @@ class _Job:
         for i, c in enumerate(ra.calls):
             bn = self.map(c.name)
             j = rb.by_key.get((bn, c.index)) if bn is not None else None
-            if j is None:
-                unmatched.append(f"a: {c.name or '<root>'}#{c.index}")
+            why = ra.excluded.get(c.name) or (rb.excluded.get(bn) if bn is not None else None)
+            if j is None or why:
+                unmatched.append(
+                    f"a: {c.name or '<root>'}#{c.index}" + (f" ({why})" if why else "")
+                )
                 continue
             matched.append((i, j))
             used.add(j)
         for j, c in enumerate(rb.calls):
             if j not in used:
-                unmatched.append(f"b: {c.name or '<root>'}#{c.index}")
+                why = rb.excluded.get(c.name)
+                unmatched.append(
+                    f"b: {c.name or '<root>'}#{c.index}" + (f" ({why})" if why else "")
+                )
         return matched, unmatched
 
     # -- one row -------------------------------------------------------------------------------
@@ -113,7 +121,24 @@ class _Job:
             if got is not None:
                 r.compile_error = rel_error(got.output, cb.output)  # compiled against eager
         self._verdict(i, r)
+        self._unjoined(i, j, r)
         return r
+
+    def _unjoined(self, i: int, j: int, r: CompareRow) -> None:
+        """Rows of a record of several ranks whose values could not be joined: no errors, no
+        verdict; a call whose replay stood in such a child's value: no local errors."""
+        ra, rb = self.ra, self.rb
+        assert rb is not None
+        unjoined = ra.notes.get(i) or rb.notes.get(j)
+        if unjoined:
+            r.note, r.flagged = unjoined, None
+            r.error = r.local_error = r.grad_error = r.local_grad_error = None
+            return
+        child = next((k for k in ra.calls[i].children if k in ra.notes), None)
+        if child is not None:
+            c = ra.calls[child]
+            r.note = f"no local error: its call of {c.name}#{c.index} cannot be joined across ranks"
+            r.flagged = r.local_error = r.local_grad_error = None
 
     def _param_grads(self, a_name: str, b_name: str) -> float | None:
         ra, rb = self.ra, self.rb
@@ -268,7 +293,11 @@ def build_report(job: _Job) -> CompareReport:
     culprits, divergent = _verdicts(ra, rows)
     by_label = {r.label: r for _, r in rows}
     culprit = by_label[culprits[0]].name if culprits else None
-    notes = []
+    notes = [
+        f"{side}: the records of {r.world} ranks, joined into one run on the combined batch"
+        for side, r in (("a", ra), ("b", rb))
+        if r.world > 1
+    ]
     if job.rep_b is None:
         notes.append(
             "no culprit verdict: B is a record, not a live model; the culprit needs B's modules "
@@ -302,6 +331,7 @@ def compare(
     names: Names = None,
     autocast: torch.dtype | None = None,
     max_bytes: int | None = None,
+    loss_reduction: str = "mean",
     **kwargs: Any,
 ) -> CompareReport:
     """Compare two runs module by module and name the module that makes the difference.
@@ -331,8 +361,15 @@ def compare(
     what compilation adds) exceeds its tolerance; ``first_divergent`` the first module, in the
     order outputs are produced, whose output differs beyond it (where the error shows).
 
-    Module calls are matched by name and occurrence; calls that ran in only one model are listed
-    in ``unmatched``. Both models are left as found (``.grad``, buffers, train/eval mode); a model
+    A record made on several ranks of a ``torch.distributed`` run is one run on the combined
+    batch: per module call, each tensor whose first dimension equals the rank's batch share is
+    concatenated in rank order, any other must be equal on every rank (else the row's ``note``
+    says it cannot be joined, and the row has no errors); activation gradients are rescaled
+    for ``loss_reduction``, parameter gradients are the ranks' averaged ones. Give ``b`` the
+    combined batch (the ranks' inputs concatenated in rank order).
+
+    Module calls are matched by name and occurrence; calls that ran in only one model (or a
+    different number of times on different ranks) are listed in ``unmatched``. Both models are left as found (``.grad``, buffers, train/eval mode); a model
     that draws random numbers (dropout in training mode) raises :class:`CompareError`.
 
     Args:
@@ -340,11 +377,17 @@ def compare(
         b: the model under test (same module names, or ``names=``).
         *inputs: positional inputs of both forwards.
         loss_fn: ``loss_fn(output) -> scalar tensor``; with it, gradients are compared too.
-        names: B's name for each of A's modules: a dict (names not in it are kept) or a
-            function (``None``: no counterpart).
+            Against a record, the output gradient it gives at the recorded output must be the
+            recorded one (else :class:`CompareError`: the record was made with another loss).
+        names: B's name for each of A's modules: a dict (names not in it are kept; each key a
+            module of A, each value one of B) or a function (``None``: no counterpart; a name
+            other than A's own must be a module of B).
         autocast: run B (and its replays) under ``torch.autocast`` with this dtype.
         max_bytes: keep at most this many bytes of each run's recorded values in memory; the
             rest goes to a temporary folder (read back when compared). ``None``: no bound.
+        loss_reduction: for a record made on several ranks (each its share of the batch), how
+            each rank's loss reduced its share: ``"mean"`` (each rank's activation gradients are
+            ``world`` times the combined run's) or ``"sum"``; checked against B's gradients.
         **kwargs: keyword inputs of both forwards.
 
     Example:
@@ -360,10 +403,20 @@ def compare(
         >>> hs.compare(a, copy.deepcopy(a), torch.randn(4, 8)).culprit is None
         True
     """
-    ra = _side(a, "a", RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes))
-    rb = _side(b, "b", RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes))
-    if ra.modules is None and rb.modules is not None:
-        _check_inputs(ra, inputs, kwargs)
+    sa = RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes)
+    sb = RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes)
+    check_arguments(a, b, sb, names)
+    ra = _side(a, "a", sa, loss_reduction)
+    rb = _side(b, "b", sb, loss_reduction)
+    _check_records(ra, rb, sb)
+    _check_reduction(ra, rb, loss_reduction)
+    if loss_fn is not None:
+        live = a if isinstance(a, nn.Module) else b if isinstance(b, nn.Module) else None
+        device = _device(live) if live is not None else torch.device("cpu")
+        for rec, what in ((ra, "a"), (rb, "b")):
+            if rec.modules is None:
+                check_loss(rec, what, loss_fn, device)
+    check_names(names, ra, rb)
     job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
     with contextlib.ExitStack() as stack:
         for m in (a, b):
@@ -372,14 +425,48 @@ def compare(
         return build_report(job)
 
 
-def _side(m: Any, what: str, spec: RunSpec) -> RunRecord:
+def _side(m: Any, what: str, spec: RunSpec, loss_reduction: str) -> RunRecord:
     if isinstance(m, nn.Module):
         return record_run(spec)
     if isinstance(m, (str, os.PathLike)):
-        return load_record(m)
+        return load_record(m, loss_reduction)
     raise TypeError(
         f"hs.compare: {what} must be an nn.Module or a folder written by hs.record, "
         f"got {type(m).__name__}"
+    )
+
+
+def _check_records(ra: RunRecord, rb: RunRecord, spec: RunSpec) -> None:
+    """Each recorded side must hold the inputs given (when a live side runs on them, or they
+    are given)."""
+    live = ra.modules is not None or rb.modules is not None
+    for rec in (ra, rb):
+        if rec.modules is None and (live or spec.args or spec.kwargs):
+            _check_inputs(rec, spec.args, spec.kwargs)
+
+
+def _check_reduction(ra: RunRecord, rb: RunRecord, loss_reduction: str) -> None:
+    """A record of several ranks rescaled with the wrong ``loss_reduction`` has root output
+    gradients ``world`` times (or ``1/world`` times) the other run's: refuse it by name."""
+    world = max(ra.world, rb.world)
+    if ra.world == rb.world or not (ra.has_grads and rb.has_grads):
+        return
+    pa, pb = ra.by_key.get(("", 0)), rb.by_key.get(("", 0))
+    if pa is None or pb is None:
+        return
+    ga, gb = ra.calls[pa].grad, rb.calls[pb].grad
+    na = sum(float(g.double().norm()) ** 2 for g in ga or [] if g is not None) ** 0.5
+    nb = sum(float(g.double().norm()) ** 2 for g in gb or [] if g is not None) ** 0.5
+    if na == 0.0 or nb == 0.0:
+        return
+    ratio = na / nb if ra.world > 1 else nb / na  # the joined ranks' against one process's
+    if abs(math.log(ratio)) < math.log(world) / 2:
+        return
+    other = "mean" if ratio > 1 else "sum"
+    raise CompareError(
+        f"hs.compare: with loss_reduction={loss_reduction!r} the {world} ranks' output gradients "
+        f"are {ratio:.3g} times the one-process run's: the ranks' loss looks like a {other}; "
+        f"pass loss_reduction={other!r}"
     )
 
 
@@ -396,4 +483,5 @@ def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]
     raise CompareError(
         "hs.compare: the inputs given differ from those of the recorded run "
         f"(relative difference {err:.2e}); pass the same inputs the record was made with"
+        + (f" (its {ra.world} ranks' inputs concatenated in rank order)" if ra.world > 1 else "")
     )

@@ -101,6 +101,9 @@ class RunRecord:
     has_grads: bool = False
     modules: dict[str, nn.Module] | None = None  # None for a run read back from disk
     params: dict[str, str] = dataclasses.field(default_factory=dict)  # param -> owning module
+    world: int = 1  # ranks joined into this run (a record made under torch.distributed)
+    excluded: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> why not paired
+    notes: dict[int, str] = dataclasses.field(default_factory=dict)  # pos -> why no values
 
     @property
     def run_dtype(self) -> torch.dtype:
@@ -274,6 +277,7 @@ def record_run(spec: RunSpec) -> RunRecord:
             out = model(*args, **kwargs)
             if spec.loss_fn is not None:
                 loss_t = spec.loss_fn(out)
+                _check_loss_value(loss_t, spec.what)
         if spec.loss_fn is not None:
             loss_t.backward()
             loss = float(loss_t.detach())
@@ -307,6 +311,22 @@ def record_run(spec: RunSpec) -> RunRecord:
         has_grads=want_grads,
         modules=modules,
         params=owners,
+    )
+
+
+def _check_loss_value(loss: Any, what: str) -> None:
+    """``loss_fn`` must give a scalar tensor that backward can start from."""
+    if not isinstance(loss, torch.Tensor):
+        got = f"a {type(loss).__name__}"
+    elif loss.numel() != 1:
+        got = f"a tensor of shape {tuple(loss.shape)}"
+    elif not loss.requires_grad:
+        got = "a tensor that does not require grad (detached, or made under torch.no_grad())"
+    else:
+        return
+    raise CompareError(
+        f"hs.compare: loss_fn gave {got} on the output of model {what!r}; it must return a "
+        "scalar tensor computed from the output (e.g. lambda o: o.float().pow(2).sum())"
     )
 
 

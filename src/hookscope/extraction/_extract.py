@@ -70,7 +70,10 @@ def extract(
     data, another transform or another sample order make it refuse with an :class:`ExtractError`
     (pass ``resume=False`` to recompute, or use another ``out``): the features are never returned
     stale or mixed. A change of model weights, layers, pooling (a custom ``pool`` function's code,
-    defaults and closure values included), dtype or batch size is refused the same way.
+    defaults and closure values included), dtype or batch size is refused the same way, the
+    message naming what changed. A forward that draws random numbers (functional dropout, which
+    ``model.eval()`` does not turn off) is refused at its first batch: its features would differ
+    at every run, and a resume would mix draws.
 
     What is promised: every sample is computed in the same batch (same neighbours, same position)
     as in an uninterrupted one-process run, whatever the interruptions and the number of
@@ -96,7 +99,9 @@ def extract(
         batch_size, num_workers: for the ``DataLoader`` built over ``data`` (unless one is given).
         pool: ``None``, ``"avg"``, ``"max"``, ``"flatten"``, ``"cls"`` or ``fn(output) -> (B, ...)``
             (see :data:`Pool`); applied on the model's device before the copy to the host.
-        dtype: dtype to save (default: each layer's own; bfloat16 is saved as float32).
+        dtype: dtype to save: a floating dtype numpy holds (``torch.float16``,
+            ``torch.float32``, ``torch.float64``); default: each layer's own (bfloat16 is saved
+            as float32). An integer or bool dtype raises ``TypeError``.
         device: where to run (default: the model's device); the model is moved back after.
         resume: continue an unfinished run in ``out`` (or return a finished one). ``False``
             starts over, overwriting ``out``'s features.
@@ -119,7 +124,9 @@ def extract(
     Raises:
         ExtractError: a sample failed (``on_error="raise"``), writing failed (disk full: the work
             so far is kept, re-run to continue), ``out`` holds a different extraction or was
-            extracted from other data, or another process is writing ``out``.
+            extracted from other data, another process is writing ``out``, or the model's
+            forward draws random numbers.
+        TypeError: ``dtype`` is not a floating dtype.
 
     Example:
         >>> import torch, torch.nn as nn, numpy as np, hookscope as hs, tempfile
@@ -137,8 +144,12 @@ def extract(
     if verify not in ("all", "sample"):
         raise ValueError(f"verify must be 'all' or 'sample', got {verify!r}")
     if dtype is not None:
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype such as torch.float16, got {dtype!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(
+                f"extract: dtype= must be a floating dtype to store features in (torch.float16 or "
+                f"torch.float32; torch.bfloat16 layers are saved as float32), got {dtype!r}: an "
+                "integer or bool dtype would truncate them (0 for values in (-1, 1), bool: True)"
+            )
         np_dtype(dtype)
     check_model(model)
     named = resolve(model, layers)

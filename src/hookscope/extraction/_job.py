@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader
 
 from ..core._errors import HookscopeWarning
 from ..core._progress import progress_bar
+from ..core._random import random_draws, training_modules
 from ._data import (
     Batches,
     SafeCollate,
@@ -70,7 +71,7 @@ from ._featstore import (
 from ._forward import Pool, Prepared, Runner, host, np_dtype, pool_fn
 from ._lock import OutputLock
 
-__all__ = ["Job", "Options", "SkippedSamplesWarning", "Source"]
+__all__ = ["Job", "Options", "SkippedSamplesWarning", "Source", "fingerprint_changes"]
 
 _SAMPLE = 8  # batches re-read by verify="sample"
 
@@ -122,6 +123,46 @@ def _code_of(model: nn.Module) -> str:
         if fwd is not None:
             hash_code(h, fwd)
     return h.hexdigest()
+
+
+# the fields of a run's fingerprint, as messages name them; those shown with their values
+_FIELDS = {
+    "model": "model class",
+    "weights": "model weights",
+    "code": "model code (a forward changed)",
+    "layers": "layers",
+    "pool": "pool",
+    "pool_code": "pool function (code, defaults or closure values)",
+    "dtype": "dtype",
+    "count": "number of samples",
+    "batch_size": "batch size",
+    "index": "sample ids (dataset or file list)",
+    "rows": "rows the DataLoader's sampler chose",
+}
+_SHOWN = ("model", "layers", "pool", "dtype", "count", "batch_size")
+
+
+def fingerprint_changes(before: Any, now: dict[str, Any]) -> str:
+    """What differs between an earlier run's fingerprint fields and this run's, for a message:
+    ``"dtype (float16 there, float32 here) and batch size (64 there, 32 here)"``.
+
+    >>> fingerprint_changes({"dtype": "None", "batch_size": 64}, {"dtype": "torch.float16", "batch_size": 64})
+    'dtype (None there, torch.float16 here)'
+    """
+    if not isinstance(before, dict):  # written by a hookscope that did not keep them
+        return (
+            "model, its weights, layers, pool, dtype, batch size or data (the folder does not say "
+            "which)"
+        )
+    parts = []
+    for key, what in _FIELDS.items():
+        a, b = before.get(key), now.get(key)
+        if a == b:
+            continue
+        parts.append(f"{what} ({a} there, {b} here)" if key in _SHOWN else what)
+    if not parts:
+        return "settings this hookscope does not know (the folder was written by another version)"
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 @dataclass(frozen=True)
@@ -217,9 +258,14 @@ class Job:
         self.names = list(self.named)
         self.rank, self.world = _dist()
         self.lock = OutputLock(self.out)
-        self.fingerprint = self._fingerprint()
+        self.fields = self._fields()
+        self.fingerprint = hashlib.sha256(
+            json.dumps(self.fields, sort_keys=True).encode()
+        ).hexdigest()[:24]
+        self.checked_draws = False  # this process's first forward was checked for random draws
 
-    def _fingerprint(self) -> str:
+    def _fields(self) -> dict[str, Any]:
+        """What the run's fingerprint hashes (kept in the folder: a refusal names what changed)."""
         src = self.source
         desc = {
             "model": _model_name(self.model),
@@ -235,7 +281,7 @@ class Job:
         }
         if src.plan is not None:  # a sampler chose the rows
             desc["rows"] = hashlib.sha256(src.plan.tobytes()).hexdigest()
-        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:24]
+        return desc
 
     # -- the steps -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -298,10 +344,10 @@ class Job:
         if manifest is None:
             return False
         if manifest.get("fingerprint") != self.fingerprint:
+            changed = fingerprint_changes(manifest.get("fingerprint_fields"), self.fields)
             raise ExtractError(
-                f"{self.out} already holds a finished extraction of another run (model "
-                f"{manifest.get('model')}, layers {manifest.get('layers')}, {manifest.get('count')} "
-                "samples, or another pool function); choose another output directory, or pass "
+                f"{self.out} already holds a finished extraction of another run (its {changed} "
+                "differ from this call's); choose another output directory, or pass "
                 "resume=False (CLI: --no-resume) to overwrite it"
             )
         digests = manifest.get("batch_digests")
@@ -355,11 +401,11 @@ class Job:
         run = read_run(out) if self.options.resume else None
         if run is not None:
             if run.get("fingerprint") != self.fingerprint:
+                changed = fingerprint_changes(run.get("fingerprint_fields"), self.fields)
                 raise ExtractError(
-                    f"{out} holds an unfinished extraction of another run (model {run.get('model')}, "
-                    f"layers {run.get('layers')}, or another pool function); re-run that one to "
-                    "finish it, choose another output directory, or pass resume=False (CLI: "
-                    "--no-resume) to start over"
+                    f"{out} holds an unfinished extraction of another run (its {changed} differ "
+                    "from this call's); re-run that one to finish it, choose another output "
+                    "directory, or pass resume=False (CLI: --no-resume) to start over"
                 )
             consolidate(out, self.fingerprint)
             return
@@ -374,6 +420,7 @@ class Job:
         names = self.names
         run = {
             "fingerprint": self.fingerprint,
+            "fingerprint_fields": self.fields,
             "model": _model_name(self.model),
             "layers": names,
             "files": layer_files(names),
@@ -417,7 +464,7 @@ class Job:
                     f"collate_fn fails on {sample_name(src.index, i)} alone "
                     f"({signature(sample)}): {reason(e)}"
                 ) from None
-            feats = runner(batch)
+            feats = self._forward(runner, batch)
             shapes = {
                 k: (tuple(v.shape[1:]), v.dtype)
                 for k, v in ((k, host(v)) for k, v in feats.items())
@@ -484,12 +531,33 @@ class Job:
             skipped = [
                 {"row": i, "id": index[i].item(), "reason": f.reason} for i, f in batch.failed
             ]
-        feats = runner(batch.data) if batch.good else {}
+        feats = self._forward(runner, batch.data) if batch.good else {}
         good = None if not batch.failed else batch.good
         rows = None if self.source.plan is None else batch.indices  # dataset indices
         return WriteItem(
             batch.indices[0], len(batch.indices), good, feats, skipped, rows, batch.digest
         )
+
+    def _forward(self, runner: Runner, data: Any) -> dict[str, Any]:
+        """One forward pass; the first of this process is checked for random draws (a stochastic
+        forward gives other features at every run, and a resume would mix draws)."""
+        if self.checked_draws:
+            return runner(data)
+        with random_draws() as draws:
+            feats = runner(data)
+        self.checked_draws = True
+        if draws.drew:
+            modes = ", ".join(map(repr, training_modules(self.model)))
+            raise ExtractError(
+                "extract: the model draws random numbers in its forward (functional dropout such "
+                "as F.dropout(x, p) without training=self.training, which model.eval() does not "
+                "turn off; sampling; stochastic depth"
+                + (f"; modules in training mode: {modes}" if modes else "")
+                + "), so its features differ at every run and a resume would mix draws; make "
+                "the forward deterministic in eval mode (pass training=self.training to the "
+                "functional dropout) or extract with your own loop"
+            )
+        return feats
 
     def _finish(self, run: dict[str, Any]) -> None:
         """Rank 0, after every process finished: check the journals, write index and manifest."""
@@ -519,6 +587,7 @@ class Job:
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "fingerprint": run["fingerprint"],
+            "fingerprint_fields": run.get("fingerprint_fields"),
             "model": run["model"],
             "layers": run["layers"],
             "files": run["files"],

@@ -16,7 +16,7 @@ from ..core._errors import HookscopeError, LayerNotFoundError
 from ..core._nested import iter_tensors
 from ..core._scope import check_model
 from ..core._select import suggest
-from ._replay import plain_attributes
+from ._replay import Containers, plain_attributes
 from ._saved import CallInputs, SavedTensors, SaveEvent
 
 __all__ = ["MemoryProfile", "MemoryRow", "memory_profile"]
@@ -243,10 +243,19 @@ def run_step(
 
 
 class Attributes:
-    """The plain attributes of every module (a step counter), to put back after a step."""
+    """The plain attributes of every module (a step counter) and the contents of the containers
+    they hold (a list of attention maps appended to), to put back after a step."""
 
     def __init__(self, model: nn.Module) -> None:
         self.attrs = [(m, plain_attributes(m.__dict__)) for m in model.modules()]
+        self.containers = Containers(model.modules())
+        # tensor attributes (not buffers) a step may change in place: their values, put back
+        self.values = [
+            (v, v._version, v.detach().clone())
+            for _, before in self.attrs
+            for v in before.values()
+            if isinstance(v, torch.Tensor) and not v.is_meta
+        ]
 
     def restore(self) -> None:
         for m, before in self.attrs:
@@ -254,6 +263,11 @@ class Attributes:
             for k in plain_attributes(d).keys() - before.keys():
                 del d[k]
             d.update(before)
+        self.containers.restore()
+        for v, version, value in self.values:
+            if v._version != version:
+                with torch.no_grad():
+                    v.copy_(value)
 
 
 def _tensors(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
@@ -270,6 +284,20 @@ def _cuda_devices(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, A
     devices = {t.device.index for t in _tensors(model, inputs, kwargs) if t.is_cuda}
     devices.add(torch.cuda.current_device())
     return sorted(d for d in devices if d is not None)
+
+
+def _check_grad_mode() -> None:
+    """Refuse a step that cannot build a graph: under ``inference_mode`` or ``no_grad``."""
+    if torch.is_inference_mode_enabled():
+        raise HookscopeError(
+            "memory_profile needs autograd (it runs a backward pass), which "
+            "torch.inference_mode() forbids; call it outside torch.inference_mode()"
+        )
+    if not torch.is_grad_enabled():
+        raise HookscopeError(
+            "memory_profile needs autograd (it runs a backward pass), which torch.no_grad() "
+            "turns off; call it outside torch.no_grad() (or inside torch.enable_grad())"
+        )
 
 
 def _check_data(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -323,6 +351,7 @@ def memory_profile(
         (32, 64, 96)
     """
     check_model(model)
+    _check_grad_mode()
     _check_data(model, inputs, kwargs)
     regions = compiled_regions(model)
     rec = run_step(model, inputs, kwargs, loss_fn, ops=not regions, backward_ops=backward_peak)

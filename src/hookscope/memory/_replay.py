@@ -34,12 +34,14 @@ what the recompute needs to see the call's own starting point and to leave no tr
   devices of the *positional* inputs; the CUDA generators of devices seen only through keyword
   inputs or the module's parameters are restored here.
 
-What is not restored: Python containers a forward mutates (a list it appends to, a dict used as
-a cache), and state outside the checkpointed module.
+What is not restored: other objects a forward changes (an attribute holding an instance of
+your own class), and state outside the checkpointed module. A tensor attribute (not a buffer)
+changed in place by the recompute changed twice: no copy was kept, and a warning names it.
 """
 
 from __future__ import annotations
 
+import collections
 import warnings
 import weakref
 from typing import Any
@@ -50,7 +52,7 @@ import torch.nn as nn
 from ..core._errors import HookscopeError, HookscopeWarning
 from ..core._nested import iter_tensors
 
-__all__ = ["CallState", "ModuleMemory", "cache_arguments", "plain_attributes"]
+__all__ = ["CallState", "Containers", "ModuleMemory", "cache_arguments", "plain_attributes"]
 
 _MISSING = object()
 # nn.Module's own bookkeeping (parameters, buffers, hooks...): never swapped for a recompute
@@ -67,6 +69,72 @@ def plain_attributes(d: dict[str, Any]) -> dict[str, Any]:
         if (v is None or v.__class__ in _SCALARS or isinstance(v, torch.Tensor))
         and k not in _INTERNALS
     }
+
+
+class Containers:
+    """The contents of the Python containers (lists, dicts, sets, deques, and those nested in
+    them or in tuples) held by the attributes of ``modules``, to put back in the same objects.
+
+    A container's contents are copied shallowly (the objects in it are shared); a container
+    reached twice is kept once.
+
+    >>> m = torch.nn.Linear(2, 2)
+    >>> m.maps = [1]
+    >>> kept = Containers([m])
+    >>> m.maps.append(2)
+    >>> kept.restore()
+    >>> m.maps
+    [1]
+    """
+
+    _DEPTH = 8  # nesting followed at most
+
+    def __init__(self, modules: Any) -> None:
+        self.saved: list[tuple[Any, Any]] = []
+        seen: set[int] = set()
+        for m in modules:
+            for k, v in m.__dict__.items():
+                if k not in _INTERNALS:
+                    self._walk(v, seen, 0)
+
+    def _walk(self, obj: Any, seen: set[int], depth: int) -> None:
+        if depth > self._DEPTH or id(obj) in seen:
+            return
+        if isinstance(obj, dict):
+            items: Any = list(dict.items(obj))
+            inner: Any = [v for _, v in items]
+        elif isinstance(obj, (list, collections.deque, set)):
+            items = inner = list(obj)
+        elif isinstance(obj, tuple):
+            items, inner = None, obj  # immutable: only what it holds may change
+        else:
+            return
+        seen.add(id(obj))
+        if items is not None:
+            self.saved.append((obj, items))
+        for v in inner:
+            self._walk(v, seen, depth + 1)
+
+    def restore(self) -> None:
+        """Put every container's contents back (its own methods bypassed: a subclass that
+        counts or validates its writes sees nothing)."""
+        for obj, items in self.saved:
+            if isinstance(obj, dict):
+                now = list(dict.items(obj))
+                if len(now) != len(items) or any(
+                    a[0] is not b[0] or a[1] is not b[1] for a, b in zip(now, items)
+                ):
+                    dict.clear(obj)
+                    dict.update(obj, items)
+            elif isinstance(obj, list):
+                if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
+                    list.__setitem__(obj, slice(None), items)
+            elif isinstance(obj, collections.deque):
+                collections.deque.clear(obj)
+                collections.deque.extend(obj, items)
+            else:
+                set.clear(obj)
+                set.update(obj, items)
 
 
 def _is_cache(value: Any) -> bool:
@@ -173,6 +241,7 @@ class CallState:
         # the call's own tensors (weakly: a saved-tensor hook may give the recompute copies)
         self.inputs = [(weakref.ref(t), t._version) for _, t in iter_tensors((args, kwargs))]
         self.attrs = [(m, plain_attributes(m.__dict__)) for m in module.modules()]
+        self.containers = Containers(module.modules())
         keep_all = not memory.explored
         self.buffers: dict[tuple[str, str], tuple[nn.Module, Any, int, Any]] = {}
         slots = _slots(module)
@@ -286,18 +355,23 @@ class CallState:
             args = tuple(args)
         undo = self._enter()
         try:
-            if self.rng:
-                devices = list(self.rng)
-                with torch.random.fork_rng(devices=devices, device_type="cuda"):
-                    for d, state in self.rng.items():
-                        torch.cuda.set_rng_state(state, d)
-                    return self.forward(*args, **kwargs)
-            return self.forward(*args, **kwargs)
-        finally:
+            return self._forward_replayed(args, kwargs)
+        finally:  # (torch.utils.checkpoint may stop a recompute early, by an exception)
             self._leave(undo)
+            self._warn_tensor_attributes()
 
-    def _enter(self) -> tuple[list[Any], list[Any]]:
-        """Set the buffers and attributes to their values at the call; return what to put back."""
+    def _forward_replayed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.rng:
+            devices = list(self.rng)
+            with torch.random.fork_rng(devices=devices, device_type="cuda"):
+                for d, state in self.rng.items():
+                    torch.cuda.set_rng_state(state, d)
+                return self.forward(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
+    def _enter(self) -> tuple[list[Any], list[Any], Containers]:
+        """Set the buffers, attributes and containers to their values at the call; return what
+        to put back."""
         bufs: list[Any] = []
         if self.buffers:
             with _bookkeeping():
@@ -316,11 +390,36 @@ class CallState:
             for k in now.keys() - before.keys():
                 del d[k]
             d.update(before)
-        return bufs, attrs
+        now_held = Containers(self.module.modules())
+        self.containers.restore()
+        self.tensors = [
+            (m, k, v, v._version)
+            for m in self.module.modules()
+            for k, v in plain_attributes(m.__dict__).items()
+            if isinstance(v, torch.Tensor)
+        ]
+        return bufs, attrs, now_held
+
+    def _warn_tensor_attributes(self) -> None:
+        """Warn about tensor attributes (not buffers) the recompute changed in place: they
+        changed twice this step, and no copy was kept to put them back."""
+        for m, k, v, version in self.tensors:
+            if v._version != version:
+                sub = next((n for n, x in self.module.named_modules() if x is m), "")
+                full = ".".join(p for p in (self.memory.name, sub, k) if p)
+                warnings.warn(
+                    f"apply_checkpointing: attribute {full!r} (a tensor, not a buffer) was "
+                    f"changed in place by the recompute of layer {self.memory.name!r}, so it "
+                    "changed twice this step; register it as a buffer (register_buffer(..., "
+                    "persistent=False): buffers are replayed), or leave this layer out of the "
+                    "checkpointed modules",
+                    HookscopeWarning,
+                    stacklevel=2,
+                )
 
     @staticmethod
-    def _leave(undo: tuple[list[Any], list[Any]]) -> None:
-        bufs, attrs = undo
+    def _leave(undo: tuple[list[Any], list[Any], Containers]) -> None:
+        bufs, attrs, held = undo
         if bufs:
             with _bookkeeping():
                 for m, name, obj, value in reversed(bufs):
@@ -335,3 +434,4 @@ class CallState:
                     d.pop(k, None)
                 else:
                     d[k] = v
+        held.restore()

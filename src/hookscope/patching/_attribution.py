@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..core._scope import HookScope
-from ._inputs import PatchingError
+from ._inputs import PatchingError, check_common, check_count
 from ._job import PatchMetric, SweepJob, check_calls, prepare, score
 from ._layer_sweep import LayerSweep
 from ._sites import PatchedLayer, grid, per_site, resolve_layers, set_act, stack_layers, view
@@ -63,7 +63,7 @@ def attribution_patch(
         layers: the layers to score.
         at: ``"output"`` or ``"input"`` of each layer.
         over: the sweep axes, as in :func:`patch_sweep`.
-        arg: with ``at="input"``, the input to score.
+        arg: with ``at="input"`` only, the input to score (an index >= 0 or a keyword name).
         reverse: the gradient at the clean run, the difference reversed.
         n_heads: the head count of a module that declares none.
         head_proj: the output projection under the attention module.
@@ -84,12 +84,12 @@ def attribution_patch(
             "call it outside that block (it turns gradients on itself: torch.no_grad() around it "
             "is fine)"
         )
+    check_common("attribution_patch", metric, at, arg, reverse, head_proj)
+    check_count(top_k, "top_k", "the sites to patch exactly")
     src, dst = prepare(model, clean, corrupt, reverse)
     chosen, over_t = resolve_layers(
         model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
     )
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
     job = SweepJob.create(model, dst, metric, over_t, what="attribution_patch")
     with torch.no_grad():
         clean_acts, _, job.per_row = job.record(src, chosen, what="attribution_patch")

@@ -1,5 +1,9 @@
 """The two runs of a patching experiment: their inputs, and the check that they align.
 
+The arguments of ``patch_sweep`` / ``attribution_patch`` are checked before any forward: one of a
+wrong type or out of range gets a one-line error naming it (never a raw error from deep inside,
+never a value read as another: ``arg=1.0`` is not input 0, ``rows=2.5`` is not 2).
+
 Patching copies an activation of one run into the other at the same token position, so the runs
 must align token by token: same shapes, and padding at the same places (docs/pitfalls.md §33; nnsight #672
 patched the wrong positions of left-padded batches silently). Anything else raises
@@ -8,7 +12,7 @@ patched the wrong positions of left-padded batches silently). Anything else rais
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,12 +22,75 @@ from ..core._compiled import strip_compiled
 from ..core._errors import HookscopeError
 from ..core._signature import accepts, forward_parameters
 
-__all__ = ["PatchingError", "as_kwargs", "batch_size", "check_aligned"]
+__all__ = [
+    "PatchingArgumentError",
+    "PatchingError",
+    "as_kwargs",
+    "batch_size",
+    "check_aligned",
+    "check_common",
+    "check_count",
+]
 
 
 class PatchingError(HookscopeError):
     """A patching experiment that cannot give a meaningful answer: runs that do not align, a site
     that does not exist, an activation of the wrong shape."""
+
+
+class PatchingArgumentError(PatchingError, ValueError, TypeError):
+    """An argument of a wrong type or value (also a ``ValueError``/``TypeError``, as Python's own
+    argument errors are)."""
+
+
+def check_count(value: Any, name: str, meaning: str) -> None:
+    """Raise unless ``value`` is ``None`` or an int >= 1 (a bool is not a count)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PatchingArgumentError(
+            f"{name} must be an int >= 1 ({meaning}) or None, got {type(value).__name__} {value!r}"
+        )
+    if value < 1:
+        raise PatchingArgumentError(f"{name} must be >= 1 ({meaning}), got {value}")
+
+
+def check_common(
+    what: str, metric: Callable[..., Any], at: Any, arg: Any, reverse: Any, head_proj: Any
+) -> None:
+    """The arguments both sweeps share (``over``, ``layers`` and ``n_heads`` are checked where
+    they are resolved)."""
+    if not callable(metric):
+        raise PatchingArgumentError(
+            f"{what}: metric must be a function metric(output) -> scalar, got "
+            f"{type(metric).__name__}; e.g. lambda out: out.logits[:, -1, i].mean()"
+        )
+    if not isinstance(at, str) or at not in ("output", "input"):
+        raise PatchingArgumentError(f"{what}: at must be 'output' or 'input', got {at!r}")
+    if arg is not None:
+        if at != "input":
+            raise PatchingArgumentError(
+                f"{what}: arg= selects an input; use it with at='input' (got arg={arg!r} with "
+                f"at={at!r})"
+            )
+        if isinstance(arg, bool) or not isinstance(arg, (int, str)):
+            raise PatchingArgumentError(
+                f"{what}: arg must be a positional index (an int >= 0) or a keyword name (a str), "
+                f"got {type(arg).__name__} {arg!r}"
+            )
+        if isinstance(arg, int) and arg < 0:
+            raise PatchingArgumentError(
+                f"{what}: arg must be a positional index >= 0 or a keyword name, got {arg}"
+            )
+    if not isinstance(reverse, bool):
+        raise PatchingArgumentError(
+            f"{what}: reverse must be True or False, got {type(reverse).__name__} {reverse!r}"
+        )
+    if head_proj is not None and not isinstance(head_proj, str):
+        raise PatchingArgumentError(
+            f"{what}: head_proj must be the name of the output projection under the attention "
+            f"module (a str, e.g. 'o_proj') or None, got {type(head_proj).__name__} {head_proj!r}"
+        )
 
 
 def _first_param(model: nn.Module) -> str:

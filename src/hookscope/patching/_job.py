@@ -19,7 +19,7 @@ from ..core._nested import iter_tensors
 from ..core._random import random_draws, training_modules
 from ..core._scope import HookScope, check_model, model_device
 from ._batching import default_budget
-from ._inputs import PatchingError, as_kwargs, batch_size, check_aligned
+from ._inputs import PatchingError, as_kwargs, batch_size, check_aligned, check_count
 from ._sites import PatchedLayer, get_act
 
 __all__ = ["PatchMetric", "SweepJob", "check_calls", "prepare", "score"]
@@ -139,8 +139,7 @@ class SweepJob:
         of a batch (batch norm in training mode), naming ``what`` was called."""
         modules = dict(named_modules(model))
         _check_modules(modules, what)
-        if rows is not None and rows < 1:
-            raise ValueError(f"rows must be >= 1 (rows per pass), got {rows}")
+        check_count(rows, "rows", "rows per pass")
         device = model_device(model)
         try:
             names = list(blocks(model))
@@ -167,9 +166,35 @@ class SweepJob:
     ) -> tuple[dict[str, torch.Tensor], Any, int]:
         """One forward on ``kwargs``: each layer's activation (a copy), the output, and the bytes
         a row of a pass needs (on CUDA the forward's measured peak per row; elsewhere 24x the
-        largest activation patched plus the model's output, per row). With ``what`` (the caller's name),
-        refuses a model whose forward draws random numbers (dropout in training mode, called as a
-        module or a function): every run would differ, so a patch's effect would be noise."""
+        largest activation patched plus the model's output, per row). With ``what`` (the caller's
+        name), refuses a model whose forward is not the same from run to run, so that a patch's
+        effect would be noise: one that draws from torch's global generators (dropout in
+        training mode, as a module or a function), and, by a second forward compared exactly,
+        any other (a generator of its own, a nondeterministic kernel)."""
+        cuda = self.device.type == "cuda" and torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)
+        with random_draws() as draws:
+            acts, out = self._hooked_forward(kwargs, layers)
+        if cuda:  # measured: the forward's peak on the device
+            peak = torch.cuda.max_memory_allocated(self.device) - before
+        if what and draws.drew:
+            raise PatchingError(_draws_message(what, self.model))
+        if what:
+            again_acts, again = self._hooked_forward(kwargs, layers)
+            _check_repeatable(what, (acts, out), (again_acts, again))
+            del again_acts, again
+        out_bytes = sum(t.nbytes for _, t in iter_tensors(out))
+        if not cuda:  # estimated (calibrated with the profiler on GPT-2: peak <= budget)
+            peak = 24 * max(t.nbytes for t in acts.values()) + out_bytes
+        return acts, out, max(1, peak // max(1, self.batch))
+
+    def _hooked_forward(
+        self, kwargs: dict[str, Any], layers: list[PatchedLayer]
+    ) -> tuple[dict[str, torch.Tensor], Any]:
+        """A forward on ``kwargs`` keeping a copy of each layer's activation; refuses a layer
+        that did not run exactly once."""
         acts: dict[str, torch.Tensor] = {}
         calls: dict[str, int] = {}
         with HookScope("patch_sweep") as scope:
@@ -190,24 +215,66 @@ class SweepJob:
                         layer=layer.point,
                         with_kwargs=True,
                     )
-            cuda = self.device.type == "cuda" and torch.cuda.is_available()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(self.device)
-                before = torch.cuda.memory_allocated(self.device)
-            with random_draws() as draws:
-                out = self.model(**kwargs)
-        if what and draws.drew:
-            raise PatchingError(
-                f"{what}: the model draws random numbers in its forward (modules in training "
-                f"mode: {', '.join(map(repr, training_modules(self.model))) or 'none'}; e.g. "
-                "dropout, also inside attention), so every run differs and a patch's effect would "
-                "be noise; call model.eval() first"
-            )
+            out = self.model(**kwargs)
         for layer in layers:
             check_calls(layer, calls.get(layer.point, 0))
-        out_bytes = sum(t.nbytes for _, t in iter_tensors(out))
-        if cuda:  # measured: the forward's peak on the device
-            peak = torch.cuda.max_memory_allocated(self.device) - before
-        else:  # estimated (calibrated with the profiler on GPT-2: peak <= budget), and the output
-            peak = 24 * max(t.nbytes for t in acts.values()) + out_bytes
-        return acts, out, max(1, peak // max(1, self.batch))
+        return acts, out
+
+
+def _draws_message(what: str, model: nn.Module) -> str:
+    """Why a forward that drew from torch's global generators is refused, and the fix that
+    applies: eval() where modules are in training mode, else the functional cause."""
+    training = training_modules(model)
+    if training:
+        return (
+            f"{what}: the model draws random numbers in its forward (modules in training mode: "
+            f"{', '.join(map(repr, training))}; e.g. "
+            "dropout, also inside attention), so every run differs and a patch's effect would "
+            "be noise; call model.eval() first"
+        )
+    return (
+        f"{what}: the model draws random numbers in its forward although no module is in "
+        "training mode (a function called with randomness on whatever the mode: "
+        "F.dropout(x, p) without training=self.training, a sampling layer, stochastic depth), "
+        "so every run differs and a patch's effect would be noise; make that call "
+        "deterministic in eval mode (e.g. F.dropout(x, p, training=self.training))"
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two nested outputs hold exactly the same tensors (NaN equal to NaN)."""
+    ta, tb = list(iter_tensors(a)), list(iter_tensors(b))
+    if len(ta) != len(tb):
+        return False
+    for (_, x), (_, y) in zip(ta, tb):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.is_floating_point() or x.is_complex():
+            if not bool(((x == y) | (x.isnan() & y.isnan())).all()):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
+def _check_repeatable(
+    what: str, first: tuple[dict[str, Any], Any], second: tuple[dict[str, Any], Any]
+) -> None:
+    """Refuse two forwards on the same inputs that differ: name the first layer (in the
+    model's order of the selection) whose activation differs, else the output."""
+    for point, act in first[0].items():
+        if not _same(act, second[0].get(point)):
+            where = f"the activation of {point!r}"
+            break
+    else:
+        if _same(first[1], second[1]):
+            return
+        where = "the output"
+    raise PatchingError(
+        f"{what}: two forwards of the model on the same clean inputs gave different values "
+        f"({where}), though it draws nothing from torch's global generators: its forward is "
+        "random by other means (a torch.Generator of its own, e.g. torch.rand(..., "
+        "generator=g); a nondeterministic kernel), so a patch's effect would be noise; make "
+        "the forward repeatable (e.g. reseed its generator at the start of forward, or "
+        "torch.use_deterministic_algorithms(True))"
+    )

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ..core._optional import need
+from ._inputs import PatchingArgumentError
 
 __all__ = ["plot_patching"]
 
@@ -21,7 +22,28 @@ def _token_labels(tokens: Any, tokenizer: Any) -> list[str] | None:
         if tokenizer is None:
             return [str(i) for i in ids]
         return [str(t) for t in tokenizer.convert_ids_to_tokens(ids)]
+    if isinstance(tokens, str) or not isinstance(tokens, Sequence):
+        raise PatchingArgumentError(
+            f"plot_patching: tokens must be a list of strings or a tensor of token ids, got "
+            f"{type(tokens).__name__} {tokens!r:.60}"
+        )
     return [str(t) for t in tokens]
+
+
+def _values(values: Any) -> torch.Tensor:
+    """``values`` as a float32 CPU tensor; a one-line error for anything without a value."""
+    if not isinstance(values, torch.Tensor):
+        raise PatchingArgumentError(
+            "plot_patching: values must be the tensor patch_sweep or attribution_patch returned, "
+            f"got {type(values).__name__}"
+        )
+    if values.numel() == 0:
+        raise PatchingArgumentError(
+            f"plot_patching: values is empty (shape {tuple(values.shape)}): nothing to draw"
+        )
+    if values.is_complex():
+        raise PatchingArgumentError("plot_patching: values must be real, got a complex tensor")
+    return values.detach().to("cpu", torch.float32)
 
 
 def plot_patching(
@@ -41,7 +63,8 @@ def plot_patching(
     ``tokenizer``) or the heads. A ``[layers, positions, heads]`` result gets one row per layer
     and head. Colours diverge around 0. Draws into ``ax`` (a matplotlib ``Axes``, e.g. from
     ``plt.subplots()``) or a new ``Figure`` on an Agg canvas (nothing shown); returns the figure
-    and saves a PNG when ``path`` is given.
+    and saves a PNG when ``path`` is given. NaN (the sites ``attribution_patch(top_k=)`` did not
+    patch exactly) is drawn blank; the colour range is set by the finite values.
 
     Example:
         >>> import torch, hookscope as hs
@@ -53,11 +76,18 @@ def plot_patching(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    v = values.detach().to("cpu", torch.float32)
+    v = _values(values)
     n_layers = v.shape[0] if v.ndim else 1
-    names = list(layers) if layers is not None else [str(i) for i in range(n_layers)]
+    if isinstance(layers, str):
+        raise PatchingArgumentError(
+            f"plot_patching: layers must be a list of layer names, got the str {layers!r}; "
+            f"e.g. [{layers!r}] or list(hs.blocks(model))"
+        )
+    names = [str(n) for n in layers] if layers is not None else [str(i) for i in range(n_layers)]
     if len(names) != n_layers:
-        raise ValueError(f"{len(names)} layer names for a result of {n_layers} layers")
+        raise PatchingArgumentError(
+            f"plot_patching: {len(names)} layer names for a result of {n_layers} layers"
+        )
     columns = "position"
     if v.ndim == 3:  # [layers, positions, heads] -> one row per layer and head
         heads = v.shape[2]
@@ -67,14 +97,15 @@ def plot_patching(
         v = v[:, None]
         columns = ""
     elif v.ndim != 2:
-        raise ValueError(f"expected a result shaped [layers], [layers, x] or [layers, positions, heads]; got {tuple(v.shape)}")  # fmt: skip
+        raise PatchingArgumentError(f"plot_patching: expected a result shaped [layers], [layers, x] or [layers, positions, heads]; got {tuple(v.shape)}")  # fmt: skip
     labels = _token_labels(tokens, tokenizer)
     if labels is not None and len(labels) != v.shape[1]:
-        raise ValueError(f"{len(labels)} tokens for {v.shape[1]} columns")
+        raise PatchingArgumentError(f"plot_patching: {len(labels)} tokens for {v.shape[1]} columns")
     if labels is None and v.shape[1] > 1:
         labels = [str(i) for i in range(v.shape[1])]
         columns = "position or head"
-    lim = float(v.abs().max()) or 1.0
+    finite = v[v.isfinite()]  # NaN: a site attribution_patch(top_k=) did not patch exactly
+    lim = (float(finite.abs().max()) if finite.numel() else 0.0) or 1.0
     if ax is None:
         size = (max(4.0, 0.45 * v.shape[1] + 2.5), max(2.5, 0.3 * v.shape[0] + 1.5))
         fig = Figure(figsize=size)

@@ -56,7 +56,10 @@ class PatchedLayer:
 def _check_over(over: Sequence[str]) -> tuple[str, ...]:
     if isinstance(over, str):
         over = (over,)
-    t = tuple(over)
+    try:
+        t = tuple(over)
+    except TypeError:
+        t = over  # not a sequence: refused below
     if t not in OVER:
         raise PatchingError(
             f"over={t!r} is not a sweep this supports; valid: "
@@ -300,9 +303,26 @@ def patched(
     return out.reshape(x.shape)
 
 
+def _stack_hint(names: list[str]) -> str:
+    """How to select one stack where the layers ``names`` (one per shape) sit in different
+    submodules of the model (an encoder's and a decoder's blocks): ``hs.blocks(model,
+    within=...)`` naming each; else a plain hint."""
+    parts = [n.split(".") for n in names]
+    common = 0
+    while all(len(p) > common + 1 for p in parts) and len({p[common] for p in parts}) == 1:
+        common += 1
+    stacks = list(dict.fromkeys(".".join(p[: common + 1]) for p in parts))  # the model's order
+    named = not any(p[common].isdigit() for p in parts)  # not two blocks of one list
+    if named and len(stacks) == len(names) and all(len(p) > common + 1 for p in parts):
+        shown = " or ".join(f"hs.blocks(model, within={s!r})" for s in stacks)
+        return f"select one stack at a time: {shown}"
+    return "the layers see activations of different shapes"
+
+
 def stack_layers(results: list[torch.Tensor], layers: list[PatchedLayer]) -> torch.Tensor:
     """The per-layer sweeps stacked ``[layers, *sites]``; an error naming a layer of each shape
-    where they differ (e.g. an encoder's and a decoder's blocks: different lengths)."""
+    where they differ (e.g. an encoder's and a decoder's blocks: different lengths), and the
+    stacks to select one at a time."""
     first: dict[tuple[int, ...], str] = {}
     for r, layer in zip(results, layers):
         first.setdefault(tuple(r.shape), layer.name)
@@ -310,7 +330,6 @@ def stack_layers(results: list[torch.Tensor], layers: list[PatchedLayer]) -> tor
         shown = ", ".join(f"{s} from {n!r}" for s, n in sorted(first.items()))
         raise PatchingError(
             f"the layers give sweeps of different shapes {sorted(first)}; sweep them separately: "
-            f"{shown} (an encoder-decoder model's encoder and decoder blocks see different "
-            "sequences)"
+            f"{shown} ({_stack_hint(list(first.values()))})"
         )
     return torch.stack(results)

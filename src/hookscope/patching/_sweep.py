@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from ..core._errors import HookscopeWarning
 from ._cached_prefix import CausalPrefix, drop_cache, wants_cache
-from ._inputs import PatchingError
+from ._inputs import PatchingError, check_common, check_count
 from ._job import PatchMetric, SweepJob, prepare
 from ._layer_sweep import LayerSweep
 from ._sites import PatchedLayer, grid, per_site, resolve_layers, stack_layers, view
@@ -75,7 +75,9 @@ def patch_sweep(
 
     Refused, with :class:`PatchingError`: a model whose first (clean) run draws random numbers
     (dropout in training mode, as a module or as a function inside attention: asked of the run,
-    not of module types); a model in training mode that draws nothing is swept as it is. Batch
+    not of module types), or whose clean run, run twice, differs (a generator of its own); a
+    model in training mode that draws nothing is swept as it is. Each argument of a wrong type
+    or range, before any forward (``arg=`` without ``at="input"``, ``arg=1.0``, ``rows=2.5``). Batch
     norm in training mode (it would mix the rows of different sites); weights on the meta
     device. Forwards of the same model in other threads during a sweep run unpatched.
 
@@ -89,7 +91,8 @@ def patch_sweep(
         layers: the layers to patch (names, a glob, ``hs.blocks(model)``, ...).
         at: ``"output"`` or ``"input"`` of each layer.
         over: the sweep axes: ``("position",)``, ``("head",)``, ``("position", "head")``, ``()``.
-        arg: with ``at="input"``, the input to patch (a positional index or a keyword name).
+        arg: with ``at="input"`` only, the input to patch (a positional index >= 0 or a keyword
+            name).
         reverse: patch corrupted activations into the clean run instead.
         n_heads: the head count of a module that declares none (must equal a declared count).
         head_proj: the output projection under the attention module, where it is not one of
@@ -105,6 +108,9 @@ def patch_sweep(
         >>> hs.patch_sweep(net, clean, corrupt, lambda y: y[:, -1].sum(), ["0", "1"]).shape
         torch.Size([2, 3])
     """
+    check_common("patch_sweep", metric, at, arg, reverse, head_proj)
+    check_count(rows, "rows", "rows per pass")
+    check_count(max_bytes, "max_bytes", "the bytes a pass may use")
     src, dst = prepare(model, clean, corrupt, reverse)
     chosen, over_t = resolve_layers(
         model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj

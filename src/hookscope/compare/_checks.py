@@ -1,0 +1,211 @@
+"""What ``hs.compare`` checks before it compares: its arguments (types and values, at entry), the
+``names=`` mapping against the modules of both runs, and a recorded run against the live one (the
+same inputs, the same loss: the output gradient ``loss_fn`` gives at the recorded output must be
+the recorded one). Each refusal is one line naming the argument and the fix."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core._errors import HookscopeWarning, some_names
+from ..core._nested import iter_tensors, map_tensors
+from ..core._select import suggest
+from ..core._signature import forward_parameters
+from ._run import CompareError, RunRecord
+from ._tolerance import lower, rel_pairs, tolerance
+
+__all__ = ["check_arguments", "check_loss", "check_names"]
+
+_AUTOCAST = (torch.float16, torch.bfloat16)
+_NAMES_FORMS = (
+    "hs.compare: names= must be a dict {name in a: name in b or None} (str keys and values) "
+    "or a function name_in_a -> name_in_b or None"
+)
+
+
+def check_arguments(a: Any, b: Any, spec: Any, names: Any) -> None:
+    """Types and values of compare's arguments, before anything runs (``spec``: a
+    :class:`~._run.RunSpec` of B, carrying inputs, loss_fn, autocast and max_bytes)."""
+    if isinstance(a, nn.Module) and a is b:
+        raise CompareError(
+            "hs.compare: a and b are the same model object, so every difference is 0; compare "
+            "it with a copy: b = copy.deepcopy(a), then change b"
+        )
+    _check_names_type(names)
+    _check_max_bytes(spec.max_bytes)
+    _check_autocast(spec.autocast, b)
+    if spec.loss_fn is not None:
+        if not callable(spec.loss_fn):
+            raise TypeError(
+                f"hs.compare: loss_fn= must be a function output -> scalar tensor, "
+                f"got {type(spec.loss_fn).__name__} (not callable)"
+            )
+        mode = (
+            "torch.inference_mode()"
+            if torch.is_inference_mode_enabled()
+            else "torch.no_grad()"
+            if not torch.is_grad_enabled()
+            else None
+        )
+        if mode is not None:
+            raise CompareError(
+                f"hs.compare: called under {mode}, yet loss_fn= asks for a backward; call "
+                f"hs.compare outside {mode}, or leave out loss_fn to compare the forward only"
+            )
+    for what, m in (("a", a), ("b", b)):
+        if isinstance(m, nn.Module):
+            _check_call(m, what, spec.args, spec.kwargs)
+
+
+def _check_names_type(names: Any) -> None:
+    if names is None or (callable(names) and not isinstance(names, Mapping)):
+        return
+    if not isinstance(names, Mapping):
+        raise TypeError(f"{_NAMES_FORMS}; got {type(names).__name__}")
+    for k, v in names.items():
+        if not isinstance(k, str) or not (v is None or isinstance(v, str)):
+            raise TypeError(f"{_NAMES_FORMS}; got the entry {k!r}: {v!r}")
+
+
+def _check_max_bytes(max_bytes: Any) -> None:
+    if max_bytes is None:
+        return
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+        raise TypeError(
+            f"hs.compare: max_bytes= must be an int (bytes kept in memory per run) or None, "
+            f"got {type(max_bytes).__name__} {max_bytes!r}"
+        )
+    if max_bytes < 0:
+        raise CompareError(
+            f"hs.compare: max_bytes={max_bytes} is negative; give 0 or more bytes (0: every "
+            "value goes to disk) or None (no bound)"
+        )
+
+
+def _check_autocast(autocast: Any, b: Any) -> None:
+    if autocast is None:
+        return
+    if not isinstance(autocast, torch.dtype):
+        raise TypeError(
+            f"hs.compare: autocast= must be a torch.dtype (torch.bfloat16 or torch.float16) or "
+            f"None, got {type(autocast).__name__} {autocast!r}"
+        )
+    if autocast not in _AUTOCAST:
+        raise CompareError(
+            f"hs.compare: autocast={autocast} is no autocast dtype; give torch.bfloat16 or "
+            "torch.float16 (or cast b itself: b.to(dtype))"
+        )
+    if not isinstance(b, nn.Module):
+        raise CompareError(
+            "hs.compare: autocast= runs a live b under torch.autocast, but b is a record; "
+            "record b under torch.autocast instead, or pass the live model"
+        )
+
+
+def _check_call(model: nn.Module, what: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    params = forward_parameters(model)
+    if not params:
+        return
+    try:
+        inspect.Signature(list(params.values())).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise CompareError(
+            f"hs.compare: model {what} ({type(model).__name__}) cannot take the inputs given "
+            f"({len(args)} positional, keywords {sorted(kwargs)}): {exc}; pass the inputs of "
+            "its forward after a and b: hs.compare(a, b, *inputs, **kwargs)"
+        ) from None
+
+
+def _known(rec: RunRecord) -> list[str]:
+    if rec.modules is not None:
+        return list(rec.modules)
+    seen = dict.fromkeys(c.name for c in rec.calls)
+    seen.update(dict.fromkeys(rec.params.values()))
+    return list(seen)
+
+
+def _unknown(name: str, what: str, rec: RunRecord) -> CompareError:
+    known = _known(rec)
+    close = suggest(name, known, n=3) or [x for x in known if x][:3]
+    return CompareError(
+        f"hs.compare: names= maps to or from {name!r}, which is not a module of {what}; closest "
+        f"names of {what}: {some_names(close)}"
+    )
+
+
+def check_names(names: Any, ra: RunRecord, rb: RunRecord) -> None:
+    """Every key of a ``names=`` dict is a module of A and every target a module of B; a function
+    returns, for each of A's modules, ``None``, A's own name, or a module of B."""
+    if names is None:
+        return
+    in_a, in_b = set(_known(ra)), set(_known(rb))
+    if isinstance(names, Mapping):
+        for k, v in names.items():
+            if k not in in_a:
+                raise _unknown(k, "a", ra)
+            if v is not None and v not in in_b:
+                raise _unknown(v, "b", rb)
+        return
+    fn: Callable[[str], str | None] = names
+    for n in _known(ra):
+        v = fn(n)
+        if v is not None and v != n and v not in in_b:
+            raise _unknown(v, "b", rb)
+
+
+def check_loss(rec: RunRecord, what: str, loss_fn: Any, device: torch.device) -> None:
+    """A recorded run compared with ``loss_fn`` must have gradients, made by that loss: the
+    gradient ``loss_fn`` gives at the recorded model output must be the recorded one."""
+    if not rec.has_grads:
+        raise CompareError(
+            f"hs.compare: the record {what} holds no gradients (no backward ran inside hs.record), "
+            "yet loss_fn= asks to compare them; leave out loss_fn, or record again with "
+            "`loss_fn(model(x)).backward()` inside the with block"
+        )
+    pos = rec.by_key.get(("", 0))
+    if pos is None:  # a record of some layers: the model's output is not in it
+        return
+    call = rec.calls[pos]
+    recorded, output = call.grad, call.output
+    if pos in rec.notes or recorded is None or output is None:
+        return
+    out = map_tensors(lambda t: t.detach().to(device).requires_grad_(t.is_floating_point()), output)
+    leaves = [t for _, t in iter_tensors(out)]
+    try:
+        with torch.enable_grad():
+            loss = loss_fn(out)
+            wanted = [t for t in leaves if t.requires_grad]
+            got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+    except Exception as exc:  # a loss that cannot run on the recorded output alone: say so
+        warnings.warn(
+            f"hs.compare: could not check loss_fn against the record {what} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}); "
+            "make sure it is the loss the record was made with",
+            HookscopeWarning,
+            stacklevel=4,
+        )
+        return
+    mine = [next(got) if t.requires_grad else None for t in leaves]
+    pairs = list(zip(recorded, mine))
+    # a leaf the recorded loss reached and this one does not (or the other way): another loss
+    one_sided = any((x is None) != (y is None) for x, y in pairs)
+    err = math.inf if one_sided else rel_pairs(pairs)
+    k = max((t.shape[-1] for t in leaves if t.ndim), default=1)
+    low = rec.run_dtype  # the output may be in a lower dtype (recorded under autocast)
+    for t in leaves:
+        low = lower(low, t.dtype) if t.is_floating_point() else low
+    if err is None or err <= 8 * tolerance(low, k):
+        return
+    err_s = f"{err:.2e}" if math.isfinite(err) else "inf (other leaves or shapes)"
+    raise CompareError(
+        f"hs.compare: record {what}: the output gradient loss_fn gives at the recorded output "
+        f"differs from the recorded one by {err_s}: the record was made with another loss; pass "
+        "the loss the record's backward used as loss_fn (scaling included)"
+    )

@@ -1,0 +1,167 @@
+"""The records of the ranks of one ``torch.distributed`` run (each rank its share of the batch),
+joined into the record of one process running the combined batch.
+
+Join rule, per module call (matched across ranks by name and occurrence) and per tensor leaf of
+its inputs, output and gradients: a leaf whose first dimension equals the rank's batch share on
+every rank (the share: the first dimension of the first tensor input of the rank's first recorded
+call) is concatenated in rank order; any other leaf must be equal on every rank and is taken once;
+otherwise the call cannot be joined and its row says so. Activation gradients are rescaled to the
+combined run's loss: with ``loss_reduction="mean"`` each rank's gradient is multiplied by its
+share of the combined batch (``1/world`` for equal shares); with ``"sum"`` they are taken as they
+are. Parameter gradients are the ranks' shared (averaged) ones: equal to the combined run's with a
+mean loss and equal shares, multiplied by ``world`` with a sum. A module that ran a different
+number of times on different ranks is left out of the pairing and listed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from typing import Any
+
+import torch
+
+from ..core._nested import iter_tensors, map_tensors
+from ._run import CallRec, CompareError, RunRecord
+
+__all__ = ["REDUCTIONS", "join_ranks"]
+
+REDUCTIONS = ("mean", "sum")
+_RECENT = 8  # joined values kept: a row and its replay read the same few values again
+_ATTR = {"in": "inputs", "out": "output", "grad": "grad", "ingrad": "in_grad"}
+
+
+def join_ranks(recs: list[RunRecord], loss_reduction: str = "mean") -> RunRecord:
+    """One run on the combined batch, from the records of ``len(recs)`` ranks (module doc)."""
+    if loss_reduction not in REDUCTIONS:
+        raise CompareError(
+            f"hs.compare: loss_reduction={loss_reduction!r} is not one of 'mean', 'sum' (how the "
+            "loss of each rank reduced its share of the batch)"
+        )
+    world = len(recs)
+    shares = [_share(r) for r in recs]
+    total = sum(shares)
+    grads = all(r.has_grads for r in recs)
+    if grads and loss_reduction == "mean" and len(set(shares)) > 1:
+        raise CompareError(
+            f"hs.compare: the ranks recorded unequal batch shares {shares} with a mean loss: the "
+            "averaged parameter gradients are not the combined run's; record equal shares, or "
+            "pass loss_reduction='sum' if each rank's loss was a sum"
+        )
+    counts = [Counter(c.name for c in r.calls) for r in recs]
+    excluded = {
+        name: "ran " + "/".join(str(n[name]) for n in counts) + f" times on ranks 0-{world - 1}"
+        for name in set().union(*counts)
+        if len({n[name] for n in counts}) > 1
+    }
+    scale = [s / total for s in shares] if loss_reduction == "mean" else [1.0] * world
+    base = recs[0]
+    notes: dict[int, str] = {}
+    store = _Joined(recs, shares, scale, excluded, notes)
+    calls = []
+    for c in base.calls:
+        j = CallRec(c.name, c.index, c.start, c.parent, alias=c.alias, store=store)  # type: ignore[arg-type]
+        j.end, j.children = c.end, list(c.children)
+        calls.append(j)
+    store.calls = calls
+    pscale = float(world) if loss_reduction == "sum" else 1.0
+    params = {
+        n: None if g is None else g * pscale if pscale != 1.0 else g
+        for n, g in base.param_grads.items()
+    }
+    return RunRecord(
+        calls=calls,
+        by_key={c.key: i for i, c in enumerate(calls)},
+        param_grads=params,
+        dtype=base.dtype,
+        has_grads=grads,
+        params=base.params,
+        world=world,
+        excluded=excluded,
+        notes=notes,
+    )
+
+
+def _share(rec: RunRecord) -> int:
+    if rec.calls:
+        for _, t in iter_tensors(rec.calls[0].inputs):
+            if t.dim() >= 1:
+                return int(t.shape[0])
+    raise CompareError(
+        "hs.compare: a rank's record has no tensor input with a batch dimension; the ranks "
+        "cannot be joined into one run"
+    )
+
+
+class _Joined:
+    """The store of the joined calls: ``get("out12")`` reads every rank's value of that call and
+    joins it; what cannot be joined is noted in ``notes[pos]`` (rank 0's value stands in)."""
+
+    def __init__(
+        self,
+        recs: list[RunRecord],
+        shares: list[int],
+        scale: list[float],
+        excluded: dict[str, str],
+        notes: dict[int, str],
+    ) -> None:
+        self.recs, self.shares, self.scale = recs, shares, scale
+        self.excluded, self.notes = excluded, notes
+        self.calls: list[CallRec] = []
+        self._recent: OrderedDict[str, Any] = OrderedDict()  # the last joined values, bounded
+
+    def get(self, key: str, default: Any = None) -> Any:
+        # copies handed out: a replayed module may change its inputs in place
+        if key in self._recent:
+            self._recent.move_to_end(key)
+            return map_tensors(torch.clone, self._recent[key])
+        value = self._get(key, default)
+        self._recent[key] = value
+        if len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
+        return map_tensors(torch.clone, value)
+
+    def _get(self, key: str, default: Any) -> Any:
+        kind = key.rstrip("0123456789")
+        pos = int(key[len(kind) :])
+        call = self.calls[pos]
+        if call.name in self.excluded:
+            return default
+        values = []
+        for r in self.recs:
+            i = r.by_key.get(call.key)
+            values.append(None if i is None else getattr(r.calls[i], _ATTR[kind]))
+        if all(v is None for v in values):
+            return default
+        joined, why = self._join(values, kind.endswith("grad"))
+        if why is not None:
+            self.notes.setdefault(pos, f"ranks cannot be joined: {_ATTR[kind]} {why}")
+        return joined
+
+    def put(self, key: str, value: Any) -> None:
+        raise CompareError("a record read from disk is read-only")
+
+    def _join(self, values: list[Any], grad: bool) -> tuple[Any, str | None]:
+        if any(v is None for v in values):
+            return values[0], "missing on some ranks"
+        leaves = [[t for _, t in iter_tensors(v)] for v in values]
+        if len({len(x) for x in leaves}) > 1:
+            return values[0], "has a different structure on different ranks"
+        out: list[torch.Tensor] = []
+        why = None
+        for k, ts in enumerate(zip(*leaves)):
+            if grad:
+                ts = tuple(t * s if t.is_floating_point() else t for t, s in zip(ts, self.scale))
+            if all(t.dim() >= 1 and t.shape[0] == n for t, n in zip(ts, self.shares)) and (
+                len({t.shape[1:] for t in ts}) == 1
+            ):
+                out.append(torch.cat(ts))
+            elif len({t.shape for t in ts}) == 1 and all(torch.equal(ts[0], t) for t in ts):
+                out.append(ts[0])
+            else:
+                why = why or (
+                    f"leaf {k} (shapes {[tuple(t.shape) for t in ts]}) is neither the ranks' "
+                    f"batch shares {self.shares} along dim 0 nor equal on every rank"
+                )
+                out.append(ts[0])
+        it = iter(out)
+        return map_tensors(lambda _t: next(it), values[0]), why

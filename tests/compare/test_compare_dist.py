@@ -1,0 +1,338 @@
+"""hs.record on 2 gloo ranks (DDP, each rank its share of the batch), compared with one process
+running the same weights on the combined batch: the ranks' values joined along the batch."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+from helpers.common import one_thread
+from helpers.dist import WORLD, launch
+
+SHARE = 3  # per rank; the combined batch is WORLD * SHARE
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def make_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(inplace=True),  # an in-place module, as real models have
+        nn.Conv2d(4, 4, 3),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 5),
+    )
+
+
+def batch() -> torch.Tensor:
+    return torch.randn(WORLD * SHARE, 2, 6, 6, generator=torch.Generator().manual_seed(1))
+
+
+def mean_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+def _record_ddp(rank: int, folder: str, make: object) -> None:
+    ddp = nn.parallel.DistributedDataParallel(make())  # type: ignore[operator]
+    x = batch()[rank * SHARE : (rank + 1) * SHARE]
+    with hs.record(ddp, folder):
+        mean_loss(ddp(x)).backward()
+
+
+def _record_all(rank: int, root: str) -> None:
+    """Every record of this file, in one launch of the ranks (each launch costs seconds)."""
+    _record_ddp(rank, f"{root}/cnn", make_cnn)
+    _record_sum(rank, f"{root}/sum")
+    _record_uneven(rank, f"{root}/uneven")
+    for train in (False, True):
+        _record_bn(rank, f"{root}/bn-{train}", train)
+    _record_fsdp2(rank, f"{root}/fsdp2")
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ranks")
+    launch(_record_all, str(root))
+    return root
+
+
+@pytest.fixture
+def cnn_record(records):
+    return str(records / "cnn")
+
+
+def _worst(report, attr):
+    vals = [getattr(r, attr) for r in report.rows if getattr(r, attr) is not None]
+    assert vals, attr
+    return max(vals)
+
+
+@pytest.mark.distributed
+def test_each_rank_writes_its_own_record_with_eager_names(cnn_record):
+    import json
+    import pathlib
+
+    for rank in range(WORLD):
+        index = json.loads((pathlib.Path(cnn_record) / f"rank{rank}" / "index.json").read_text())
+        assert (index["rank"], index["world"]) == (rank, WORLD)
+        names = [c["name"] for c in index["calls"]]
+        assert names[:3] == ["", "0", "1"]  # the wrapped model's names, no "module." prefix
+
+
+@pytest.mark.distributed
+def test_a_folder_holding_the_ranks_records_takes_no_other_record(cnn_record):
+    model = make_cnn()
+    with (
+        pytest.raises(hs.CompareError, match="already holds a record"),
+        hs.record(model, cnn_record),
+    ):
+        model(batch())
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_match_one_process_on_the_combined_batch(cnn_record):
+    report = hs.compare(cnn_record, make_cnn(), batch(), loss_fn=mean_loss)
+    assert report.culprit is None and report.first_divergent is None
+    assert report.unmatched == []
+    assert report.notes == ["a: the records of 2 ranks, joined into one run on the combined batch"]
+    assert len(report.rows) == 7
+    # fp32 round-off only: the joined outputs, the rescaled activation gradients and DDP's
+    # averaged parameter gradients against the combined run's
+    assert _worst(report, "error") < 1e-6
+    assert _worst(report, "grad_error") < 1e-6
+    assert _worst(report, "param_grad_error") < 1e-6
+    assert _worst(report, "local_error") < 1e-6
+
+
+@pytest.mark.distributed
+def test_a_fault_only_in_the_live_model_is_named(cnn_record):
+    b = make_cnn()
+    with torch.no_grad():
+        b[2].bias += 0.05  # one module's own computation changed
+    report = hs.compare(cnn_record, b, batch(), loss_fn=mean_loss)
+    assert report.culprit == "2"
+    assert report.first_divergent == "2"
+
+
+@pytest.mark.distributed
+def test_a_backward_only_fault_is_named(cnn_record):
+    class NoDerivative(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.tanh()
+
+        @staticmethod
+        def backward(ctx, g):  # wrong: ignores tanh's derivative
+            return g
+
+    class BadTanh(nn.Module):
+        def forward(self, x):
+            return NoDerivative.apply(x)
+
+    b = make_cnn()
+    b[3] = BadTanh()
+    report = hs.compare(cnn_record, b, batch(), loss_fn=mean_loss)
+    assert report.culprit == "3"
+    assert report.row("3").flagged == "backward"
+
+
+@pytest.mark.distributed
+def test_the_wrong_loss_reduction_is_refused_by_name(cnn_record):
+    with pytest.raises(hs.CompareError, match="loss_reduction='mean'"):
+        hs.compare(cnn_record, make_cnn(), batch(), loss_fn=mean_loss, loss_reduction="sum")
+    with pytest.raises(hs.CompareError, match="'mean', 'sum'"):
+        hs.compare(cnn_record, make_cnn(), batch(), loss_fn=mean_loss, loss_reduction="avg")
+
+
+@pytest.mark.distributed
+def test_a_sum_loss_compares_with_loss_reduction_sum(records):
+    folder = str(records / "sum")
+    b = make_cnn()
+    report = hs.compare(folder, b, batch(), loss_fn=sum_loss, loss_reduction="sum")
+    assert report.culprit is None
+    assert _worst(report, "grad_error") < 1e-6
+    assert _worst(report, "param_grad_error") < 1e-6
+    with pytest.raises(hs.CompareError, match="loss_reduction='sum'"):
+        hs.compare(folder, b, batch(), loss_fn=sum_loss)
+
+
+def sum_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).sum()
+
+
+def _record_sum(rank: int, folder: str) -> None:
+    ddp = nn.parallel.DistributedDataParallel(make_cnn())
+    x = batch()[rank * SHARE : (rank + 1) * SHARE]
+    with hs.record(ddp.module, folder):  # the wrapped model: the same record
+        sum_loss(ddp(x)).backward()
+
+
+@pytest.mark.distributed
+def test_two_rank_records_compare_with_each_other_and_with_a_one_process_record(
+    cnn_record, tmp_path
+):
+    model = make_cnn()
+    with hs.record(model, tmp_path):
+        mean_loss(model(batch())).backward()
+    report = hs.compare(cnn_record, str(tmp_path))
+    assert report.first_divergent is None and report.unmatched == []
+    assert _worst(report, "error") < 1e-6 and _worst(report, "grad_error") < 1e-6
+    same = hs.compare(cnn_record, cnn_record)
+    assert _worst(same, "error") == 0.0 and _worst(same, "grad_error") == 0.0
+
+
+class Uneven(nn.Module):
+    """``extra`` runs on a rank only when its share's sum is positive; ``stat`` returns a
+    per-feature statistic of the share (neither batch-shaped nor equal across ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(5, 5)
+        self.extra = nn.Tanh()
+        self.stat = Stat()
+
+    def forward(self, x):
+        y = self.lin(x)
+        if x[:, 0].sum() > 0:
+            y = self.extra(y)
+        return y + self.stat(y)
+
+
+class Stat(nn.Module):
+    def forward(self, y):
+        return y.mean(dim=0)
+
+
+def uneven_batch() -> torch.Tensor:
+    x = torch.randn(WORLD * SHARE, 5, generator=torch.Generator().manual_seed(2))
+    x[:SHARE, 0] = x[:SHARE, 0].abs()  # rank 0: extra runs
+    x[SHARE:, 0] = -x[SHARE:, 0].abs()  # rank 1: it does not
+    return x
+
+
+def _record_uneven(rank: int, folder: str) -> None:
+    ddp = nn.parallel.DistributedDataParallel(Uneven())
+    x = uneven_batch()[rank * SHARE : (rank + 1) * SHARE]
+    with hs.record(ddp, folder):
+        mean_loss(ddp(x)).backward()
+
+
+@pytest.mark.distributed
+def test_calls_that_differ_across_ranks_are_listed_never_paired(records):
+    folder = str(records / "uneven")
+    report = hs.compare(folder, Uneven(), uneven_batch(), loss_fn=mean_loss)
+    assert [r.label for r in report.rows if r.name == "extra"] == []
+    assert any(u.startswith("a: extra#0 (ran 1/0 times") for u in report.unmatched)
+    stat = report.row("stat")
+    assert stat.error is None and stat.flagged is None
+    assert stat.note.startswith("ranks cannot be joined: output leaf 0")
+    lin = report.row("lin")  # before any rank-dependent step: joined exactly
+    assert lin.error is not None and lin.error < 1e-6
+    # the root's replay would stand in rank 0's value for stat's: no local error, no verdict
+    root = report.row("")
+    assert root.local_error is None and root.flagged is None and "stat#0" in root.note
+    assert report.culprit is None and report.first_divergent == "<root>"
+
+
+def _record_fsdp2(rank: int, folder: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = make_cnn()
+    for sub in (model[0], model[2], model[5]):
+        fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = batch()[rank * SHARE : (rank + 1) * SHARE]
+    # the record hands each output on as an identity view (gradients are then what the callers
+    # send back); FSDP2 warns that an in-place op on a view a sharded module returns would skip
+    # its hooks (the guide says so)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module")
+        with hs.record(model, folder):
+            mean_loss(model(x)).backward()
+
+
+@pytest.mark.distributed
+def test_fsdp2_ranks_match_one_process_and_a_fault_is_named(records):
+    folder = str(records / "fsdp2")
+    report = hs.compare(folder, make_cnn(), batch(), loss_fn=mean_loss)
+    assert report.culprit is None and report.unmatched == []
+    assert _worst(report, "error") < 1e-6
+    assert _worst(report, "grad_error") < 1e-6
+    # the sharded parameter gradients, gathered whole, are the combined run's
+    assert _worst(report, "param_grad_error") < 1e-6
+    b = make_cnn()
+    with torch.no_grad():
+        b[5].weight[0] *= 1.01
+    assert hs.compare(folder, b, batch(), loss_fn=mean_loss).culprit == "5"
+
+
+def make_bn_cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3)
+    )
+
+
+def _record_bn(rank: int, folder: str, train: bool) -> None:
+    ddp = nn.parallel.DistributedDataParallel(make_bn_cnn().train(train))
+    x = batch()[rank * SHARE : (rank + 1) * SHARE]
+    with hs.record(ddp, folder):
+        mean_loss(ddp(x)).backward()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("train", [False, True])
+def test_batchnorm_in_training_mode_is_named_for_its_per_rank_statistics(records, train):
+    """Each rank normalises by its own share's statistics (plain BatchNorm under DDP): that is a
+    different computation from one process on the combined batch, and BatchNorm is named; in
+    eval mode (running statistics) the runs agree."""
+    folder = str(records / f"bn-{train}")
+    report = hs.compare(folder, make_bn_cnn().train(train), batch(), loss_fn=mean_loss)
+    assert report.culprit == ("1" if train else None)
+    assert report.row("0").error == 0.0
+
+
+CNN_FILE = """
+import torch, torch.nn as nn
+
+class CNN(nn.Sequential):
+    def __init__(self, bias=0.0):
+        torch.manual_seed(0)
+        super().__init__(
+            nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Tanh(),
+            nn.Flatten(), nn.Linear(4 * 4 * 4, 5),
+        )
+        with torch.no_grad():
+            self[2].bias += bias
+"""
+
+
+@pytest.mark.distributed
+def test_the_cli_reads_the_ranks_record_on_the_combined_inputs(cnn_record, tmp_path, capsys):
+    import json
+
+    from hookscope.cli import main
+
+    (tmp_path / "cnn.py").write_text(CNN_FILE)
+    spec = f"{tmp_path / 'cnn.py'}:CNN"
+    # --loss square is mean_loss: out.pow(2).mean()
+    assert main(["compare", cnn_record, spec, "--loss", "square", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["culprit"] is None
+    assert main(["compare", cnn_record, spec + "(bias=0.05)", "--loss", "square", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["culprit"] == "2"
+    args = ["compare", cnn_record, spec, "--loss", "square", "--loss-reduction", "sum"]
+    assert main(args) == 2
+    assert "loss_reduction='mean'" in capsys.readouterr().err

@@ -1,0 +1,228 @@
+"""hs.compare and hs.record refuse, by name and with the fix, what they cannot compare as asked:
+arguments of the wrong type or value, a loss other than the recorded run's, a record of several
+forward passes, a names= mapping to modules that do not exist, gradients asked for where none can
+be made."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+from helpers.common import one_thread
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).eval()
+
+
+X = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+
+class _Port(nn.Module):
+    """The same function as _net() under other module names."""
+
+    def __init__(self, a: nn.Sequential) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = copy.deepcopy(a[0]), nn.ReLU(), copy.deepcopy(a[2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _record(a: nn.Module, folder, loss=None, calls: int = 1) -> None:
+    with hs.record(a, folder):
+        for _ in range(calls):
+            out = a(X)
+            if loss is not None:
+                loss(out).backward()
+    a.zero_grad(set_to_none=True)
+
+
+# -- the loss ----------------------------------------------------------------------------------
+def test_a_loss_other_than_the_recorded_one_is_refused_naming_loss_fn(tmp_path):
+    a = _net()
+    _record(a, tmp_path / "rec", loss=lambda o: o.sum())
+    b = copy.deepcopy(a)
+    # the gradient (o**2).sum() gives at the recorded output, against the recorded ones(...)
+    out = a(X).detach()
+    err = float((2 * out - 1).norm() / torch.ones_like(out).norm())
+    with pytest.raises(hs.CompareError) as info:
+        hs.compare(tmp_path / "rec", b, X, loss_fn=lambda o: (o**2).sum())
+    msg = str(info.value)
+    assert "loss_fn" in msg and "a:" in msg and f"{err:.2e}" in msg, msg
+    # the recorded loss itself passes, and a record of b against live a is checked the same way
+    assert hs.compare(tmp_path / "rec", b, X, loss_fn=lambda o: o.sum()).culprit is None
+    with pytest.raises(hs.CompareError, match=r"b:.*loss_fn"):
+        hs.compare(b, tmp_path / "rec", X, loss_fn=lambda o: o.mean())
+
+
+def test_the_recorded_loss_passes_the_check_for_a_record_made_under_autocast(tmp_path):
+    a = _net()
+    loss = lambda o: o.float().logsumexp(-1).mean()  # noqa: E731
+    with hs.record(a, tmp_path / "rec"), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss(a(X)).backward()
+    a.zero_grad(set_to_none=True)
+    r = hs.compare(tmp_path / "rec", copy.deepcopy(a), X, loss_fn=loss, autocast=torch.bfloat16)
+    assert r.culprit is None and r.rows[0].grad_error == 0.0
+    with pytest.raises(hs.CompareError, match="another loss"):
+        hs.compare(tmp_path / "rec", copy.deepcopy(a), X, loss_fn=lambda o: o.float().sum())
+
+
+def test_a_loss_on_another_output_of_the_model_is_refused(tmp_path):
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"logits": self.fc(x), "hidden": torch.tanh(self.fc.bias.sum() * x)}
+
+    torch.manual_seed(0)
+    a = Two()
+    with hs.record(a, tmp_path / "rec"):
+        a(X)["logits"].sum().backward()
+    a.zero_grad(set_to_none=True)
+    b = copy.deepcopy(a)
+    assert hs.compare(tmp_path / "rec", b, X, loss_fn=lambda o: o["logits"].sum()).culprit is None
+    with pytest.raises(hs.CompareError, match=r"by inf \(other leaves"):
+        hs.compare(tmp_path / "rec", b, X, loss_fn=lambda o: o["hidden"].sum())
+
+
+def test_loss_fn_against_a_record_made_without_backward_is_refused(tmp_path):
+    a = _net()
+    _record(a, tmp_path / "fwd")
+    with pytest.raises(hs.CompareError, match=r"no gradients.*loss_fn"):
+        hs.compare(tmp_path / "fwd", copy.deepcopy(a), X, loss_fn=lambda o: o.sum())
+
+
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_compare_with_loss_fn_where_autograd_is_off_is_a_clear_error(mode):
+    a = _net()
+    b = copy.deepcopy(a)
+    with (
+        pytest.raises(hs.CompareError, match=rf"torch\.{mode}\(\).*loss_fn"),
+        getattr(torch, mode)(),
+    ):
+        hs.compare(a, b, X, loss_fn=lambda o: o.sum())
+    # without loss_fn the forward comparison still runs there, exactly
+    with torch.inference_mode():
+        assert [r.error for r in hs.compare(a, b, X).rows] == [0.0] * 4
+
+
+@pytest.mark.parametrize(
+    ("loss", "what"),
+    [
+        ("sum", "not callable"),
+        (lambda o: o, r"a tensor of shape \(3, 2\)"),
+        (lambda o: 1.0, "a float"),
+        (lambda o: o.sum().detach(), "does not require grad"),
+    ],
+)
+def test_a_loss_fn_that_gives_no_scalar_to_backward_is_refused(loss, what):
+    a = _net()
+    with pytest.raises((hs.CompareError, TypeError), match=rf"loss_fn.*{what}"):
+        hs.compare(a, copy.deepcopy(a), X, loss_fn=loss)
+
+
+# -- the record --------------------------------------------------------------------------------
+@pytest.mark.parametrize("layers", [None, ["0", "2"]])
+def test_a_record_of_two_forward_passes_is_refused_naming_the_count(tmp_path, layers):
+    a = _net()
+    with hs.record(a, tmp_path / "rec", layers=layers):
+        a(X)
+        a(X + 1)
+    with pytest.raises(hs.CompareError, match=r"2 calls of the model.*one forward"):
+        hs.compare(tmp_path / "rec", copy.deepcopy(a), X)
+
+
+def test_inputs_other_than_a_recorded_b_ones_are_refused(tmp_path):
+    a = _net()
+    _record(a, tmp_path / "rec")
+    with pytest.raises(hs.CompareError, match="inputs given differ"):
+        hs.compare(copy.deepcopy(a), tmp_path / "rec", X + 1)
+    assert hs.compare(copy.deepcopy(a), tmp_path / "rec", X).rows[0].error == 0.0
+
+
+def test_a_folder_that_is_not_a_record_is_refused(tmp_path):
+    a = _net()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "index.json").write_text("{not json")
+    with pytest.raises(hs.CompareError, match="not a record written by hs.record"):
+        hs.compare(tmp_path / "bad", a, X)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(hs.CompareError, match="not a folder"):
+        hs.record(a, tmp_path / "file")
+    with pytest.raises(TypeError, match="folder must be"):
+        hs.record(a, 3)  # type: ignore[arg-type]
+
+
+# -- the other arguments -----------------------------------------------------------------------
+def test_names_mapping_to_a_module_b_lacks_is_refused_with_the_closest_names():
+    a = _net()
+    b = _Port(a)
+    with pytest.raises(hs.CompareError, match=r"'fc9'.*not a module of b.*'fc1'"):
+        hs.compare(a, b, X, names={"0": "fc9", "1": "act", "2": "fc2"})
+    with pytest.raises(hs.CompareError, match=r"'9'.*not a module of a.*'0'"):
+        hs.compare(a, b, X, names={"9": "fc1", "1": "act", "2": "fc2"})
+    with pytest.raises(hs.CompareError, match=r"'fc9'.*not a module of b"):
+        hs.compare(a, b, X, names=lambda n: {"0": "fc9", "1": "act", "2": "fc2"}.get(n, n))
+    r = hs.compare(a, b, X, names={"0": "fc1", "1": "act", "2": "fc2"})
+    assert [x.b_name for x in r.rows] == [None, "fc1", "act", "fc2"] and r.unmatched == []
+
+
+@pytest.mark.parametrize("names", [["fc1", "act", "fc2"], "fc1", {0: "fc1"}, {"0": 1}])
+def test_names_of_the_wrong_type_is_a_one_line_type_error(names):
+    a = _net()
+    with pytest.raises(
+        TypeError, match=r"^hs\.compare: names= must be a dict .*or a function"
+    ) as e:
+        hs.compare(a, _Port(a), X, names=names)
+    assert "\n" not in str(e.value)
+
+
+def test_no_inputs_for_a_live_model_is_a_clear_error(tmp_path):
+    a = _net()
+    _record(a, tmp_path / "rec")
+    with pytest.raises(hs.CompareError, match=r"b \(Sequential\) cannot take the inputs given"):
+        hs.compare(tmp_path / "rec", copy.deepcopy(a))
+    with pytest.raises(hs.CompareError, match=r"a \(Sequential\) cannot take the inputs given"):
+        hs.compare(a, copy.deepcopy(a), X, X)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"max_bytes": -1}, hs.CompareError, r"max_bytes=-1.*0 or more"),
+        ({"max_bytes": math.nan}, TypeError, r"max_bytes= must be an int"),
+        ({"max_bytes": "1MB"}, TypeError, r"max_bytes= must be an int"),
+        ({"max_bytes": True}, TypeError, r"max_bytes= must be an int"),
+        ({"autocast": "bf16"}, TypeError, r"autocast= must be a torch\.dtype"),
+        ({"autocast": torch.float64}, hs.CompareError, r"autocast=torch\.float64.*bfloat16"),
+        ({"autocast": torch.int32}, hs.CompareError, r"autocast=torch\.int32.*bfloat16"),
+    ],
+)
+def test_max_bytes_and_autocast_out_of_range_are_refused_by_name(kwargs, err, match):
+    a = _net()
+    with pytest.raises(err, match=match):
+        hs.compare(a, copy.deepcopy(a), X, **kwargs)
+
+
+def test_autocast_for_a_recorded_b_and_a_model_against_itself_are_refused(tmp_path):
+    a = _net()
+    _record(a, tmp_path / "rec")
+    with pytest.raises(hs.CompareError, match="autocast= runs a live b"):
+        hs.compare(a, tmp_path / "rec", X, autocast=torch.bfloat16)
+    with pytest.raises(hs.CompareError, match="the same model object"):
+        hs.compare(a, a, X)
