@@ -9,22 +9,15 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
-import torchvision
-from torchvision.models.feature_extraction import create_feature_extractor
 
 import hookscope as hs
-
-RESNET_LAYERS = ["layer2.1.bn2", "layer3.3.conv2"]  # bn2's output gets `out += identity` later
+from helpers.common import RESNET34_RESIDUAL_SITES as RESNET_LAYERS
+from helpers.common import resnet34_with_fx_features
 
 
 @pytest.fixture(scope="module")
 def resnet34():
-    torch.manual_seed(0)
-    model = torchvision.models.resnet34(weights=None).eval()
-    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = create_feature_extractor(model, return_nodes=RESNET_LAYERS)(x)
-    return model, x, ref
+    return resnet34_with_fx_features()
 
 
 def test_capture_resnet34_residual_site_equals_fx(resnet34):
@@ -39,25 +32,6 @@ def test_capture_resnet34_residual_site_equals_fx(resnet34):
     with pytest.warns(hs.InPlaceModifiedWarning, match=r"'layer2\.1\.bn2' \(call 0\)"):
         seen = cap0["layer2.1.bn2"]
     assert (seen - ref["layer2.1.bn2"]).abs().max() > 1.0
-
-
-def test_feature_extractor_resnet34_equals_fx_and_zero_copy_warns(resnet34):
-    model, x, ref = resnet34
-    with torch.no_grad():
-        got = hs.FeatureExtractor(model, RESNET_LAYERS)(x)
-    for n in RESNET_LAYERS:
-        assert torch.equal(got[n], ref[n]), n
-    with torch.no_grad(), pytest.warns(hs.InPlaceModifiedWarning, match="layer2.1.bn2"):
-        zero = hs.FeatureExtractor(model, RESNET_LAYERS, clone=False)(x)
-    assert not torch.equal(zero["layer2.1.bn2"], ref["layer2.1.bn2"])
-    # training through it (detach=False): the copy carries the gradient to the layer's output
-    fx = hs.FeatureExtractor(model, ["layer2.1.bn2", "layer3"])
-    xg = x.clone().requires_grad_()
-    got = fx(xg)
-    (g_hs,) = torch.autograd.grad(got["layer2.1.bn2"].sum(), xg)
-    ref_fx = create_feature_extractor(model, return_nodes=["layer2.1.bn2", "layer3"])
-    (g_ref,) = torch.autograd.grad(ref_fx(xg)["layer2.1.bn2"].sum(), xg)
-    torch.testing.assert_close(g_hs, g_ref)
 
 
 class Reused(nn.Module):
@@ -128,44 +102,6 @@ def test_zero_copy_reads_without_a_change_do_not_warn_and_share_memory():
     with torch.no_grad(), hs.capture(net, ["0", "1"]) as cap1:
         net(x)
     assert cap1["0"].data_ptr() != cap1["1"].data_ptr() and torch.equal(cap1["0"], cap["0"])
-
-
-class Swallows(nn.Module):
-    """A model that catches every exception around an in-place layer, then changes its output."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin, self.act, self.b = nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 3)
-
-    def forward(self, x):
-        h = self.lin(x)
-        try:
-            self.act(h)  # in place: its output is h itself
-        except Exception:
-            pass
-        h += 100.0
-        return self.b(h)
-
-
-def test_stop_layer_is_kept_without_a_copy_and_a_swallowed_stop_is_reported():
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 2))
-    x = torch.randn(2, 3)
-    seen = []
-    h = net[0].register_forward_hook(lambda m, i, o: seen.append(o))
-    try:
-        with torch.no_grad():
-            out = hs.FeatureExtractor(net, ["0"])(x)
-    finally:
-        h.remove()
-    # the call that ends the forward needs no copy: nothing runs after it
-    assert out["0"].data_ptr() == seen[0].data_ptr() and torch.equal(out["0"], net[0](x))
-    # a model that swallows the stop signal runs on and changes the value: reported, not silent
-    torch.manual_seed(0)
-    m = Swallows()
-    with torch.no_grad(), pytest.warns(hs.InPlaceModifiedWarning, match="'act' \\(call 0\\)"):
-        got = hs.FeatureExtractor(m, ["act"])(x)
-    assert torch.equal(got["act"], m.lin(x).clamp(min=0) + 100.0)
 
 
 def test_observe_inputs_are_exact_and_a_kept_output_warns_once_changed():

@@ -128,3 +128,14 @@ def test_shapes_have_one_form_in_trace_and_summary():
     assert text in s.to_text(width=200, columns=["output"])
     assert s.inputs == "0:[2, 3], scale:[1]"
     assert json.loads(s.to_json())["rows"][1]["output_shapes"] == [2, 4]
+
+
+def test_trace_refuses_a_file_name_in_one_line():
+    """file= takes a stream; a path used to fail in the first print with
+    "'str' object has no attribute 'write'"."""
+    import pytest
+
+    net = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"trace: file must be an open text stream.*got str: 'x\.txt'"):
+        hs.trace(net, file="x.txt")
+    assert hs.hooks_on(net) == []

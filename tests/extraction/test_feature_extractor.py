@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 import torchvision
 from torchvision.models.feature_extraction import create_feature_extractor
 
 import hookscope as hs
+from helpers.common import RESNET34_RESIDUAL_SITES as RESNET_LAYERS
+from helpers.common import resnet34_with_fx_features
 
 
 def _resnet18() -> torch.nn.Module:
@@ -57,3 +60,65 @@ def test_extract_layer4_and_avgpool():
     l4 = m.layer4(m.layer3(m.layer2(m.layer1(h))))
     assert torch.equal(feats["layer4"], l4)
     assert torch.equal(feats["avgpool"], m.avgpool(l4))
+
+
+@pytest.fixture(scope="module")
+def resnet34():
+    return resnet34_with_fx_features()
+
+
+def test_feature_extractor_resnet34_equals_fx_and_zero_copy_warns(resnet34):
+    model, x, ref = resnet34
+    with torch.no_grad():
+        got = hs.FeatureExtractor(model, RESNET_LAYERS)(x)
+    for n in RESNET_LAYERS:
+        assert torch.equal(got[n], ref[n]), n
+    with torch.no_grad(), pytest.warns(hs.InPlaceModifiedWarning, match="layer2.1.bn2"):
+        zero = hs.FeatureExtractor(model, RESNET_LAYERS, clone=False)(x)
+    assert not torch.equal(zero["layer2.1.bn2"], ref["layer2.1.bn2"])
+    # training through it (detach=False): the copy carries the gradient to the layer's output
+    fx = hs.FeatureExtractor(model, ["layer2.1.bn2", "layer3"])
+    xg = x.clone().requires_grad_()
+    got = fx(xg)
+    (g_hs,) = torch.autograd.grad(got["layer2.1.bn2"].sum(), xg)
+    ref_fx = create_feature_extractor(model, return_nodes=["layer2.1.bn2", "layer3"])
+    (g_ref,) = torch.autograd.grad(ref_fx(xg)["layer2.1.bn2"].sum(), xg)
+    torch.testing.assert_close(g_hs, g_ref)
+
+
+class Swallows(nn.Module):
+    """A model that catches every exception around an in-place layer, then changes its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.b = nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+        try:
+            self.act(h)  # in place: its output is h itself
+        except Exception:
+            pass
+        h += 100.0
+        return self.b(h)
+
+
+def test_stop_layer_is_kept_without_a_copy_and_a_swallowed_stop_is_reported():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 2))
+    x = torch.randn(2, 3)
+    seen = []
+    h = net[0].register_forward_hook(lambda m, i, o: seen.append(o))
+    try:
+        with torch.no_grad():
+            out = hs.FeatureExtractor(net, ["0"])(x)
+    finally:
+        h.remove()
+    # the call that ends the forward needs no copy: nothing runs after it
+    assert out["0"].data_ptr() == seen[0].data_ptr() and torch.equal(out["0"], net[0](x))
+    # a model that swallows the stop signal runs on and changes the value: reported, not silent
+    torch.manual_seed(0)
+    m = Swallows()
+    with torch.no_grad(), pytest.warns(hs.InPlaceModifiedWarning, match="'act' \\(call 0\\)"):
+        got = hs.FeatureExtractor(m, ["act"])(x)
+    assert torch.equal(got["act"], m.lin(x).clamp(min=0) + 100.0)

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 import hookscope as hs
 
@@ -269,3 +270,100 @@ def test_module_shared_by_checkpointed_blocks(kind):
     got, want = run(kind), run(None)
     assert len(want) == 3 and not torch.allclose(want[0][1], want[2][1])
     assert same(got, want)
+
+
+class Checkpointed(nn.Module):
+    """block -> tanh -> head, the block checkpointed as ``ck`` says ("none", "non_reentrant",
+    "reentrant": torch.utils.checkpoint in forward, as Transformers'
+    gradient_checkpointing_enable() does; "apply": hs.apply_checkpointing)."""
+
+    def __init__(self, ck: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 1)
+        self.ck = ck
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ck in ("non_reentrant", "reentrant"):
+            h = torch.utils.checkpoint.checkpoint(
+                self.block, x, use_reentrant=self.ck == "reentrant"
+            )
+        else:
+            h = self.block(x)
+        return self.head(h.tanh())
+
+
+CK_KINDS = ["non_reentrant", "reentrant", "apply"]
+SCOPES = {
+    "edit": lambda m: hs.edit(m, {"block.1": lambda o: o * 2}),
+    "steer": lambda m: hs.steer(m, {"block.1": torch.full((8,), 3.0)}),
+}
+
+
+def _step(ck: str, scope: str | None, around: str):
+    """One forward + backward; the scope open around both ("both"), the forward only
+    ("forward") or the backward only ("backward"). Returns the parameter gradients."""
+    model = Checkpointed(ck)
+    handle = hs.apply_checkpointing(model, ["block"]) if ck == "apply" else None
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    try:
+        if scope is None:
+            model(x).sum().backward()
+        elif around == "both":
+            with SCOPES[scope](model):
+                model(x).sum().backward()
+        elif around == "forward":
+            with SCOPES[scope](model):
+                out = model(x)
+            out.sum().backward()
+        else:
+            out = model(x)
+            with SCOPES[scope](model):
+                out.sum().backward()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("ck", CK_KINDS)
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_scope_around_forward_and_backward_gives_the_uncheckpointed_gradients(scope, ck):
+    """The reference: the same step without checkpointing."""
+    want = _step("none", scope, "both")
+    assert not all(torch.equal(a, b) for a, b in zip(want, _step("none", None, "both")))
+    for got, ref in zip(_step(ck, scope, "both"), want):
+        torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("ck", CK_KINDS)
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_scope_closed_before_a_checkpointed_backward_warns(scope, ck):
+    """backward() after the with block: the recompute runs without the scope, so the gradients
+    are not those of the edited forward; exit says so (without checkpointing it stays silent:
+    the graph holds the edited values)."""
+    with pytest.warns(
+        hs.HookscopeWarning,
+        match=rf"{scope}: layer\(s\) 'block.1' were edited inside activation-checkpointed code .*"
+        "whose backward had not run.*call backward\\(\\) inside the with block",
+    ):
+        _step(ck, scope, "forward")
+    want = _step("none", scope, "both")
+    for got, ref in zip(_step("none", scope, "forward"), want):
+        torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("ck", CK_KINDS)
+@pytest.mark.parametrize("scope", list(SCOPES))
+def test_scope_opened_around_backward_only_does_not_edit_the_recompute(scope, ck):
+    """The forward ran unedited: its recompute must not be edited either, so the gradients equal
+    the plain step's (edit says its layer never ran in a forward of the scope)."""
+    want = _step("none", None, "both")
+    if scope == "edit":
+        with pytest.warns(hs.HookscopeWarning, match="'block.1' never ran"):
+            got = _step(ck, scope, "backward")
+    else:
+        got = _step(ck, scope, "backward")
+    for g, ref in zip(got, want):
+        torch.testing.assert_close(g, ref)

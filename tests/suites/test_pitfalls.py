@@ -22,7 +22,8 @@ class Sum3(nn.Module):
 
 
 # 1. Legacy backward hooks report the last op's grads; hookscope reports every input's gradient.
-def test_01_three_input_module_reports_three_input_grads():
+def test_three_input_module_reports_three_input_grads():
+    """docs/pitfalls.md §1."""
     m = Sum3()
     xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
     w = torch.tensor([1.0, 2.0, 3.0])
@@ -36,7 +37,8 @@ def test_01_three_input_module_reports_three_input_grads():
 
 # 2. A module that once had a legacy hook refuses full hooks: hookscope names it, and its tensor-hook
 # gradient capture is unaffected.
-def test_02_legacy_hook_sticky_flag():
+def test_legacy_backward_hook_sticky_flag_is_reported():
+    """docs/pitfalls.md §2."""
     lin = nn.Linear(3, 2)
     with pytest.warns(FutureWarning) if _legacy_warns() else _nullcontext():
         h = lin.register_backward_hook(lambda m, gi, go: None)
@@ -78,7 +80,8 @@ def _conv_relu(inplace: bool) -> nn.Sequential:
 
 
 # 3. Conv -> ReLU(inplace=True): gradient capture works and equals the out-of-place model.
-def test_03_inplace_relu_gradients_equal_out_of_place():
+def test_inplace_relu_gradients_equal_out_of_place():
+    """docs/pitfalls.md §3."""
     x = torch.randn(2, 3, 9, 9)
     results = {}
     for inplace in (False, True):
@@ -95,7 +98,8 @@ def test_03_inplace_relu_gradients_equal_out_of_place():
     assert torch.allclose(results[True][1], gy, atol=1e-6)
 
 
-def test_28_inplace_modified_output_is_exact_by_default_and_zero_copy_warns():
+def test_inplace_modified_output_is_exact_by_default_and_zero_copy_warns():
+    """docs/pitfalls.md §28."""
     net = _conv_relu(True)
     x = torch.randn(1, 3, 9, 9)
     ref = net[0](x).detach()  # what the conv returns, before the in-place ReLU
@@ -111,7 +115,8 @@ def test_28_inplace_modified_output_is_exact_by_default_and_zero_copy_warns():
 
 
 # 4. MultiheadAttention: identity checks (query is key) keep their path; outputs and grads unchanged.
-def test_04_mha_outputs_and_grads_unchanged():
+def test_mha_outputs_and_grads_unchanged_by_hooks():
+    """docs/pitfalls.md §4."""
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(8, 2, batch_first=True)
     x = torch.randn(2, 5, 8, requires_grad=True)
@@ -139,7 +144,8 @@ class KwDict(nn.Module):
         return {"a": x * y, "b": (x + 2 * y, None, "tag")}
 
 
-def test_05_kwargs_and_dict_outputs_give_every_gradient():
+def test_kwargs_and_dict_outputs_give_every_gradient():
+    """docs/pitfalls.md §5."""
     m = KwDict()
     x = torch.randn(3, requires_grad=True)
     y = torch.randn(3, requires_grad=True)
@@ -158,7 +164,8 @@ def test_05_kwargs_and_dict_outputs_give_every_gradient():
 
 # 6. No gradient flows: no exception in the hook; a clear "no gradient", never a fake zero.
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_06_no_gradient_is_reported_not_faked(mode):
+def test_no_gradient_is_reported_not_faked(mode):
+    """docs/pitfalls.md §6."""
     net = nn.Sequential(nn.Linear(3, 3), nn.ReLU())
     ctx = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
     with (
@@ -173,7 +180,8 @@ def test_06_no_gradient_is_reported_not_faked(mode):
     assert "0" not in cap.grads
 
 
-def test_06_frozen_network_no_gradient():
+def test_frozen_network_reports_no_gradient():
+    """docs/pitfalls.md §6."""
     net = nn.Linear(3, 3).requires_grad_(False)
     with hs.capture(net, "", grads=True) as cap:
         net(torch.randn(2, 3))
@@ -183,7 +191,8 @@ def test_06_frozen_network_no_gradient():
 
 
 # 7. Parameter gradients are edited before accumulation; the reported .grad is the edited one.
-def test_07_parameter_grad_edit_equals_p_grad():
+def test_parameter_grad_edit_equals_p_grad():
+    """docs/pitfalls.md §7."""
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
     x = torch.randn(5, 4)
@@ -197,7 +206,8 @@ def test_07_parameter_grad_edit_equals_p_grad():
 
 
 # 8. A module called via .forward() never fires: hookscope says so.
-def test_08_layers_that_never_fire_are_reported():
+def test_layers_that_never_fire_are_reported():
+    """docs/pitfalls.md §8."""
     mha = nn.MultiheadAttention(8, 2, batch_first=True)
     x = torch.randn(1, 4, 8)
     with hs.capture(mha, ["", "out_proj"]) as cap:
@@ -223,7 +233,8 @@ class Reuse(nn.Module):
         return self.b(self.relu(self.a(x))).relu().mul(2).add(self.relu(x)).sum()
 
 
-def test_09_reused_relu_two_calls_paired_grads():
+def test_reused_module_calls_are_paired_with_their_own_grads():
+    """docs/pitfalls.md §9."""
     torch.manual_seed(0)
     m = Reuse()
     x = torch.randn(4, 3, requires_grad=True)
@@ -242,7 +253,9 @@ def test_09_reused_relu_two_calls_paired_grads():
 
 
 # 10. model(x=t): keyword inputs are captured (a plain hook would see args == ()).
-def test_10_keyword_only_call_inputs():
+def test_keyword_only_call_inputs_are_recorded():
+    """docs/pitfalls.md §10."""
+
     class KW(nn.Module):
         def __init__(self):
             super().__init__()
@@ -260,7 +273,8 @@ def test_10_keyword_only_call_inputs():
 
 
 # 11. A hook's non-None return replaces the output: observe ignores return values; edit validates.
-def test_11_observe_ignores_return_values_and_edit_validates():
+def test_observe_ignores_return_values_and_edit_validates():
+    """docs/pitfalls.md §11."""
     net = nn.Sequential(nn.Linear(2, 2))
     x = torch.randn(3, 2, requires_grad=True)
     ref = net(x)
@@ -277,7 +291,8 @@ def test_11_observe_ignores_return_values_and_edit_validates():
 
 
 # 12. A scope removed during a call: no error, the rest of that pass and later passes run unhooked.
-def test_12_scope_removed_mid_call():
+def test_scope_removed_or_opened_mid_call_acts_from_the_next_layer_call():
+    """docs/pitfalls.md §12."""
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
     x = torch.randn(1, 2)
     ref = net(x)
@@ -299,7 +314,8 @@ def test_12_scope_removed_mid_call():
 
 
 # 13. Global hooks run first and belong to others: hookscope sees their effect and leaves them.
-def test_13_global_hooks_coexist():
+def test_global_hooks_coexist_with_ours():
+    """docs/pitfalls.md §13."""
     net = nn.Sequential(nn.Linear(2, 2))
     h = nn.modules.module.register_module_forward_hook(
         lambda m, i, o: o * 0 if isinstance(m, nn.Linear) else None
@@ -327,7 +343,8 @@ class Fails(nn.Module):
 
 
 @pytest.mark.parametrize("exc_type", [RuntimeError, KeyboardInterrupt])
-def test_14_exception_releases_hooks(exc_type):
+def test_exception_releases_hooks(exc_type):
+    """docs/pitfalls.md §14."""
     m = Fails()
     if exc_type is KeyboardInterrupt:
 
@@ -359,7 +376,8 @@ def test_14_exception_releases_hooks(exc_type):
 
 
 # 20. Stored activations are detached: 100 iterations keep memory flat.
-def test_20_hundred_iterations_memory_flat():
+def test_hundred_iterations_keep_memory_flat():
+    """docs/pitfalls.md §20."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
@@ -387,7 +405,8 @@ def test_20_hundred_iterations_memory_flat():
 
 
 # 21. Hooks never keep the model alive: freed by refcount alone, even while a scope is open.
-def test_21_model_freed_without_gc():
+def test_model_freed_without_gc():
+    """docs/pitfalls.md §21."""
     gc.disable()
     try:
         net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
@@ -406,7 +425,8 @@ def test_21_model_freed_without_gc():
 
 
 # 22. Other libraries' hooks survive hookscope's cleanup; hooks_on lists all of them.
-def test_22_remove_hooks_only_removes_ours():
+def test_remove_hooks_only_removes_ours():
+    """docs/pitfalls.md §22."""
     net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     theirs = [
         net[0].register_forward_hook(lambda m, i, o: None),
@@ -429,7 +449,8 @@ def test_22_remove_hooks_only_removes_ours():
 
 
 # 23. deepcopy and torch.save work with hookscope attached; copies do not write into our store.
-def test_23_deepcopy_and_save_with_hooks_attached(tmp_path):
+def test_deepcopy_and_save_with_hooks_attached(tmp_path):
+    """docs/pitfalls.md §23."""
     net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     x = torch.randn(1, 2)
     with hs.capture(net, ["0"]) as cap:
@@ -447,7 +468,8 @@ def test_23_deepcopy_and_save_with_hooks_attached(tmp_path):
 
 
 # 24. Gradient edits return new tensors: the caller's backward(gradient=g0) is not modified.
-def test_24_grad_edit_does_not_modify_callers_gradient():
+def test_grad_edit_does_not_modify_callers_gradient():
+    """docs/pitfalls.md §24."""
     net = nn.Sequential(nn.Linear(3, 3), nn.Identity())
     x = torch.randn(2, 3, requires_grad=True)
     g0 = torch.ones(2, 3)
@@ -465,7 +487,8 @@ def test_24_grad_edit_does_not_modify_callers_gradient():
 
 
 # 27 (bonus, used by the monitor): activation checkpointing does not double count.
-def test_27_checkpoint_recompute_not_double_counted():
+def test_checkpoint_recompute_is_not_double_counted():
+    """docs/pitfalls.md §27."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)

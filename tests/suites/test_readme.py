@@ -35,6 +35,10 @@ def test_readme_quick_start_runs_and_its_comments_hold(capsys):
     # the trace printed every call; clip_grads' handle is the only hookscope hook left
     assert "fc" in capsys.readouterr().out
     assert {i.feature for i in hs.hooks_on(model)} == {"clip_grads"}
+    # the clip acts on the next backward (the handle stays until removed)
+    model.zero_grad()
+    model(x).sum().backward()
+    assert max(p.grad.abs().max().item() for p in model.parameters() if p.grad is not None) <= 0.01
     ns["handle"].remove()
     assert hs.hooks_on(model) == []
 

@@ -18,6 +18,7 @@ from ._compiled import named_modules, named_parameters
 from ._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_names
 from ._gradcheck import FireCheck
 from ._nested import iter_tensors
+from ._recompute import Replays
 from ._scope import HookScope, check_model
 from ._select import find, resolve, suggest
 from ._sharded import add_param_grad_editor, check_tensor_type
@@ -59,6 +60,49 @@ class _Reached:
         """The counts; the hook of ``name`` adds 1 to ``counts[name]`` for each call it acts on."""
         self.counts.setdefault(name, 0)
         return self.counts
+
+    def grads(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Per layer (layer keys of edit_grads): the outputs given a gradient hook and the
+        gradients that reached it. At exit, a layer whose output got a hook in the scope but no
+        gradient while it was open warns."""
+        hooked: dict[str, int] = {}
+        got: dict[str, int] = {}
+        self.scope.on_remove(lambda: self._check_grads(hooked, got))
+        return hooked, got
+
+    def _check_grads(self, hooked: dict[str, int], got: dict[str, int]) -> None:
+        if self.scope.failed or sys.exc_info()[1] is not None:
+            return
+        never = [n for n, c in hooked.items() if c and not got.get(n)]
+        if never:
+            warnings.warn(
+                f"{self.owner}: the output of layer(s) {some_names(never)} got no gradient while "
+                "the scope was open, so nothing was edited there: call backward() inside the "
+                "with block (or before .remove()); the graph built in the scope keeps no edit "
+                "once it is closed",
+                HookscopeWarning,
+                stacklevel=4,
+            )
+
+    def none_fired(self, check: FireCheck, owner: str) -> None:
+        """Warn at exit when no watched parameter got a gradient while the scope was open."""
+        self.scope.on_remove(lambda: self._check_none(check, owner))
+
+    def _check_none(self, check: FireCheck, owner: str) -> None:
+        if self.scope.failed or sys.exc_info()[1] is not None:
+            return
+        if not any(check.count.values()) and not check.reported:  # (reported: already loud)
+            which = (
+                "no parameter of the model requires grad"
+                if not check.count
+                else "no parameter got a gradient while the scope was open"
+            )
+            warnings.warn(
+                f"{owner}: {which}, so nothing was clipped: call backward() inside the with "
+                "block (or before .remove()) on a loss of a forward that requires grad",
+                HookscopeWarning,
+                stacklevel=4,
+            )
 
     def params(self, check: FireCheck, names: list[str]) -> None:
         """Also warn for the parameters ``names`` whose gradient hook never ran (``check``)."""
@@ -144,14 +188,15 @@ def edit(
     scope = HookScope("edit")
     try:
         reached = _Reached(scope, "edit", "never ran while the scope was open")
+        replays = Replays(scope, "edit")  # exact under activation checkpointing
         for name, module, fn in plan:
             ran = reached.watch(name)
             if at == "output":
-                scope.add_forward(module, _output_editor(name, fn, ran), layer=name)
+                scope.add_forward(module, _output_editor(name, fn, ran, replays), layer=name)
             else:
                 scope.add_forward_pre(
                     module,
-                    _input_editor(name, module, fn, arg, ran),
+                    _input_editor(name, module, fn, arg, (ran, replays)),
                     layer=name,
                     with_kwargs=True,
                 )
@@ -182,26 +227,40 @@ def _check_edit(fn: Any, what: str) -> None:
         )
 
 
-def _output_editor(name: str, fn: Edit, ran: dict[str, int]) -> Callable[..., Any]:
+def _output_editor(
+    name: str, fn: Edit, ran: dict[str, int], replays: Replays
+) -> Callable[..., Any]:
     what = f"the output of {name!r}"
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        if not replays.acts(name):
+            return None  # a recompute of a call this scope did not edit
         ran[name] += 1
-        return ops.apply(fn, output, what)
+        new = ops.apply(fn, output, what)
+        replays.acted_on(name, module, new)
+        return new
 
     return hook
 
 
 def _input_editor(
-    name: str, module: nn.Module, fn: Edit, arg: int | str | None, ran: dict[str, int]
+    name: str,
+    module: nn.Module,
+    fn: Edit,
+    arg: int | str | None,
+    state: tuple[dict[str, int], Replays],
 ) -> Callable[..., Any]:
     position = positional_index(module, arg) if isinstance(arg, str) else arg
+    ran, replays = state
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not replays.acts(name):
+            return None  # a recompute of a call this scope did not edit
         ran[name] += 1
         if isinstance(arg, str) and arg in kwargs:
             kwargs = dict(kwargs)
             kwargs[arg] = ops.apply(fn, kwargs[arg], f"input {arg!r} of {name!r}")
+            replays.acted_on(name, module, kwargs[arg])
             return args, kwargs
         i = 0 if arg is None else position
         if i is None or i >= len(args):
@@ -213,6 +272,7 @@ def _input_editor(
             )
         args = list(args)
         args[i] = ops.apply(fn, args[i], f"input {i} of {name!r}")
+        replays.acted_on(name, module, args[i])
         return tuple(args), kwargs
 
     return hook
@@ -298,11 +358,13 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
             "never ran while the scope was open with an output that requires grad",
         )
         named_params: list[str] = []  # parameters named by a key (FireCheck counts their hooks)
+        hooked, got = reached.grads()
         for key, fn in edits.items():
             modules, tensors = _resolve_grad_targets(model, key)
             for name, module in modules.items():
                 ran = reached.watch(name)
-                scope.add_forward(module, _output_grad_editor(scope, name, fn, ran), layer=name)
+                editor = _output_grad_editor(scope, name, fn, (ran, hooked, got))
+                scope.add_forward(module, editor, layer=name)
             for name, t in tensors.items():
                 if not t.requires_grad:
                     raise HookscopeError(
@@ -323,10 +385,18 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
 
 
 def _output_grad_editor(
-    scope: HookScope, name: str, fn: Edit, ran: dict[str, int]
+    scope: HookScope,
+    name: str,
+    fn: Edit,
+    counts: tuple[dict[str, int], dict[str, int], dict[str, int]],
 ) -> Callable[..., None]:
     what = f"the gradient of {name!r}'s output"
-    on_grad = _grad_editor(fn, what)
+    edit_grad = _grad_editor(fn, what)
+    ran, hooked, got = counts
+
+    def on_grad(grad: torch.Tensor) -> torch.Tensor | None:
+        got[name] = got.get(name, 0) + 1
+        return edit_grad(grad)
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         for _, t in iter_tensors(output):
@@ -335,6 +405,7 @@ def _output_grad_editor(
             check_tensor_type(t, f"the output of layer {name!r}")
             if t.requires_grad:
                 scope.add_activation_grad_hook(t, on_grad, layer=name)
+                hooked[name] = hooked.get(name, 0) + 1
 
     return hook
 
@@ -407,9 +478,11 @@ def clip_grads(
         for name, p in named.items():
             if p.requires_grad:
                 add_param_grad_editor(scope, model, name, p, clip, check)
+        reached = _Reached(scope, "clip_grads", "")
         if params is not None:  # named: each should get a gradient (all of them: some may not)
-            reached = _Reached(scope, "clip_grads", "")
             reached.params(check, [n for n, p in named.items() if p.requires_grad])
+        else:  # the whole model: at least one parameter should get a gradient
+            reached.none_fired(check, "clip_grads")
     except BaseException:
         scope.remove()
         raise

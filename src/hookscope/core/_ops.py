@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ._errors import HookscopeError
+
 __all__ = ["Op", "ablate", "add", "clamp", "clip_norm", "replace", "scale", "zero"]
 
 
@@ -217,4 +219,26 @@ def apply(fn: Any, value: Any, what: str) -> Any:
             "value) or None (keep the value). A hook that returns e.g. a RemovableHandle by accident "
             "would otherwise replace the layer's output (docs/pitfalls.md §11)"
         )
+    _check_same_kind(value, new, what)
     return new
+
+
+def _check_same_kind(value: Any, new: Any, what: str) -> None:
+    """Refuse an edit whose result changes a tensor's shape or dtype (the tensor itself, or a
+    tensor at the same place of a nested value), naming ``what`` it edited."""
+    if isinstance(value, torch.Tensor):
+        pairs = [((), value, new)]
+    else:
+        from ._nested import iter_tensors
+
+        before = dict(iter_tensors(value))
+        pairs = [(p, before[p], t) for p, t in iter_tensors(new) if p in before]
+    for path, old, t in pairs:
+        if t.shape != old.shape or t.dtype != old.dtype:
+            where = f" (item {'.'.join(map(str, path))})" if path else ""
+            raise HookscopeError(
+                f"the edit function for {what}{where} returned shape {tuple(t.shape)} and dtype "
+                f"{t.dtype}, but the value it edits has shape {tuple(old.shape)} and dtype "
+                f"{old.dtype}; an edit must keep both (cast with .to({old.dtype}), keep the batch "
+                "dimension, or edit a layer whose output has the shape you mean)"
+            )

@@ -14,14 +14,24 @@ and backward flows through the first forward's graph.
 
 from __future__ import annotations
 
+import itertools
 import sys
+import warnings
 from typing import Any
 
 import torch
 
+from ._errors import HookscopeWarning, some_names
 from ._nested import iter_tensors
+from ._scope import HookScope, graph_task_id
 
-__all__ = ["REENTRANT_HINT", "Recomputes", "in_reentrant_checkpoint"]
+__all__ = [
+    "REENTRANT_HINT",
+    "Recomputes",
+    "Replays",
+    "in_checkpoint_forward",
+    "in_reentrant_checkpoint",
+]
 
 REENTRANT_HINT = (
     "reentrant activation checkpointing (use_reentrant=True) ran this layer's forward under "
@@ -90,3 +100,96 @@ class Recomputes:
 
     def clear(self) -> None:
         self.pending.clear()
+
+
+_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def in_checkpoint_forward() -> bool:
+    """Whether the caller runs inside the first forward of a non-reentrant checkpoint (its
+    saved-tensor hooks are the innermost ones)."""
+    if _top_hooks is None:
+        return False
+    try:
+        hooks = _top_hooks(False)
+    except Exception:
+        return False
+    return hooks is not None and bool(getattr(hooks[0], "_checkpoint_internal", False))
+
+
+_tokens = itertools.count()
+
+
+class Replays:
+    """Keeps a forward-editing scope (edit, steer) exact under activation checkpointing.
+
+    A checkpointed region runs its forward again in backward (the recompute) and back-propagates
+    through what the recompute computes, with the hooks on the modules *then*. So:
+
+    * in a recompute, the scope acts only on a layer it acted on in a forward (:meth:`acts`):
+      a scope opened around ``backward()`` only must not edit a forward that ran unedited;
+    * a scope that acted on a call inside a checkpointed region and closes before that call's
+      backward reached it warns at exit (the recompute would run unedited, giving the gradients
+      of another forward): non-reentrant calls are tracked by a gradient hook on the edited
+      output, reentrant ones (whose first forward runs under ``no_grad``) by their recompute.
+    """
+
+    __slots__ = ("acted", "owner", "reentrant", "scope", "waiting")
+
+    def __init__(self, scope: HookScope, owner: str) -> None:
+        self.scope, self.owner = scope, owner
+        self.acted: dict[str, int] = {}  # forward calls acted on (outside backward), per layer
+        self.reentrant: dict[str, int] = {}  # reentrant checkpointed calls not yet recomputed
+        self.waiting: dict[int, str] = {}  # non-reentrant ones whose output got no gradient yet
+        scope.on_remove(self._check)
+
+    def acts(self, layer: str) -> bool:
+        """Before acting on a call: False in a recompute of a layer this scope never acted on."""
+        if graph_task_id() == -1:
+            return True
+        n = self.reentrant.get(layer, 0)
+        if n:
+            self.reentrant[layer] = n - 1
+            return True
+        return self.acted.get(layer, 0) > 0
+
+    def acted_on(self, layer: str, module: torch.nn.Module, value: Any) -> None:
+        """After acting on a call (``value``: what the layer now returns)."""
+        if graph_task_id() != -1:
+            return
+        self.acted[layer] = self.acted.get(layer, 0) + 1
+        if not torch.is_grad_enabled():
+            # (a training module only: a stack walk per call would slow down generation)
+            if module.training and in_reentrant_checkpoint():
+                self.reentrant[layer] = self.reentrant.get(layer, 0) + 1
+            return
+        if not in_checkpoint_forward():
+            return
+        t = next((t for _, t in iter_tensors(value) if t.requires_grad), None)
+        if t is None:
+            return
+        token = next(_tokens)
+        self.waiting[token] = layer
+        waiting = self.waiting
+
+        def arrived(grad: torch.Tensor) -> None:
+            waiting.pop(token, None)
+
+        self.scope.add_activation_grad_hook(t, arrived, layer=layer)
+
+    def _check(self) -> None:
+        if self.scope.failed or sys.exc_info()[1] is not None:
+            return
+        names = sorted(set(self.waiting.values()) | {n for n, c in self.reentrant.items() if c})
+        self.waiting.clear()
+        self.reentrant.clear()
+        if names:
+            warnings.warn(
+                f"{self.owner}: layer(s) {some_names(names)} were edited inside activation-"
+                "checkpointed code (torch.utils.checkpoint, gradient_checkpointing_enable(), "
+                "hs.apply_checkpointing) whose backward had not run when the scope closed: the "
+                "recompute in backward runs without the scope, so the gradients would be those of "
+                "an unedited forward (docs/pitfalls.md §27); call backward() inside the with block",
+                HookscopeWarning,
+                stacklevel=4,
+            )

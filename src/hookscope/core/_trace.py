@@ -162,6 +162,11 @@ def trace(
         ([4, 2], [4, 3])
     """
     check_model(model)
+    if file is not None and not callable(getattr(file, "write", None)):
+        raise TypeError(
+            f"trace: file must be an open text stream (e.g. open('trace.txt', 'w'), io.StringIO(), "
+            f"sys.stderr); got {type(file).__name__}: {file!r}"
+        )
     named = resolve(model, layers)
     scope = Trace("trace")
     depth_of = {name: (0 if name == "" else name.count(".") + 1) for name in named}

@@ -14,6 +14,7 @@ import torch.nn as nn
 from ..core._compiled import strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import replace_first
+from ..core._recompute import Replays
 from ..core._scope import HookScope, _Hook, acts_here, check_model, get_ident, thread_checked
 from ..core._select import Selector, find
 from ..core._sequence import SequenceError, TokenTracker
@@ -57,6 +58,7 @@ class Steering(HookScope):
         self.hooks: list[_SteerHook] = []
         self._seen: list[int] = []
         self._skipped: set[str] = set()
+        self.replays = Replays(self, "steer")  # exact under activation checkpointing
 
     def _on_model_call(self, module: nn.Module, args: Any) -> None:
         """Before each model call: did every steered layer run during the previous one?"""
@@ -223,6 +225,9 @@ class _SteerHook(_Hook):
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             self._away()  # another thread's call: left alone (see acts_here)
             return None
+        replays = self.scope_.replays
+        if not replays.acts(self.name):
+            return None  # a recompute (activation checkpointing) of a call not steered
         h = _first(output, self.name)
         self.count += 1
         scope = self.scope_
@@ -246,6 +251,7 @@ class _SteerHook(_Hook):
                     "outputs shaped [batch, tokens, features]"
                 )
             new = h + delta * sel.unsqueeze(-1).to(device=h.device, dtype=h.dtype)
+        replays.acted_on(self.name, module, new)
         return replace_first(output, new)
 
     def _away(self) -> None:
