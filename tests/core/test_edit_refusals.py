@@ -149,3 +149,14 @@ def test_edit_of_a_tuple_output_changing_a_tensor_shape_is_refused_naming_the_it
     with hs.edit(lstm, {"": lambda o: (o[0] * 0, o[1])}):  # same shapes: acts
         out, (h, _) = lstm(x)
     assert torch.equal(out, torch.zeros(2, 5, 3)) and torch.equal(h, lstm(x)[1][0])
+
+
+@pytest.mark.parametrize("arg", [1.0, True, -1, b"x", None.__class__])
+def test_edit_arg_that_is_not_an_index_or_a_name_is_refused_in_one_line(arg):
+    """``arg=1.0`` used to reach a list index (a raw TypeError inside the hook) and ``arg=True``
+    was read as input 1: only an int >= 0 or a parameter name selects an input."""
+    net = nn.Sequential(nn.Linear(3, 3))
+    with pytest.raises(TypeError, match=r"^edit: arg= must be a positional index") as e:
+        hs.edit(net, {"0": hs.ops.zero()}, at="input", arg=arg)
+    assert "\n" not in str(e.value)
+    assert hs.hooks_on(net) == []

@@ -179,6 +179,15 @@ def edit(
         raise ValueError(f"at must be 'output' or 'input', got {at!r}")
     if arg is not None and at != "input":
         raise ValueError("arg= selects an input; use it with at='input'")
+    if arg is not None and (
+        isinstance(arg, bool)
+        or not isinstance(arg, (int, str))
+        or (isinstance(arg, int) and arg < 0)
+    ):
+        raise TypeError(
+            f"edit: arg= must be a positional index (an int >= 0) or a parameter name (a str), "
+            f"got {arg!r}"
+        )
     _check_edits(edits, "edit")
     plan: list[tuple[str, nn.Module, Edit]] = []
     for sel, fn in edits.items():
