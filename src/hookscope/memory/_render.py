@@ -70,14 +70,22 @@ def _footer(p: MemoryProfile) -> list[str]:
 
 
 def to_text(p: MemoryProfile, *, depth: int | None = None, width: int = 100) -> str:
+    if isinstance(width, bool) or not isinstance(width, int):
+        raise TypeError(f"MemoryProfile.to_text: width= must be an int, got {width!r}")
     table = [_HEAD, *(_cells(r) for r in _rows(p, depth))]
     widths = [max(len(row[i]) for row in table) for i in range(len(_HEAD))]
+    narrowest = sum(widths) + 2 * (len(widths) - 1)
+    if width < narrowest:  # cutting the lines would cut numbers off, silently
+        raise ValueError(
+            f"MemoryProfile.to_text: width={width} is narrower than the table ({narrowest} "
+            f"characters); use width >= {narrowest}, or a smaller depth= for shorter names"
+        )
     out = []
     for i, row in enumerate(table):
         parts = [c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))]
-        out.append("  ".join(parts).rstrip()[:width])
+        out.append("  ".join(parts).rstrip())
         if i == 0:
-            out.append("-" * min(width, sum(widths) + 2 * (len(widths) - 1)))
+            out.append("-" * narrowest)
     return "\n".join([f"memory profile of {p.model} (one training step)", *out, *_footer(p)])
 
 
