@@ -12,14 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hookscope as hs
-from helpers.common import one_thread
+from helpers.common import tiny_models_on_one_thread  # noqa: F401  (autouse fixture)
 from helpers.faults import BadBackwardLinear, cnn
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():  # tiny models on a shared machine: one thread is faster
-        yield
 
 
 def _mlp() -> nn.Sequential:

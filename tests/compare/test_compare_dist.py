@@ -10,16 +10,10 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
-from helpers.common import one_thread
+from helpers.common import tiny_models_on_one_thread  # noqa: F401  (autouse fixture)
 from helpers.dist import WORLD, launch
 
 SHARE = 3  # per rank; the combined batch is WORLD * SHARE
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
 
 
 def make_cnn() -> nn.Module:

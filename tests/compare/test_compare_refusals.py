@@ -13,13 +13,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
-from helpers.common import one_thread
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+from helpers.common import tiny_models_on_one_thread  # noqa: F401  (autouse fixture)
 
 
 def _net() -> nn.Sequential:

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -55,3 +56,11 @@ def resnet34_with_fx_features(
     with torch.no_grad():
         ref = create_feature_extractor(model, return_nodes=layers)(x)
     return model, x, ref
+
+
+@pytest.fixture(autouse=True)
+def tiny_models_on_one_thread() -> Iterator[None]:
+    """An autouse fixture for test files of tiny models (import it into the file): one
+    intra-op thread is faster than two spinning on a shared machine."""
+    with one_thread():
+        yield

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
-from helpers.common import one_thread
+from helpers.common import tiny_models_on_one_thread  # noqa: F401  (autouse fixture)
 from helpers.lm import tiny_bert, tiny_gpt2, tiny_llama, tiny_neox, tl_bridge, word_tokenizer
 from helpers.patch_refs import by_head, by_pos_head, by_position, hand_sweep, hidden_of
 from hookscope.patching._heads import head_split
@@ -27,13 +27,6 @@ CORRUPT = torch.tensor(
     ]
 )
 MARY, JOHN = 7, 8
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is faster than two spinning on a shared machine."""
-    with one_thread():
-        yield
 
 
 def logits_of(out):

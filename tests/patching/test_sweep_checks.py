@@ -12,15 +12,9 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
-from helpers.common import one_thread
+from helpers.common import tiny_models_on_one_thread  # noqa: F401  (autouse fixture)
 from helpers.lm import tiny_gpt2, tiny_llama
 from helpers.patch_refs import by_head, by_position, hand_sweep
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
 
 
 def _sum_last(y):

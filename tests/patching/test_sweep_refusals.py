@@ -14,14 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hookscope as hs
-from helpers.common import one_thread
+from helpers.common import tiny_models_on_one_thread  # noqa: F401  (autouse fixture)
 from helpers.lm import tiny_gpt2
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
 
 
 class _FunctionalDropout(nn.Module):
