@@ -4,8 +4,10 @@ model or with another record; max_bytes spills what compare keeps to disk."""
 from __future__ import annotations
 
 import copy
+import json
 import multiprocessing as mp
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,17 +96,42 @@ def test_the_record_is_written_while_the_run_goes(tmp_path):
     class Probe(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             seen["files"] = sorted(os.listdir(tmp_path))
+            seen["bytes"] = (tmp_path / "values.bin").stat().st_size
             return x
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 4), Probe())
+    x = torch.randn(2, 4)
     with hs.record(net, tmp_path):
-        net(torch.randn(2, 4)).sum().backward()
-    # when the second layer runs, the first layer's output is already on disk (and the root's
-    # and the probe's inputs); no index yet
-    assert {"in0.pt", "in1.pt", "out1.pt", "in2.pt"} <= set(seen["files"])
-    assert "index.json" not in seen["files"]
-    assert {"grad1_0.pt", "ingrad2_0.pt", "params.pt", "index.json"} <= set(os.listdir(tmp_path))
+        net(x).sum().backward()
+    # when the second layer runs, the root's, the first layer's and the probe's inputs and the
+    # first layer's output (2x4 floats each) are already on disk; no index yet
+    assert seen["files"] == ["values.bin"]
+    assert seen["bytes"] >= 4 * x.numel() * 4
+    assert {"params.pt", "index.json", "values.bin"} == set(os.listdir(tmp_path))
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["version"] == 2
+    assert {"in0", "in1", "out1", "in2", "grad1_0", "ingrad2_0"} <= set(index["values"])
+    # read back: the first layer's output and gradient are what a plain hook sees
+    got = hs.compare(tmp_path, copy.deepcopy(net), x, loss_fn=lambda o: o.sum())
+    assert got.culprit is None and got.row("0").error == 0.0 and got.row("0").grad_error == 0.0
+
+
+def test_a_record_of_format_1_is_still_read():
+    """hookscope before the single-file format wrote one torch.save file per value; such a record
+    (made then, kept in tests/helpers/records) compares with a live model as before."""
+    folder = Path(__file__).parent.parent / "helpers" / "records" / "mlp_v1"
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.LayerNorm(8))
+    x = torch.randn(4, 8)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    same = hs.compare(folder, copy.deepcopy(a), x, loss_fn=loss)
+    assert same.culprit is None
+    assert [r.error for r in same.rows] == [0.0] * 5
+    assert [r.grad_error for r in same.rows] == [0.0] * 5
+    b = copy.deepcopy(a)
+    b[3].eps = 0.5
+    assert hs.compare(folder, b, x, loss_fn=loss).culprit == "3"
 
 
 def test_a_record_of_some_layers_still_names_the_culprit(tmp_path):

@@ -136,6 +136,8 @@ def test_trace_refuses_a_file_name_in_one_line():
     import pytest
 
     net = nn.Linear(2, 2)
-    with pytest.raises(TypeError, match=r"trace: file must be an open text stream.*got str: 'x\.txt'"):
+    with pytest.raises(
+        TypeError, match=r"trace: file must be an open text stream.*got str: 'x\.txt'"
+    ):
         hs.trace(net, file="x.txt")
     assert hs.hooks_on(net) == []

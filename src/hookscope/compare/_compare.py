@@ -383,8 +383,9 @@ def compare(
             module of A, each value one of B) or a function (``None``: no counterpart; a name
             other than A's own must be a module of B).
         autocast: run B (and its replays) under ``torch.autocast`` with this dtype.
-        max_bytes: keep at most this many bytes of each run's recorded values in memory; the
-            rest goes to a temporary folder (read back when compared). ``None``: no bound.
+        max_bytes: keep at most this many bytes of each run's recorded values in memory (during
+            the run too); the rest is appended to a temporary file as it comes (read back when
+            compared). ``None``: no bound.
         loss_reduction: for a record made on several ranks (each its share of the batch), how
             each rank's loss reduced its share: ``"mean"`` (each rank's activation gradients are
             ``world`` times the combined run's) or ``"sum"``; checked against B's gradients.

@@ -1,19 +1,19 @@
 """``hs.record``: write what ``hs.compare`` needs of a run to a folder, as the run goes.
 
-Per module call, into the folder: its inputs when it starts (``in<k>.pt``, copied before the
-module can change them in place), its output when it ends (``out<k>.pt``), and during backward the
-gradient of each output leaf (what the callers send back: the output is handed on as identity
-views, so a tensor the module also uses inside does not count that use) and of each input leaf
-through this call only (``grad<k>_<i>.pt``, ``ingrad<k>_<i>.pt``). At exit: the parameter
-gradients (``params.pt``) and ``index.json`` (the call tree, the order calls ended, dtypes).
-Nothing of the run is held in memory beyond the inputs of the calls still running.
+The hooks are :class:`~._hooks.CallHooks` (the ones ``hs.compare`` records a live run with); each
+value goes to disk when it exists, appended to ``values.bin`` (a :class:`~._store.Spool`): a module
+call's inputs when it starts (before the module can change them in place), its output when it
+ends, during backward the gradient of each output leaf (what the callers send back) and of each
+input leaf through this call only. At exit: the parameter gradients (``params.pt``) and
+``index.json`` (the call tree, the order calls ended, dtypes, where each value lies in
+``values.bin``). Nothing of the run is held in memory. Records of format 1 (one ``torch.save``
+file per value, written before this format) are still read.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +22,16 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, named_parameters, strip_compiled
 from ..core._errors import enter_once
-from ..core._nested import iter_tensors
-from ..core._scope import HookScope, check_model, identity_views, in_backward
+from ..core._scope import HookScope, check_model
 from ..core._select import resolve
+from ._hooks import CallHooks
 from ._ranks import join_ranks
-from ._run import CallRec, CompareError, RunRecord, _aliases, model_dtype
-from ._store import ValueStore, cpu_copy
+from ._run import CompareError, RunRecord, calls_of, model_dtype
+from ._store import SPOOL, Spool, SpoolReader, ValueStore, cpu_copy
 
 __all__ = ["Record", "load_record", "record"]
 
-_VERSION = 1
+_VERSION = 2
 
 
 class Record:
@@ -48,12 +48,8 @@ class Record:
         self._model = model
         self._layers = layers
         self._scope = HookScope("record")
-        self._tree: list[dict[str, Any]] = []
-        self._stack: list[int] = []
-        self._counts: dict[str, int] = {}
-        self._ended = 0
-        self._grads = False
-        self._store = ValueStore(0, self._dir)  # everything goes to disk at once
+        self._hooks: CallHooks | None = None
+        self._spool: Spool | None = None
 
     def __enter__(self) -> Record:
         enter_once(self, "record", self._scope.active)
@@ -67,29 +63,28 @@ class Record:
             raise CompareError(
                 f"hs.record: {str(self.folder)!r} already holds a record; give an empty folder"
             )
-        for name, m in named.items():
-            self._scope.add_forward_pre(m, self._pre(name), layer=name, with_kwargs=True)
-            self._scope.add_forward(m, self._post(name), layer=name, always_call=True)
-        # the number of forward passes recorded (hs.compare compares one): counted on the model
-        self._root, self._model_calls = strip_compiled(model), 0
-        if not any(m is self._root for m in named.values()):
-            self._scope.add_forward_pre(self._root, self._count, layer="")
-        self._owners = {
-            (f"{n}.{p}" if n else p): n
-            for n, m in named_modules(model)
-            for p, _ in m.named_parameters(recurse=False)
-        }
         for p in model.parameters():
             if p.grad is not None:
                 raise CompareError(
                     "hs.record: the model's parameters already hold gradients; call "
                     "model.zero_grad(set_to_none=True) first, so the record holds this run's"
                 )
+        self._owners = {
+            (f"{n}.{p}" if n else p): n
+            for n, m in named_modules(model)
+            for p, _ in m.named_parameters(recurse=False)
+        }
+        self._spool = Spool(self._dir)
+        self._hooks = CallHooks(named, self._scope, self._spool, _detached, strip_compiled(model))
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self._scope.remove()
-        if exc is not None:
+        spool, hooks = self._spool, self._hooks
+        assert spool is not None and hooks is not None
+        spool.close()
+        if exc is not None:  # no record: leave no half-written values behind
+            spool.path.unlink(missing_ok=True)
             return
         params = {n: _full(p.grad) for n, p in named_parameters(self._model)}
         torch.save(params, self._dir / "params.pt")
@@ -98,82 +93,22 @@ class Record:
             "model": type(self._model).__name__,
             "dtype": str(model_dtype(self._model)).removeprefix("torch."),
             "autocast": None,
-            "grads": self._grads or any(v is not None for v in params.values()),
+            "grads": hooks.grads or any(v is not None for v in params.values()),
             "params": self._owners,
-            "calls": self._tree,
-            "model_calls": self._model_calls,
+            "calls": [e.to_json() for e in hooks.entries],
+            "model_calls": hooks.model_calls,
             "rank": self.rank,
             "world": self.world,
+            "values": spool.index,
         }
         tmp = self._dir / "index.json.tmp"
         tmp.write_text(json.dumps(index))
         os.replace(tmp, self._dir / "index.json")
-        self.calls = len(self._tree)
+        self.calls = len(hooks.entries)
 
-    # -- hooks ---------------------------------------------------------------------------------
-    def _grad_hook(self, key: str) -> Callable[[torch.Tensor], None]:
-        def hook(g: torch.Tensor) -> None:
-            self._grads = True
-            self._store.write(key, g.detach().cpu())
 
-        return hook
-
-    def _watch(self, value: Any, key: str, layer: str) -> None:
-        seen: set[int] = set()
-        for i, (_, t) in enumerate(iter_tensors(value)):
-            if t.requires_grad and id(t) not in seen:
-                seen.add(id(t))
-                self._scope.add_activation_grad_hook(t, self._grad_hook(f"{key}_{i}"), layer=layer)
-
-    def _count(self, module: nn.Module, args: Any) -> None:
-        if not in_backward():
-            self._model_calls += 1
-
-    def _pre(self, name: str) -> Callable[..., Any]:
-        def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
-            if in_backward():
-                return None
-            if module is self._root:
-                self._model_calls += 1
-            i = self._counts.get(name, 0)
-            self._counts[name] = i + 1
-            pos = len(self._tree)
-            parent = self._stack[-1] if self._stack else None
-            n_in = sum(1 for _ in iter_tensors((args, kwargs)))
-            entry = {"name": name, "index": i, "parent": parent, "end": -1, "children": [],
-                     "alias": _aliases((args, kwargs)), "n_in": n_in, "n_out": 0}  # fmt: skip
-            self._tree.append(entry)
-            if parent is not None:
-                self._tree[parent]["children"].append(pos)
-            self._stack.append(pos)
-            self._store.write(f"in{pos}", cpu_copy((tuple(args), dict(kwargs))))
-            if not torch.is_grad_enabled():
-                return None
-            if not any(t.requires_grad for _, t in iter_tensors((args, kwargs))):
-                return None
-            new_args, new_kwargs = identity_views(args, kwargs)
-            self._watch((new_args, new_kwargs), f"ingrad{pos}", name)
-            return new_args, new_kwargs
-
-        return pre
-
-    def _post(self, name: str) -> Callable[..., Any]:
-        def post(module: nn.Module, args: Any, output: Any) -> Any:
-            if in_backward() or not self._stack:
-                return None
-            pos = self._stack.pop()
-            entry = self._tree[pos]
-            entry["end"] = self._ended
-            self._ended += 1
-            entry["n_out"] = sum(1 for _ in iter_tensors(output))
-            self._store.write(f"out{pos}", cpu_copy(output))
-            if output is None or not torch.is_grad_enabled():
-                return None
-            views, _ = identity_views(output, {})
-            self._watch(views, f"grad{pos}", name)
-            return views
-
-        return post
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()  # the spool writes its bytes at once: no copy needed
 
 
 def _is_ddp(model: nn.Module) -> bool:
@@ -205,7 +140,7 @@ def record(model: nn.Module, folder: str | os.PathLike[str], layers: Any = None)
     (the same culprit semantics as two live models) or ``hs.compare(folder_a, folder_b)``
     (errors and ``first_divergent``; the culprit needs a live B). Each module call's inputs,
     output and gradients are written when they exist (nothing is kept in memory); the files are
-    pickles (``torch.save``): load only records you trust.
+    pickles: load only records you trust.
 
     In a ``torch.distributed`` run (a ``DistributedDataParallel`` model, or one sharded with
     FSDP2 ``fully_shard``), every rank records into its own subfolder ``rank<r>`` of ``folder``
@@ -293,14 +228,11 @@ def _load_one(path: Path) -> RunRecord:
             "hs.compare compares one forward (and its backward): record each forward in a "
             "folder of its own (`with hs.record(model, folder): ...` around one call)"
         )
-    store = ValueStore(0, path)
-    calls = []
-    for pos, e in enumerate(entries):
-        c = CallRec(
-            e["name"], e["index"], pos, e["parent"], alias=e["alias"], store=_Files(store, e, pos)
-        )
-        c.end, c.children = e["end"], list(e["children"])
-        calls.append(c)
+    if index.get("version", 1) >= 2:
+        store: Any = SpoolReader(path / SPOOL, index.get("values", {}))
+    else:
+        store = ValueStore(0, path)  # format 1: one torch.save file per value
+    calls = calls_of(entries, store)
     params = torch.load(path / "params.pt", map_location="cpu", weights_only=False)
     return RunRecord(
         calls=calls,
@@ -310,19 +242,3 @@ def _load_one(path: Path) -> RunRecord:
         has_grads=bool(index["grads"]),
         params=index["params"],
     )
-
-
-class _Files:
-    """The store of one recorded call: per-leaf gradient files put together into lists."""
-
-    def __init__(self, store: ValueStore, entry: dict[str, Any], pos: int) -> None:
-        self.store, self.entry, self.pos = store, entry, pos
-
-    def get(self, key: str, default: Any = None) -> Any:
-        for kind, n in (("ingrad", "n_in"), ("grad", "n_out")):
-            if key == f"{kind}{self.pos}":
-                return [self.store.get(f"{key}_{i}") for i in range(self.entry[n])]
-        return self.store.get(key, default)
-
-    def put(self, key: str, value: Any) -> None:
-        raise CompareError("a record read from disk is read-only")

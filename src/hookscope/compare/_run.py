@@ -2,8 +2,8 @@
 output, output gradient and input gradient (through that call only), the call tree, the order in
 which calls start and end, and the parameter gradients of the whole run.
 
-Values come from :func:`hookscope.capture` (``inputs=True, grads=True``) over every module; the
-call tree from a :class:`~hookscope.core._scope.HookScope` of pre/post hooks on the same modules.
+Values and the call tree come from :class:`~._hooks.CallHooks` on every module (one pre-hook and one
+post-hook each), kept in a :class:`~._store.ValueStore` (memory up to ``max_bytes``, then disk).
 The model is left as found: parameter ``.grad`` and buffers (BatchNorm running statistics) are put
 back after the run.
 """
@@ -18,19 +18,21 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._capture import capture
 from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
-from ..core._errors import HookscopeError, NoGradientError
+from ..core._errors import HookscopeError
 from ..core._nested import iter_tensors, map_tensors
 from ..core._random import random_draws, training_modules
-from ..core._scope import HookScope, check_model, identity_views, in_backward
+from ..core._scope import HookScope, check_model
+from ._hooks import CallHooks
 from ._store import ValueStore
 
 __all__ = [
     "CallRec",
     "CompareError",
     "RunRecord",
+    "Leaves",
     "at_path",
+    "calls_of",
     "cast_like",
     "model_dtype",
     "preserved",
@@ -147,10 +149,6 @@ def at_path(obj: Any, path: tuple[Any, ...]) -> Any:
     return obj
 
 
-def _flat(structure: Any, like: Any) -> list[torch.Tensor | None]:
-    return [at_path(structure, p) for p, _ in iter_tensors(like)]
-
-
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[None]:
     """Put back parameter ``.grad`` and buffers (running statistics) as found, on exit."""
@@ -169,53 +167,41 @@ def preserved(model: nn.Module) -> Iterator[None]:
             p.grad = g
 
 
-class _Tree:
-    """Pre/post hooks on every module: the call tree and the start/end order of calls."""
+class Leaves:
+    """The store of one recorded call as :class:`CallRec` reads it: ``grad<k>``/``ingrad<k>`` put
+    together from the per-leaf values the hooks stored (``None`` where no gradient came)."""
 
-    def __init__(self, modules: dict[str, nn.Module], store: ValueStore | None = None) -> None:
-        self.store = store if store is not None else ValueStore()
-        self.calls: list[CallRec] = []
-        self.stack: list[int] = []
-        self.counts: dict[str, int] = {}
-        self.ended = 0
-        self.scope = HookScope("compare")
-        for name, m in modules.items():
-            self.scope.add_forward_pre(m, self._pre(name), layer=name, with_kwargs=True)
-            self.scope.add_forward(m, self._post(name), layer=name, always_call=True)
+    __slots__ = ("n_in", "n_out", "pos", "store")
 
-    def _pre(self, name: str) -> Callable[..., None]:
-        def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
-            if in_backward():  # activation checkpointing re-running forward
-                return
-            i = self.counts.get(name, 0)
-            self.counts[name] = i + 1
-            parent = self.stack[-1] if self.stack else None
-            pos = len(self.calls)
-            self.calls.append(
-                CallRec(name, i, pos, parent, alias=_aliases((args, kwargs)), store=self.store)
-            )
-            if parent is not None:
-                self.calls[parent].children.append(pos)
-            self.stack.append(pos)
+    def __init__(self, store: Any, pos: int, n_in: int, n_out: int) -> None:
+        self.store, self.pos, self.n_in, self.n_out = store, pos, n_in, n_out
 
-        return pre
+    def get(self, key: str, default: Any = None) -> Any:
+        if key.startswith("grad"):
+            return [self.store.get(f"{key}_{i}") for i in range(self.n_out)]
+        if key.startswith("ingrad"):
+            return [self.store.get(f"{key}_{i}") for i in range(self.n_in)]
+        return self.store.get(key, default)
 
-    def _post(self, name: str) -> Callable[..., None]:
-        def post(module: nn.Module, args: Any, output: Any) -> Any:
-            if in_backward() or not self.stack:
-                return None
-            pos = self.stack.pop()
-            self.calls[pos].end = self.ended
-            self.ended += 1
-            if output is None or not torch.is_grad_enabled():
-                return None
-            # the callers see identity views of the output, so the gradient capture records
-            # (hooks on these views) is what the callers send back, not what the module's own
-            # code adds by using its output tensor inside (attention weights returned and used)
-            views, _ = identity_views(output, {})
-            return views
+    def put(self, key: str, value: Any) -> None:
+        raise CompareError("a recorded call is read-only")
 
-        return post
+
+def calls_of(entries: list[Any], store: Any) -> list[CallRec]:
+    """The :class:`CallRec` of each recorded call (:class:`~._hooks.Entry` objects, or their
+    JSON form), reading its values from ``store``."""
+    calls = []
+    for pos, e in enumerate(entries):
+        if isinstance(e, dict):
+            name, index, parent, alias = e["name"], e["index"], e["parent"], e["alias"]
+            end, children, n_in, n_out = e["end"], e["children"], e["n_in"], e["n_out"]
+        else:
+            name, index, parent, alias = e.name, e.index, e.parent, e.alias
+            end, children, n_in, n_out = e.end, e.children, e.n_in, e.n_out
+        c = CallRec(name, index, pos, parent, alias=alias, store=Leaves(store, pos, n_in, n_out))
+        c.end, c.children = end, list(children)
+        calls.append(c)
+    return calls
 
 
 def _aliases(value: Any) -> list[int] | None:
@@ -269,10 +255,10 @@ def record_run(spec: RunSpec) -> RunRecord:
     kwargs = cast_like(spec.kwargs, dtype, device)
     want_grads = spec.loss_fn is not None
     check_model(model)  # index compiled regions first: hooks inside them are routed
-    tree = _Tree(modules, ValueStore(spec.max_bytes))
-    cap = capture(model, modules, inputs=True, grads=want_grads)
+    store = ValueStore(spec.max_bytes)
+    hooks = CallHooks(modules, HookScope("compare"), store, _clone)
     loss = None
-    with preserved(model), tree.scope, cap, random_draws() as draws:
+    with preserved(model), hooks.scope, contextlib.closing(store), random_draws() as draws:
         with _autocast(device, spec.autocast):
             out = model(*args, **kwargs)
             if spec.loss_fn is not None:
@@ -292,16 +278,14 @@ def record_run(spec: RunSpec) -> RunRecord:
             f"call .eval() on both models (modules in training mode: "
             f"{', '.join(training_modules(model))})"
         )
-    for c in tree.calls:
-        _fill(c, cap.calls(c.name), want_grads)
-    cap.clear()  # the values now live in the store (memory up to max_bytes, then disk)
+    calls = calls_of(hooks.entries, store)
     owners = {}
     for mname, m in modules.items():
         for pname, _ in m.named_parameters(recurse=False):
             owners[f"{mname}.{pname}" if mname else pname] = mname
     return RunRecord(
-        calls=tree.calls,
-        by_key={c.key: i for i, c in enumerate(tree.calls)},
+        calls=calls,
+        by_key={c.key: i for i, c in enumerate(calls)},
         param_grads=param_grads,
         dtype=dtype,
         autocast=spec.autocast,
@@ -312,6 +296,10 @@ def record_run(spec: RunSpec) -> RunRecord:
         modules=modules,
         params=owners,
     )
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
 
 
 def _check_loss_value(loss: Any, what: str) -> None:
@@ -328,26 +316,3 @@ def _check_loss_value(loss: Any, what: str) -> None:
         f"hs.compare: loss_fn gave {got} on the output of model {what!r}; it must return a "
         "scalar tensor computed from the output (e.g. lambda o: o.float().pow(2).sum())"
     )
-
-
-def _fill(c: CallRec, calls: list[Any], want_grads: bool) -> None:
-    if c.index >= len(calls):
-        return
-    call = calls[c.index]
-    inputs = None
-    if call.inputs is not None:
-        inputs = c.inputs = (call.inputs.args, call.inputs.kwargs)
-    output = None
-    with contextlib.suppress(Exception):
-        output = c.output = call.output
-    if not want_grads:
-        return
-    try:
-        c.grad = _flat(call.grad, output)
-    except NoGradientError:
-        c.grad = [None for _ in iter_tensors(output)]
-    try:
-        g = call.input_grad
-        c.in_grad = _flat((g.args, g.kwargs), inputs)
-    except NoGradientError:
-        c.in_grad = [None for _ in iter_tensors(inputs)]
