@@ -20,7 +20,16 @@ from ._record import load_record
 from ._replay import Replay, Result
 from ._report import CompareReport, CompareRow
 from ._run import CompareError, RunRecord, RunSpec, _device, cast_like, preserved, record_run
-from ._tolerance import lower, reduction_size, rel_error, rel_pairs, tolerance
+from ._tolerance import (
+    Norms,
+    lower,
+    reduction_size,
+    rel_error,
+    rel_pairs,
+    tolerance,
+    value,
+    worst,
+)
 
 __all__ = ["compare"]
 
@@ -51,13 +60,17 @@ class _Job:
         self.mixed = da != db
         self.failed: list[str] = []
         self.shared = _shared_params(ra, b)
+        # the rows' errors are computed together, once every row is replayed (then verdicts)
+        self.norms = norms = Norms()
         self.rep_b = self.rep_a = self.rep_bc = self.rep_round = None
         if rb is not None and rb.modules is not None:
-            self.rep_b = Replay(rb.modules, ra, rb, self.map, rb.dtype, rb.autocast)
+            self.rep_b = Replay(rb.modules, ra, rb, self.map, rb.dtype, rb.autocast, norms=norms)
             if rb.compiled:
-                self.rep_bc = Replay(rb.modules, rb, rb, lambda n: n, rb.dtype, rb.autocast)
+                self.rep_bc = Replay(
+                    rb.modules, rb, rb, lambda n: n, rb.dtype, rb.autocast, norms=norms
+                )
         if ra.modules is not None and self.grads:
-            self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast)
+            self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast, norms=norms)
         if self.mixed and (ra.modules is not None or b is not None):
             # the conditioning check replays A's modules; for a recorded A, a copy of B's in
             # A's dtype stands in for them
@@ -96,11 +109,13 @@ class _Job:
 
     # -- one row -------------------------------------------------------------------------------
     def row(self, i: int, j: int) -> CompareRow:
+        """The row of A's call ``i`` and B's call ``j``, its errors still lazy (:meth:`finish`)."""
         ra, rb = self.ra, self.rb
         assert rb is not None
         ca, cb = ra.calls[i], rb.calls[j]
         module = (ra.modules or {}).get(ca.name) or (rb.modules or {}).get(cb.name)
         params = list(module.parameters(recurse=False)) if module is not None else []
+        norms = self.norms
         r = CompareRow(
             name=ca.name,
             index=ca.index,
@@ -110,16 +125,22 @@ class _Job:
             tol=tolerance(self.low, reduction_size(ca.inputs, params)),
             b_name=cb.name if cb.name != ca.name else None,
         )
-        r.error = rel_error(ca.output, cb.output)
+        r.error = norms.rel_error(ca.output, cb.output)
         if self.grads and ca.grad is not None and cb.grad is not None:
-            r.grad_error = rel_pairs(list(zip(ca.grad, cb.grad)))
+            r.grad_error = norms.rel_pairs(list(zip(ca.grad, cb.grad)))
         if ca.index == 0:
             r.param_grad_error = self._param_grads(ca.name, cb.name)
         self._local(i, r)
         if self.rep_bc is not None:
             got = self._run(self.rep_bc, j, False, r)
             if got is not None:
-                r.compile_error = rel_error(got.output, cb.output)  # compiled against eager
+                r.compile_error = norms.rel_error(got.output, cb.output)  # compiled vs eager
+        return r
+
+    def finish(self, i: int, j: int, r: CompareRow) -> CompareRow:
+        """Once the norms are computed: the row's errors as numbers, its verdict."""
+        for field in _ERRORS:
+            setattr(r, field, value(getattr(r, field)))
         self._verdict(i, r)
         self._unjoined(i, j, r)
         return r
@@ -150,7 +171,7 @@ class _Job:
             local = p[len(a_name) + 1 :] if a_name else p
             q = f"{b_name}.{local}" if b_name else local
             pairs.append((ra.param_grads.get(p), rb.param_grads.get(q)))
-        return rel_pairs(pairs) if pairs else None
+        return self.norms.rel_pairs(pairs) if pairs else None
 
     def _run(self, rep: Replay, pos: int, grads: bool, r: CompareRow) -> Result | None:
         try:
@@ -170,10 +191,10 @@ class _Job:
             return
         if got.ran:
             r.note = "children ran for real (inputs changed structure): " + ", ".join(got.ran)
-        r.local_error = _worst([rel_error(ca.output, got.output), *got.child_errors])
+        r.local_error = worst([self.norms.rel_error(ca.output, got.output), *got.child_errors])
         if not self.grads or got.in_grads is None or ca.in_grad is None:
             return
-        errs = [rel_pairs(list(zip(ca.in_grad, got.in_grads))), *got.child_grad_errors]
+        errs = [self.norms.rel_pairs(list(zip(ca.in_grad, got.in_grads))), *got.child_grad_errors]
         once = (ca.name, 1) not in self.ra.by_key
         direct = got.param_grads and all("." not in n for n in got.param_grads)
         pre = f"{ca.name}." if ca.name else ""
@@ -186,7 +207,7 @@ class _Job:
             # a module called once whose own parameters no other module uses: its local
             # parameter gradients are the whole run's .grad of A (no replay of A needed)
             errs.append(
-                rel_pairs(
+                self.norms.rel_pairs(
                     [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
                 )
             )
@@ -194,9 +215,11 @@ class _Job:
             ref = self._run(self.rep_a, i, True, r)
             if ref is not None and ref.param_grads is not None:
                 errs.append(
-                    rel_pairs([(ref.param_grads.get(n), g) for n, g in got.param_grads.items()])
+                    self.norms.rel_pairs(
+                        [(ref.param_grads.get(n), g) for n, g in got.param_grads.items()]
+                    )
                 )
-        r.local_grad_error = _worst(errs)
+        r.local_grad_error = worst(errs)
 
     def _verdict(self, i: int, r: CompareRow) -> None:
         over = lambda e: e is not None and e > r.tol  # noqa: E731
@@ -240,6 +263,16 @@ class _Job:
             f"local error {e:.1e} is not a fault"
         )
         return None
+
+
+_ERRORS = (
+    "error",
+    "local_error",
+    "compile_error",
+    "grad_error",
+    "local_grad_error",
+    "param_grad_error",
+)
 
 
 def _shared_params(ra: RunRecord, b: nn.Module | None) -> set[str]:
@@ -289,7 +322,9 @@ def build_report(job: _Job) -> CompareReport:
     ra, rb = job.ra, job.rb
     assert rb is not None
     matched, unmatched = job.pairs()
-    rows = [(i, job.row(i, j)) for i, j in matched]
+    pending = [(i, j, job.row(i, j)) for i, j in matched]
+    job.norms.resolve()
+    rows = [(i, job.finish(i, j, r)) for i, j, r in pending]
     culprits, divergent = _verdicts(ra, rows)
     by_label = {r.label: r for _, r in rows}
     culprit = by_label[culprits[0]].name if culprits else None

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from ..core._nested import iter_tensors, map_tensors
 from ._run import CallRec, RunRecord, restore_aliases
-from ._tolerance import rel_pairs
+from ._tolerance import Norms, rel_pairs
 
 __all__ = ["Replay", "Result"]
 
@@ -41,8 +41,9 @@ class Result:
     ran: list[str] = dataclasses.field(default_factory=list)
     # what the module's own code handed to the calls it makes: their inputs (forward) and the
     # gradients of their outputs (backward), against the recorded run's
-    child_errors: list[float | None] = dataclasses.field(default_factory=list)
-    child_grad_errors: list[float | None] = dataclasses.field(default_factory=list)
+    # (lazy :class:`~._tolerance.Lazy` errors when the replay has ``norms``)
+    child_errors: list[Any] = dataclasses.field(default_factory=list)
+    child_grad_errors: list[Any] = dataclasses.field(default_factory=list)
 
 
 class _Stub(torch.autograd.Function):
@@ -50,8 +51,8 @@ class _Stub(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, payload: Any, *inputs: torch.Tensor) -> Any:
-        outs, grads, ref_out_grads, sink = payload
-        ctx.grads, ctx.ref, ctx.sink = grads, ref_out_grads, sink
+        outs, grads, ref_out_grads, sink, errors = payload
+        ctx.grads, ctx.ref, ctx.sink, ctx.errors = grads, ref_out_grads, sink, errors
         res = tuple(o.clone() for o in outs)
         nondiff = [o for o in res if not o.is_floating_point()]
         if nondiff:
@@ -61,7 +62,7 @@ class _Stub(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         if ctx.ref is not None:
-            ctx.sink.append(rel_pairs(list(zip(ctx.ref, grads))))
+            ctx.sink.append(ctx.errors(list(zip(ctx.ref, grads))))
         return (None, *ctx.grads)
 
 
@@ -110,6 +111,10 @@ class Replay:
     dtype: torch.dtype
     autocast: torch.dtype | None = None
     round_to: torch.dtype | None = None  # round replayed values through this dtype
+    norms: Norms | None = None  # the errors of the children's values: lazily, with others
+
+    def _errors(self, pairs: list[Any]) -> Any:
+        return self.norms.rel_pairs(pairs) if self.norms is not None else rel_pairs(pairs)
 
     def _own_call(self, c: CallRec) -> CallRec | None:
         name = self.name_map(c.name)
@@ -223,7 +228,7 @@ class Replay:
                 res.ran.append(child.name if child is not None else type(m).__name__)
                 return real(*args, **kwargs)
             res.child_errors.append(
-                rel_pairs(list(zip([t for _, t in iter_tensors(child.inputs)], given)))
+                self._errors(list(zip([t for _, t in iter_tensors(child.inputs)], given)))
             )
             own = self._own_call(child)
             value = _cast(
@@ -240,7 +245,7 @@ class Replay:
                         grads[i] = g.to(device=t.device, dtype=t.dtype)
                     seen.add(id(t))
             if any(g is not None for g in grads):
-                payload = (outs, grads, child.grad, res.child_grad_errors)
+                payload = (outs, grads, child.grad, res.child_grad_errors, self._errors)
                 made = iter(_Stub.apply(payload, *given))
             else:
                 made = iter(o.clone() for o in outs)

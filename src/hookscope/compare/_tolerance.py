@@ -24,7 +24,17 @@ import torch
 
 from ..core._nested import iter_tensors
 
-__all__ = ["lower", "reduction_size", "rel_error", "rel_pairs", "tolerance"]
+__all__ = [
+    "Lazy",
+    "Norms",
+    "lower",
+    "reduction_size",
+    "rel_error",
+    "rel_pairs",
+    "tolerance",
+    "value",
+    "worst",
+]
 
 _EPS32 = torch.finfo(torch.float32).eps
 
@@ -91,6 +101,54 @@ def _fast(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float] | None:
     return None
 
 
+def _careful(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Squared norms of ``y - x`` and ``x`` in float64, where a value is not finite or beyond
+    ``y``'s range; ``(inf, 0)`` when the two cannot agree (another non-finite pattern)."""
+    xd = x.detach().to(torch.float64)
+    yd = y.detach().to(device=xd.device, dtype=torch.float64)
+    top = torch.finfo(y.dtype).max
+    if top < torch.finfo(x.dtype).max:  # beyond y's range (an fp32 mask's minimum in bf16)
+        over = xd.abs() > top
+        if bool(over.any()):
+            # y overflowed to inf, or saturated at its own extreme: the same value there
+            same = (yd[over].abs() >= top) & (yd[over].sign() == xd[over].sign())
+            if not bool(same.all()):
+                return math.inf, 0.0
+            xd, yd = xd[~over], yd[~over]
+    finite = torch.isfinite(xd)
+    if not bool(finite.all()):  # the non-finite pattern must agree; then the finite part
+        if not torch.equal(torch.isfinite(yd), finite) or not torch.equal(
+            xd[~finite].nan_to_num(), yd[~finite].nan_to_num()
+        ):
+            return math.inf, 0.0
+        xd, yd = xd[finite], yd[finite]
+    d = float(torch.linalg.vector_norm(yd - xd))
+    if math.isnan(d):
+        return math.inf, 0.0
+    return d * d, float(torch.linalg.vector_norm(xd)) ** 2
+
+
+def _screen(x: torch.Tensor, y: torch.Tensor) -> bool | None:
+    """The checks every pair passes before its norms: ``None`` when ``x`` is not floating and
+    the two are equal (nothing to add), ``False`` when they cannot agree (other shapes, other
+    integers), ``True`` when its norms are to be computed."""
+    if not x.is_floating_point():  # integers (ids, positions) must agree exactly
+        if x.shape != y.shape or not torch.equal(x, y.to(x.device, x.dtype)):
+            return False
+        return None
+    return x.shape == y.shape
+
+
+def _ratio(num: float, den: float, seen: bool) -> float | None:
+    if not seen:
+        return None
+    if math.isinf(num):
+        return math.inf
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return math.sqrt(num / den)
+
+
 def rel_pairs(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> float | None:
     """:func:`rel_error` over explicit ``(ref, got)`` pairs; pairs with a ``None`` are skipped."""
     num = den = 0.0
@@ -98,42 +156,125 @@ def rel_pairs(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> f
     for x, y in pairs:
         if x is None or y is None:
             continue
-        if not x.is_floating_point():  # integers (ids, positions) must agree exactly
-            if x.shape != y.shape or not torch.equal(x, y.to(x.device, x.dtype)):
-                return math.inf
+        ok = _screen(x, y)
+        if ok is None:
             continue
-        if x.shape != y.shape:
+        if not ok:
             return math.inf
         seen = True
-        fast = _fast(x, y)
-        if fast is not None:
-            num, den = num + fast[0], den + fast[1]
-            continue
-        xd = x.detach().to(torch.float64)
-        yd = y.detach().to(device=xd.device, dtype=torch.float64)
-        top = torch.finfo(y.dtype).max
-        if top < torch.finfo(x.dtype).max:  # beyond y's range (an fp32 mask's minimum in bf16)
-            over = xd.abs() > top
-            if bool(over.any()):
-                # y overflowed to inf, or saturated at its own extreme: the same value there
-                same = (yd[over].abs() >= top) & (yd[over].sign() == xd[over].sign())
-                if not bool(same.all()):
-                    return math.inf
-                xd, yd = xd[~over], yd[~over]
-        finite = torch.isfinite(xd)
-        if not bool(finite.all()):  # the non-finite pattern must agree; then the finite part
-            if not torch.equal(torch.isfinite(yd), finite) or not torch.equal(
-                xd[~finite].nan_to_num(), yd[~finite].nan_to_num()
-            ):
+        part = _fast(x, y) or _careful(x, y)
+        num, den = num + part[0], den + part[1]
+    return _ratio(num, den, seen)
+
+
+class Lazy:
+    """A relative error computed later, with others (:class:`Norms`); ``get()`` gives it."""
+
+    __slots__ = ("_done", "_fn", "_value")
+
+    def __init__(self, fn: Any) -> None:
+        self._fn, self._done, self._value = fn, False, None
+
+    def get(self) -> float | None:
+        if not self._done:
+            self._value, self._done, self._fn = self._fn(), True, None
+        return self._value
+
+
+def value(e: Any) -> float | None:
+    """A :class:`Lazy` error's value; a plain float or ``None`` as it is."""
+    return e.get() if isinstance(e, Lazy) else e
+
+
+def worst(errors: list[Any]) -> Lazy:
+    """The largest of some errors (lazy ones included), ``None`` when none is known."""
+
+    def fn() -> float | None:
+        known = [v for v in (value(e) for e in errors) if v is not None]
+        return max(known) if known else None
+
+    return Lazy(fn)
+
+
+class Norms:
+    """:func:`rel_pairs` for many pairs at once: each call returns a :class:`Lazy` error, and the
+    norms of all pending pairs are computed together (a few ``torch._foreach_*`` calls instead of
+    half a dozen operators per pair: a comparison of a small model computes hundreds). Pending
+    tensors are held until :meth:`resolve`, at most ``budget`` bytes of them (then it resolves by
+    itself): what :func:`hookscope.compare` reads back from disk does not pile up."""
+
+    def __init__(self, budget: int = 64 << 20) -> None:
+        self.budget = budget
+        self._x: list[torch.Tensor] = []
+        self._y: list[torch.Tensor] = []
+        self._bytes = 0
+        self._parts: list[tuple[float, float]] = []  # squared norms of each pair, once resolved
+        self._base = 0  # index of the first pending pair
+
+    def rel_pairs(self, pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> Any:
+        """Like :func:`rel_pairs`: ``inf`` or ``None`` at once, else a :class:`Lazy`."""
+        idx: list[int] = []
+        for x, y in pairs:
+            if x is None or y is None:
+                continue
+            ok = _screen(x, y)
+            if ok is None:
+                continue
+            if not ok:
                 return math.inf
-            xd, yd = xd[finite], yd[finite]
-        d = float(torch.linalg.vector_norm(yd - xd))
-        if math.isnan(d):
+            idx.append(self._add(x, y))
+        if not idx:
+            return None
+        parts = self._parts
+
+        def fn() -> float | None:
+            num = sum(parts[i][0] for i in idx)
+            den = sum(parts[i][1] for i in idx)
+            return _ratio(num, den, True)
+
+        if self._bytes > self.budget:
+            self.resolve()
+        return Lazy(fn)
+
+    def rel_error(self, ref: Any, got: Any) -> Any:
+        """Like :func:`rel_error`, lazily."""
+        a = [t for _, t in iter_tensors(ref)]
+        b = [t for _, t in iter_tensors(got)]
+        if len(a) != len(b):
             return math.inf
-        num += d * d
-        den += float(torch.linalg.vector_norm(xd)) ** 2
-    if not seen:
-        return None
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return math.sqrt(num / den)
+        return self.rel_pairs(list(zip(a, b)))
+
+    def _add(self, x: torch.Tensor, y: torch.Tensor) -> int:
+        self._x.append(x.detach())
+        self._y.append(y.detach())
+        self._bytes += x.numel() * x.element_size() + y.numel() * y.element_size()
+        return self._base + len(self._x) - 1
+
+    def resolve(self) -> None:
+        """Compute the norms of every pending pair (and drop the tensors)."""
+        xs, ys = self._x, self._y
+        if not xs:
+            return
+        self._x, self._y, self._bytes = [], [], 0
+        self._base += len(xs)
+        parts: list[tuple[float, float] | None] = [None] * len(xs)
+        fast = [
+            i
+            for i, (x, y) in enumerate(zip(xs, ys))
+            if x.dtype != torch.float64 and y.dtype != torch.float64
+        ]
+        by_device: dict[torch.device, list[int]] = {}
+        for i in fast:
+            by_device.setdefault(xs[i].device, []).append(i)
+        for device, group in by_device.items():
+            xf = [xs[i].float() for i in group]
+            yf = [ys[i].to(device=device, dtype=torch.float32) for i in group]
+            d = torch._foreach_norm(torch._foreach_sub(yf, xf))
+            n = torch._foreach_norm(xf)
+            values = torch.stack([*d, *n]).tolist()
+            k = len(group)
+            for j, i in enumerate(group):
+                dj, nj = values[j], values[k + j]
+                if math.isfinite(dj) and math.isfinite(nj):
+                    parts[i] = (dj * dj, nj * nj)
+        self._parts.extend(p if p is not None else _careful(x, y) for p, x, y in zip(parts, xs, ys))
