@@ -229,11 +229,25 @@ def _load_one(path: Path) -> RunRecord:
             "folder of its own (`with hs.record(model, folder): ...` around one call)"
         )
     if index.get("version", 1) >= 2:
-        store: Any = SpoolReader(path / SPOOL, index.get("values", {}))
+        try:
+            store: Any = SpoolReader(path / SPOOL, index.get("values", {}))
+        except (ValueError, TypeError, IndexError, AttributeError):
+            raise CompareError(
+                f'hs.compare: the record {str(path)!r} is damaged: the "values" of its '
+                "index.json are not (offset, length) pairs; copy it again whole, or record again"
+            ) from None
+        store.check()  # every value inside values.bin: a file cut short is refused here
     else:
         store = ValueStore(0, path)  # format 1: one torch.save file per value
     calls = calls_of(entries, store)
-    params = torch.load(path / "params.pt", map_location="cpu", weights_only=False)
+    try:
+        params = torch.load(path / "params.pt", map_location="cpu", weights_only=False)
+    except Exception as exc:  # missing, cut short: the parameter gradients cannot be read
+        raise CompareError(
+            f"hs.compare: the record {str(path)!r} is damaged: its params.pt (the parameter "
+            f"gradients) cannot be read ({type(exc).__name__}); copy it again whole, or record "
+            "again"
+        ) from None
     return RunRecord(
         calls=calls,
         by_key={c.key: i for i, c in enumerate(calls)},
