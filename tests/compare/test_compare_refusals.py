@@ -319,3 +319,25 @@ def test_a_record_without_the_model_call_does_not_take_other_inputs_silently(tmp
         a(X)
     with pytest.warns(hs.HookscopeWarning, match="inputs.*cannot be checked.*layers"):
         hs.compare(tmp_path / "layers", copy.deepcopy(a), X + 1)
+
+
+def test_a_record_whose_model_call_cannot_be_joined_warns_that_its_loss_cannot_be_checked():
+    """A record of several ranks whose model output could not be joined (the row's note): the
+    loss check warns rather than passing silently."""
+    from hookscope.compare._checks import check_loss
+    from hookscope.compare._run import CallRec, RunRecord
+
+    root = CallRec("", 0, 0, None)
+    rec = RunRecord(
+        calls=[root],
+        by_key={("", 0): 0},
+        param_grads={},
+        dtype=torch.float32,
+        has_grads=True,
+        world=2,
+        notes={0: "cannot be joined: output 0 differs across ranks"},
+    )
+    with pytest.warns(
+        hs.HookscopeWarning, match=r"record a: the model's own call cannot be joined"
+    ):
+        check_loss(rec, "a", lambda o: o.sum(), torch.device("cpu"))
