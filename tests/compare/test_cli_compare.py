@@ -86,3 +86,75 @@ def test_bad_input_is_one_line_and_exit_2(spec, tmp_path, capsys, args, needle):
     assert main(filled) == 2
     err = capsys.readouterr().err
     assert err.startswith("hookscope: error:") and needle in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        ["--autocast", "bfloat16"],
+        ["--loss", "square"],
+        ["--loss", "none"],
+        ["--loss", "sum"],  # the default, given: still an option that does nothing here
+        ["--b-dtype", "bfloat16"],
+        ["--compile"],
+        ["--input", "4,3"],
+        ["--dtype", "float32"],
+        ["--device", "cpu"],
+    ],
+    ids=" ".join,
+)
+def test_an_option_for_a_live_model_with_two_records_is_refused_not_ignored(
+    spec, tmp_path, capsys, option
+):
+    _record(spec, tmp_path / "a")
+    _record(spec + "(eps=1.0)", tmp_path / "b")
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), *option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hookscope: error: {option[0]}: two records are runs already made")
+    assert "only to a live model B" in err and err.count("\n") == 1
+    # two at once are named together
+    both = ["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--autocast", "bfloat16"]
+    assert main([*both, "--loss", "square"]) == 2
+    assert "error: --autocast, --loss: two records" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", [["--input", "4,3"], ["--dtype", "float64"]], ids=" ".join)
+def test_inputs_given_with_a_record_are_refused_the_record_s_are_used(
+    spec, tmp_path, capsys, option
+):
+    _record(spec, tmp_path / "a")
+    assert main(["compare", str(tmp_path / "a"), spec, *option]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {option[0]}: B runs on the inputs the record" in err and err.count("\n") == 1
+
+
+def test_loss_reduction_without_a_record_of_several_ranks_is_refused(spec, tmp_path, capsys):
+    _record(spec, tmp_path / "a")
+    _record(spec, tmp_path / "b")
+    for args in (
+        [spec, "--input", "4,3"],
+        [spec, spec + "(eps=1.0)", "--input", "4,3"],
+        [str(tmp_path / "a"), spec],
+        [str(tmp_path / "a"), str(tmp_path / "b")],
+    ):
+        for value in ("mean", "sum"):
+            assert main(["compare", *args, "--loss-reduction", value]) == 2
+            err = capsys.readouterr().err
+            assert "error: --loss-reduction applies only to a record made on several ranks" in err
+            assert err.count("\n") == 1
+
+
+def test_the_options_that_apply_still_change_the_comparison(spec, tmp_path, capsys):
+    """--loss, --autocast, --b-dtype with a record and a model: each one changes the report
+    (none of them is ignored there)."""
+    _record(spec, tmp_path / "a")
+    base = ["compare", str(tmp_path / "a"), spec, "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["dtypes"] == ["float32", "float32"] and plain["rows"][0]["grad_error"] == 0.0
+    assert main([*base, "--autocast", "bfloat16"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtypes"] == ["float32", "bfloat16"]
+    assert main([*base, "--loss", "none"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"][0]["grad_error"] is None
+    assert main([*base, "--loss", "square"]) == 2  # the record was made with a sum: refused
+    assert "another loss" in capsys.readouterr().err

@@ -36,20 +36,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--loss",
         choices=_LOSSES,
-        default="sum",
+        default=None,
         help="loss of the output's first tensor for the backward comparison (default: sum; "
         "none: forward only)",
     )
     p.add_argument(
         "--loss-reduction",
         choices=("mean", "sum"),
-        default="mean",
+        default=None,
         help="for a record made on several ranks: how each rank's loss reduced its share of the "
         "batch (default: mean)",
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="save the error plot to this file")
-    p.set_defaults(func=run)
+    # None: not given (an option that does not apply to the runs given is refused, not ignored)
+    p.set_defaults(func=run, dtype=None, device=None)
 
 
 def _record_folder(text: str) -> Path | None:
@@ -99,20 +100,64 @@ def _live_b(args: argparse.Namespace, a: Any) -> Any:
     return b
 
 
+# options that run or feed a live model: (flag, attribute); None when not given
+_LIVE = (
+    ("--autocast", "autocast"),
+    ("--loss", "loss"),
+    ("--b-dtype", "b_dtype"),
+    ("--compile", "compile"),
+    ("--input", "input"),
+    ("--dtype", "dtype"),
+    ("--device", "device"),
+)
+
+
+def _refuse_ignored(args: argparse.Namespace, folder_a: Path | None, folder_b: Path | None) -> None:
+    """An option given that does not apply to the runs given is bad input, not ignored."""
+    from ..compare._record import of_ranks
+
+    if folder_a is not None and folder_b is not None:
+        given = [flag for flag, attr in _LIVE if getattr(args, attr) is not None]
+        if given:
+            raise CLIError(
+                f"{', '.join(given)}: two records are runs already made (read on the CPU), and "
+                f"{'this option applies' if len(given) == 1 else 'these options apply'} only to "
+                "a live model B; leave it out, or give a model spec as B"
+            )
+    elif folder_a is not None:
+        given = [flag for flag, attr in _LIVE[4:6] if getattr(args, attr) is not None]
+        if given:
+            raise CLIError(
+                f"{', '.join(given)}: B runs on the inputs the record {str(folder_a)!r} holds; "
+                "leave it out"
+            )
+    if args.loss_reduction is not None and not any(
+        f is not None and of_ranks(f) for f in (folder_a, folder_b)
+    ):
+        raise CLIError(
+            "--loss-reduction applies only to a record made on several ranks (how each rank's "
+            "loss reduced its share of the batch), and no record given here is one; leave it out"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from ..compare._compare import compare
     from ..compare._record import load_record
 
-    autocast = _dtype(args.autocast, "--autocast")
-    loss = _loss(args.loss)
     folder_a = _record_folder(args.model)
     folder_b = _record_folder(args.b) if args.b is not None else None
+    _refuse_ignored(args, folder_a, folder_b)
+    args.dtype = args.dtype or "float32"
+    args.device = args.device or "cpu"
+    reduction = args.loss_reduction or "mean"
+    autocast = _dtype(args.autocast, "--autocast")
+    loss = _loss(args.loss or "sum")
     if folder_a is not None and folder_b is not None:
-        report = compare(folder_a, folder_b, loss_reduction=args.loss_reduction)
+        report = compare(folder_a, folder_b, loss_reduction=reduction)
     elif folder_a is not None:
         if args.b is None:
             raise CLIError("a record needs B: another record folder or a model spec")
-        rec = load_record(folder_a, args.loss_reduction)
+        rec = load_record(folder_a, reduction)
         root = rec.by_key.get(("", 0))
         if root is None or rec.calls[root].inputs is None:
             raise CLIError(f"{args.model!r} did not record the root module's inputs")
@@ -124,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             *inputs,
             loss_fn=loss,
             autocast=autocast,
-            loss_reduction=args.loss_reduction,
+            loss_reduction=reduction,
             **kwargs,
         )
     else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,10 +19,12 @@ from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import iter_tensors, map_tensors
 from ..core._select import suggest
 from ..core._signature import forward_parameters
+from ._ranks import REDUCTIONS
+from ._record import of_ranks
 from ._run import CompareError, RunRecord
 from ._tolerance import lower, rel_pairs, tolerance
 
-__all__ = ["check_arguments", "check_loss", "check_names"]
+__all__ = ["check_arguments", "check_loss", "check_names", "check_reduction"]
 
 _AUTOCAST = (torch.float16, torch.bfloat16)
 _NAMES_FORMS = (
@@ -30,15 +33,17 @@ _NAMES_FORMS = (
 )
 
 
-def check_arguments(a: Any, b: Any, spec: Any, names: Any) -> None:
+def check_arguments(a: Any, b: Any, spec: Any, names: Any, loss_reduction: Any = None) -> None:
     """Types and values of compare's arguments, before anything runs (``spec``: a
-    :class:`~._run.RunSpec` of B, carrying inputs, loss_fn, autocast and max_bytes)."""
+    :class:`~._run.RunSpec` of B, carrying inputs, loss_fn, autocast and max_bytes;
+    ``loss_reduction``: as given, ``None`` when not given)."""
     if isinstance(a, nn.Module) and a is b:
         raise CompareError(
             "hs.compare: a and b are the same model object, so every difference is 0; compare "
             "it with a copy: b = copy.deepcopy(a), then change b"
         )
     _check_names_type(names)
+    check_reduction(loss_reduction, a, b)
     _check_max_bytes(spec.max_bytes)
     _check_autocast(spec.autocast, b)
     if spec.loss_fn is not None:
@@ -62,6 +67,25 @@ def check_arguments(a: Any, b: Any, spec: Any, names: Any) -> None:
     for what, m in (("a", a), ("b", b)):
         if isinstance(m, nn.Module):
             _check_call(m, what, spec.args, spec.kwargs)
+
+
+def check_reduction(loss_reduction: Any, a: Any, b: Any) -> None:
+    """``loss_reduction=`` (``None``: not given) must be one of :data:`~._ranks.REDUCTIONS`, and
+    is refused where it would be ignored: neither ``a`` nor ``b`` a record made on several ranks."""
+    if loss_reduction is None:
+        return
+    if not isinstance(loss_reduction, str) or loss_reduction not in REDUCTIONS:
+        raise CompareError(
+            f"hs.compare: loss_reduction={loss_reduction!r} is not one of "
+            f"{', '.join(map(repr, REDUCTIONS))} (how the loss of each rank reduced its share of "
+            "the batch, for a record made on several ranks)"
+        )
+    if not any(isinstance(m, (str, os.PathLike)) and of_ranks(m) for m in (a, b)):
+        raise CompareError(
+            f"hs.compare: loss_reduction={loss_reduction!r} applies only to a record made on "
+            "several ranks (how each rank's loss reduced its share of the batch), and neither a "
+            "nor b is one; leave out loss_reduction"
+        )
 
 
 def _check_names_type(names: Any) -> None:
@@ -171,10 +195,23 @@ def check_loss(rec: RunRecord, what: str, loss_fn: Any, device: torch.device) ->
         )
     pos = rec.by_key.get(("", 0))
     if pos is None:  # a record of some layers: the model's output is not in it
+        _unchecked(
+            what,
+            "it holds no call of the model itself (hs.record's layers= left it out)",
+            "record with the model included, layers=['', ...]",
+        )
         return
     call = rec.calls[pos]
+    if pos in rec.notes:
+        _unchecked(
+            what,
+            f"the model's own call cannot be joined across its ranks ({rec.notes[pos]})",
+            "make each tensor of the output batched (first dimension the share) or equal on "
+            "every rank",
+        )
+        return
     recorded, output = call.grad, call.output
-    if pos in rec.notes or recorded is None or output is None:
+    if recorded is None or output is None:
         return
     out = map_tensors(lambda t: t.detach().to(device).requires_grad_(t.is_floating_point()), output)
     leaves = [t for _, t in iter_tensors(out)]
@@ -189,7 +226,7 @@ def check_loss(rec: RunRecord, what: str, loss_fn: Any, device: torch.device) ->
             f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}); "
             "make sure it is the loss the record was made with",
             HookscopeWarning,
-            stacklevel=4,
+            stacklevel=3,
         )
         return
     mine = [next(got) if t.requires_grad else None for t in leaves]
@@ -208,4 +245,14 @@ def check_loss(rec: RunRecord, what: str, loss_fn: Any, device: torch.device) ->
         f"hs.compare: record {what}: the output gradient loss_fn gives at the recorded output "
         f"differs from the recorded one by {err_s}: the record was made with another loss; pass "
         "the loss the record's backward used as loss_fn (scaling included)"
+    )
+
+
+def _unchecked(what: str, why: str, fix: str) -> None:
+    warnings.warn(
+        f"hs.compare: loss_fn cannot be checked against the record {what}: {why}; a loss other "
+        "than the one the record was made with would go unnoticed (every gradient compared "
+        f"against another loss's); {fix} to have it checked",
+        HookscopeWarning,
+        stacklevel=4,  # _unchecked, check_loss, hs.compare, the caller
     )

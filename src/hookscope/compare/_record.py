@@ -25,11 +25,11 @@ from ..core._errors import enter_once
 from ..core._scope import HookScope, check_model
 from ..core._select import resolve
 from ._hooks import CallHooks
-from ._ranks import join_ranks
+from ._ranks import REDUCTIONS, join_ranks
 from ._run import CompareError, RunRecord, calls_of, model_dtype
 from ._store import SPOOL, Spool, SpoolReader, ValueStore, cpu_copy
 
-__all__ = ["Record", "load_record", "record"]
+__all__ = ["Record", "load_record", "of_ranks", "record"]
 
 _VERSION = 2
 
@@ -188,10 +188,22 @@ def record(model: nn.Module, folder: str | os.PathLike[str], layers: Any = None)
 def load_record(folder: str | os.PathLike[str], loss_reduction: str = "mean") -> RunRecord:
     """A folder written by :func:`record`, as a run whose values are read from disk on use; a
     folder written by several ranks is one run on the combined batch (:func:`join_ranks`)."""
+    if loss_reduction not in REDUCTIONS:
+        raise CompareError(
+            f"hs.compare: loss_reduction={loss_reduction!r} is not one of "
+            f"{', '.join(map(repr, REDUCTIONS))} (how the loss of each rank reduced its share of "
+            "the batch, for a record made on several ranks)"
+        )
     path = Path(folder)
-    if not (path / "index.json").exists() and (path / "rank0" / "index.json").exists():
+    if of_ranks(path):
         return _load_ranks(path, loss_reduction)
     return _load_one(path)
+
+
+def of_ranks(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds a record made on several ranks (``rank<r>`` subfolders)."""
+    path = Path(folder)
+    return not (path / "index.json").exists() and (path / "rank0" / "index.json").exists()
 
 
 def _load_ranks(path: Path, loss_reduction: str) -> RunRecord:
@@ -229,11 +241,25 @@ def _load_one(path: Path) -> RunRecord:
             "folder of its own (`with hs.record(model, folder): ...` around one call)"
         )
     if index.get("version", 1) >= 2:
-        store: Any = SpoolReader(path / SPOOL, index.get("values", {}))
+        try:
+            store: Any = SpoolReader(path / SPOOL, index.get("values", {}))
+        except (ValueError, TypeError, IndexError, AttributeError):
+            raise CompareError(
+                f'hs.compare: the record {str(path)!r} is damaged: the "values" of its '
+                "index.json are not (offset, length) pairs; copy it again whole, or record again"
+            ) from None
+        store.check()  # every value inside values.bin: a file cut short is refused here
     else:
         store = ValueStore(0, path)  # format 1: one torch.save file per value
     calls = calls_of(entries, store)
-    params = torch.load(path / "params.pt", map_location="cpu", weights_only=False)
+    try:
+        params = torch.load(path / "params.pt", map_location="cpu", weights_only=False)
+    except Exception as exc:  # missing, cut short: the parameter gradients cannot be read
+        raise CompareError(
+            f"hs.compare: the record {str(path)!r} is damaged: its params.pt (the parameter "
+            f"gradients) cannot be read ({type(exc).__name__}); copy it again whole, or record "
+            "again"
+        ) from None
     return RunRecord(
         calls=calls,
         by_key={c.key: i for i, c in enumerate(calls)},

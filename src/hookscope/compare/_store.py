@@ -19,12 +19,15 @@ import os
 import pickle
 import shutil
 import tempfile
+import threading
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..core._errors import HookscopeError
 from ..core._nested import iter_tensors, map_tensors
 
 __all__ = ["Spool", "SpoolReader", "ValueStore", "cpu_copy", "nbytes"]
@@ -56,52 +59,97 @@ def _raw(t: torch.Tensor) -> memoryview | None:
         return None
 
 
+def _compare_error(msg: str) -> Exception:
+    from ._run import CompareError  # _run imports this module
+
+    return CompareError(msg)
+
+
+_WHAT = {"in": "inputs", "out": "output", "grad": "output gradient", "ingrad": "input gradient"}
+
+
+def _describe(key: str) -> str:
+    """``"out12"`` -> ``"the output of module call 12"`` (the keys of :class:`~._hooks.CallHooks`)."""
+    kind = key.rstrip("0123456789_")
+    call = key[len(kind) :].split("_")[0]
+    what = _WHAT.get(kind)
+    return f"the {what} of module call {call}" if what and call else f"the value {key!r}"
+
+
 class Spool:
     """Values appended to ``folder/values.bin`` as they come (one unbuffered write per tensor and
     one per value: on disk when :meth:`write` returns); ``index[key] = (offset, length)`` of each
-    value's pickle. :meth:`close` ends it (a new ``Spool`` on the same folder starts a new file)."""
+    value's pickle. :meth:`close` ends it.
+
+    The file is created when the spool is (exclusively: a folder whose ``values.bin`` exists, being
+    written by another spool or left by a run that was killed, is refused, so two writers never
+    overwrite each other's bytes). Writes are serialised by a lock: autograd calls gradient hooks
+    from one thread per device."""
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / SPOOL
         self.index: dict[str, tuple[int, int]] = {}
-        self._f: Any = None
+        self._lock = threading.Lock()
         self._at = 0
+        try:
+            self._f: Any = open(self.path, "xb", buffering=0)  # noqa: SIM115 (closed by close())
+        except FileExistsError:
+            raise _compare_error(
+                f"hookscope: {str(folder)!r} already holds a {SPOOL}: another hs.record is "
+                "writing into this folder, or one was stopped before it finished; give a new or "
+                f"empty folder (or delete {SPOOL} if no record is running)"
+            ) from None
 
     def write(self, key: str, value: Any) -> None:
-        if self._f is None:
-            self._f = open(self.path, "wb", buffering=0)  # noqa: SIM115 (closed by close())
-        f = self._f
-
-        def reference(obj: Any) -> Any:
-            if not isinstance(obj, torch.Tensor):
-                return None
-            data = _raw(obj)
-            if data is None:
-                return None
-            at = self._at
-            self._at += f.write(data)
-            return (at, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
-
         value = map_tensors(lambda t: t if t.device.type == "cpu" else t.cpu(), value)
-        buf = io.BytesIO()
-        pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
-        pickler.persistent_id = reference  # type: ignore[method-assign]
-        pickler.dump(value)
-        blob = buf.getbuffer()
-        start = self._at
-        self._at += f.write(blob)
-        self.index[key] = (start, len(blob))
+        with self._lock:
+            f = self._f
+            if f is None:
+                raise _compare_error(
+                    f"hookscope: {_describe(key)} came after the record in {str(self.path.parent)!r} "
+                    "was closed; run the forward and backward inside the `with` block"
+                )
+
+            def reference(obj: Any) -> Any:
+                if not isinstance(obj, torch.Tensor):
+                    return None
+                data = _raw(obj)
+                if data is None:
+                    return None
+                at = self._at
+                self._at += f.write(data)
+                return (at, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+
+            buf = io.BytesIO()
+            pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+            pickler.persistent_id = reference  # type: ignore[method-assign]
+            try:
+                pickler.dump(value)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                raise _compare_error(
+                    f"hookscope: cannot write {_describe(key)} ({type(value).__name__}) to "
+                    f"{str(self.path)!r}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}; "
+                    "the values are pickled: a class defined inside a function (a local "
+                    "namedtuple, dataclass) must be defined at module level"
+                ) from None
+            blob = buf.getbuffer()
+            start = self._at
+            self._at += f.write(blob)
+            self.index[key] = (start, len(blob))
 
     put = write
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        with self._lock:
+            if self._f is not None:
+                self._f.close()
+                self._f = None
 
 
 class SpoolReader:
-    """Reads the values a :class:`Spool` wrote, by key (a fresh copy each time)."""
+    """Reads the values a :class:`Spool` wrote, by key (a fresh copy each time). A file that does
+    not hold what the index says (cut short, overwritten) raises :class:`~._run.CompareError`
+    naming the folder: never a raw unpickling error, never bytes that are not the value's."""
 
     def __init__(self, path: Path, index: dict[str, Any]) -> None:
         self.path = path
@@ -110,13 +158,45 @@ class SpoolReader:
     def __contains__(self, key: str) -> bool:
         return key in self.index
 
+    def _damaged(self, why: str) -> Exception:
+        return _compare_error(
+            f"hs.compare: the record {str(self.path.parent)!r} is damaged: {why}; copy it again "
+            "whole, or record again"
+        )
+
+    def check(self) -> None:
+        """Every value the index names lies inside the file (a file cut short, by a copy or a
+        disk that filled, is refused when the record is opened)."""
+        if not self.index:
+            return
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise self._damaged(f"its index.json lists {len(self.index)} values but there is no "
+                                f"{SPOOL}") from None  # fmt: skip
+        for key, (at, n) in self.index.items():
+            if at < 0 or n <= 0 or at + n > size:
+                raise self._damaged(
+                    f"{SPOOL} holds {size} bytes, yet index.json places {_describe(key)} at bytes "
+                    f"{at}..{at + n} (the file was cut short?)"
+                )
+
     def get(self, key: str, default: Any = None) -> Any:
         where = self.index.get(key)
         if where is None:
             return default
-        with open(self.path, "rb") as f:
+        try:
+            f = open(self.path, "rb")  # noqa: SIM115
+        except FileNotFoundError:
+            raise self._damaged(f"{SPOOL} is missing") from None
+        with f:
             f.seek(where[0])
             blob = f.read(where[1])
+            if len(blob) != where[1]:
+                raise self._damaged(
+                    f"{_describe(key)} lies at bytes {where[0]}..{sum(where)} of {SPOOL}, which "
+                    "ends before (the file was cut short?)"
+                )
 
             def load(ref: Any) -> torch.Tensor:
                 at, dtype, shape = ref
@@ -127,13 +207,36 @@ class SpoolReader:
                 size = n * torch.empty((), dtype=dt).element_size()
                 f.seek(at)
                 data = bytearray(f.read(size))
-                if not data:
+                if len(data) != size:
+                    raise self._damaged(
+                        f"a tensor of {_describe(key)} lies at bytes {at}..{at + size} of "
+                        f"{SPOOL}, which ends before (the file was cut short?)"
+                    )
+                if not size:
                     return torch.empty(shape, dtype=dt)
                 return torch.frombuffer(data, dtype=torch.uint8).view(dt).reshape(shape)
 
             unpickler = pickle.Unpickler(io.BytesIO(blob))
             unpickler.persistent_load = load  # type: ignore[method-assign]
-            return unpickler.load()
+            try:
+                with warnings.catch_warnings():
+                    # a tensor pickled whole (sparse, a Parameter) rebuilds through TypedStorage
+                    warnings.filterwarnings("ignore", "TypedStorage is deprecated", UserWarning)
+                    return unpickler.load()
+            except (ImportError, AttributeError) as exc:  # a class that is not importable here
+                raise _compare_error(
+                    f"hs.compare: cannot read {_describe(key)} of the record "
+                    f"{str(self.path.parent)!r}: {type(exc).__name__}: {exc}; its values are "
+                    "pickled objects: the classes they were made of must be importable here "
+                    "(the same module path)"
+                ) from None
+            except (HookscopeError, Warning):  # ours, or a warning turned into an error
+                raise
+            except Exception as exc:  # bytes that are no pickle of a value: anything can come
+                raise self._damaged(
+                    f"{_describe(key)} cannot be read back ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:120] if str(exc) else ''})"
+                ) from None
 
 
 class ValueStore:
