@@ -235,21 +235,12 @@ def test_a_loss_reduction_that_is_no_choice_is_refused_naming_the_choices(tmp_pa
         hs.compare(copy.deepcopy(a), tmp_path / "rec", X, loss_reduction=value)
 
 
-_NEEDS_COMPARE = (
-    "needs _compare.compare: loss_reduction default None, check_arguments(a, b, sb, names, "
-    "loss_reduction) called with it, and `loss_reduction or 'mean'` passed on to _side and "
-    "_check_reduction (the lead's file)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_NEEDS_COMPARE)
 def test_a_loss_reduction_that_is_no_choice_is_refused_between_live_models():
     a = _net()
     with pytest.raises(hs.CompareError, match="loss_reduction='avg' is not one of 'mean', 'sum'"):
         hs.compare(a, copy.deepcopy(a), X, loss_reduction="avg")
 
 
-@pytest.mark.xfail(strict=True, reason=_NEEDS_COMPARE)
 @pytest.mark.parametrize("value", ["mean", "sum"])
 def test_a_loss_reduction_with_no_record_of_several_ranks_is_refused_not_ignored(tmp_path, value):
     a = _net()
@@ -261,8 +252,8 @@ def test_a_loss_reduction_with_no_record_of_several_ranks_is_refused_not_ignored
 
 
 def test_the_loss_reduction_check_refuses_only_where_it_would_be_ignored(tmp_path):
-    """check_reduction itself (what compare is to call at entry, see _NEEDS_COMPARE): a value
-    given is refused unless a side is a record of several ranks; not given (None) passes."""
+    """check_reduction itself (what compare calls at entry): a value given is refused unless a
+    side is a record of several ranks; not given (None) passes."""
     from hookscope.compare._checks import check_reduction
 
     a = _net()
@@ -307,12 +298,6 @@ def test_a_record_without_the_model_call_warns_that_its_loss_cannot_be_checked(t
         hs.compare(tmp_path / "root", copy.deepcopy(a), X, loss_fn=other_loss)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs _compare._check_inputs: where the record holds no call of the model "
-    "(pos is None) and inputs are given, warn (HookscopeWarning) that they cannot be checked, "
-    "naming the fix: record with layers including '' (the lead's file)",
-)
 def test_a_record_without_the_model_call_does_not_take_other_inputs_silently(tmp_path):
     a = _net()
     with hs.record(a, tmp_path / "layers", layers=["0", "2"]):

@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     autocast = _dtype(args.autocast, "--autocast")
     loss = _loss(args.loss or "sum")
     if folder_a is not None and folder_b is not None:
-        report = compare(folder_a, folder_b, loss_reduction=reduction)
+        report = compare(folder_a, folder_b, loss_reduction=args.loss_reduction)
     elif folder_a is not None:
         if args.b is None:
             raise CLIError("a record needs B: another record folder or a model spec")
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             *inputs,
             loss_fn=loss,
             autocast=autocast,
-            loss_reduction=reduction,
+            loss_reduction=args.loss_reduction,
             **kwargs,
         )
     else:

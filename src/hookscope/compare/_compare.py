@@ -366,7 +366,7 @@ def compare(
     names: Names = None,
     autocast: torch.dtype | None = None,
     max_bytes: int | None = None,
-    loss_reduction: str = "mean",
+    loss_reduction: str | None = None,
     **kwargs: Any,
 ) -> CompareReport:
     """Compare two runs module by module and name the module that makes the difference.
@@ -441,11 +441,12 @@ def compare(
     """
     sa = RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes)
     sb = RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes)
-    check_arguments(a, b, sb, names)
-    ra = _side(a, "a", sa, loss_reduction)
-    rb = _side(b, "b", sb, loss_reduction)
+    check_arguments(a, b, sb, names, loss_reduction)
+    reduction = loss_reduction or "mean"
+    ra = _side(a, "a", sa, reduction)
+    rb = _side(b, "b", sb, reduction)
     _check_records(ra, rb, sb)
-    _check_reduction(ra, rb, loss_reduction)
+    _check_reduction(ra, rb, reduction)
     if loss_fn is not None:
         live = a if isinstance(a, nn.Module) else b if isinstance(b, nn.Module) else None
         device = _device(live) if live is not None else torch.device("cpu")
@@ -510,6 +511,13 @@ def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]
     """The live run must get the recorded run's inputs: refuse others by name."""
     pos = ra.by_key.get(("", 0))
     if pos is None:
+        warnings.warn(
+            "hs.compare: the record holds no call of the model itself (recorded with layers= "
+            "that leave it out), so the inputs given cannot be checked against the record's: "
+            "record with layers including '' (the model) to have them checked",
+            HookscopeWarning,
+            stacklevel=4,
+        )
         return
     rec = ra.calls[pos].inputs
     given = cast_like((tuple(inputs), dict(kwargs)), ra.dtype, torch.device("cpu"))

@@ -75,7 +75,15 @@ class Record:
             for p, _ in m.named_parameters(recurse=False)
         }
         self._spool = Spool(self._dir)
-        self._hooks = CallHooks(named, self._scope, self._spool, _detached, strip_compiled(model))
+        try:
+            self._hooks = CallHooks(
+                named, self._scope, self._spool, _detached, strip_compiled(model)
+            )
+        except BaseException:  # no record: no hooks, no empty values.bin to refuse the next one
+            self._scope.remove()
+            self._spool.close()
+            self._spool.path.unlink(missing_ok=True)
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
