@@ -16,6 +16,7 @@ import torch.nn as nn
 from ..core._compiled import named_modules, strip_compiled
 from ..core._errors import HookscopeWarning
 from ._checks import check_arguments, check_loss, check_names
+from ._forced import Forced, forced_pass
 from ._record import load_record
 from ._replay import Replay, Result
 from ._report import CompareReport, CompareRow
@@ -71,6 +72,7 @@ class _Job:
                 )
         if ra.modules is not None and self.grads:
             self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast, norms=norms)
+        self.forced: Forced | None = None
         if self.mixed and (ra.modules is not None or b is not None):
             # the conditioning check replays A's modules; for a recorded A, a copy of B's in
             # A's dtype stands in for them
@@ -106,6 +108,42 @@ class _Job:
                     f"b: {c.name or '<root>'}#{c.index}" + (f" ({why})" if why else "")
                 )
         return matched, unmatched
+
+    def force(self) -> None:
+        """Every call of B replayed on A's values in one forward and backward (:mod:`._forced`),
+        where that is exactly the per-call replay; the other rows replay one by one."""
+        rb = self.rb
+        if self.rep_b is None or rb is None or rb.compiled or rb.modules is None:
+            return
+        names = {id(m): n for n, m in rb.modules.items()}
+        self.forced = forced_pass(self.rep_b, names, self.grads)
+
+    def _forced(self, i: int) -> Result | None:
+        """The forced pass's result for A's call ``i`` (its parameter gradients: the module's own,
+        summed over its calls, on its first call's row), or ``None``: replay it by itself."""
+        f = self.forced
+        if f is None or f.void or i in f.dirty:
+            return None
+        got = f.results.get(i)
+        if got is None:
+            return None
+        ca = self.ra.calls[i]
+        bname = self.map(ca.name)
+        module = self.rep_b.modules.get(bname) if self.rep_b and bname is not None else None
+        if module is None:
+            return None
+        pre_a = f"{ca.name}." if ca.name else ""
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        if any(pre_a + n in self.shared for n in own):
+            return None  # tied weights: the sums mix modules; per call, A replayed too
+        if self.grads and got.in_grads is not None:
+            pre_b = f"{bname}." if bname else ""
+            got.param_grads = (
+                {n: f.param_grads[pre_b + n] for n in own if pre_b + n in f.param_grads}
+                if ca.index == 0
+                else {}
+            )
+        return got
 
     # -- one row -------------------------------------------------------------------------------
     def row(self, i: int, j: int) -> CompareRow:
@@ -186,7 +224,10 @@ class _Job:
         if self.rep_b is None:
             return
         ca = self.ra.calls[i]
-        got = self._run(self.rep_b, i, self.grads, r)
+        got = self._forced(i)
+        forced = got is not None
+        if got is None:
+            got = self._run(self.rep_b, i, self.grads, r)
         if got is None:
             return
         if got.ran:
@@ -198,7 +239,16 @@ class _Job:
         once = (ca.name, 1) not in self.ra.by_key
         direct = got.param_grads and all("." not in n for n in got.param_grads)
         pre = f"{ca.name}." if ca.name else ""
-        if (
+        if forced and got.param_grads:
+            # the module's own parameter gradients over all its calls: A's whole .grad
+            errs.append(
+                self.norms.rel_pairs(
+                    [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
+                )
+            )
+        elif forced:
+            pass
+        elif (
             got.param_grads
             and once
             and direct
@@ -322,6 +372,7 @@ def build_report(job: _Job) -> CompareReport:
     ra, rb = job.ra, job.rb
     assert rb is not None
     matched, unmatched = job.pairs()
+    job.force()
     pending = [(i, j, job.row(i, j)) for i, j in matched]
     job.norms.resolve()
     rows = [(i, job.finish(i, j, r)) for i, j, r in pending]
@@ -440,7 +491,8 @@ def compare(
         True
     """
     sa = RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes)
-    sb = RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes)
+    # B's replays read A's inputs: of B's own, only their dtypes are kept
+    sb = RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes, inputs=False)
     check_arguments(a, b, sb, names, loss_reduction)
     reduction = loss_reduction or "mean"
     ra = _side(a, "a", sa, reduction)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._nested import map_tensors
+from ..core._nested import iter_tensors, map_tensors
 from ..core._recompute import Recomputes
 from ..core._scope import HookScope, _Hook, acts_here, get_ident, graph_task_id, thread_checked
 
@@ -37,13 +37,24 @@ class Entry:
     """One module call as the hooks see it; ``n_in``/``n_out``: its input and output tensor
     leaves (their gradients are stored per leaf)."""
 
-    __slots__ = ("alias", "children", "end", "index", "n_in", "n_out", "name", "parent")
+    __slots__ = (
+        "alias",
+        "children",
+        "end",
+        "in_dtypes",
+        "index",
+        "n_in",
+        "n_out",
+        "name",
+        "parent",
+    )
 
     def __init__(self, name: str, index: int, parent: int | None, alias: list[int] | None) -> None:
         self.name, self.index, self.parent, self.alias = name, index, parent, alias
         self.end = -1
         self.children: list[int] = []
         self.n_in = self.n_out = 0
+        self.in_dtypes: list[torch.dtype] | None = None  # when the inputs are not kept
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "index": self.index, "parent": self.parent, "end": self.end,
@@ -57,6 +68,8 @@ class CallHooks:
     ``copy(t)``: what is kept of an input or output tensor (a clone, or the tensor itself for a
     sink that writes it at once).
     ``root``: the model, whose calls are counted (``model_calls``) even when it is not hooked.
+    ``inputs=False``: keep only the dtypes of each call's inputs (``Entry.in_dtypes``), neither
+    their values nor their gradients (a live model compared with a recorded one needs no more).
     After the run: ``entries`` in start order, ``grads``: whether any gradient was recorded.
     """
 
@@ -67,8 +80,10 @@ class CallHooks:
         sink: Any,
         copy: Callable[[torch.Tensor], torch.Tensor],
         root: nn.Module | None = None,
+        inputs: bool = True,
     ) -> None:
         self.scope, self.sink, self.copy = scope, sink, copy
+        self.inputs = inputs
         self.entries: list[Entry] = []
         self.stack: list[int] = []
         self.counts: dict[str, int] = {}
@@ -99,6 +114,16 @@ class CallHooks:
             return copy(t)
 
         value = (tuple(args), dict(kwargs))
+        if not self.inputs:
+            leaves = [t for _, t in iter_tensors(value)]
+            e = Entry(name, i, parent, None)
+            e.n_in = len(leaves)
+            e.in_dtypes = [t.dtype for t in leaves]
+            self.entries.append(e)
+            if parent is not None:
+                self.entries[parent].children.append(pos)
+            self.stack.append(pos)
+            return None
         kept = map_tensors(keep, value)
         ids = [id(t) for t in leaves]
         alias = None

@@ -73,9 +73,13 @@ def _cast(
     device: torch.device,
     round_to: torch.dtype | None = None,
 ) -> Any:
-    """``value``'s floating leaves cast to the dtypes of ``like``'s leaves (same structure), else
-    to ``dtype``; tensors met twice stay one tensor (identity checks such as ``q is k`` hold)."""
-    dts = [t.dtype for _, t in iter_tensors(like)] if like is not None else []
+    """``value``'s floating leaves cast to the dtypes of ``like``'s leaves (same structure, or a
+    list of dtypes), else to ``dtype``; tensors met twice stay one tensor (identity checks such
+    as ``q is k`` hold)."""
+    if isinstance(like, list) and all(isinstance(d, torch.dtype) for d in like):
+        dts = like
+    else:
+        dts = [t.dtype for _, t in iter_tensors(like)] if like is not None else []
     n = sum(1 for _ in iter_tensors(value))
     it = iter(dts if len(dts) == n else [None] * n)
     memo: dict[int, torch.Tensor] = {}
@@ -90,6 +94,8 @@ def _cast(
             out = out.to(d if d is not None and d.is_floating_point else dtype)
             if round_to is not None:
                 out = out.to(round_to).to(out.dtype)
+        if out.data_ptr() == t.data_ptr() and out.numel():
+            out = out.clone()  # a module that works in place must not change the record
         memo[id(t)] = out
         return out
 
@@ -141,7 +147,7 @@ class Replay:
         device = self._device()
         args, kwargs = _cast(
             restore_aliases(c.inputs, c.alias),
-            own.inputs if own else None,
+            own.input_dtypes if own else None,
             self.dtype,
             device,
             self.round_to,

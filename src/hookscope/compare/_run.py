@@ -50,7 +50,17 @@ class CallRec:
     output / of ``(args, kwargs)`` (``None`` where no gradient reached it), or ``None`` when the
     run had no backward. The values live in a :class:`~._store.ValueStore` (memory or disk)."""
 
-    __slots__ = ("alias", "children", "end", "index", "name", "parent", "start", "store")
+    __slots__ = (
+        "alias",
+        "children",
+        "end",
+        "in_dtypes",
+        "index",
+        "name",
+        "parent",
+        "start",
+        "store",
+    )
 
     def __init__(
         self,
@@ -71,6 +81,12 @@ class CallRec:
         self.end = -1
         self.children: list[int] = []
         self.store = store if store is not None else ValueStore()
+        self.in_dtypes: list[torch.dtype] | None = None  # inputs not kept: their dtypes
+
+    @property
+    def input_dtypes(self) -> Any:
+        """What the inputs' dtypes can be read from: the dtypes kept, else the inputs."""
+        return self.in_dtypes if self.in_dtypes is not None else self.inputs
 
     @property
     def key(self) -> tuple[str, int]:
@@ -195,11 +211,13 @@ def calls_of(entries: list[Any], store: Any) -> list[CallRec]:
         if isinstance(e, dict):
             name, index, parent, alias = e["name"], e["index"], e["parent"], e["alias"]
             end, children, n_in, n_out = e["end"], e["children"], e["n_in"], e["n_out"]
+            dtypes = None
         else:
             name, index, parent, alias = e.name, e.index, e.parent, e.alias
             end, children, n_in, n_out = e.end, e.children, e.n_in, e.n_out
+            dtypes = e.in_dtypes
         c = CallRec(name, index, pos, parent, alias=alias, store=Leaves(store, pos, n_in, n_out))
-        c.end, c.children = end, list(children)
+        c.end, c.children, c.in_dtypes = end, list(children), dtypes
         calls.append(c)
     return calls
 
@@ -244,6 +262,7 @@ class RunSpec:
     autocast: torch.dtype | None = None
     what: str = "a"
     max_bytes: int | None = None
+    inputs: bool = True  # keep each call's inputs (else their dtypes; a compiled model keeps them)
 
 
 def record_run(spec: RunSpec) -> RunRecord:
@@ -256,7 +275,8 @@ def record_run(spec: RunSpec) -> RunRecord:
     want_grads = spec.loss_fn is not None
     check_model(model)  # index compiled regions first: hooks inside them are routed
     store = ValueStore(spec.max_bytes)
-    hooks = CallHooks(modules, HookScope("compare"), store, _clone)
+    compiled = is_optimized(model) or bool(compiled_regions(model))
+    hooks = CallHooks(modules, HookScope("compare"), store, _clone, inputs=spec.inputs or compiled)
     loss = None
     with preserved(model), hooks.scope, contextlib.closing(store), random_draws() as draws:
         with _autocast(device, spec.autocast):
@@ -289,7 +309,7 @@ def record_run(spec: RunSpec) -> RunRecord:
         param_grads=param_grads,
         dtype=dtype,
         autocast=spec.autocast,
-        compiled=is_optimized(model) or bool(compiled_regions(model)),
+        compiled=compiled,
         output=map_tensors(lambda t: t.detach(), out),
         loss=loss,
         has_grads=want_grads,

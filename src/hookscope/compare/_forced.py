@@ -1,0 +1,320 @@
+"""Every module call of a live model replayed on a recorded run's values in **one** forward and
+one backward: the per-call replay of :mod:`._replay`, done for all calls together.
+
+A forward pre-hook on each module replaces the inputs its caller computed by the recorded run's
+inputs to that call (cast like :class:`~._replay.Replay` casts them); a forward hook keeps the
+module's own output and hands the caller the recorded output instead. So each module runs once,
+on the recorded inputs, and each caller's code runs on the recorded outputs of the calls it makes:
+per call, exactly what :meth:`Replay.run <._replay.Replay.run>` computes with the children
+stubbed, and what the caller handed to each call (its inputs, and in backward the gradient of its
+output) is compared with the recorded run's, as the stubs do. In backward the same boundaries
+hold (two autograd functions): a call's output gets the recorded gradient of that output, the
+caller gets the recorded gradient of the call's inputs, and the gradient that reaches a call's
+replaced inputs is that call's local input gradient. One ``autograd.grad`` gives them all, with
+the parameter gradients summed over the calls of each module.
+
+It is a fast path, taken only where it is exactly the per-call replay: a call whose caller runs
+it in another way than the recorded run (not recorded there, another parent, another number of
+tensors, no recorded inputs or output) is left to run as it is, and it and its caller are
+``dirty`` (replayed one by one instead); a module that runs during backward (activation
+checkpointing recomputes it, without these hooks) or an error voids the whole pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core._nested import iter_tensors, map_tensors
+from ..core._scope import HookScope, graph_task_id
+from ._replay import Replay, Result, _cast
+from ._run import CallRec, restore_aliases
+
+__all__ = ["Forced", "forced_pass"]
+
+
+class _Enter(torch.autograd.Function):
+    """The replaced inputs of a call: forward gives the recorded inputs (copies), backward hands
+    the caller the recorded input gradients and keeps what reached the replaced ones."""
+
+    @staticmethod
+    def forward(ctx: Any, box: Any, anchor: torch.Tensor, *given: torch.Tensor) -> Any:
+        forced, wanted, to_caller, keep = box
+        ctx.to_caller, ctx.keep = to_caller, keep
+        ctx.set_materialize_grads(False)
+        outs = tuple(t.clone() for t in forced)
+        nondiff = [o for o, w in zip(outs, wanted) if not w]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.keep(grads)
+        return (None, None, *ctx.to_caller)
+
+
+class _Exit(torch.autograd.Function):
+    """The output handed to the caller: forward gives the recorded output (copies), backward
+    seeds the module's own output with the recorded output gradient and compares what the
+    caller sent back with the recorded one."""
+
+    @staticmethod
+    def forward(ctx: Any, box: Any, *real: torch.Tensor) -> Any:
+        values, seeds, on_grads = box
+        ctx.seeds, ctx.on_grads = seeds, on_grads
+        ctx.set_materialize_grads(False)
+        outs = tuple(v.clone() for v in values)
+        nondiff = [o for o in outs if not o.is_floating_point()]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.on_grads(grads)
+        return (None, *ctx.seeds)
+
+
+class Forced:
+    """The results of a forced pass: ``results[pos]`` for each recorded call replayed exactly
+    (its position in the recorded run), ``param_grads`` the live model's parameter gradients
+    (full names) summed over the pass; ``dirty``: calls to replay one by one."""
+
+    def __init__(self) -> None:
+        self.results: dict[int, Result] = {}
+        self.param_grads: dict[str, torch.Tensor] = {}
+        self.dirty: set[int] = set()
+        self.void = ""  # why the whole pass is void ("" when it is not)
+
+
+class _Frame:
+    __slots__ = ("leaves", "pos", "res")
+
+    def __init__(self, pos: int, res: Result) -> None:
+        self.pos, self.res = pos, res
+        self.leaves: list[torch.Tensor | None] = []
+
+
+def forced_pass(rep: Replay, names: dict[int, str], grads: bool) -> Forced:
+    """Replay every call of ``rep.ref`` on ``rep.modules`` in one forward (and, with ``grads``,
+    one backward). ``names``: ``id(module) -> name`` of the live modules."""
+    out = Forced()
+    ref = rep.ref
+    root = ref.by_key.get(("", 0))
+    if root is None:
+        out.void = "the record holds no call of the model"
+        return out
+    model = rep.modules.get(rep.name_map("") or "")
+    if model is None:
+        out.void = "no live model"
+        return out
+    pass_ = _Pass(rep, ref, names, grads, out)
+    try:
+        pass_.run(model, ref.calls[root])
+    except Exception as exc:  # a module that cannot run this way: one by one instead
+        out.results.clear()
+        out.void = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+class _Pass:
+    def __init__(
+        self, rep: Replay, ref: Any, names: dict[int, str], grads: bool, out: Forced
+    ) -> None:
+        self.rep, self.ref, self.names, self.grads, self.out = rep, ref, names, grads, out
+        # the recorded call each live call stands for: (live name, occurrence) -> position
+        self.by_live: dict[tuple[str, int], int] = {}
+        for pos, c in enumerate(ref.calls):
+            live = rep.name_map(c.name)
+            if live is not None:
+                self.by_live[(live, c.index)] = pos
+        self.counts: dict[str, int] = {}
+        self.stack: list[_Frame | None] = []  # None: a call left to run as it is
+        self.device = rep._device()
+        self.anchor = torch.zeros((), device=self.device, requires_grad=True)
+        self.exits: list[torch.Tensor] = []  # the root's replaced outputs (backward starts there)
+
+    # -- the pass --------------------------------------------------------------------------------
+    def run(self, model: nn.Module, call: CallRec) -> None:
+        rep = self.rep
+        scope = HookScope("compare")
+        for m in rep.modules.values():
+            name = self.names.get(id(m))
+            if name is None:
+                continue
+            scope.add_forward_pre(m, self._pre(name), layer=name, with_kwargs=True)
+            scope.add_forward(m, self._post(name), layer=name, always_call=True)
+        args, kwargs = call.inputs
+        ctx = (
+            torch.autocast(device_type=self.device.type, dtype=rep.autocast)
+            if rep.autocast is not None
+            else contextlib.nullcontext()
+        )
+        with scope, torch.set_grad_enabled(self.grads), ctx:
+            model(*args, **kwargs)
+        if self.out.void:
+            return
+        if self.grads:
+            self._backward()
+
+    def _backward(self) -> None:
+        outs = [t for t in self.exits if t.requires_grad]
+        params = [(n, p) for n, p in self.rep.modules[""].named_parameters() if p.requires_grad]
+        if not outs:
+            return
+        with torch.enable_grad():
+            got = torch.autograd.grad(
+                outs,
+                [self.anchor, *(p for _, p in params)],
+                [torch.zeros_like(t) for t in outs],
+                allow_unused=True,
+            )
+        if self.out.void:
+            return
+        self.out.param_grads = {n: g for (n, _), g in zip(params, got[1:]) if g is not None}
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _pre(self, name: str) -> Any:
+        def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
+            if graph_task_id() != -1:  # recomputed in backward (checkpointing): not forced
+                self.out.void = f"{name or '<root>'} runs again in backward (checkpointing)"
+                return None
+            i = self.counts.get(name, 0)
+            self.counts[name] = i + 1
+            return self._enter(name, i, args, kwargs)
+
+        return pre
+
+    def _post(self, name: str) -> Any:
+        def post(module: nn.Module, args: Any, output: Any) -> Any:
+            if graph_task_id() != -1 or not self.stack:
+                return None
+            frame = self.stack.pop()
+            if frame is None:
+                return None
+            return self._exit(frame, output)
+
+        return post
+
+    def _enter(self, name: str, i: int, args: Any, kwargs: Any) -> Any:
+        ref, rep = self.ref, self.rep
+        pos = self.by_live.get((name, i))
+        parent = next((f for f in reversed(self.stack) if f is not None), None)
+        given = [t for _, t in iter_tensors((args, kwargs))]
+        c = ref.calls[pos] if pos is not None else None
+        if (
+            c is None
+            or c.inputs is None
+            or c.output is None
+            or c.parent != (parent.pos if parent is not None else None)
+            or (parent is None and self.stack)
+            or len(given) != len(list(iter_tensors(c.inputs)))
+        ):
+            # run as it is: not the per-call replay of this call, nor of the calls enclosing it
+            for f in self.stack:
+                if f is not None:
+                    self.out.dirty.add(f.pos)
+            if pos is not None:
+                self.out.dirty.add(pos)
+            self.stack.append(None)
+            return None
+        res = Result(None)
+        frame = _Frame(pos, res)
+        if parent is not None:
+            parent.res.child_errors.append(
+                rep._errors(list(zip([t for _, t in iter_tensors(c.inputs)], given)))
+            )
+        own = rep._own_call(c)
+        value = _cast(
+            restore_aliases(c.inputs, c.alias),
+            own.input_dtypes if own else None,
+            rep.dtype,
+            self.device,
+            rep.round_to,
+        )
+        self.stack.append(frame)
+        if not self.grads:
+            self.out.results[pos] = res
+            return tuple(value[0]), dict(value[1])
+        # which leaves get a gradient: floating, first occurrence, recorded gradient (as
+        # _requiring); the caller gets the recorded gradient of what it passed (as the stubs)
+        want = c.in_grad or []
+        distinct: dict[int, int] = {}
+        forced: list[torch.Tensor] = []
+        wanted: list[bool] = []
+        for k, (_, t) in enumerate(iter_tensors(value)):
+            g = want[k] if k < len(want) else None
+            if id(t) in distinct:
+                frame.leaves.append(None)
+                continue
+            distinct[id(t)] = len(forced)
+            w = g is not None and t.is_floating_point()
+            forced.append(t)
+            wanted.append(w)
+            frame.leaves.append(t if w else None)
+        to_caller: list[torch.Tensor | None] = [None] * len(given)
+        seen: set[int] = set()
+        for k, (t, g) in enumerate(zip(given, want)):
+            if g is not None and t.requires_grad and id(t) not in seen:
+                to_caller[k] = g.to(device=t.device, dtype=t.dtype)
+            seen.add(id(t))
+        slots = [distinct[id(t)] for _, t in iter_tensors(value)]
+        first = {j: k for k, j in reversed(list(enumerate(slots)))}
+
+        def keep(grads: tuple[Any, ...]) -> None:
+            res.in_grads = [
+                grads[slots[k]] if frame.leaves[k] is not None and first[slots[k]] == k else None
+                for k in range(len(slots))
+            ]
+
+        res.in_grads = [None] * len(slots)
+        made = _Enter.apply((forced, wanted, to_caller, keep), self.anchor, *given)
+        it = iter(made[j] for j in slots)
+        self.out.results[pos] = res
+        new = map_tensors(lambda _t: next(it), value)
+        return tuple(new[0]), dict(new[1])
+
+    def _exit(self, frame: _Frame, output: Any) -> Any:
+        ref, rep = self.ref, self.rep
+        c = ref.calls[frame.pos]
+        res = frame.res
+        res.output = map_tensors(lambda t: t.detach(), output)
+        real = [t for _, t in iter_tensors(output)]
+        own = rep._own_call(c)
+        value = _cast(c.output, own.output if own else None, rep.dtype, self.device, rep.round_to)
+        values = [t for _, t in iter_tensors(value)]
+        if len(values) != len(real):
+            self._dirty(frame)
+            return None
+        if not values:
+            return value
+        parent = next((f for f in reversed(self.stack) if f is not None), None)
+        seeds: list[torch.Tensor | None] = [None] * len(real)
+        if self.grads and c.grad is not None:
+            for k, (o, g) in enumerate(zip(real, c.grad)):
+                if g is not None and o.requires_grad:
+                    seeds[k] = g.to(device=o.device, dtype=o.dtype)
+        ref_grads = c.grad
+
+        def on_grads(grads: tuple[Any, ...]) -> None:
+            if parent is not None and ref_grads is not None:
+                parent.res.child_grad_errors.append(rep._errors(list(zip(ref_grads, grads))))
+
+        if self.grads and any(o.requires_grad for o in real):
+            made = _Exit.apply((values, seeds, on_grads), *real)
+        else:
+            made = tuple(v.clone() for v in values)
+        if parent is None:
+            self.exits.extend(made)
+        it = iter(made)
+        return map_tensors(lambda _t: next(it), value)
+
+    def _dirty(self, frame: _Frame) -> None:
+        self.out.dirty.add(frame.pos)
+        for f in self.stack:
+            if f is not None:
+                self.out.dirty.add(f.pos)
