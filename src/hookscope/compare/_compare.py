@@ -130,7 +130,7 @@ class _Job:
         ca = self.ra.calls[i]
         bname = self.map(ca.name)
         module = self.rep_b.modules.get(bname) if self.rep_b and bname is not None else None
-        if module is None:
+        if module is None or bname in f.unforced:
             return None
         pre_a = f"{ca.name}." if ca.name else ""
         own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]

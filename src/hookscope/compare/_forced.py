@@ -88,6 +88,9 @@ class Forced:
         self.results: dict[int, Result] = {}
         self.param_grads: dict[str, torch.Tensor] = {}
         self.dirty: set[int] = set()
+        # live modules with a call left to run as it is: their parameter gradients in the pass
+        # mix it in, so their rows replay by themselves
+        self.unforced: set[str] = set()
         self.void = ""  # why the whole pass is void ("" when it is not)
 
 
@@ -154,12 +157,11 @@ class _Pass:
             if rep.autocast is not None
             else contextlib.nullcontext()
         )
-        with scope, torch.set_grad_enabled(self.grads), ctx:
-            model(*args, **kwargs)
-        if self.out.void:
-            return
-        if self.grads:
-            self._backward()
+        with scope:  # still on in backward: a module recomputed there voids the pass
+            with torch.set_grad_enabled(self.grads), ctx:
+                model(*args, **kwargs)
+            if self.grads and not self.out.void:
+                self._backward()
 
     def _backward(self) -> None:
         outs = [t for t in self.exits if t.requires_grad]
@@ -220,6 +222,7 @@ class _Pass:
                     self.out.dirty.add(f.pos)
             if pos is not None:
                 self.out.dirty.add(pos)
+            self.out.unforced.add(name)
             self.stack.append(None)
             return None
         res = Result(None)
@@ -315,6 +318,9 @@ class _Pass:
 
     def _dirty(self, frame: _Frame) -> None:
         self.out.dirty.add(frame.pos)
+        live = self.rep.name_map(self.ref.calls[frame.pos].name)
+        if live is not None:
+            self.out.unforced.add(live)
         for f in self.stack:
             if f is not None:
                 self.out.dirty.add(f.pos)

@@ -1,0 +1,159 @@
+"""The one-pass replay (every call of B on A's values in one forward and backward) against the
+per-call replay it stands for: the same rows, and the per-call replay wherever the one pass would
+not be exactly it (calls made another way, checkpointing, tied weights)."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import hookscope as hs
+from helpers.common import tiny_models_on_one_thread  # noqa: F401  (autouse fixture)
+from helpers.faults import FAULTS, MODELS, faulty
+
+_compare = importlib.import_module("hookscope.compare._compare")
+
+_FIELDS = ("error", "local_error", "grad_error", "param_grad_error")
+
+
+def _both(monkeypatch, a, b, *inputs, **kwargs):
+    """The report with the one-pass replay, what that pass did, and the report without it."""
+    seen = []
+    force = _compare._Job.force
+
+    def spy(job):
+        force(job)
+        seen.append(job.forced)
+
+    monkeypatch.setattr(_compare._Job, "force", spy)
+    fast = hs.compare(a, b, *inputs, **kwargs)
+    monkeypatch.setattr(_compare._Job, "force", lambda job: None)
+    slow = hs.compare(a, b, *inputs, **kwargs)
+    monkeypatch.setattr(_compare._Job, "force", force)
+    return fast, seen[0], slow
+
+
+def _same(x, y):
+    if x is None or y is None:
+        return x is None and y is None
+    if math.isinf(x) or math.isinf(y):
+        return x == y
+    return x == pytest.approx(y, rel=1e-5, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "fault_id, bf16",
+    [("llama-norm-eps", False), ("llama-down-proj-backward", True), ("vit-heads", True),
+     ("cnn-bn-eps", False), ("cnn-conv1-backward", True)],
+)  # fmt: skip
+def test_one_pass_gives_the_per_call_replays_rows(monkeypatch, fault_id, bf16):
+    fault = next(f for f in FAULTS if f.id == fault_id)
+    a, inputs, kwargs, loss = MODELS[fault.model]()
+    b = faulty(a, fault)
+    if bf16:
+        b = b.to(torch.bfloat16)
+    fast, forced, slow = _both(monkeypatch, a, b, *inputs, loss_fn=loss, **kwargs)
+    assert forced is not None and not forced.void and not forced.dirty
+    assert len(forced.results) == len(fast.rows)  # every call replayed in the one pass
+    assert fast.culprit == slow.culprit == fault.culprit
+    assert [r.label for r in fast.rows] == [r.label for r in slow.rows]
+    for x, y in zip(fast.rows, slow.rows):
+        for field in _FIELDS:
+            assert _same(getattr(x, field), getattr(y, field)), (x.label, field)
+        assert x.flagged == y.flagged, x.label
+        # the one pass also checks the gradient a caller's own code sends back to the calls it
+        # makes where their inputs need no gradient (the per-call replay skips it: None there)
+        if y.local_grad_error is not None:
+            assert _same(x.local_grad_error, y.local_grad_error), x.label
+
+
+class _Twice(nn.Module):
+    def __init__(self, again: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.again = again
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).tanh()
+        return self.lin(y) if self.again else y
+
+
+def test_a_call_made_another_way_is_replayed_by_itself(monkeypatch):
+    """B's block calls its child twice where A's called it once: the block's row (and the extra
+    call) cannot be the one pass's; it replays as before and says its child ran for real."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), _Twice(False), nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    b[1].again = True
+    x = torch.randn(3, 4)
+    fast, forced, slow = _both(monkeypatch, a, b, x, loss_fn=lambda o: o.pow(2).sum())
+    assert not forced.void
+    assert 2 in forced.dirty  # A's call of the block ("1"), in start order
+    assert fast.row("1").note == slow.row("1").note
+    assert "children ran for real" in fast.row("1").note and "Linear" in fast.row("1").note
+    assert fast.culprit == slow.culprit == "1"
+    for x_, y_ in zip(fast.rows, slow.rows):
+        for field in (*_FIELDS, "local_grad_error"):
+            if getattr(y_, field) is not None:
+                assert _same(getattr(x_, field), getattr(y_, field)), (x_.label, field)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_checkpointing_voids_the_one_pass(monkeypatch):
+    """A module recomputed in backward runs without the pass's hooks there (its gradients would
+    be another forward's): the whole pass is dropped, every call replays by itself."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), _Checkpointed(), nn.Linear(4, 2))
+    b = copy.deepcopy(a)
+    b[1].inner[2].weight.data.mul_(1.01)
+    x = torch.randn(3, 4)
+    fast, forced, slow = _both(monkeypatch, a, b, x, loss_fn=lambda o: o.pow(2).sum())
+    assert "backward" in forced.void and "checkpointing" in forced.void
+    assert fast.culprit == slow.culprit == "1.inner.2"
+    for x_, y_ in zip(fast.rows, slow.rows):
+        for field in (*_FIELDS, "local_grad_error"):
+            assert _same(getattr(x_, field), getattr(y_, field)), (x_.label, field)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in many language models
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mix(self.embed(ids)).tanh())
+
+
+def test_tied_weights_take_their_parameter_gradients_per_call(monkeypatch):
+    """The one pass sums a tied weight's gradient over the modules that hold it; those modules'
+    rows replay by themselves so each gets its own (a fault in the head's backward is the
+    head's, not the embedding's)."""
+    from helpers.faults import BadBackwardLinear
+
+    torch.manual_seed(0)
+    a = _Tied()
+    b = copy.deepcopy(a)
+    b.head.__class__ = BadBackwardLinear
+    ids = torch.randint(0, 10, (2, 5))
+    fast, forced, slow = _both(monkeypatch, a, b, ids, loss_fn=lambda o: o.pow(2).sum())
+    assert not forced.void and {r.label for r in fast.rows} == {"<root>", "embed", "mix", "head"}
+    assert fast.culprit == slow.culprit == "head"
+    assert fast.row("embed").local_grad_error == slow.row("embed").local_grad_error
+    assert not fast.row("embed").flagged
