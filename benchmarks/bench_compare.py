@@ -7,7 +7,8 @@ GQA 4/2 heads, RoPE, RMSNorm; 2x12 tokens), a BatchNorm CNN (4x3x16x16) and a 2-
 
 Cost: one plain forward+backward of A plus one of B (a bf16 copy) against ``hs.compare(a, b,
 loss_fn=...)`` (goal: <= 3x), and one plain step against the same step inside ``hs.record``
-(goal: <= 1.5x plus the writing).
+(goal: <= 1.5x plus the writing; the writing, timed apart: each value appended to
+``values.bin`` and the exit's parameter gradients and index, median over the rounds).
 
 Detection: for each fault (fp32 B, and bf16 B where the fault is one in bf16), whether
 ``report.culprit`` is the faulty module; whether the hand-written per-layer output diff (the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import sys
 import tempfile
 import time
@@ -53,6 +55,33 @@ def _llama_wide():
     return model, (ids,), {"use_cache": False}, lambda o: o.logits.float().logsumexp(-1).mean()
 
 
+class _Writing:
+    """Seconds spent writing during ``hs.record``: each value appended to ``values.bin``
+    (``Spool.write``) and the exit (parameter gradients, ``index.json``)."""
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.seconds = 0.0
+        store = importlib.import_module("hookscope.compare._store")
+        record = importlib.import_module("hookscope.compare._record")
+        for owner, attr in ((store.Spool, "write"), (record.Record, "__exit__")):
+            setattr(owner, attr, self._timed(getattr(owner, attr)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        return timed
+
+
+_WRITING: _Writing | None = None
+
+
 def _cost_row(name: str, build, rounds: int) -> list[str]:
     a, inputs, kwargs, loss = build()
     b = copy.deepcopy(a).to(torch.bfloat16)
@@ -68,25 +97,34 @@ def _cost_row(name: str, build, rounds: int) -> list[str]:
     def plain_a():
         _step(a, inputs, kwargs, loss)
 
+    writes: list[float] = []
+
     def record():
         a.zero_grad(set_to_none=True)
-        with tempfile.TemporaryDirectory() as d, hs.record(a, d):
-            loss(a(*inputs, **kwargs)).backward()
+        with tempfile.TemporaryDirectory() as d:
+            before = _WRITING.seconds
+            with hs.record(a, d):
+                loss(a(*inputs, **kwargs)).backward()
+            writes.append(_WRITING.seconds - before)
         a.zero_grad(set_to_none=True)
 
     t = interleaved({"ab": plain_ab, "compare": compare, "a": plain_a, "record": record}, rounds)
+    w = statistics.median(writes)
     return [
         name, f"{t['ab'] * 1e3:.1f}", f"{t['compare'] * 1e3:.1f}", f"{t['compare'] / t['ab']:.1f}x",
-        f"{t['a'] * 1e3:.1f}", f"{t['record'] * 1e3:.1f}", f"{t['record'] / t['a']:.1f}x",
+        f"{t['a'] * 1e3:.1f}", f"{t['record'] * 1e3:.1f}", f"{w * 1e3:.1f}",
+        f"{(t['record'] - w) / t['a']:.2f}x",
     ]  # fmt: skip
 
 
 def cost(rounds: int) -> None:
+    global _WRITING
+    _WRITING = _Writing()
     models = [*MODELS.items(), ("llama wide (4x512, 256 tokens)", _llama_wide)]
     rows = [_cost_row(name, build, rounds) for name, build in models]
     print(table(
         ["model", "A+B fwd+bwd ms", "compare ms", "compare / A+B", "A fwd+bwd ms", "record ms",
-         "record / A"], rows))  # fmt: skip
+         "of which writing ms", "(record - writing) / A"], rows))  # fmt: skip
 
 
 def _diff_verdict(report, threshold: float) -> str | None:
