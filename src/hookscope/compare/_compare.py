@@ -73,6 +73,7 @@ class _Job:
         if ra.modules is not None and self.grads:
             self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast, norms=norms)
         self.forced: Forced | None = None
+        self._owned: dict[str, list[str]] | None = None
         if self.mixed and (ra.modules is not None or b is not None):
             # the conditioning check replays A's modules; for a recorded A, a copy of B's in
             # A's dtype stands in for them
@@ -202,10 +203,12 @@ class _Job:
     def _param_grads(self, a_name: str, b_name: str) -> float | None:
         ra, rb = self.ra, self.rb
         assert rb is not None
+        if self._owned is None:  # each module's own parameters, once
+            self._owned = {}
+            for p, owner in ra.params.items():
+                self._owned.setdefault(owner, []).append(p)
         pairs = []
-        for p, owner in ra.params.items():
-            if owner != a_name:
-                continue
+        for p in self._owned.get(a_name, ()):
             local = p[len(a_name) + 1 :] if a_name else p
             q = f"{b_name}.{local}" if b_name else local
             pairs.append((ra.param_grads.get(p), rb.param_grads.get(q)))
