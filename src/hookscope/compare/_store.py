@@ -137,7 +137,9 @@ class Spool:
             self._at += f.write(blob)
             self.index[key] = (start, len(blob))
 
-    put = write
+    def put(self, key: str, value: Any) -> None:
+        """:meth:`write` (the name the record's hooks call)."""
+        self.write(key, value)
 
     def close(self) -> None:
         with self._lock:
