@@ -432,10 +432,11 @@ def compare(
     go to both forwards), every module call recorded with its inputs and output and, with
     ``loss_fn``, after ``loss_fn(output).backward()``, its gradients. Then each module call of B
     is **replayed on A's own inputs to it**, the modules it calls returning A's outputs (so the
-    replay measures the module's own code, and all replays together cost about one forward and
-    backward): its output against A's is the module's *local* error; with ``loss_fn``, its
-    vector-Jacobian product at A's inputs with A's output gradient against A's input gradient
-    (and the parameter gradients of that call) is its local gradient error. A compiled B also
+    replay measures the module's own code; all calls are replayed in one forward and one
+    backward of B, see the guide): its output against A's is the module's *local* error; with
+    ``loss_fn``, its vector-Jacobian product at A's inputs with A's output gradient against A's
+    input gradient (and the module's own parameter gradients, on its first call's row) is its
+    local gradient error. A compiled B also
     runs each module eagerly on the inputs its compiled run gave it: what compilation adds
     inside the module (``compile_error``).
 
