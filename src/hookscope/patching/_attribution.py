@@ -20,7 +20,16 @@ from ..core._scope import HookScope
 from ._inputs import PatchingError, check_common, check_count
 from ._job import PatchMetric, SweepJob, check_calls, prepare, score
 from ._layer_sweep import LayerSweep
-from ._sites import PatchedLayer, grid, per_site, resolve_layers, set_act, stack_layers, view
+from ._sites import (
+    PatchedLayer,
+    grid,
+    names_of_blocks,
+    per_site,
+    resolve_layers,
+    set_act,
+    stack_layers,
+    view,
+)
 
 __all__ = ["attribution_patch"]
 
@@ -87,10 +96,18 @@ def attribution_patch(
     check_common("attribution_patch", metric, at, arg, reverse, head_proj)
     check_count(top_k, "top_k", "the sites to patch exactly")
     src, dst = prepare(model, clean, corrupt, reverse)
+    names = names_of_blocks(model)  # once: the sites and the job both need them
     chosen, over_t = resolve_layers(
-        model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
+        model,
+        layers,
+        at=at,
+        over=over,
+        arg=arg,
+        n_heads=n_heads,
+        head_proj=head_proj,
+        block_names=names,
     )
-    job = SweepJob.create(model, dst, metric, over_t, what="attribution_patch")
+    job = SweepJob.create(model, dst, metric, over_t, what="attribution_patch", block_names=names)
     with torch.no_grad():
         clean_acts, _, job.per_row = job.record(src, chosen, what="attribution_patch")
     acts, grads, value = _gradients(job, chosen)

@@ -12,15 +12,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._blocks import blocks
 from ..core._compiled import named_modules
-from ..core._errors import LayerNotFoundError
 from ..core._nested import iter_tensors
 from ..core._random import random_draws, training_modules
 from ..core._scope import HookScope, check_model, model_device
 from ._batching import default_budget
 from ._inputs import PatchingError, as_kwargs, batch_size, check_aligned, check_count
-from ._sites import PatchedLayer, get_act
+from ._sites import PatchedLayer, get_act, names_of_blocks
 
 __all__ = ["PatchMetric", "SweepJob", "check_calls", "prepare", "score"]
 
@@ -134,6 +132,7 @@ class SweepJob:
         rows: int | None = None,
         max_bytes: int | None = None,
         what: str = "patch_sweep",
+        block_names: list[str] | None = None,
     ) -> SweepJob:
         """Resolve ``model`` once; refuse one without values (meta device) or that mixes the rows
         of a batch (batch norm in training mode), naming ``what`` was called."""
@@ -141,10 +140,7 @@ class SweepJob:
         _check_modules(modules, what)
         check_count(rows, "rows", "rows per pass")
         device = model_device(model)
-        try:
-            names = list(blocks(model))
-        except LayerNotFoundError:
-            names = []
+        names = block_names if block_names is not None else names_of_blocks(model)
         return cls(
             model,
             dst,

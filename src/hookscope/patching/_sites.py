@@ -69,6 +69,14 @@ def _check_over(over: Sequence[str]) -> tuple[str, ...]:
     return t
 
 
+def names_of_blocks(model: nn.Module) -> list[str]:
+    """The names of the model's repeated blocks (``hs.blocks``), or ``[]`` when it has none."""
+    try:
+        return list(blocks(model))
+    except LayerNotFoundError:
+        return []
+
+
 def resolve_layers(
     model: nn.Module,
     layers: Any,
@@ -78,8 +86,10 @@ def resolve_layers(
     arg: int | str | None,
     n_heads: int | None,
     head_proj: str | None,
+    block_names: list[str] | None = None,
 ) -> tuple[list[PatchedLayer], tuple[str, ...]]:
-    """The selected layers of a sweep, in the model's order, and the normalised ``over``."""
+    """The selected layers of a sweep, in the model's order, and the normalised ``over``
+    (``block_names``: the model's repeated blocks when the caller has them already)."""
     over_t = _check_over(over)
     if at not in ("output", "input"):
         raise PatchingError(f"at must be 'output' or 'input', got {at!r}")
@@ -93,10 +103,8 @@ def resolve_layers(
             "selected; a glob's '*' spans dots). Select the repeated blocks with "
             "hs.blocks(model), or one child of each with hs.blocks(model, 'attn')"
         )
-    try:
-        block_names = list(blocks(model))
-    except LayerNotFoundError:
-        block_names = []
+    if block_names is None:
+        block_names = names_of_blocks(model)
     found = []
     for name in names:
         module = chosen[name]

@@ -15,7 +15,15 @@ from ._cached_prefix import CausalPrefix, drop_cache, wants_cache
 from ._inputs import PatchingError, check_common, check_count
 from ._job import PatchMetric, SweepJob, prepare
 from ._layer_sweep import LayerSweep
-from ._sites import PatchedLayer, grid, per_site, resolve_layers, stack_layers, view
+from ._sites import (
+    PatchedLayer,
+    grid,
+    names_of_blocks,
+    per_site,
+    resolve_layers,
+    stack_layers,
+    view,
+)
 
 __all__ = ["PatchMetric", "patch_sweep"]
 
@@ -112,10 +120,20 @@ def patch_sweep(
     check_count(rows, "rows", "rows per pass")
     check_count(max_bytes, "max_bytes", "the bytes a pass may use")
     src, dst = prepare(model, clean, corrupt, reverse)
+    names = names_of_blocks(model)  # once: the sites and the job both need them
     chosen, over_t = resolve_layers(
-        model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
+        model,
+        layers,
+        at=at,
+        over=over,
+        arg=arg,
+        n_heads=n_heads,
+        head_proj=head_proj,
+        block_names=names,
     )
-    job = SweepJob.create(model, dst, metric, over_t, rows=rows, max_bytes=max_bytes)
+    job = SweepJob.create(
+        model, dst, metric, over_t, rows=rows, max_bytes=max_bytes, block_names=names
+    )
     with torch.no_grad():
         acts, _, job.per_row = job.record(src, chosen, what="patch_sweep")
         if max_bytes is not None and rows is None and job.per_row * job.batch > max_bytes:
