@@ -11,7 +11,11 @@ output) is compared with the recorded run's, as the stubs do. In backward the sa
 hold (two autograd functions): a call's output gets the recorded gradient of that output, the
 caller gets the recorded gradient of the call's inputs, and the gradient that reaches a call's
 replaced inputs is that call's local input gradient. One ``autograd.grad`` gives them all, with
-the parameter gradients summed over the calls of each module.
+the parameter gradients summed over the calls of each module. Its roots are a handle (a zero
+scalar output) of each of those functions, not the model's output: every call's own output is
+seeded even where its caller's code sends no gradient back to it (an output dropped, detached, or
+a gradient the record lacks), and the caller gets the recorded input gradients of a call only
+where its code does send one back (as the per-call replay's stubs).
 
 It is a fast path, taken only where it is exactly the per-call replay: a call whose caller runs
 it in another way than the recorded run (not recorded there, another parent, another number of
@@ -37,46 +41,54 @@ __all__ = ["Forced", "forced_pass"]
 
 
 class _Enter(torch.autograd.Function):
-    """The replaced inputs of a call: forward gives the recorded inputs (copies), backward hands
-    the caller the recorded input gradients and keeps what reached the replaced ones."""
+    """The replaced inputs of a call: forward gives the recorded inputs (copies), backward keeps
+    what reached them. Its last output is a handle (a zero scalar), a root of the backward: the
+    node runs even where nothing reaches the replaced inputs."""
 
     @staticmethod
-    def forward(ctx: Any, box: Any, anchor: torch.Tensor, *given: torch.Tensor) -> Any:
-        forced, wanted, to_caller, keep = box
-        ctx.to_caller, ctx.keep = to_caller, keep
+    def forward(ctx: Any, box: Any, anchor: torch.Tensor) -> Any:
+        forced, wanted, keep = box
+        ctx.keep = keep
         ctx.set_materialize_grads(False)
         outs = tuple(t.clone() for t in forced)
         nondiff = [o for o, w in zip(outs, wanted) if not w]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
-        return outs
+        return (*outs, anchor.new_zeros(()))
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.keep(grads)
-        return (None, None, *ctx.to_caller)
+        ctx.keep(grads[:-1])
+        return None, None
 
 
 class _Exit(torch.autograd.Function):
     """The output handed to the caller: forward gives the recorded output (copies), backward
-    seeds the module's own output with the recorded output gradient and compares what the
-    caller sent back with the recorded one."""
+    seeds the module's own output (``real``) with the recorded output gradient, compares what
+    the caller sent back with the recorded one and, where the caller sent any, hands the
+    tensors it passed to the call (``given``) the recorded input gradients (as the per-call
+    replay's stub, whose backward runs only where the caller's code reaches it). Its last output
+    is a handle (a zero scalar), a root of the backward: the module's output is seeded even
+    where the caller drops or detaches it."""
 
     @staticmethod
-    def forward(ctx: Any, box: Any, *real: torch.Tensor) -> Any:
-        values, seeds, on_grads = box
-        ctx.seeds, ctx.on_grads = seeds, on_grads
+    def forward(ctx: Any, box: Any, *tensors: torch.Tensor) -> Any:
+        values, seeds, to_caller, on_grads = box
+        ctx.seeds, ctx.to_caller, ctx.on_grads = seeds, to_caller, on_grads
         ctx.set_materialize_grads(False)
         outs = tuple(v.clone() for v in values)
         nondiff = [o for o in outs if not o.is_floating_point()]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
-        return outs
+        return (*outs, tensors[0].new_zeros((), dtype=torch.float32))
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.on_grads(grads)
-        return (None, *ctx.seeds)
+        sent = grads[:-1]
+        if not any(g is not None for g in sent):  # the caller's code does not reach the call
+            return (None, *ctx.seeds, *([None] * len(ctx.to_caller)))
+        ctx.on_grads(sent)
+        return (None, *ctx.seeds, *ctx.to_caller)
 
 
 class Forced:
@@ -95,11 +107,14 @@ class Forced:
 
 
 class _Frame:
-    __slots__ = ("leaves", "pos", "res")
+    __slots__ = ("given", "leaves", "pos", "res", "to_caller")
 
     def __init__(self, pos: int, res: Result) -> None:
         self.pos, self.res = pos, res
         self.leaves: list[torch.Tensor | None] = []
+        # the tensors the caller handed to the call, and their recorded gradients (or None)
+        self.given: list[torch.Tensor] = []
+        self.to_caller: list[torch.Tensor | None] = []
 
 
 def forced_pass(rep: Replay, names: dict[int, str], grads: bool) -> Forced:
@@ -139,7 +154,9 @@ class _Pass:
         self.stack: list[_Frame | None] = []  # None: a call left to run as it is
         self.device = rep._device()
         self.anchor = torch.zeros((), device=self.device, requires_grad=True)
-        self.exits: list[torch.Tensor] = []  # the root's replaced outputs (backward starts there)
+        # the roots of the backward: every _Enter's and _Exit's handle (each call's own output is
+        # seeded, as in the per-call replay, whether or not the caller's code uses it)
+        self.handles: list[torch.Tensor] = []
 
     # -- the pass --------------------------------------------------------------------------------
     def run(self, model: nn.Module, call: CallRec) -> None:
@@ -164,7 +181,7 @@ class _Pass:
                 self._backward()
 
     def _backward(self) -> None:
-        outs = [t for t in self.exits if t.requires_grad]
+        outs = self.handles
         params = [(n, p) for n, p in self.rep.modules[""].named_parameters() if p.requires_grad]
         if not outs:
             return
@@ -228,8 +245,11 @@ class _Pass:
         res = Result(None)
         frame = _Frame(pos, res)
         if parent is not None:
+            # the errors are computed later (lazily, with the others): a copy of what the caller
+            # handed, which its code may change in place after the call (``h += f(ln(h))``)
+            handed = [t.detach().clone() if t.is_floating_point() else t for t in given]
             parent.res.child_errors.append(
-                rep._errors(list(zip([t for _, t in iter_tensors(c.inputs)], given)))
+                rep._errors(list(zip([t for _, t in iter_tensors(c.inputs)], handed)))
             )
         own = rep._own_call(c)
         value = _cast(
@@ -275,7 +295,9 @@ class _Pass:
             ]
 
         res.in_grads = [None] * len(slots)
-        made = _Enter.apply((forced, wanted, to_caller, keep), self.anchor, *given)
+        frame.given, frame.to_caller = given, to_caller
+        *made, handle = _Enter.apply((forced, wanted, keep), self.anchor)
+        self.handles.append(handle)
         it = iter(made[j] for j in slots)
         self.out.results[pos] = res
         new = map_tensors(lambda _t: next(it), value)
@@ -307,12 +329,15 @@ class _Pass:
             if parent is not None and ref_grads is not None:
                 parent.res.child_grad_errors.append(rep._errors(list(zip(ref_grads, grads))))
 
-        if self.grads and any(o.requires_grad for o in real):
-            made = _Exit.apply((values, seeds, on_grads), *real)
+        to_caller = frame.to_caller
+        if self.grads and (
+            any(o.requires_grad for o in real) or any(g is not None for g in to_caller)
+        ):
+            box = (values, seeds, to_caller, on_grads)
+            *made, handle = _Exit.apply(box, *real, *frame.given)
+            self.handles.append(handle)
         else:
-            made = tuple(v.clone() for v in values)
-        if parent is None:
-            self.exits.extend(made)
+            made = [v.clone() for v in values]
         it = iter(made)
         return map_tensors(lambda _t: next(it), value)
 
