@@ -313,13 +313,6 @@ def test_a_caller_that_changes_what_it_handed_in_place(monkeypatch, k):
     assert fast.culprit == (None if k == 2.0 else "1.scale")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_replay.py: the stub's child_errors (Replay._stub: self._errors(zip(child.inputs, "
-    "given))) are lazy and hold the caller's live tensors; a caller that changes one in place "
-    "after the call (h += f(ln(h))) gets the error of the changed value: compare a copy "
-    "(given[k].detach().clone() for floating leaves), as compare/_forced.py now does",
-)
 def test_the_per_call_replay_copies_what_the_caller_handed(monkeypatch):
     a, b = _residual_pair(2.0)
     monkeypatch.setattr(_compare._Job, "force", lambda job: None)
@@ -330,15 +323,6 @@ def test_the_per_call_replay_copies_what_the_caller_handed(monkeypatch):
 # -- audit findings whose fix is outside the one pass (strict xfails: each names the change)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_hooks.py: CallHooks._views hands the output on as an identity view with the gradient "
-    "hook; an in-place op on it (nn.ReLU(inplace=True), as in VGG/ResNet) rebases the view and "
-    "the hook never fires: the record has no gradient for the output of '1' nor the input of "
-    "'2', so a backward fault in '1' is missed by both replays (culprit None); the identity must "
-    "survive in-place ops (e.g. a hook on the node: grad_fn.register_prehook, or a non-view "
-    "identity Function)",
-)
 def test_a_backward_fault_before_an_in_place_relu_is_found():
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
@@ -424,13 +408,6 @@ class _DetachesInside(nn.Module):
         return y.detach() if self.detach else y
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_compare.py/_tolerance.py: a gradient that A has and B has not is skipped (rel_pairs "
-    "skips pairs with a None): B's block detaches its output, B's run has no gradient before it, "
-    "and no row says so (grad_error None, culprit None). A gradient present on one side only "
-    "must count as an error (1.0 or inf), in grad_error and in the local input gradients",
-)
 def test_a_module_that_stops_the_gradient_is_found(monkeypatch):
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(4, 4), _DetachesInside(), nn.Linear(4, 2))

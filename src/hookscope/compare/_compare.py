@@ -73,6 +73,10 @@ class _Job:
         if ra.modules is not None and self.grads:
             self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast, norms=norms)
         self.forced: Forced | None = None
+        # a gradient one run has and the other has not counts as a zero one (a module that stops
+        # the gradient is named); a compiled run has none for outputs nothing depends on, so
+        # there only gradients both runs have are compared
+        self.missing = not (ra.compiled or (rb is not None and rb.compiled))
         self._owned: dict[str, list[str]] | None = None
         if self.mixed and (ra.modules is not None or b is not None):
             # the conditioning check replays A's modules; for a recorded A, a copy of B's in
@@ -166,7 +170,7 @@ class _Job:
         )
         r.error = norms.rel_error(ca.output, cb.output)
         if self.grads and ca.grad is not None and cb.grad is not None:
-            r.grad_error = norms.rel_pairs(list(zip(ca.grad, cb.grad)))
+            r.grad_error = norms.rel_pairs(list(zip(ca.grad, cb.grad)), self.missing)
         if ca.index == 0:
             r.param_grad_error = self._param_grads(ca.name, cb.name)
         self._local(i, r)
@@ -212,7 +216,7 @@ class _Job:
             local = p[len(a_name) + 1 :] if a_name else p
             q = f"{b_name}.{local}" if b_name else local
             pairs.append((ra.param_grads.get(p), rb.param_grads.get(q)))
-        return self.norms.rel_pairs(pairs) if pairs else None
+        return self.norms.rel_pairs(pairs, self.missing) if pairs else None
 
     def _run(self, rep: Replay, pos: int, grads: bool, r: CompareRow) -> Result | None:
         try:
@@ -238,7 +242,10 @@ class _Job:
         r.local_error = worst([self.norms.rel_error(ca.output, got.output), *got.child_errors])
         if not self.grads or got.in_grads is None or ca.in_grad is None:
             return
-        errs = [self.norms.rel_pairs(list(zip(ca.in_grad, got.in_grads))), *got.child_grad_errors]
+        errs = [
+            self.norms.rel_pairs(list(zip(ca.in_grad, got.in_grads)), self.missing),
+            *got.child_grad_errors,
+        ]
         once = (ca.name, 1) not in self.ra.by_key
         direct = got.param_grads and all("." not in n for n in got.param_grads)
         pre = f"{ca.name}." if ca.name else ""

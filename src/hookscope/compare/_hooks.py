@@ -184,22 +184,33 @@ class CallHooks:
         return self._views(value, None, f"grad{pos}_", name)[0]
 
     def _views(self, args: Any, kwargs: Any, key: str, layer: str) -> tuple[Any, Any]:
-        """Each tensor that requires grad replaced by its own identity view (the same tensor by
-        the same view), a gradient hook on each view under ``key`` + its first leaf's index."""
-        views: dict[int, torch.Tensor] = {}
+        """Each tensor that requires grad replaced by its own alias (the same tensor by the same
+        alias), through one :class:`_Alias` whose backward stores the gradient of each under
+        ``key`` + its first leaf's index: the gradient through this use only."""
+        distinct: dict[int, int] = {}
+        tensors: list[torch.Tensor] = []
+        slots: list[int] = []
         n = [0]
-        scope = self.scope
 
-        def alias(t: torch.Tensor) -> torch.Tensor:
+        def find(t: torch.Tensor) -> torch.Tensor:
             i = n[0]
             n[0] = i + 1
-            if not t.requires_grad:
-                return t
-            v = views.get(id(t))
-            if v is None:
-                v = views[id(t)] = t.view_as(t)
-                scope.add_activation_grad_hook(v, _LeafGrad(self, key + str(i)), layer=layer)
-            return v
+            if t.requires_grad and id(t) not in distinct:
+                distinct[id(t)] = len(tensors)
+                tensors.append(t)
+                slots.append(i)
+            return t
+
+        map_tensors(find, args)
+        if kwargs is not None:
+            map_tensors(find, kwargs)
+        if not tensors:
+            return args, kwargs
+        made = _Alias.apply((self, key, slots), *tensors)
+
+        def alias(t: torch.Tensor) -> torch.Tensor:
+            j = distinct.get(id(t))
+            return t if j is None or not t.requires_grad else made[j]
 
         new_args = map_tensors(alias, args)
         return new_args, (map_tensors(alias, kwargs) if kwargs is not None else None)
@@ -254,21 +265,28 @@ class _Count(_Hook):
             self.hooks.model_calls += 1
 
 
-class _LeafGrad(_Hook):
-    """The gradient of one tensor leaf, stored under its key. Runs in whatever thread autograd
-    runs it; a compiled graph's ``None`` gradients (outputs nothing depends on) are skipped; inert
-    once the scope is removed (the hook lives as long as the autograd graph)."""
+class _Alias(torch.autograd.Function):
+    """Hands on each tensor as an alias (``detach()``: the same storage and version counter, so
+    what the caller or the module does in place acts on the run's own tensor, as without
+    hookscope) that autograd tracks apart, and stores the gradient that reaches each alias.
 
-    __slots__ = ("hooks", "key")
+    Not an identity *view*: an in-place op on a view (``nn.ReLU(inplace=True)`` after a module)
+    rebuilds the view's history, and a gradient hook on it never fires; an alias keeps its node,
+    whose backward sees the gradient of the value before the in-place op. Runs in whatever thread
+    autograd runs it; inert once the hooks' scope is removed (it lives as long as the graph)."""
 
-    def __init__(self, hooks: CallHooks, key: str) -> None:
-        self.fn = None  # type: ignore[assignment]
-        self.hooks, self.key = hooks, key
+    @staticmethod
+    def forward(ctx: Any, box: Any, *tensors: torch.Tensor) -> Any:
+        ctx.box = box
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
 
-    @thread_checked
-    def __call__(self, grad: torch.Tensor | None) -> None:
-        hooks = self.hooks
-        if grad is None or not hooks.scope.active:
-            return
-        hooks.grads = True
-        hooks.sink.put(self.key, grad.detach())  # autograd hands each hook a fresh tensor
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        hooks, key, slots = ctx.box
+        if hooks.scope.active:
+            for i, g in zip(slots, grads):
+                if g is not None:
+                    hooks.grads = True
+                    hooks.sink.put(key + str(i), g.detach())
+        return (None, *grads)

@@ -233,8 +233,11 @@ class Replay:
             ):
                 res.ran.append(child.name if child is not None else type(m).__name__)
                 return real(*args, **kwargs)
+            # a copy of what was handed: the norms come later, and the caller may change its
+            # tensor in place after the call (h += f(ln(h)))
+            handed = [t.detach().clone() if t.is_floating_point() else t for t in given]
             res.child_errors.append(
-                self._errors(list(zip([t for _, t in iter_tensors(child.inputs)], given)))
+                self._errors(list(zip([t for _, t in iter_tensors(child.inputs)], handed)))
             )
             own = self._own_call(child)
             value = _cast(

@@ -212,10 +212,19 @@ class Norms:
         self._parts: list[tuple[float, float]] = []  # squared norms of each pair, once resolved
         self._base = 0  # index of the first pending pair
 
-    def rel_pairs(self, pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> Any:
-        """Like :func:`rel_pairs`: ``inf`` or ``None`` at once, else a :class:`Lazy`."""
+    def rel_pairs(
+        self,
+        pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+        missing: bool = False,
+    ) -> Any:
+        """Like :func:`rel_pairs`: ``inf`` or ``None`` at once, else a :class:`Lazy`.
+        ``missing``: a tensor on one side only is compared with zeros (a gradient that one run
+        has and the other has not: no gradient flowed there), not skipped."""
         idx: list[int] = []
         for x, y in pairs:
+            if missing and (x is None) != (y is None):
+                x = torch.zeros_like(y) if x is None else x
+                y = torch.zeros_like(x) if y is None else y
             if x is None or y is None:
                 continue
             ok = _screen(x, y)
