@@ -162,3 +162,36 @@ def test_capture_stop_skips_the_rest_of_the_block_and_says_so():
     feats = hs.FeatureExtractor(net, ["0"])(x)
     assert torch.equal(feats["0"], net[0](x))
     assert "cap.stopped" in hs.capture.__doc__ and "FeatureExtractor" in hs.capture.__doc__
+
+
+def test_the_input_gradient_of_a_layer_that_works_in_place_is_captured():
+    """nn.ReLU(inplace=True) changes its input in place: the input gradient through it is still
+    captured (the gradient of the value before the op), equal to a hand-made retain_grad, and
+    the run is unchanged (the layer still acts on the caller's tensor)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with hs.capture(m, ["0", "1"], inputs=True, grads=True) as cap:
+        out = m(x)
+        out.pow(2).sum().backward()
+    got_in, got_out0 = cap.calls("1")[0].input_grad.args[0], cap.calls("0")[0].grad
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    h0 = m[0](x)
+    h0.retain_grad()
+    ref_out = m[2](torch.relu(h0))
+    ref_out.pow(2).sum().backward()
+    assert torch.equal(out, ref_out)
+    assert bool((got_in != 0).any()) and torch.equal(got_in, h0.grad)
+    assert torch.equal(got_out0, h0.grad)
+    for n, p in m.named_parameters():
+        assert torch.equal(grads[n], p.grad), n
+
+
+def test_no_input_gradient_where_no_input_needs_one_says_why():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    with hs.capture(m, ["0"], inputs=True, grads=True) as cap:
+        m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(hs.NoGradientError, match="none of its inputs requires grad"):
+        cap.calls("0")[0].input_grad

@@ -360,6 +360,12 @@ class Capture(Mapping[str, Any]):
                 # gradients through this layer only; identity checks keep their path (docs/pitfalls.md §4)
                 replaced = identity_views(args, kwargs)
                 call._in_grad, _ = rec.attach_grads(scope, name, replaced, f"inputs of {name!r}")
+            elif rec.want_grads and torch.is_grad_enabled() and call._in_grad is None:
+                call._in_grad = _GradSlots(
+                    0,
+                    "none of its inputs requires grad (the model's input batch, or values made "
+                    "under torch.no_grad()), so no gradient reaches them",
+                )
             versions: list[tuple[torch.Tensor, int]] | None = [] if track_versions else None
             a, k = replaced if replaced is not None else (args, kwargs)
             # copied before forward runs: the layer itself may change its input (ReLU(inplace=True))

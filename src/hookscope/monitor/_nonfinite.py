@@ -239,7 +239,14 @@ class _Tracker:
 
             def on_grad_in(g: torch.Tensor, call: int = call) -> None:
                 d = _counts(g) if detail else None
-                tracker.bwd.append((name, call, list(gouts), _absmax(g), d))  # type: ignore[arg-type]
+                # the same gradient tensor reaches the layers that share an input (a parent
+                # and its first child): reduced once
+                v = tracker._known(g)
+                if v is None:
+                    v = _absmax(g)
+                    if v is not None:
+                        tracker._remember(g, v)
+                tracker.bwd.append((name, call, list(gouts), v, d))  # type: ignore[arg-type]
 
             def on_view(v: torch.Tensor, t: torch.Tensor) -> None:
                 scope.add_activation_grad_hook(v, on_grad_in, layer=name)
@@ -276,7 +283,13 @@ class _Tracker:
                     tracker._cells[id(o)] = (weakref.ref(o), cell)
 
                     def on_grad_out(g: torch.Tensor, cell: list[Any] = cell) -> None:
-                        cell[0] = _absmax(g)
+                        # the same gradient tensor may be a child's input gradient already
+                        v = tracker._known(g)
+                        if v is None:
+                            v = _absmax(g)
+                            if v is not None:
+                                tracker._remember(g, v)
+                        cell[0] = v
 
                     scope.add_activation_grad_hook(o, on_grad_out, layer=name)
                 gouts.append(cell)
