@@ -417,14 +417,6 @@ def test_a_module_that_stops_the_gradient_is_found(monkeypatch):
     assert fast.culprit == slow.culprit == "1"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_replay.py: Replay.run calls module.forward (its own hooks skipped) while the stubs "
-    "run through the children's __call__ (their hooks applied to A's outputs): a forward hook "
-    "that changes B's module output is charged to its caller by the per-call replay ('' here); "
-    "the one pass runs the module's hooks with it and names '0'. The replay of a call should "
-    "run the module's hooks and its stubs should bypass the children's",
-)
 def test_a_forward_hook_is_its_modules(monkeypatch):
     torch.manual_seed(0)
     a = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))

@@ -163,7 +163,7 @@ class Replay:
             else contextlib.nullcontext()
         )
         with torch.set_grad_enabled(grads), self._stubs(c, device, res), ctx:
-            out = module.forward(*args, **kwargs)
+            out = module(*args, **kwargs)  # with the module's own hooks, as in its run
         res.output = map_tensors(lambda t: t.detach(), out)
         if grads and c.grad is not None:
             self._backward(module, out, c, leaves, res)
@@ -202,18 +202,24 @@ class Replay:
             if m is None:
                 continue
             queues.setdefault(id(m), (m, []))[1].append(child)
-        saved: list[tuple[nn.Module, Any]] = []
+        saved: list[tuple[nn.Module, Any, dict[str, Any]]] = []
         try:
             for m, queue in queues.values():
-                saved.append((m, m.__dict__.get("forward", _ABSENT)))
+                # the stub stands for the child's whole call: its own hooks (a forward hook that
+                # changes its output is the child's) do not run on A's recorded values
+                hooks = {a: m.__dict__[a] for a in _HOOK_DICTS if a in m.__dict__}
+                saved.append((m, m.__dict__.get("forward", _ABSENT), hooks))
+                for a in hooks:
+                    m.__dict__[a] = type(hooks[a])()
                 m.forward = self._stub(m, queue, device, res)
             yield
         finally:
-            for m, prev in saved:
+            for m, prev, hooks in saved:
                 if prev is _ABSENT:
                     m.__dict__.pop("forward", None)
                 else:
                     m.forward = prev
+                m.__dict__.update(hooks)
 
     def _stub(
         self, m: nn.Module, queue: list[CallRec], device: torch.device, res: Result
@@ -295,6 +301,15 @@ def _requiring(
 
 class _Absent:
     pass
+
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 _ABSENT: Any = _Absent()
