@@ -536,12 +536,8 @@ class HookScope:
         """A gradient hook on an activation: lives as long as the autograd graph, inert once removed.
 
         Keeping a handle per activation would grow without bound in a training loop; instead the
-        hook checks the scope and does nothing after :meth:`remove` (a feature's own
-        :class:`_Hook` subclass, registered as it is on a hot path, makes that check itself).
+        hook checks the scope and does nothing after :meth:`remove`.
         """
-        if isinstance(fn, _Hook):
-            tensor.register_hook(self._wrap(fn, "tensor", layer))
-            return
         scope = self
 
         def guarded(grad: torch.Tensor) -> Any:
