@@ -78,6 +78,7 @@ class _Job:
         # there only gradients both runs have are compared
         self.missing = not (ra.compiled or (rb is not None and rb.compiled))
         self._owned: dict[str, list[str]] | None = None
+        self._low: Replay | None = None
         if self.mixed and (ra.modules is not None or b is not None):
             # the conditioning check replays A's modules; for a recorded A, a copy of B's in
             # A's dtype stands in for them
@@ -314,15 +315,75 @@ class _Job:
                 [rel_pairs(list(zip(ca.in_grad or [], got.in_grads or []))), *got.child_grad_errors]
             )
             e = r.local_grad_error
-        if e_round is None or e is None or e > 2 * e_round + r.tol:
-            return kind
         what = "gradient" if kind == "backward" else "output"
+        if e_round is None or e is None or e > 2 * e_round + r.tol:
+            return self._explained_by_dtype(i, r, kind, what)
         r.note = (
             f"{what} not stable across dtypes here: rounding its inputs to {str(self.low)[6:]} "
             f"moves A's own {what} by {e_round:.1e} (e.g. max-pooling ties, cancellation), so its "
             f"local error {e:.1e} is not a fault"
         )
         return None
+
+    def _explained_by_dtype(self, i: int, r: CompareRow, kind: str, what: str) -> str | None:
+        """A local error that A's own module shows too when it computes in B's dtype (a copy of
+        A in that dtype, or under B's autocast, replayed on A's values the same way) comes from
+        the dtype (an ill-conditioned computation: batch norm over two values, cancellation),
+        not from B's code. Needs A's live modules."""
+        low = self._low_replay()
+        if low is None:
+            return kind
+        ca = self.ra.calls[i]
+        got = self._run(low, i, kind == "backward", r)
+        if got is None:
+            return kind
+        if kind == "forward":
+            e_low = _worst([rel_error(ca.output, got.output), *got.child_errors])
+            e = r.local_error
+        else:
+            errs = [
+                rel_pairs(list(zip(ca.in_grad or [], got.in_grads or []))),
+                *got.child_grad_errors,
+            ]
+            pre = f"{ca.name}." if ca.name else ""
+            once = (ca.name, 1) not in self.ra.by_key
+            if (
+                got.param_grads
+                and once
+                and not any(pre + n in self.shared for n in got.param_grads)
+            ):
+                errs.append(
+                    rel_pairs(
+                        [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
+                    )
+                )
+            e_low, e = _worst(errs), r.local_grad_error
+        if e_low is None or e is None or e > 2 * e_low + r.tol:
+            return kind
+        dtype = str(self.rb.autocast or self.rb.dtype)[6:] if self.rb is not None else "?"
+        r.note = (
+            f"{what} ill-conditioned in {dtype}: A's own module computing in {dtype} on A's values "
+            f"is off by {e_low:.1e} too (e.g. batch norm over very few values, cancellation), so "
+            f"its local error {e:.1e} is not a fault"
+        )
+        return None
+
+    def _low_replay(self) -> Replay | None:
+        """A's modules computing in B's dtype (a copy; or A's own under B's autocast), made once."""
+        if self._low is not None or self.ra.modules is None or self.rb is None:
+            return self._low
+        ra, rb = self.ra, self.rb
+        if rb.autocast is not None:
+            mods = ra.modules
+        else:
+            root = ra.modules.get("")
+            if root is None:
+                return None
+            mods = dict(named_modules(copy.deepcopy(strip_compiled(root)).to(rb.dtype)))
+        self._low = Replay(
+            mods, ra, rb, lambda n: n, rb.dtype if rb.autocast is None else ra.dtype, rb.autocast
+        )
+        return self._low
 
 
 _ERRORS = (
