@@ -134,6 +134,34 @@ def test_a_record_of_format_1_is_still_read():
     assert hs.compare(folder, b, x, loss_fn=loss).culprit == "3"
 
 
+def test_a_record_of_format_1_lacking_gradients_after_in_place_ops_is_compared_where_it_has_them(
+    tmp_path,
+):
+    """The earlier format lost the gradient of a module's output when an in-place op followed it
+    (its identity views' hooks never fired): such a record (made then, kept in
+    tests/helpers/records) is compared where both runs have a gradient, says so, and names no
+    culprit against the same model; a fault is still named."""
+    folder = Path(__file__).parent.parent / "helpers" / "records" / "relu_inplace_v1"
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 8))
+    x = torch.randn(4, 8)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    same = hs.compare(folder, copy.deepcopy(a), x, loss_fn=loss)
+    assert same.culprit is None
+    assert same.row("0").grad_error is None  # the record has none: not compared, not zero
+    assert same.row("2").grad_error == 0.0
+    assert any("earlier format" in n and "in-place" in n for n in same.notes)
+    b = copy.deepcopy(a)
+    b[2].weight.data.mul_(1.1)
+    assert hs.compare(folder, b, x, loss_fn=loss).culprit == "2"
+    with hs.record(a, tmp_path / "r"):
+        a(x).pow(2).sum().backward()
+    a.zero_grad(set_to_none=True)
+    now = hs.compare(tmp_path / "r", copy.deepcopy(a), x, loss_fn=loss)
+    assert now.row("0").grad_error == 0.0  # the current format has it
+    assert not any("earlier format" in n for n in now.notes)
+
+
 def test_a_record_of_some_layers_still_names_the_culprit(tmp_path):
     a, inputs, kwargs, loss = cnn()
     b = faulty(a, next(f for f in FAULTS if f.id == "cnn-conv-reflect"))

@@ -76,7 +76,11 @@ class _Job:
         # a gradient one run has and the other has not counts as a zero one (a module that stops
         # the gradient is named); a compiled run has none for outputs nothing depends on, so
         # there only gradients both runs have are compared
-        self.missing = not (ra.compiled or (rb is not None and rb.compiled))
+        self.missing = not (
+            ra.compiled
+            or ra.partial_grads
+            or (rb is not None and (rb.compiled or rb.partial_grads))
+        )
         self._owned: dict[str, list[str]] | None = None
         self._low: Replay | None = None
         if self.mixed and (ra.modules is not None or b is not None):
@@ -455,6 +459,12 @@ def build_report(job: _Job) -> CompareReport:
         for side, r in (("a", ra), ("b", rb))
         if r.world > 1
     ]
+    if ra.partial_grads or rb.partial_grads:
+        notes.append(
+            "a record of the earlier format (one file per value) has no gradient where an "
+            "in-place op followed a module (nn.ReLU(inplace=True), out += x): there, gradients "
+            "are compared only where both runs have one; record again for every gradient"
+        )
     if job.rep_b is None:
         notes.append(
             "no culprit verdict: B is a record, not a live model; the culprit needs B's modules "
@@ -512,8 +522,9 @@ def compare(
     the less precise compute dtype of the two runs (autocast included) and ``K`` the module's
     largest reduction (the last dimension of its inputs, the fan-in of its parameters): 1.6e-5
     for fp32 pairs and 3.1e-2 for bf16 pairs at ``K = 64``. An error that the reference shows too
-    when its own inputs are rounded to the lower dtype (max-pooling ties, cancellation) is not
-    flagged; the row's ``note`` says so.
+    when its own inputs are rounded to the lower dtype (max-pooling ties, cancellation), or when
+    A's own module computes in B's dtype (a batch norm over two values), is not flagged; the
+    row's ``note`` says so.
 
     Verdicts: ``culprit`` is the deepest module whose own computation (forward, backward, or
     what compilation adds) exceeds its tolerance; ``first_divergent`` the first module, in the

@@ -78,6 +78,7 @@ def join_ranks(recs: list[RunRecord], loss_reduction: str = "mean") -> RunRecord
         world=world,
         excluded=excluded,
         notes=notes,
+        partial_grads=any(r.partial_grads for r in recs),
     )
 
 

@@ -275,4 +275,5 @@ def _load_one(path: Path) -> RunRecord:
         dtype=getattr(torch, index["dtype"]),
         has_grads=bool(index["grads"]),
         params=index["params"],
+        partial_grads=index.get("version", 1) < 2,
     )

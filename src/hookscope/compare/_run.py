@@ -122,6 +122,9 @@ class RunRecord:
     world: int = 1  # ranks joined into this run (a record made under torch.distributed)
     excluded: dict[str, str] = dataclasses.field(default_factory=dict)  # name -> why not paired
     notes: dict[int, str] = dataclasses.field(default_factory=dict)  # pos -> why no values
+    # a record of format 1: no gradient where an in-place op followed a module (its identity
+    # views lost their hooks), so a gradient it lacks is not a zero one
+    partial_grads: bool = False
 
     @property
     def run_dtype(self) -> torch.dtype:
