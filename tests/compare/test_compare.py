@@ -255,8 +255,8 @@ def test_a_module_called_twice_gets_its_parameter_gradients_per_call():
 
 class _TwoValueNorm(nn.Module):
     """A block as at the end of a ResNet on small images: batch norm in training mode over two
-    values per channel (batch 2, 1x1), then an in-place residual add and ReLU. Its gradient is
-    zero up to the norm's eps: in bf16 it is all rounding."""
+    values per channel (batch 2, 1x1), then a residual add and ReLU. Its gradient is zero up to
+    the norm's eps: in bf16 it is all rounding."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -266,8 +266,7 @@ class _TwoValueNorm(nn.Module):
         self.head = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.bn(self.conv(x))
-        out += x
+        out = self.bn(self.conv(x)) + x  # not in place: its gradient is recorded
         out = self.relu(out)
         return self.head(out.flatten(1))
 

@@ -64,3 +64,17 @@ def tiny_models_on_one_thread() -> Iterator[None]:
     intra-op thread is faster than two spinning on a shared machine."""
     with one_thread():
         yield
+
+
+class KeepsItsInput(nn.Module):
+    """A residual kept from before an in-place ReLU: the ReLU changes it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act, self.out = nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        skip = h
+        y = self.act(h)
+        return self.out(y * 2 + skip * 3)

@@ -459,7 +459,17 @@ def build_report(job: _Job) -> CompareReport:
         for side, r in (("a", ra), ("b", rb))
         if r.world > 1
     ]
-    if ra.partial_grads or rb.partial_grads:
+    for side, rec in (("a", ra), ("b", rb)):
+        if rec.lost:
+            layers = sorted(set(rec.lost.values()))
+            notes.append(
+                f"{side}: no gradient recorded for {len(rec.lost)} value(s) of "
+                f"{', '.join(layers[:4])}{' ...' if len(layers) > 4 else ''}: changed in place "
+                "(nn.ReLU(inplace=True), out += x) after they were handed on, and PyTorch drops "
+                "a gradient hook on a view changed in place; those gradients compare only where "
+                "both runs have one (use inplace=False to compare them)"
+            )
+    if (ra.partial_grads and not ra.lost) or (rb.partial_grads and not rb.lost):
         notes.append(
             "a record of the earlier format (one file per value) has no gradient where an "
             "in-place op followed a module (nn.ReLU(inplace=True), out += x): there, gradients "

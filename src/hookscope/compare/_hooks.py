@@ -91,6 +91,11 @@ class CallHooks:
         self.model_calls = 0
         self.grads = False
         self.root = root
+        # identity views to check for in-place changes, by the call whose end checks them
+        self.watch: dict[int, list[tuple[torch.Tensor, int, str, str]]] = {}
+        self.unchecked: list[tuple[torch.Tensor, int, str, str]] = []
+        self.fired: set[str] = set()
+        self.lost: dict[str, str] = {}  # key -> layer: gradients PyTorch never handed over
         self.recomputes = Recomputes()
         for name, m in named.items():
             scope.add_forward_pre(m, _Pre(self, name), layer=name, with_kwargs=True)
@@ -142,12 +147,13 @@ class CallHooks:
             return None
         if not any(t.requires_grad for t in leaves):
             return None
-        return self._views(args, kwargs, f"ingrad{pos}_", name)
+        return self._views(args, kwargs, f"ingrad{pos}_", name, check=pos)
 
     def end(self, name: str, output: Any) -> Any:
         if not self.stack:
             return None
         pos = self.stack.pop()
+        self.checked(pos)  # its inputs, and its children's outputs: changed in place meanwhile?
         e = self.entries[pos]
         e.end = self.ended
         self.ended += 1
@@ -169,7 +175,8 @@ class CallHooks:
         if not torch.is_grad_enabled():
             self.recomputes.note(name, output, pos)
             return None
-        return self._views(output, None, f"grad{pos}_", name)[0]
+        caller = self.stack[-1] if self.stack else None
+        return self._views(output, None, f"grad{pos}_", name, check=caller)[0]
 
     def recompute(self, name: str, value: Any, pre: bool) -> Any:
         """In backward: a reentrant checkpoint's recompute of a call noted in its forward gets
@@ -183,37 +190,49 @@ class CallHooks:
             return self._views(value[0], value[1], f"ingrad{pos}_", name)
         return self._views(value, None, f"grad{pos}_", name)[0]
 
-    def _views(self, args: Any, kwargs: Any, key: str, layer: str) -> tuple[Any, Any]:
-        """Each tensor that requires grad replaced by its own alias (the same tensor by the same
-        alias), through one :class:`_Alias` whose backward stores the gradient of each under
-        ``key`` + its first leaf's index: the gradient through this use only."""
-        distinct: dict[int, int] = {}
-        tensors: list[torch.Tensor] = []
-        slots: list[int] = []
+    def _views(
+        self, args: Any, kwargs: Any, key: str, layer: str, check: int | None = None
+    ) -> tuple[Any, Any]:
+        """Each tensor that requires grad replaced by its own identity view (the same tensor by
+        the same view), a gradient hook on each view under ``key`` + its first leaf's index: the
+        gradient through this use only.
+
+        A view keeps the run exactly as without hookscope (an in-place op on it updates its
+        base's history), but PyTorch drops a hook on a view that is changed in place: each view
+        is checked when the call ``check`` ends (its own call for inputs, its caller for
+        outputs), and a changed one's key goes to ``lost`` (its gradient is not recorded, and
+        the comparison says so rather than reading a missing gradient as zero)."""
+        views: dict[int, torch.Tensor] = {}
         n = [0]
-
-        def find(t: torch.Tensor) -> torch.Tensor:
-            i = n[0]
-            n[0] = i + 1
-            if t.requires_grad and id(t) not in distinct:
-                distinct[id(t)] = len(tensors)
-                tensors.append(t)
-                slots.append(i)
-            return t
-
-        map_tensors(find, args)
-        if kwargs is not None:
-            map_tensors(find, kwargs)
-        if not tensors:
-            return args, kwargs
-        made = _Alias.apply((self, key, slots), *tensors)
+        scope = self.scope
+        watch = self.watch.setdefault(check, []) if check is not None else self.unchecked
 
         def alias(t: torch.Tensor) -> torch.Tensor:
-            j = distinct.get(id(t))
-            return t if j is None or not t.requires_grad else made[j]
+            i = n[0]
+            n[0] = i + 1
+            if not t.requires_grad:
+                return t
+            v = views.get(id(t))
+            if v is None:
+                v = views[id(t)] = t.view_as(t)
+                k = key + str(i)
+                scope.add_activation_grad_hook(v, _LeafGrad(self, k), layer=layer)
+                watch.append((v, v._version, k, layer))
+            return v
 
         new_args = map_tensors(alias, args)
         return new_args, (map_tensors(alias, kwargs) if kwargs is not None else None)
+
+    def checked(self, pos: int | None) -> None:
+        """The views to check when call ``pos`` ends (``None``: the ones left, at the end)."""
+        watch = self.watch.pop(pos, []) if pos is not None else self.unchecked
+        for v, version, key, layer in watch:
+            if v._version != version and key not in self.fired:
+                self.lost[key] = layer
+        if pos is None:
+            self.unchecked = []
+            for p in list(self.watch):
+                self.checked(p)
 
 
 class _Pre(_Hook):
@@ -265,28 +284,19 @@ class _Count(_Hook):
             self.hooks.model_calls += 1
 
 
-class _Alias(torch.autograd.Function):
-    """Hands on each tensor as an alias (``detach()``: the same storage and version counter, so
-    what the caller or the module does in place acts on the run's own tensor, as without
-    hookscope) that autograd tracks apart, and stores the gradient that reaches each alias.
+class _LeafGrad:
+    """The gradient of one tensor leaf, stored under its key (a scope's activation gradient hook:
+    any thread, inert once the scope is removed)."""
 
-    Not an identity *view*: an in-place op on a view (``nn.ReLU(inplace=True)`` after a module)
-    rebuilds the view's history, and a gradient hook on it never fires; an alias keeps its node,
-    whose backward sees the gradient of the value before the in-place op. Runs in whatever thread
-    autograd runs it; inert once the hooks' scope is removed (it lives as long as the graph)."""
+    __slots__ = ("hooks", "key")
 
-    @staticmethod
-    def forward(ctx: Any, box: Any, *tensors: torch.Tensor) -> Any:
-        ctx.box = box
-        ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors)
+    def __init__(self, hooks: CallHooks, key: str) -> None:
+        self.hooks, self.key = hooks, key
 
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        hooks, key, slots = ctx.box
-        if hooks.scope.active:
-            for i, g in zip(slots, grads):
-                if g is not None:
-                    hooks.grads = True
-                    hooks.sink.put(key + str(i), g.detach())
-        return (None, *grads)
+    def __call__(self, grad: torch.Tensor | None) -> None:
+        hooks = self.hooks
+        if grad is None or not hooks.scope.active:
+            return
+        hooks.grads = True
+        hooks.fired.add(self.key)
+        hooks.sink.put(self.key, grad.detach())  # autograd hands each hook a fresh tensor

@@ -94,6 +94,7 @@ class Record:
         if exc is not None:  # no record: leave no half-written values behind
             spool.path.unlink(missing_ok=True)
             return
+        hooks.checked(None)
         params = {n: _full(p.grad) for n, p in named_parameters(self._model)}
         torch.save(params, self._dir / "params.pt")
         index = {
@@ -108,6 +109,7 @@ class Record:
             "rank": self.rank,
             "world": self.world,
             "values": spool.index,
+            "lost": hooks.lost,
         }
         tmp = self._dir / "index.json.tmp"
         tmp.write_text(json.dumps(index))
@@ -275,5 +277,6 @@ def _load_one(path: Path) -> RunRecord:
         dtype=getattr(torch, index["dtype"]),
         has_grads=bool(index["grads"]),
         params=index["params"],
-        partial_grads=index.get("version", 1) < 2,
+        partial_grads=index.get("version", 1) < 2 or bool(index.get("lost")),
+        lost=dict(index.get("lost") or {}),
     )

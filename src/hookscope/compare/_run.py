@@ -125,6 +125,8 @@ class RunRecord:
     # a record of format 1: no gradient where an in-place op followed a module (its identity
     # views lost their hooks), so a gradient it lacks is not a zero one
     partial_grads: bool = False
+    # gradients PyTorch never handed over (a view changed in place): key -> module
+    lost: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def run_dtype(self) -> torch.dtype:
@@ -301,6 +303,7 @@ def record_run(spec: RunSpec) -> RunRecord:
             f"call .eval() on both models (modules in training mode: "
             f"{', '.join(training_modules(model))})"
         )
+    hooks.checked(None)
     calls = calls_of(hooks.entries, store)
     owners = {}
     for mname, m in modules.items():
@@ -318,6 +321,8 @@ def record_run(spec: RunSpec) -> RunRecord:
         has_grads=want_grads,
         modules=modules,
         params=owners,
+        partial_grads=bool(hooks.lost),
+        lost=dict(hooks.lost),
     )
 
 

@@ -96,6 +96,7 @@ class Call:
         "_grad",
         "_in_grad",
         "_in_versions",
+        "_in_views",
         "_inputs",
         "_output",
         "_versions",
@@ -111,6 +112,8 @@ class Call:
         self._in_grad: _GradSlots | None = None
         self._versions: list[tuple[torch.Tensor, int]] | None = None
         self._in_versions: list[tuple[torch.Tensor, int]] | None = None
+        # the identity views the layer got (and their versions), checked when it ends
+        self._in_views: list[tuple[torch.Tensor, int]] | None = None
 
     @property
     def output(self) -> Any:

@@ -358,8 +358,10 @@ class Capture(Mapping[str, Any]):
                 and any(t.requires_grad for _, t in iter_tensors((args, kwargs)))
             ):
                 # gradients through this layer only; identity checks keep their path (docs/pitfalls.md §4)
-                replaced = identity_views(args, kwargs)
+                views: list[tuple[torch.Tensor, int]] = []
+                replaced = identity_views(args, kwargs, lambda v, _t: views.append((v, v._version)))
                 call._in_grad, _ = rec.attach_grads(scope, name, replaced, f"inputs of {name!r}")
+                call._in_views = views
             elif rec.want_grads and torch.is_grad_enabled() and call._in_grad is None:
                 call._in_grad = _GradSlots(
                     0,
@@ -382,6 +384,18 @@ class Capture(Mapping[str, Any]):
             if not stack:
                 return
             call = stack.pop()
+            views = call._in_views
+            if views and any(v._version != n for v, n in views):
+                # the layer changed its input in place: PyTorch drops the gradient hook of a view
+                # changed in place, so the input gradient through this layer is not recorded
+                call._in_grad = _GradSlots(
+                    0,
+                    f"{name!r} changed its input in place (e.g. nn.ReLU(inplace=True)); PyTorch "
+                    "drops a gradient hook on a tensor view changed in place, so the gradient of "
+                    "the input it was given is not recorded. Capture the layer before it (its "
+                    "output's gradient), or use the module with inplace=False",
+                )
+            call._in_views = None
             final = finish is not None and finish.final(name)
             versions: list[tuple[torch.Tensor, int]] | None = (
                 [] if track_versions or final else None

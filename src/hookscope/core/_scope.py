@@ -263,35 +263,23 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-class _Alias(torch.autograd.Function):
-    """``t`` again as a tensor of its own for autograd: ``detach()`` (the same storage and version
-    counter, so what is done in place acts on the run's own tensor, as without hookscope), the
-    gradient passed through. Not an identity *view*: an in-place op on a view
-    (``nn.ReLU(inplace=True)`` on a layer's input) rebuilds the view's history, and a gradient
-    hook on it never fires; a hook on an alias fires with the gradient of the value before the
-    in-place op."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        return t.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
-
-
 def identity_views(
     args: Any, kwargs: Any, on_view: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 ) -> tuple[Any, Any]:
-    """Route each input tensor that requires grad through its own identity (an alias, see
-    :class:`_Alias`).
+    """Route each input tensor that requires grad through its own identity view.
 
-    A gradient hook on the alias sees the gradient flowing through *this* layer only (a tensor
-    also used elsewhere, e.g. by a residual, gets the rest of its gradient from other paths), also
-    when the layer works on it in place. The same tensor gets the same alias, so identity checks
-    such as ``query is key`` keep their path (docs/pitfalls.md §4). ``on_view(alias, tensor)`` is
-    called once per new alias. Returns ``(args, kwargs)`` for a ``with_kwargs`` forward pre-hook
-    to return.
+    A gradient hook on the view sees the gradient flowing through *this* layer only (a tensor also
+    used elsewhere, e.g. by a residual, gets the rest of its gradient from other paths). The same
+    tensor gets the same view, so identity checks such as ``query is key`` keep their path
+    (docs/pitfalls.md §4). ``on_view(view, tensor)`` is called once per new view. Returns
+    ``(args, kwargs)`` for a ``with_kwargs`` forward pre-hook to return.
+
+    A view keeps the run exact (an in-place op on it, ``nn.ReLU(inplace=True)``, updates its
+    base's autograd history: later uses of the tensor get the right gradient), but PyTorch drops
+    a gradient hook on a view that is changed in place: a caller checks the view's ``_version``
+    after the layer ran (``on_view`` gives it the views) and says the gradient is lost. (An alias
+    that is not a view keeps the hook but breaks that history: a residual kept from before an
+    in-place ReLU then gets a wrong gradient; tested.)
     """
     views: dict[int, torch.Tensor] = {}
 
@@ -300,7 +288,7 @@ def identity_views(
             return t
         v = views.get(id(t))
         if v is None:
-            v = views[id(t)] = _Alias.apply(t)
+            v = views[id(t)] = t.view_as(t)
             if on_view is not None:
                 on_view(v, t)
         return v
