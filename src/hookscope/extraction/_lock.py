@@ -33,11 +33,18 @@ LOCK = ".hookscope-extract.lock"
 
 
 def _holder(path: Path) -> str:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        text = ""
-    return text or "another process (starting)"
+    """Who holds the lock: its stamp, read again for up to 0.5 s while the owner (which locks
+    first, then writes its stamp) has not written it yet."""
+    text = ""
+    for _ in range(10):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            text = ""
+        if text:
+            return text
+        time.sleep(0.05)
+    return "another process (starting)"
 
 
 class OutputLock:
