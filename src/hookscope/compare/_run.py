@@ -227,14 +227,6 @@ def calls_of(entries: list[Any], store: Any) -> list[CallRec]:
     return calls
 
 
-def _aliases(value: Any) -> list[int] | None:
-    """For each tensor leaf, the first leaf that is the same tensor (``q is k``), or ``None``
-    when all are distinct: the record keeps copies, the replay restores the identity."""
-    first: dict[int, int] = {}
-    out = [first.setdefault(id(t), i) for i, (_, t) in enumerate(iter_tensors(value))]
-    return out if len(first) < len(out) else None
-
-
 def restore_aliases(value: Any, alias: list[int] | None) -> Any:
     """``value`` with leaf ``i`` replaced by leaf ``alias[i]`` (the same object again)."""
     if alias is None:

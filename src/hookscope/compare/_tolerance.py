@@ -80,11 +80,10 @@ def rel_error(ref: Any, got: Any) -> float | None:
     >>> rel_error(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.5]))
     0.1
     """
-    a = [t for _, t in iter_tensors(ref)]
-    b = [t for _, t in iter_tensors(got)]
-    if len(a) != len(b):
-        return math.inf
-    return rel_pairs(list(zip(a, b)))
+    norms = Norms()
+    err = norms.rel_error(ref, got)
+    norms.resolve()
+    return value(err)
 
 
 def _fast(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float] | None:
@@ -139,9 +138,7 @@ def _screen(x: torch.Tensor, y: torch.Tensor) -> bool | None:
     return x.shape == y.shape
 
 
-def _ratio(num: float, den: float, seen: bool) -> float | None:
-    if not seen:
-        return None
+def _ratio(num: float, den: float) -> float:
     if math.isinf(num):
         return math.inf
     if den == 0.0:
@@ -150,21 +147,12 @@ def _ratio(num: float, den: float, seen: bool) -> float | None:
 
 
 def rel_pairs(pairs: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> float | None:
-    """:func:`rel_error` over explicit ``(ref, got)`` pairs; pairs with a ``None`` are skipped."""
-    num = den = 0.0
-    seen = False
-    for x, y in pairs:
-        if x is None or y is None:
-            continue
-        ok = _screen(x, y)
-        if ok is None:
-            continue
-        if not ok:
-            return math.inf
-        seen = True
-        part = _fast(x, y) or _careful(x, y)
-        num, den = num + part[0], den + part[1]
-    return _ratio(num, den, seen)
+    """:func:`rel_error` over explicit ``(ref, got)`` pairs; pairs with a ``None`` are skipped
+    (:meth:`Norms.rel_pairs`, computed at once)."""
+    norms = Norms()
+    got = norms.rel_pairs(pairs)
+    norms.resolve()
+    return value(got)
 
 
 class Lazy:
@@ -240,7 +228,7 @@ class Norms:
         def fn() -> float | None:
             num = sum(parts[i][0] for i in idx)
             den = sum(parts[i][1] for i in idx)
-            return _ratio(num, den, True)
+            return _ratio(num, den)
 
         if self._bytes > self.budget:
             self.resolve()

@@ -23,7 +23,6 @@ from ._layer_sweep import LayerSweep
 from ._sites import (
     PatchedLayer,
     grid,
-    names_of_blocks,
     per_site,
     resolve_layers,
     set_act,
@@ -96,16 +95,8 @@ def attribution_patch(
     check_common("attribution_patch", metric, at, arg, reverse, head_proj)
     check_count(top_k, "top_k", "the sites to patch exactly")
     src, dst = prepare(model, clean, corrupt, reverse)
-    names = names_of_blocks(model)  # once: the sites and the job both need them
-    chosen, over_t = resolve_layers(
-        model,
-        layers,
-        at=at,
-        over=over,
-        arg=arg,
-        n_heads=n_heads,
-        head_proj=head_proj,
-        block_names=names,
+    chosen, over_t, names = resolve_layers(
+        model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
     )
     job = SweepJob.create(model, dst, metric, over_t, what="attribution_patch", block_names=names)
     with torch.no_grad():

@@ -86,10 +86,9 @@ def resolve_layers(
     arg: int | str | None,
     n_heads: int | None,
     head_proj: str | None,
-    block_names: list[str] | None = None,
-) -> tuple[list[PatchedLayer], tuple[str, ...]]:
-    """The selected layers of a sweep, in the model's order, and the normalised ``over``
-    (``block_names``: the model's repeated blocks when the caller has them already)."""
+) -> tuple[list[PatchedLayer], tuple[str, ...], list[str]]:
+    """The selected layers of a sweep, in the model's order, the normalised ``over``, and the
+    model's repeated blocks (the sweep's job needs them too: found once)."""
     over_t = _check_over(over)
     if at not in ("output", "input"):
         raise PatchingError(f"at must be 'output' or 'input', got {at!r}")
@@ -103,8 +102,7 @@ def resolve_layers(
             "selected; a glob's '*' spans dots). Select the repeated blocks with "
             "hs.blocks(model), or one child of each with hs.blocks(model, 'attn')"
         )
-    if block_names is None:
-        block_names = names_of_blocks(model)
+    block_names = names_of_blocks(model)
     found = []
     for name in names:
         module = chosen[name]
@@ -123,7 +121,7 @@ def resolve_layers(
                 found.append(PatchedLayer(name, name, at, arg, None, outer, "input"))  # type: ignore[arg-type]
             else:
                 found.append(PatchedLayer(name, name, at, arg, None, name, at))  # type: ignore[arg-type]
-    return found, over_t
+    return found, over_t, block_names
 
 
 def _input_slot(

@@ -18,7 +18,6 @@ from ._layer_sweep import LayerSweep
 from ._sites import (
     PatchedLayer,
     grid,
-    names_of_blocks,
     per_site,
     resolve_layers,
     stack_layers,
@@ -120,16 +119,8 @@ def patch_sweep(
     check_count(rows, "rows", "rows per pass")
     check_count(max_bytes, "max_bytes", "the bytes a pass may use")
     src, dst = prepare(model, clean, corrupt, reverse)
-    names = names_of_blocks(model)  # once: the sites and the job both need them
-    chosen, over_t = resolve_layers(
-        model,
-        layers,
-        at=at,
-        over=over,
-        arg=arg,
-        n_heads=n_heads,
-        head_proj=head_proj,
-        block_names=names,
+    chosen, over_t, names = resolve_layers(
+        model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
     )
     job = SweepJob.create(
         model, dst, metric, over_t, rows=rows, max_bytes=max_bytes, block_names=names
