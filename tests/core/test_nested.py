@@ -10,7 +10,7 @@ import torch.nn as nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 import hookscope as hs
-from hookscope.core._nested import describe, iter_tensors, map_tensors
+from hookscope.core._nested import describe, iter_tensors, map_tensors, tensors_of
 
 Pair = namedtuple("Pair", "left right")
 
@@ -46,6 +46,45 @@ def test_iter_and_map_preserve_structure_and_types():
     assert torch.equal(new["b"][0].right, t * 2 + 1)
     assert torch.equal(obj["c"].logits, t)  # the original is untouched
     assert map_tensors(lambda x: x, obj, other=lambda _: None)["a"][2] is None
+
+
+def test_tensors_of_and_the_fast_paths_agree_with_the_general_walk():
+    """``tensors_of`` (no paths) gives iter_tensors' tensors in its order, and map_tensors' fast
+    paths for plain tuples, dicts and scalar leaves give what the general path gives: subclasses
+    of tensors and containers, scalars with ``other``, nested plain and exotic containers."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    class MyList(list):
+        pass
+
+    t = torch.arange(3.0)
+    p = nn.Parameter(torch.ones(2))
+    s = t.as_subclass(Sub)
+    mo = BaseModelOutputWithPooling(last_hidden_state=t, pooler_output=p)
+    obj = (
+        {"x": t, "n": None, "d": torch.float16, "i": 3, "f": 0.5, "b": True},
+        [p, (s, "s")],
+        MyList([t, {"deep": (p,)}]),
+        Pair(s, OrderedDict(z=t)),
+        Out(t, [p]),
+        mo,
+        torch.device("cpu"),
+    )
+    want = [x for _, x in iter_tensors(obj)]
+    got = tensors_of(obj)
+    assert len(got) == len(want) == 11 and all(a is b for a, b in zip(got, want))
+    assert tensors_of(t) == [t] and tensors_of(None) == [] and tensors_of(3) == []
+    seen = []
+    new = map_tensors(lambda x: seen.append(x) or x * 2, obj, other=lambda v: ("other", v))
+    assert [id(x) for x in seen] == [id(x) for x in want]
+    assert new[0]["n"] is None and new[0]["i"] == ("other", 3) and new[0]["b"] == ("other", True)
+    assert new[0]["d"] == ("other", torch.float16) and new[6] == ("other", torch.device("cpu"))
+    assert type(new) is tuple and type(new[0]) is dict and type(new[3]) is Pair
+    assert type(new[1][1]) is tuple and torch.equal(new[0]["x"], t * 2)
+    assert isinstance(new[3].right, OrderedDict) and type(new[5]) is BaseModelOutputWithPooling
+    assert list(new[0]) == ["x", "n", "d", "i", "f", "b"]  # the dict's order kept
 
 
 def test_model_output_roundtrip():

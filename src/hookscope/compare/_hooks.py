@@ -20,13 +20,14 @@ module call is what ``benchmarks/bench_compare.py`` measures (``hs.record`` agai
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ..core._nested import iter_tensors, map_tensors
+from ..core._nested import map_tensors, tensors_of
 from ..core._recompute import Recomputes
 from ..core._scope import HookScope, _Hook, acts_here, get_ident, graph_task_id, thread_checked
 
@@ -66,7 +67,10 @@ class CallHooks:
     """Pre/post hooks on ``named`` modules (added to ``scope``) recording every call into ``sink``.
 
     ``copy(t)``: what is kept of an input or output tensor (a clone, or the tensor itself for a
-    sink that writes it at once).
+    sink that writes it at once). ``share=True`` (a cloning ``copy``): a tensor kept again
+    unchanged (the same object, or the identity view these hooks handed on, at the same
+    ``_version``: a call's output passed to the next call, one input passed to three projections)
+    gets the same copy, so it is cloned and held once.
     ``root``: the model, whose calls are counted (``model_calls``) even when it is not hooked.
     ``inputs=False``: keep only the dtypes of each call's inputs (``Entry.in_dtypes``), neither
     their values nor their gradients (a live model compared with a recorded one needs no more).
@@ -81,8 +85,12 @@ class CallHooks:
         copy: Callable[[torch.Tensor], torch.Tensor],
         root: nn.Module | None = None,
         inputs: bool = True,
+        share: bool = False,
     ) -> None:
-        self.scope, self.sink, self.copy = scope, sink, copy
+        self.scope, self.sink = scope, sink
+        # id(tensor) -> (weak reference to it, its _version when copied, the copy)
+        self.copies: dict[int, tuple[Any, int, torch.Tensor]] = {}
+        self.copy = self._shared(copy) if share else copy
         self.inputs = inputs
         self.entries: list[Entry] = []
         self.stack: list[int] = []
@@ -103,6 +111,30 @@ class CallHooks:
         if root is not None and not any(m is root for m in named.values()):
             scope.add_forward_pre(root, _Count(self), layer="")
 
+    def _shared(
+        self, copy: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        copies = self.copies
+        ref = weakref.ref
+
+        def shared(t: torch.Tensor) -> torch.Tensor:
+            if t.is_inference():  # no version counter: always a copy of its own
+                return copy(t)
+            got = copies.get(id(t))
+            if got is not None and got[0]() is t and got[1] == t._version:
+                return got[2]
+            c = copy(t)
+            copies[id(t)] = (ref(t), t._version, c)
+            return c
+
+        return shared
+
+    def _same_copy(self, t: torch.Tensor, v: torch.Tensor) -> None:
+        """``v`` (an identity view of ``t``, sharing its version counter) has ``t``'s copy."""
+        got = self.copies.get(id(t))
+        if got is not None and got[0]() is t and not t.is_inference():
+            self.copies[id(v)] = (weakref.ref(v), got[1], got[2])
+
     # -- what the hooks do -----------------------------------------------------------------------
     def start(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if module is self.root:
@@ -110,44 +142,44 @@ class CallHooks:
         i = self.counts.get(name, 0)
         self.counts[name] = i + 1
         pos = len(self.entries)
-        parent = self.stack[-1] if self.stack else None
-        leaves: list[torch.Tensor] = []
-        copy = self.copy
-
-        def keep(t: torch.Tensor) -> torch.Tensor:
-            leaves.append(t)
-            return copy(t)
-
-        value = (tuple(args), dict(kwargs))
-        if not self.inputs:
-            leaves = [t for _, t in iter_tensors(value)]
-            e = Entry(name, i, parent, None)
-            e.n_in = len(leaves)
-            e.in_dtypes = [t.dtype for t in leaves]
-            self.entries.append(e)
-            if parent is not None:
-                self.entries[parent].children.append(pos)
-            self.stack.append(pos)
-            return None
-        kept = map_tensors(keep, value)
-        ids = [id(t) for t in leaves]
+        stack = self.stack
+        parent = stack[-1] if stack else None
+        if (
+            not kwargs
+            and args.__class__ is tuple
+            and len(args) == 1
+            and args[0].__class__ is torch.Tensor
+        ):
+            leaves = [args[0]]  # most calls: one tensor in (no walk, no aliases)
+        else:
+            leaves = tensors_of((args, kwargs))
         alias = None
-        if len(set(ids)) < len(ids):
-            first: dict[int, int] = {}
-            alias = [first.setdefault(k, j) for j, k in enumerate(ids)]
+        if self.inputs and len(leaves) > 1:
+            ids = [id(t) for t in leaves]
+            if len(set(ids)) < len(ids):
+                first: dict[int, int] = {}
+                alias = [first.setdefault(k, j) for j, k in enumerate(ids)]
         e = Entry(name, i, parent, alias)
         e.n_in = len(leaves)
         self.entries.append(e)
         if parent is not None:
             self.entries[parent].children.append(pos)
-        self.stack.append(pos)
+        stack.append(pos)
+        if not self.inputs:
+            e.in_dtypes = [t.dtype for t in leaves]
+            return None
+        if len(leaves) == 1 and not kwargs and args.__class__ is tuple and len(args) == 1:
+            kept = ((self.copy(leaves[0]),), {})
+        else:
+            kept = map_tensors(self.copy, (tuple(args), dict(kwargs)))
         self.sink.put(f"in{pos}", kept)
         if not torch.is_grad_enabled():
-            self.recomputes.note(name + "\0in", value, pos)
+            self.recomputes.note(name + "\0in", (tuple(args), dict(kwargs)), pos)
             return None
-        if not any(t.requires_grad for t in leaves):
-            return None
-        return self._views(args, kwargs, f"ingrad{pos}_", name, check=pos)
+        for t in leaves:
+            if t.requires_grad:
+                return self._views(args, kwargs, f"ingrad{pos}_", name, check=pos)
+        return None
 
     def end(self, name: str, output: Any) -> Any:
         if not self.stack:
@@ -202,10 +234,28 @@ class CallHooks:
         is checked when the call ``check`` ends (its own call for inputs, its caller for
         outputs), and a changed one's key goes to ``lost`` (its gradient is not recorded, and
         the comparison says so rather than reading a missing gradient as zero)."""
+        watch = self.watch.setdefault(check, []) if check is not None else self.unchecked
+        if kwargs is None and args.__class__ is torch.Tensor:  # one tensor: no walk
+            if not args.requires_grad:
+                return args, None
+            v = args.view_as(args)
+            k = key + "0"
+            v.register_hook(_LeafGrad(self, k))
+            watch.append((v, v._version, k, layer))
+            if self.copies:
+                self._same_copy(args, v)
+            return v, None
+        if (
+            kwargs is not None
+            and not kwargs
+            and args.__class__ is tuple
+            and len(args) == 1
+            and args[0].__class__ is torch.Tensor
+        ):
+            v, _ = self._views(args[0], None, key, layer, check)
+            return (v,), kwargs
         views: dict[int, torch.Tensor] = {}
         n = [0]
-        scope = self.scope
-        watch = self.watch.setdefault(check, []) if check is not None else self.unchecked
 
         def alias(t: torch.Tensor) -> torch.Tensor:
             i = n[0]
@@ -216,8 +266,10 @@ class CallHooks:
             if v is None:
                 v = views[id(t)] = t.view_as(t)
                 k = key + str(i)
-                scope.add_activation_grad_hook(v, _LeafGrad(self, k), layer=layer)
+                v.register_hook(_LeafGrad(self, k))
                 watch.append((v, v._version, k, layer))
+                if self.copies:
+                    self._same_copy(t, v)
             return v
 
         new_args = map_tensors(alias, args)
@@ -285,8 +337,10 @@ class _Count(_Hook):
 
 
 class _LeafGrad:
-    """The gradient of one tensor leaf, stored under its key (a scope's activation gradient hook:
-    any thread, inert once the scope is removed)."""
+    """The gradient of one tensor leaf, stored under its key: a gradient hook on the identity
+    view, registered directly (no handle kept: it lives as long as the graph), acting in any
+    thread, inert once the scope is removed, skipping ``None`` (a compiled graph calls the hooks
+    of an output that got no gradient with ``None``)."""
 
     __slots__ = ("hooks", "key")
 

@@ -273,7 +273,9 @@ def record_run(spec: RunSpec) -> RunRecord:
     check_model(model)  # index compiled regions first: hooks inside them are routed
     store = ValueStore(spec.max_bytes)
     compiled = is_optimized(model) or bool(compiled_regions(model))
-    hooks = CallHooks(modules, HookScope("compare"), store, _clone, inputs=spec.inputs or compiled)
+    hooks = CallHooks(
+        modules, HookScope("compare"), store, _clone, inputs=spec.inputs or compiled, share=True
+    )
     loss = None
     with preserved(model), hooks.scope, contextlib.closing(store), random_draws() as draws:
         with _autocast(device, spec.autocast):

@@ -26,6 +26,7 @@ __all__ = [
     "map_tensors",
     "replace_first",
     "shapes",
+    "tensors_of",
 ]
 
 Path = tuple[Any, ...]
@@ -39,6 +40,11 @@ def _is_namedtuple(obj: Any) -> bool:
     return isinstance(obj, tuple) and hasattr(type(obj), "_fields")
 
 
+# leaves that are never containers: the walks below return at once for them (an ABC check of
+# ``Mapping`` and a dataclass check per leaf are most of a walk's cost on a layer's arguments)
+_ATOMS = frozenset({type(None), int, float, bool, str, bytes, complex, torch.dtype, torch.device})
+
+
 def iter_tensors(obj: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:
     """Yield ``(path, tensor)`` for every tensor inside ``obj``, depth first, in order.
 
@@ -46,17 +52,58 @@ def iter_tensors(obj: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor
     >>> [p for p, _ in iter_tensors({"a": x, "b": (x, None, 3)})]
     [('a',), ('b', 0)]
     """
+    cls = obj.__class__
+    if cls in _ATOMS:
+        return
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, (tuple, list)):
         for i, v in enumerate(obj):
             yield from iter_tensors(v, (*path, i))
-    elif isinstance(obj, Mapping):
+    elif cls is dict or isinstance(obj, Mapping):
         for k, v in obj.items():
             yield from iter_tensors(v, (*path, k))
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name), (*path, f.name))
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside ``obj``, in :func:`iter_tensors`'s order, without their paths (a hot
+    hook's way: no generator per container).
+
+    >>> x = torch.zeros(2)
+    >>> len(tensors_of({"a": x, "b": (x, None, 3)}))
+    2
+    """
+    out: list[torch.Tensor] = []
+    _collect(obj, out)
+    return out
+
+
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    cls = obj.__class__
+    if cls is torch.Tensor:
+        out.append(obj)
+    elif cls in _ATOMS:
+        return
+    elif cls is tuple or cls is list:
+        for v in obj:
+            if v.__class__ is torch.Tensor:
+                out.append(v)
+            else:
+                _collect(v, out)
+    elif isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, (tuple, list)):
+        for v in obj:
+            _collect(v, out)
+    elif cls is dict or isinstance(obj, Mapping):
+        for v in obj.values():
+            _collect(v, out)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _collect(getattr(obj, f.name), out)
 
 
 def map_tensors(
@@ -70,6 +117,15 @@ def map_tensors(
     >>> map_tensors(lambda t: t + 1, (torch.zeros(1), "keep"))
     (tensor([1.]), 'keep')
     """
+    cls = obj.__class__
+    if cls is torch.Tensor:
+        return fn(obj)
+    if cls in _ATOMS:
+        return obj if other is None or obj is None else other(obj)
+    if cls is tuple:
+        return tuple([map_tensors(fn, v, other) for v in obj])
+    if cls is dict:  # a plain dict: a new one, the same keys in the same order
+        return {k: map_tensors(fn, v, other) for k, v in obj.items()}
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, list):

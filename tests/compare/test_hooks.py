@@ -1,0 +1,104 @@
+"""compare/_hooks.py: what the recording hooks keep of each call equals what plain hooks written
+by hand see (clones taken in a forward pre-hook and a forward hook), including where the copies
+are shared: a value kept again unchanged is held once, a value changed in place in between gets
+a copy of its own."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn as nn
+
+from helpers.common import tiny_models_on_one_thread  # noqa: F401
+
+_run = importlib.import_module("hookscope.compare._run")
+
+
+class _Twice(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * y
+
+
+class _Caller(nn.Module):
+    """The caller changes a child's output in place before handing it on, hands one tensor to
+    three modules and the same tensor twice to one, and a child works in place on its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+        self.twice = _Twice()
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h.mul_(2.0)  # changed after `a` returned it: `b` gets another value than a's output
+        q, k, v = self.b(h), self.c(h), self.d(h)  # one tensor to three modules
+        s = self.twice(q, q)  # the same tensor twice
+        s = s + k
+        self.act(s)  # in place on what it is given
+        return s + v
+
+
+def _by_hand(model: nn.Module, x: torch.Tensor, loss) -> tuple[dict, dict]:
+    ins, outs, counts = {}, {}, {}
+    handles = []
+    for name, m in model.named_modules():
+
+        def pre(mod, args, name=name):
+            i = counts.get(name, 0)
+            counts[name] = i + 1
+            ins[(name, i)] = [t.detach().clone() for t in args]
+
+        def post(mod, args, out, name=name):
+            outs[(name, counts[name] - 1)] = out.detach().clone()
+
+        handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    try:
+        loss(model(x)).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    model.zero_grad(set_to_none=True)
+    return ins, outs
+
+
+def test_kept_inputs_and_outputs_are_what_plain_hooks_see_and_unchanged_values_are_held_once():
+    torch.manual_seed(0)
+    model, x = _Caller(), torch.randn(3, 4)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    ins, outs = _by_hand(model, x, loss)
+    rec = _run.record_run(_run.RunSpec(model, (x,), {}, loss))
+    assert len(rec.calls) == len(outs) == 7
+    for c in rec.calls:
+        args, kwargs = c.inputs
+        assert not kwargs and len(args) == len(ins[c.key])
+        for got, want in zip(args, ins[c.key]):
+            assert torch.equal(got, want), c.key
+        assert torch.equal(c.output, outs[c.key]), c.key
+    by = {c.key: c for c in rec.calls}
+    # the in-place ReLU's input was kept before it changed it; its output is the changed value
+    assert (by[("act", 0)].inputs[0][0] < 0).any() and (by[("act", 0)].output >= 0).all()
+    # held once: one input to three modules, the same tensor twice, an output handed on
+    hb, hc, hd = (by[(n, 0)].inputs[0][0] for n in "bcd")
+    assert hb is hc is hd
+    q1, q2 = by[("twice", 0)].inputs[0]
+    assert q1 is q2 is by[("b", 0)].output
+    # ... but not a value changed in place in between: a's output and b's input differ
+    assert not torch.equal(by[("a", 0)].output, hb)
+    assert by[("a", 0)].output is not hb
+
+
+def test_under_inference_mode_every_value_is_a_copy_of_its_own():
+    """Inference tensors have no version counter: nothing is shared, the values are still
+    those plain hooks see."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    x = torch.randn(3, 4)
+    with torch.inference_mode():
+        want = [x, model[0](x), model[1](model[0](x))]
+        rec = _run.record_run(_run.RunSpec(model, (x,), {}))
+    got = {c.key: c for c in rec.calls}
+    for i, w in enumerate(want):
+        assert torch.equal(got[(str(i), 0)].inputs[0][0], w)
+    assert got[("1", 0)].inputs[0][0] is not got[("0", 0)].output
