@@ -102,3 +102,36 @@ def test_under_inference_mode_every_value_is_a_copy_of_its_own():
     for i, w in enumerate(want):
         assert torch.equal(got[(str(i), 0)].inputs[0][0], w)
     assert got[("1", 0)].inputs[0][0] is not got[("0", 0)].output
+
+
+class _Recache(nn.Module):
+    """A cache buffer re-registered at another length in forward (as rotary embeddings did), a
+    buffer added, a running count updated in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.register_buffer("cache", torch.arange(float(x.shape[0])), persistent=False)
+        self.register_buffer("extra", torch.ones(1))
+        self.count += 1
+        return self.lin(x) + self.cache[:, None]
+
+
+def test_compare_leaves_buffers_as_found_even_where_the_forward_replaces_them():
+    import hookscope as hs
+
+    torch.manual_seed(0)
+    a = _Recache()
+    b = _Recache()
+    b.load_state_dict(a.state_dict())
+    cache, count = a.cache, a.count
+    before = {n: t.clone() for n, t in a.named_buffers()}
+    hs.compare(a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    assert a.cache is cache and a.count is count and not hasattr(a, "extra")
+    assert dict(a.named_buffers()).keys() == before.keys()
+    for n, t in a.named_buffers():
+        assert torch.equal(t, before[n]), n

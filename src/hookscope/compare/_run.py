@@ -172,18 +172,29 @@ def at_path(obj: Any, path: tuple[Any, ...]) -> Any:
 
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[None]:
-    """Put back parameter ``.grad`` and buffers (running statistics) as found, on exit."""
+    """Put back parameter ``.grad`` and buffers as found, on exit: their values (running
+    statistics), and the buffers themselves where the forward replaced, added or removed one (a
+    cache re-registered at another length)."""
     grads = [(p, p.grad) for p in model.parameters()]
+    mods = list(model.modules())
+    found = [dict(m._buffers) for m in mods]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     for p, _ in grads:
         p.grad = None
     try:
         yield
     finally:
+        for m, was in zip(mods, found):
+            now = m._buffers
+            if now.keys() != was.keys() or any(now[k] is not v for k, v in was.items()):
+                now.clear()
+                now.update(was)
         with torch.no_grad():
             for b, v in buffers:
                 if b.shape == v.shape:
                     b.copy_(v)
+                else:  # resized in place
+                    b.set_(v)
         for p, g in grads:
             p.grad = g
 
@@ -286,9 +297,9 @@ def record_run(spec: RunSpec) -> RunRecord:
         if spec.loss_fn is not None:
             loss_t.backward()
             loss = float(loss_t.detach())
+        # the run's own .grad tensors (no copy): preserved() puts the earlier ones back on exit
         param_grads = {
-            n: (None if p.grad is None else p.grad.detach().clone())
-            for n, p in named_parameters(model)
+            n: (None if p.grad is None else p.grad.detach()) for n, p in named_parameters(model)
         }
     if draws.drew:
         raise CompareError(

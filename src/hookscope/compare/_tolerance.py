@@ -86,14 +86,24 @@ def rel_error(ref: Any, got: Any) -> float | None:
     return value(err)
 
 
+_PROMOTE = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _fast(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float] | None:
     """Squared norms of ``y - x`` and ``x`` in float32, when both are finite (the common case;
     equal tensors still give exactly 0); ``None`` sends the pair down the careful path."""
     if x.dtype == torch.float64 or y.dtype == torch.float64:
         return None
-    xf = x.detach().float()
-    yf = y.detach().to(device=xf.device, dtype=torch.float32)
-    d = float(torch.linalg.vector_norm(yf - xf))
+    xf = x.detach()
+    if xf.dtype != torch.float32:
+        xf = xf.float()
+    yd = y.detach()
+    if yd.device != xf.device:
+        yd = yd.to(xf.device)
+    if yd.dtype not in _PROMOTE:
+        yd = yd.float()
+    # bf16/fp16 minus float32 computes in float32 (type promotion): no float32 copy of y first
+    d = float(torch.linalg.vector_norm(yd - xf))
     n = float(torch.linalg.vector_norm(xf))
     if math.isfinite(d) and math.isfinite(n):
         return d * d, n * n
