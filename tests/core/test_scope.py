@@ -226,3 +226,50 @@ def test_every_scope_kind_refuses_a_second_with(kind):
     with pytest.raises(hs.ScopeReusedError, match=f"hs.{kind}\\("), scope:
         net(torch.ones(2, 3))
     assert hs.hooks_on(net) == []
+
+
+def test_many_hooks_with_kwargs_get_them_as_the_public_methods_give_them():
+    """add_forward_many(with_kwargs=True), pre and post: the hooks get the call's keyword
+    arguments exactly as hooks registered with the public methods do (what they return replaces
+    args and kwargs, or the output), and nothing is left once removed."""
+
+    class Kw(nn.Module):
+        def forward(self, x, *, scale=1.0):
+            return x * scale
+
+    seen: dict[str, list] = {"many": [], "public": []}
+
+    class Pre(_Hook):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def __call__(self, module, args, kwargs):
+            seen[self.tag].append(("pre", kwargs.get("scale")))
+            return args, {**kwargs, "scale": kwargs["scale"] * 2}
+
+    class Post(_Hook):
+        def __init__(self, tag):
+            self.tag = tag
+
+        def __call__(self, module, args, kwargs, out):
+            seen[self.tag].append(("post", kwargs.get("scale")))
+            return out + 1
+
+    outs = {}
+    x = torch.ones(2)
+    for tag in ("many", "public"):
+        m = Kw()
+        scope = hs.HookScope("test")
+        if tag == "many":
+            scope.add_forward_many([(m, Pre(tag), "m")], pre=True, with_kwargs=True)
+            scope.add_forward_many([(m, Post(tag), "m")], with_kwargs=True)
+        else:
+            scope.add_forward_pre(m, Pre(tag), layer="m", with_kwargs=True)
+            scope.add_forward(m, Post(tag), layer="m", with_kwargs=True)
+        outs[tag] = m(x, scale=3.0)
+        scope.remove()
+        assert hs.hooks_on(m) == [] and not m._forward_pre_hooks_with_kwargs
+        assert not m._forward_hooks_with_kwargs
+        assert torch.equal(m(x, scale=3.0), x * 3.0)
+    assert seen["many"] == seen["public"] == [("pre", 3.0), ("post", 6.0)]
+    assert torch.equal(outs["many"], outs["public"]) and torch.equal(outs["many"], x * 6.0 + 1)

@@ -105,9 +105,12 @@ class CallHooks:
         self.fired: set[str] = set()
         self.lost: dict[str, str] = {}  # key -> layer: gradients PyTorch never handed over
         self.recomputes = Recomputes()
-        for name, m in named.items():
-            scope.add_forward_pre(m, _Pre(self, name), layer=name, with_kwargs=True)
-            scope.add_forward(m, _Post(self, name), layer=name, always_call=True)
+        scope.add_forward_many(
+            [(m, _Pre(self, name), name) for name, m in named.items()], pre=True, with_kwargs=True
+        )
+        scope.add_forward_many(
+            [(m, _Post(self, name), name) for name, m in named.items()], always_call=True
+        )
         if root is not None and not any(m is root for m in named.values()):
             scope.add_forward_pre(root, _Count(self), layer="")
 

@@ -424,10 +424,12 @@ class HookScope:
         *,
         pre: bool = False,
         always_call: bool = False,
+        with_kwargs: bool = False,
     ) -> None:
         """Plain forward hooks ``(module, hook, layer)``, many at once: what a capture of every leaf
         registers. Same effect as :meth:`add_forward` (``pre=True``: :meth:`add_forward_pre`) per
-        hook, without a handle object per hook.
+        hook, without a handle object per hook (``with_kwargs``: the hook also gets the call's
+        keyword arguments, as the methods' option).
 
         ``register_forward_hook`` without options does one thing: it puts the hook in the module's
         ``_forward_hooks`` under an id from ``RemovableHandle.next_id``, in order (with
@@ -444,6 +446,7 @@ class HookScope:
         method = "register_forward_pre_hook" if pre else "register_forward_hook"
         public = getattr(nn.Module, method)
         attr = "_forward_pre_hooks" if pre else "_forward_hooks"
+        kw_attr = attr + "_with_kwargs"
         routed = routing()  # any compiled region or generating model indexed at all
         plain_types: set[type] = set()  # module classes that keep nn.Module's register method
         for module, hook, layer in hooks:
@@ -451,6 +454,7 @@ class HookScope:
             hook.thread = thread
             d = module.__dict__.get(attr)
             always = module.__dict__.get("_forward_hooks_always_called")
+            kw = module.__dict__.get(kw_attr) if with_kwargs else None
             cls = module.__class__
             if cls not in plain_types and getattr(cls, method) is public:
                 plain_types.add(cls)
@@ -458,15 +462,20 @@ class HookScope:
                 cls not in plain_types
                 or d.__class__ is not OrderedDict
                 or (always_call and always.__class__ is not OrderedDict)
+                or (with_kwargs and kw.__class__ is not OrderedDict)
                 or (
                     routed and (region_of(module) is not None or generate_guard(module) is not None)
                 )
             ):
                 placed = self._place(module, hook)
                 if pre:
-                    self._keep(module.register_forward_pre_hook(placed))
+                    self._keep(module.register_forward_pre_hook(placed, with_kwargs=with_kwargs))
                 else:
-                    self._keep(module.register_forward_hook(placed, always_call=always_call))
+                    self._keep(
+                        module.register_forward_hook(
+                            placed, always_call=always_call, with_kwargs=with_kwargs
+                        )
+                    )
                 continue
             hid = RemovableHandle.next_id
             RemovableHandle.next_id = hid + 1
@@ -475,6 +484,9 @@ class HookScope:
             if always_call:
                 always[hid] = True
                 direct.append((always, hid))
+            if with_kwargs:
+                kw[hid] = True
+                direct.append((kw, hid))
 
     def add_forward_pre(
         self,
