@@ -578,3 +578,40 @@ def test_a_forward_hook_is_its_modules(monkeypatch):
     b[0].register_forward_hook(lambda m, i, o: o * 1.01)
     fast, _, slow = _both(monkeypatch, a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
     assert fast.culprit == slow.culprit == "0"
+
+
+def test_a_parameter_used_outside_its_calls_against_a_record_is_said(tmp_path):
+    """Against a record of A there is no A to replay: the gradients of a parameter used outside
+    its module's calls are not compared (A's .grad holds every use), and the rows say so."""
+    torch.manual_seed(0)
+    a = _UsesChildWeight()
+    x = torch.randn(3, 4)
+    with hs.record(a, tmp_path):
+        a(x).sum().backward()
+    a.zero_grad(set_to_none=True)
+    r = hs.compare(str(tmp_path), copy.deepcopy(a), x, loss_fn=lambda o: o.sum())
+    assert r.culprit is None
+    for name in ("lin", ""):
+        assert "parameter gradients not compared" in r.row(name).note, name
+
+
+class _NoOutsideUse(_UsesChildWeight):
+    """The caller without its own use of ``lin.weight`` (the fault, or A's model)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lin(x).tanh())
+
+
+@pytest.mark.parametrize("a_uses", [True, False])
+def test_an_outside_use_in_one_run_only_is_the_callers(monkeypatch, a_uses):
+    """Where only A uses ``lin.weight`` outside ``lin``'s calls the one pass (on B) cannot see it:
+    ``lin``'s gradient, off A's whole ``.grad`` by that use, is checked again against A's own
+    replay of ``lin`` (exactly 0); the caller, whose output differs, is named."""
+    torch.manual_seed(0)
+    uses, plain = _UsesChildWeight(), _NoOutsideUse()
+    plain.load_state_dict(uses.state_dict())
+    a, b = (uses, plain) if a_uses else (plain, uses)
+    fast, _, slow = _both(monkeypatch, a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    assert fast.culprit == slow.culprit == ""
+    assert fast.row("lin").local_grad_error == slow.row("lin").local_grad_error == 0.0
+    _rows_agree(fast, slow)

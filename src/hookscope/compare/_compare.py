@@ -303,6 +303,13 @@ class _Job:
                         [(ref.param_grads.get(n), g) for n, g in got.param_grads.items()]
                     )
                 )
+        elif got.param_grads and self._used_outside(ca.name, got.param_grads):
+            why = (
+                "parameter gradients not compared: the parameters are also used outside this "
+                "module's calls (A's .grad holds those uses) and A is a record, not a live model "
+                "whose own call could be replayed"
+            )
+            r.note = f"{r.note}; {why}" if r.note else why
         r.local_grad_error = worst(errs)
 
     def _used_outside(self, a_name: str, params: Mapping[str, Any]) -> bool:
