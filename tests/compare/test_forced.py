@@ -257,7 +257,7 @@ class _LinReluInPlace(nn.Module):
 
 
 def test_a_gradient_the_record_lacks_does_not_cut_the_pass(monkeypatch):
-    """The record has no gradient for ``lin``'s output (an in-place ReLU after it: see the xfail
+    """The record has no gradient for ``lin``'s output (an in-place ReLU after it: see the test
     below): the one pass seeded each call only through its caller's code, so every call before
     the block got no gradient (no local gradient error for ``0``; all of ResNet's rows)."""
     torch.manual_seed(0)
@@ -320,7 +320,8 @@ def test_the_per_call_replay_copies_what_the_caller_handed(monkeypatch):
     assert report.row("1").local_error == 0.0 and report.culprit is None
 
 
-# -- audit findings whose fix is outside the one pass (strict xfails: each names the change)
+# -- audit findings beyond the one pass: in-place ReLU gradients, parameters used outside their
+# module's calls, calls that work in place on what their caller keeps
 
 
 def test_a_backward_fault_before_an_in_place_relu_is_found():
