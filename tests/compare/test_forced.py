@@ -257,7 +257,7 @@ class _LinReluInPlace(nn.Module):
 
 
 def test_a_gradient_the_record_lacks_does_not_cut_the_pass(monkeypatch):
-    """The record has no gradient for ``lin``'s output (an in-place ReLU after it: see the xfail
+    """The record has no gradient for ``lin``'s output (an in-place ReLU after it: see the test
     below): the one pass seeded each call only through its caller's code, so every call before
     the block got no gradient (no local gradient error for ``0``; all of ResNet's rows)."""
     torch.manual_seed(0)
@@ -320,7 +320,8 @@ def test_the_per_call_replay_copies_what_the_caller_handed(monkeypatch):
     assert report.row("1").local_error == 0.0 and report.culprit is None
 
 
-# -- audit findings whose fix is outside the one pass (strict xfails: each names the change)
+# -- audit findings beyond the one pass: in-place ReLU gradients, parameters used outside their
+# module's calls, calls that work in place on what their caller keeps
 
 
 def test_a_backward_fault_before_an_in_place_relu_is_found():
@@ -354,16 +355,6 @@ class _UsesChildWeight(nn.Module):
         return self.out(h) + self.k * (h @ self.lin.weight)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_compare.py: a module's parameter gradients are compared with A's whole .grad, which "
-    "also holds the uses outside the module's calls (its caller's h @ lin.weight): the per-call "
-    "replay flags 'lin' on a fault-free pair (its shortcut for a module called once); the one "
-    "pass sums those uses into 'lin''s row, so a fault in the caller's use names 'lin'. Needs: "
-    "find parameters used outside their owner's calls (e.g. per-call parameter leaves in the "
-    "one pass: any gradient reaching the parameter itself) and compare those owners' per-call "
-    "gradients with A's replay (rep_a), the outside use on the caller's row",
-)
 @pytest.mark.parametrize("k", [1.0, 1.01])
 def test_a_parameter_used_outside_its_modules_calls(monkeypatch, k):
     torch.manual_seed(0)
@@ -386,15 +377,6 @@ class _IgnoresReturn(nn.Module):
         return self.out(y)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_replay.py and _forced.py: a call that changes its input in place changes the "
-    "caller's tensor in A's run; both replays hand the call a copy and the caller's tensor "
-    "keeps its old value, so a caller that ignores the return value (self.act(y); use y) gets "
-    "a local error on a fault-free pair. Needs: where a call changed an input in place (its "
-    "replaced input's version moved), put A's value after the call into the caller's tensor "
-    "(A's output where the output is that input; else replay the caller by itself, noted)",
-)
 def test_a_call_that_works_in_place_on_what_its_caller_keeps(monkeypatch):
     torch.manual_seed(0)
     a = _IgnoresReturn()
@@ -402,6 +384,172 @@ def test_a_call_that_works_in_place_on_what_its_caller_keeps(monkeypatch):
         monkeypatch, a, copy.deepcopy(a), torch.randn(3, 4), loss_fn=lambda o: o.sum()
     )
     assert fast.culprit is None and slow.culprit is None
+
+
+class _Half(torch.autograd.Function):
+    """The identity, with half the gradient."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 0.5
+
+
+class _HalfGradUse(_UsesChildWeight):
+    """The same forward; the gradient of the caller's own use of ``lin.weight`` is halved."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).tanh()
+        return self.out(h) + self.k * (h @ _Half.apply(self.lin.weight))
+
+
+def test_a_parameter_used_outside_its_modules_calls_is_on_its_callers_row(monkeypatch):
+    """The one pass sees the gradient that reaches ``lin.weight`` outside ``lin``'s calls: ``lin``
+    and its caller replay by themselves, ``lin``'s row compares its own gradient with A's replay
+    (exactly 0 here) and the caller's row holds the use (a fault in it is the caller's)."""
+    torch.manual_seed(0)
+    a = _UsesChildWeight()
+    b = copy.deepcopy(a)
+    fast, forced, slow = _both(monkeypatch, a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    assert not forced.void and forced.used_outside == {"lin.weight"}
+    assert {"lin", ""} <= forced.unforced and "out" not in forced.unforced
+    assert fast.row("lin").local_grad_error == slow.row("lin").local_grad_error == 0.0
+    _rows_agree(fast, slow)
+    b2 = _HalfGradUse()
+    b2.load_state_dict(a.state_dict())
+    fast, _, slow = _both(monkeypatch, a, b2, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    assert fast.culprit == slow.culprit == ""
+    assert fast.row("").flagged == "backward" and not fast.row("lin").flagged
+    _rows_agree(fast, slow)
+
+
+class _TiedByHand(nn.Module):
+    """A language model whose output projection is ``h @ embed.weight.T`` (no module of its
+    own): the embedding's weight gets most of its gradient outside the embedding's call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.mix = nn.Linear(8, 8)
+        self.scale = 1.0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mix(self.embed(ids)).tanh() @ (self.scale * self.embed.weight).T
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.01])
+def test_a_tied_embedding_used_by_hand(monkeypatch, scale):
+    torch.manual_seed(0)
+    a = _TiedByHand()
+    b = copy.deepcopy(a)
+    b.scale = scale
+    ids = torch.randint(0, 10, (2, 5))
+    fast, forced, slow = _both(monkeypatch, a, b, ids, loss_fn=lambda o: o.pow(2).sum())
+    assert forced.used_outside == {"embed.weight"}
+    assert fast.culprit == slow.culprit == (None if scale == 1.0 else "")
+    assert not fast.row("embed").flagged and not slow.row("embed").flagged
+    _rows_agree(fast, slow)
+
+
+def _encoder_layer() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+
+
+def test_multihead_attention_uses_out_proj_without_calling_it(monkeypatch):
+    """``nn.MultiheadAttention`` passes ``out_proj.weight`` to a function (``out_proj`` is never
+    called): a fault-free pair names nothing, a fault in that weight is the attention's."""
+    a = _encoder_layer()
+    x = torch.randn(2, 5, 8)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    fast, forced, slow = _both(monkeypatch, a, copy.deepcopy(a), x, loss_fn=loss)
+    assert not forced.void
+    assert {"self_attn.out_proj.weight", "self_attn.out_proj.bias"} <= forced.used_outside
+    assert fast.culprit is None and slow.culprit is None
+    _rows_agree(fast, slow)
+    b = copy.deepcopy(a)
+    b.self_attn.out_proj.weight.data.mul_(1.01)
+    fast, _, slow = _both(monkeypatch, a, b, x, loss_fn=loss)
+    assert fast.culprit == slow.culprit == "self_attn"
+    _rows_agree(fast, slow)
+
+
+def test_gpt2_with_tied_weights_names_nothing(monkeypatch):
+    from helpers.faults import lm_loss
+    from helpers.lm import tiny_gpt2
+
+    a = tiny_gpt2(n_layer=2, n_embd=32, n_head=2)
+    ids = torch.randint(3, 40, (2, 8), generator=torch.Generator().manual_seed(1))
+    kw = {"use_cache": False}
+    fast, forced, slow = _both(monkeypatch, a, copy.deepcopy(a), ids, loss_fn=lm_loss, **kw)
+    assert not forced.void
+    assert fast.culprit is None and slow.culprit is None
+    _rows_agree(fast, slow)
+
+
+class _Leaky(nn.Module):
+    """An in-place activation with a wrong slope (the fault) that returns its input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.leaky_relu_(x, 0.01)
+
+
+def test_a_fault_in_a_child_that_works_in_place_is_named(monkeypatch):
+    torch.manual_seed(0)
+    a = _IgnoresReturn()
+    b = copy.deepcopy(a)
+    b.act = _Leaky()
+    fast, forced, slow = _both(monkeypatch, a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    assert not forced.void and not forced.dirty
+    assert fast.culprit == slow.culprit == "act"
+    assert not fast.row("").flagged and not slow.row("").flagged
+    _rows_agree(fast, slow)
+    # forward only: the same
+    fast, _, slow = _both(monkeypatch, a, b, torch.randn(3, 4))
+    assert fast.culprit == slow.culprit == "act"
+
+
+class _AddsInPlace(nn.Module):
+    """Changes its input in place and returns another tensor: what its caller keeps after the
+    call is not recorded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.add_(self.shift)
+        return x * 2
+
+
+class _KeepsChanged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.f, self.out = nn.Linear(4, 4), _AddsInPlace(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        z = self.f(y)
+        return self.out(y + z)
+
+
+def test_a_call_that_changes_its_input_and_returns_another_runs_in_its_callers_replay(
+    monkeypatch,
+):
+    torch.manual_seed(0)
+    a = _KeepsChanged()
+    fast, forced, slow = _both(
+        monkeypatch, a, copy.deepcopy(a), torch.randn(3, 4), loss_fn=lambda o: o.sum()
+    )
+    assert 0 in forced.dirty  # the caller (the model) replays by itself
+    assert fast.culprit is None and slow.culprit is None
+    for rep in (fast, slow):
+        assert "change an input in place" in rep.row("").note and "f" in rep.row("").note
+        assert any(n.startswith("<root>: its local error includes") for n in rep.notes)
+    _rows_agree(fast, slow)
 
 
 class _DetachesInside(nn.Module):
@@ -431,3 +579,40 @@ def test_a_forward_hook_is_its_modules(monkeypatch):
     b[0].register_forward_hook(lambda m, i, o: o * 1.01)
     fast, _, slow = _both(monkeypatch, a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
     assert fast.culprit == slow.culprit == "0"
+
+
+def test_a_parameter_used_outside_its_calls_against_a_record_is_said(tmp_path):
+    """Against a record of A there is no A to replay: the gradients of a parameter used outside
+    its module's calls are not compared (A's .grad holds every use), and the rows say so."""
+    torch.manual_seed(0)
+    a = _UsesChildWeight()
+    x = torch.randn(3, 4)
+    with hs.record(a, tmp_path):
+        a(x).sum().backward()
+    a.zero_grad(set_to_none=True)
+    r = hs.compare(str(tmp_path), copy.deepcopy(a), x, loss_fn=lambda o: o.sum())
+    assert r.culprit is None
+    for name in ("lin", ""):
+        assert "parameter gradients not compared" in r.row(name).note, name
+
+
+class _NoOutsideUse(_UsesChildWeight):
+    """The caller without its own use of ``lin.weight`` (the fault, or A's model)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lin(x).tanh())
+
+
+@pytest.mark.parametrize("a_uses", [True, False])
+def test_an_outside_use_in_one_run_only_is_the_callers(monkeypatch, a_uses):
+    """Where only A uses ``lin.weight`` outside ``lin``'s calls the one pass (on B) cannot see it:
+    ``lin``'s gradient, off A's whole ``.grad`` by that use, is checked again against A's own
+    replay of ``lin`` (exactly 0); the caller, whose output differs, is named."""
+    torch.manual_seed(0)
+    uses, plain = _UsesChildWeight(), _NoOutsideUse()
+    plain.load_state_dict(uses.state_dict())
+    a, b = (uses, plain) if a_uses else (plain, uses)
+    fast, _, slow = _both(monkeypatch, a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    assert fast.culprit == slow.culprit == ""
+    assert fast.row("lin").local_grad_error == slow.row("lin").local_grad_error == 0.0
+    _rows_agree(fast, slow)

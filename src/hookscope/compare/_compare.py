@@ -73,6 +73,11 @@ class _Job:
         if ra.modules is not None and self.grads:
             self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast, norms=norms)
         self.forced: Forced | None = None
+        # rows whose parameter gradients were compared with A's whole .grad: A's call ->
+        # (the row's other gradient errors, A's calls those gradients add up), checked against A's
+        # own replay of those calls where the row's gradient error is over tolerance
+        self._whole: dict[int, tuple[list[Any], list[int]]] = {}
+        self.notes: list[str] = []  # for the report's notes
         # a gradient one run has and the other has not counts as a zero one (a module that stops
         # the gradient is named); a compiled run has none for outputs nothing depends on, so
         # there only gradients both runs have are compared
@@ -244,6 +249,14 @@ class _Job:
             return
         if got.ran:
             r.note = "children ran for real (inputs changed structure): " + ", ".join(got.ran)
+        if got.ran_in_place:
+            why = (
+                "children ran for real (they change an input in place and return another "
+                "tensor, so A's value of that input after the call is not recorded): "
+                + ", ".join(got.ran_in_place)
+            )
+            r.note = f"{r.note}; {why}" if r.note else why
+            self.notes.append(f"{r.label}: its local error includes its {why}")
         r.local_error = worst([self.norms.rel_error(ca.output, got.output), *got.child_errors])
         if not self.grads or got.in_grads is None or ca.in_grad is None:
             return
@@ -256,6 +269,10 @@ class _Job:
         pre = f"{ca.name}." if ca.name else ""
         if forced and got.param_grads:
             # the module's own parameter gradients over all its calls: A's whole .grad
+            f = self.forced
+            assert f is not None
+            calls = [k for k, c in enumerate(self.ra.calls) if c.name == ca.name]
+            self._whole[i] = (list(errs), [k for k in calls if k in f.results])
             errs.append(
                 self.norms.rel_pairs(
                     [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
@@ -268,9 +285,11 @@ class _Job:
             and once
             and direct
             and not any(pre + n in self.shared for n in got.param_grads)
+            and not self._used_outside(ca.name, got.param_grads)
         ):
             # a module called once whose own parameters no other module uses: its local
             # parameter gradients are the whole run's .grad of A (no replay of A needed)
+            self._whole[i] = (list(errs), [i])
             errs.append(
                 self.norms.rel_pairs(
                     [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
@@ -284,10 +303,52 @@ class _Job:
                         [(ref.param_grads.get(n), g) for n, g in got.param_grads.items()]
                     )
                 )
+        elif got.param_grads and self._used_outside(ca.name, got.param_grads):
+            why = (
+                "parameter gradients not compared: the parameters are also used outside this "
+                "module's calls (A's .grad holds those uses) and A is a record, not a live model "
+                "whose own call could be replayed"
+            )
+            r.note = f"{r.note}; {why}" if r.note else why
         r.local_grad_error = worst(errs)
+
+    def _used_outside(self, a_name: str, params: Mapping[str, Any]) -> bool:
+        """Whether the one pass saw a gradient reach one of these parameters (local names of
+        A's module ``a_name``) outside their owners' calls."""
+        f, b_name = self.forced, self.map(a_name)
+        if f is None or not f.used_outside or b_name is None:
+            return False
+        pre = f"{b_name}." if b_name else ""
+        return any(pre + n in f.used_outside for n in params)
+
+    def _confirm(self, r: CompareRow, whole: tuple[list[Any], list[int]]) -> None:
+        """A row whose parameter gradients were compared with A's whole ``.grad``, over
+        tolerance: that ``.grad`` also holds any use of the parameters outside the module's calls
+        (its caller's ``h @ lin.weight``, a loss term), so the module's own gradients are
+        compared again with A's replay of the same calls (both summed over them)."""
+        if self.rep_a is None or self.rep_b is None:
+            return
+        others, calls = whole
+        mine: dict[str, torch.Tensor] = {}
+        ref: dict[str, torch.Tensor] = {}
+        for k in calls:
+            got_b = self._run(self.rep_b, k, True, r)
+            got_a = self._run(self.rep_a, k, True, r)
+            if got_b is None or got_a is None or got_b.param_grads is None:
+                return
+            for n, g in got_b.param_grads.items():
+                if "." not in n:  # the module's own (not a use of a child's, by its own code)
+                    mine[n] = mine[n] + g if n in mine else g
+            for n, g in (got_a.param_grads or {}).items():
+                ref[n] = ref[n] + g if n in ref else g
+        pairs = [(ref.get(n), g) for n, g in mine.items()]
+        r.local_grad_error = _worst([value(e) for e in others] + [rel_pairs(pairs)])
 
     def _verdict(self, i: int, r: CompareRow) -> None:
         over = lambda e: e is not None and e > r.tol  # noqa: E731
+        whole = self._whole.pop(i, None)
+        if whole is not None and over(r.local_grad_error):
+            self._confirm(r, whole)
         kind = None
         if over(r.local_error):
             kind = "forward"
@@ -480,6 +541,7 @@ def build_report(job: _Job) -> CompareReport:
             "no culprit verdict: B is a record, not a live model; the culprit needs B's modules "
             "to replay A's inputs (pass the live model as b)"
         )
+    notes.extend(job.notes)
     if job.failed:
         warnings.warn(
             f"hs.compare: could not replay {len(job.failed)} module call(s) on A's inputs "

@@ -17,6 +17,23 @@ seeded even where its caller's code sends no gradient back to it (an output drop
 a gradient the record lacks), and the caller gets the recorded input gradients of a call only
 where its code does send one back (as the per-call replay's stubs).
 
+Each module's own parameters are, for the duration of each of its calls, leaves of the pass (the
+module's ``_parameters`` entries swapped, put back when the call returns; one leaf per module
+and parameter, so the gradients of its calls add up there as on the parameter): their gradients
+are the module's own calls', ``param_grads``. A gradient that reaches a
+parameter itself comes from a use outside its owners' calls (a caller's ``h @ lin.weight``, a
+tied embedding used as ``h @ embed.weight.T``, ``nn.MultiheadAttention`` passing
+``out_proj.weight`` to a function): ``used_outside`` names those parameters, and their owners and
+the modules above them replay by themselves (``unforced``), where the per-call replay gives the
+use to the caller's row (its gradient through the caller's own code) and the owner's per-call
+gradients are compared with A's own replay, not A's whole ``.grad``.
+
+A call that works in place on what its caller handed it (its handed inputs' versions moved)
+changed the caller's tensor in the recorded run: where it returns that input, the recorded output
+is written into the caller's tensor (as :func:`~._replay.write_back` does in the per-call
+replay); where it returns another tensor, its caller is ``dirty`` (its replay runs the call for
+real, and says so).
+
 It is a fast path, taken only where it is exactly the per-call replay: a call whose caller runs
 it in another way than the recorded run (not recorded there, another parent, another number of
 tensors, no recorded inputs or output) is left to run as it is, and it and its caller are
@@ -34,7 +51,7 @@ import torch.nn as nn
 
 from ..core._nested import iter_tensors, map_tensors
 from ..core._scope import HookScope, graph_task_id
-from ._replay import Replay, Result, _cast
+from ._replay import Replay, Result, _cast, changed_in_place, versions, write_back
 from ._run import CallRec, restore_aliases
 
 __all__ = ["Forced", "forced_pass"]
@@ -103,11 +120,14 @@ class Forced:
         # live modules with a call left to run as it is: their parameter gradients in the pass
         # mix it in, so their rows replay by themselves
         self.unforced: set[str] = set()
+        # parameters (the live model's full names) whose gradient in the pass comes partly from
+        # uses outside their owners' calls
+        self.used_outside: set[str] = set()
         self.void = ""  # why the whole pass is void ("" when it is not)
 
 
 class _Frame:
-    __slots__ = ("given", "leaves", "pos", "res", "to_caller")
+    __slots__ = ("given", "handed", "leaves", "pos", "res", "to_caller", "versions")
 
     def __init__(self, pos: int, res: Result) -> None:
         self.pos, self.res = pos, res
@@ -115,6 +135,24 @@ class _Frame:
         # the tensors the caller handed to the call, and their recorded gradients (or None)
         self.given: list[torch.Tensor] = []
         self.to_caller: list[torch.Tensor | None] = []
+        # what the module got instead (the recorded inputs) and their versions then
+        self.handed: list[torch.Tensor] = []
+        self.versions: list[int | None] = []
+
+
+class _Swap:
+    """One call's module with its own parameters swapped for the pass's leaves while it runs."""
+
+    __slots__ = ("module", "params")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.params: list[tuple[str, torch.Tensor]] = []  # (local name, the parameter)
+
+    def restore(self) -> None:
+        own = self.module._parameters
+        for n, p in self.params:
+            own[n] = p  # type: ignore[assignment]
 
 
 def forced_pass(rep: Replay, names: dict[int, str], grads: bool) -> Forced:
@@ -157,6 +195,9 @@ class _Pass:
         # the roots of the backward: every _Enter's and _Exit's handle (each call's own output is
         # seeded, as in the per-call replay, whether or not the caller's code uses it)
         self.handles: list[torch.Tensor] = []
+        self.swaps: list[_Swap] = []  # the calls running, with their parameters swapped
+        # (module, local name) -> (module's name, the leaf standing for that parameter)
+        self.leaves: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
 
     # -- the pass --------------------------------------------------------------------------------
     def run(self, model: nn.Module, call: CallRec) -> None:
@@ -175,26 +216,50 @@ class _Pass:
             else contextlib.nullcontext()
         )
         with scope:  # still on in backward: a module recomputed there voids the pass
-            with torch.set_grad_enabled(self.grads), ctx:
-                model(*args, **kwargs)
+            try:
+                with torch.set_grad_enabled(self.grads), ctx:
+                    model(*args, **kwargs)
+            finally:
+                while self.swaps:  # an error midway: the model gets its parameters back
+                    self.swaps.pop().restore()
             if self.grads and not self.out.void:
                 self._backward()
 
     def _backward(self) -> None:
         outs = self.handles
-        params = [(n, p) for n, p in self.rep.modules[""].named_parameters() if p.requires_grad]
+        model = self.rep.modules[""]
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not outs:
             return
+        leaves = [(f"{m}.{n}" if m else n, leaf) for (_, n), (m, leaf) in self.leaves.items()]
         with torch.enable_grad():
             got = torch.autograd.grad(
                 outs,
-                [self.anchor, *(p for _, p in params)],
+                [self.anchor, *(p for _, p in params), *(leaf for _, leaf in leaves)],
                 [torch.zeros_like(t) for t in outs],
                 allow_unused=True,
             )
         if self.out.void:
             return
-        self.out.param_grads = {n: g for (n, _), g in zip(params, got[1:]) if g is not None}
+        self.out.param_grads = {
+            n: g for (n, _), g in zip(leaves, got[1 + len(params) :]) if g is not None
+        }
+        # a gradient on the parameter itself: a use outside its owners' calls
+        outside = {id(p) for (_, p), g in zip(params, got[1:]) if g is not None}
+        if outside:
+            self._outside(outside)
+
+    def _outside(self, params: set[int]) -> None:
+        """Parameters used outside their owners' calls: their owners and every module above
+        them replay by themselves (the per-call replay gives such a use to the caller's row)."""
+        for name, m in self.rep.modules.items():
+            hit = [n for n, p in m._parameters.items() if p is not None and id(p) in params]
+            if not hit:
+                continue
+            self.out.used_outside.update(f"{name}.{n}" if name else n for n in hit)
+            parts = name.split(".") if name else []
+            for k in range(len(parts) + 1):
+                self.out.unforced.add(".".join(parts[:k]))
 
     # -- hooks -----------------------------------------------------------------------------------
     def _pre(self, name: str) -> Any:
@@ -204,13 +269,20 @@ class _Pass:
                 return None
             i = self.counts.get(name, 0)
             self.counts[name] = i + 1
-            return self._enter(name, i, args, kwargs)
+            new = self._enter(name, i, args, kwargs)
+            if self.grads:
+                self._swap(module, name)
+            return new
 
         return pre
 
     def _post(self, name: str) -> Any:
         def post(module: nn.Module, args: Any, output: Any) -> Any:
-            if graph_task_id() != -1 or not self.stack:
+            if graph_task_id() != -1:
+                return None
+            if self.swaps and self.swaps[-1].module is module:
+                self.swaps.pop().restore()
+            if not self.stack:
                 return None
             frame = self.stack.pop()
             if frame is None:
@@ -218,6 +290,22 @@ class _Pass:
             return self._exit(frame, output)
 
         return post
+
+    def _swap(self, module: nn.Module, name: str) -> None:
+        """The module's own parameters as the pass's leaves while this call runs: the gradient
+        each leaf gets is the module's calls', and a use of the parameter outside its owners'
+        calls still reaches the parameter itself."""
+        sw = _Swap(module)
+        own = module._parameters
+        for n, p in own.items():
+            if p is not None and p.requires_grad:
+                key = (id(module), n)
+                hit = self.leaves.get(key)
+                if hit is None:
+                    hit = self.leaves[key] = (name, p.detach().requires_grad_(True))
+                sw.params.append((n, p))
+                own[n] = hit[1]  # type: ignore[assignment]
+        self.swaps.append(sw)
 
     def _enter(self, name: str, i: int, args: Any, kwargs: Any) -> Any:
         ref, rep = self.ref, self.rep
@@ -260,8 +348,11 @@ class _Pass:
             rep.round_to,
         )
         self.stack.append(frame)
+        frame.given = given
         if not self.grads:
             self.out.results[pos] = res
+            frame.handed = [t for _, t in iter_tensors(value)]
+            frame.versions = versions(frame.handed)
             return tuple(value[0]), dict(value[1])
         # which leaves get a gradient: floating, first occurrence, recorded gradient (as
         # _requiring); the caller gets the recorded gradient of what it passed (as the stubs)
@@ -295,10 +386,12 @@ class _Pass:
             ]
 
         res.in_grads = [None] * len(slots)
-        frame.given, frame.to_caller = given, to_caller
+        frame.to_caller = to_caller
         *made, handle = _Enter.apply((forced, wanted, keep), self.anchor)
         self.handles.append(handle)
-        it = iter(made[j] for j in slots)
+        frame.handed = [made[j] for j in slots]
+        frame.versions = versions(frame.handed)
+        it = iter(frame.handed)
         self.out.results[pos] = res
         new = map_tensors(lambda _t: next(it), value)
         return tuple(new[0]), dict(new[1])
@@ -309,6 +402,20 @@ class _Pass:
         res = frame.res
         res.output = map_tensors(lambda t: t.detach(), output)
         real = [t for _, t in iter_tensors(output)]
+        parent = next((f for f in reversed(self.stack) if f is not None), None)
+        in_place = res.in_place = rep.inplace[frame.pos] = changed_in_place(
+            frame.handed, frame.versions, output
+        )
+        if parent is None:
+            in_place = []  # the model itself: no caller's tensor to change
+        elif any(j is None for _, j in in_place):
+            # what the caller keeps after the call is not recorded: it replays by itself, the
+            # call running for real there
+            in_place = []
+            self.out.dirty.add(parent.pos)
+            live = rep.name_map(ref.calls[parent.pos].name)
+            if live is not None:
+                self.out.unforced.add(live)
         own = rep._own_call(c)
         value = _cast(c.output, own.output if own else None, rep.dtype, self.device, rep.round_to)
         values = [t for _, t in iter_tensors(value)]
@@ -317,7 +424,6 @@ class _Pass:
             return None
         if not values:
             return value
-        parent = next((f for f in reversed(self.stack) if f is not None), None)
         seeds: list[torch.Tensor | None] = [None] * len(real)
         if self.grads and c.grad is not None:
             for k, (o, g) in enumerate(zip(real, c.grad)):
@@ -338,6 +444,8 @@ class _Pass:
             self.handles.append(handle)
         else:
             made = [v.clone() for v in values]
+        if in_place:
+            made = write_back(frame.given, made, in_place)
         it = iter(made)
         return map_tensors(lambda _t: next(it), value)
 

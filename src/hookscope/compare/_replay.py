@@ -11,6 +11,16 @@ its depth.
 A child is stubbed by setting an instance attribute ``forward`` on it for the duration of the
 replay (removed in a ``finally``); no hook is involved. A child call whose inputs do not have the
 recorded structure runs for real (``Result.ran`` names it).
+
+A child that works in place on what its caller handed it (``nn.ReLU(inplace=True)``) changed the
+caller's tensor in the recorded run, and a caller may go on with that tensor rather than the
+return value (``self.act(y); return self.out(y)``). So the stub does what the call did to its
+caller: where the call changes an input in place and returns it, the recorded output is written
+into the caller's tensor (and that tensor is the value returned, as in the run). Which calls do
+this is seen by running them (:attr:`Replay.inplace`: a replay of the call, or the one pass);
+a call that changes an input in place and returns another tensor leaves no record of the
+input's value after it, so that child runs for real in its caller's replay
+(``Result.ran_in_place`` names it).
 """
 
 from __future__ import annotations
@@ -44,16 +54,25 @@ class Result:
     # (lazy :class:`~._tolerance.Lazy` errors when the replay has ``norms``)
     child_errors: list[Any] = dataclasses.field(default_factory=list)
     child_grad_errors: list[Any] = dataclasses.field(default_factory=list)
+    # the inputs the call changed in place: (input leaf, output leaf that is that input or None)
+    in_place: list[tuple[int, int | None]] = dataclasses.field(default_factory=list)
+    # children that ran for real: they change an input in place and return another tensor
+    ran_in_place: list[str] = dataclasses.field(default_factory=list)
 
 
 class _Stub(torch.autograd.Function):
-    """Returns recorded outputs; in backward, the recorded gradients of the inputs."""
+    """Returns recorded outputs; in backward, the recorded gradients of the inputs. Where no
+    gradient at all reaches its outputs (the caller overwrote the output in place: see
+    :func:`write_back`), the caller's code does not reach the call: nothing is sent back (as
+    the one pass's ``_Exit``)."""
 
     @staticmethod
     def forward(ctx: Any, payload: Any, *inputs: torch.Tensor) -> Any:
         outs, grads, ref_out_grads, sink, errors = payload
         ctx.grads, ctx.ref, ctx.sink, ctx.errors = grads, ref_out_grads, sink, errors
+        ctx.set_materialize_grads(False)
         res = tuple(o.clone() for o in outs)
+        ctx.like = [(o.shape, o.dtype, o.device) for o in res]
         nondiff = [o for o in res if not o.is_floating_point()]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -61,6 +80,12 @@ class _Stub(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
+        if all(g is None for g in grads):
+            return (None, *([None] * len(ctx.grads)))
+        grads = tuple(
+            torch.zeros(s, dtype=d, device=dev) if g is None else g
+            for g, (s, d, dev) in zip(grads, ctx.like)
+        )
         if ctx.ref is not None:
             ctx.sink.append(ctx.errors(list(zip(ctx.ref, grads))))
         return (None, *ctx.grads)
@@ -102,6 +127,75 @@ def _cast(
     return map_tensors(one, value)
 
 
+class _Overwrite(torch.autograd.Function):
+    """``t.copy_(src)`` in place whose backward sends nothing to ``t``'s old value: the gradient
+    that reaches a call's inputs is the one the call gives them (the stub's recorded one), not
+    a zero from the overwrite (that would read as a gradient the caller sent back)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(t)
+        ctx.dtype = src.dtype
+        t.copy_(src)
+        return t
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return None, None if grad is None else grad.to(ctx.dtype)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (``None`` for an inference tensor, which has none)."""
+    return None if t.is_inference() else t._version
+
+
+def _aliases(out: torch.Tensor, t: torch.Tensor) -> bool:
+    """``out`` is ``t`` (the same tensor, or the same memory seen the same way)."""
+    return out is t or (
+        out.data_ptr() == t.data_ptr()
+        and out.dtype == t.dtype
+        and out.shape == t.shape
+        and out.stride() == t.stride()
+    )
+
+
+def versions(handed: list[torch.Tensor]) -> list[int | None]:
+    """The version counters of the tensors handed to a call, before it runs."""
+    return [_version(t) for t in handed]
+
+
+def changed_in_place(
+    handed: list[torch.Tensor], before: list[int | None], output: Any
+) -> list[tuple[int, int | None]]:
+    """The tensors handed to a call (leaf ``k``, at version ``before[k]`` then) that it changed
+    in place, each with the output leaf that is that tensor (``None``: it returned another).
+    An inference tensor has no version: there, an output that is the tensor counts (writing
+    the output back into the caller's tensor is then exact whether or not it changed)."""
+    outs: list[torch.Tensor] | None = None
+    found: list[tuple[int, int | None]] = []
+    seen: set[int] = set()
+    for k, (t, v) in enumerate(zip(handed, before)):
+        if id(t) in seen or (v is not None and t._version == v):
+            continue
+        seen.add(id(t))
+        if outs is None:
+            outs = [o for _, o in iter_tensors(output)]
+        j = next((j for j, o in enumerate(outs) if _aliases(o, t)), None)
+        if j is not None or v is not None:
+            found.append((k, j))
+    return found
+
+
+def write_back(given: list[torch.Tensor], outs: list[Any], in_place: Any) -> list[Any]:
+    """``outs`` (what stands for a call's output) with each output leaf that is an input the call
+    changed in place replaced by the caller's tensor, into which its value is written: what the
+    call did to its caller in the recorded run. ``in_place``: aliased pairs only."""
+    outs = list(outs)
+    for k, j in in_place:
+        outs[j] = _Overwrite.apply(given[k], outs[j])
+    return outs
+
+
 @dataclasses.dataclass
 class Replay:
     """Replays calls of ``ref`` (a recorded run) on ``modules`` (a live model's eager modules).
@@ -118,6 +212,9 @@ class Replay:
     autocast: torch.dtype | None = None
     round_to: torch.dtype | None = None  # round replayed values through this dtype
     norms: Norms | None = None  # the errors of the children's values: lazily, with others
+    # position in ``ref`` -> the inputs that call changes in place (:func:`changed_in_place`),
+    # as seen when it ran on the recorded inputs (a replay of it, or the one pass)
+    inplace: dict[int, list[tuple[int, int | None]]] = dataclasses.field(default_factory=dict)
 
     def _errors(self, pairs: list[Any]) -> Any:
         return self.norms.rel_pairs(pairs) if self.norms is not None else rel_pairs(pairs)
@@ -162,8 +259,11 @@ class Replay:
             if self.autocast is not None
             else contextlib.nullcontext()
         )
+        handed = [t for _, t in iter_tensors((args, kwargs))]
+        before = versions(handed)
         with torch.set_grad_enabled(grads), self._stubs(c, device, res), ctx:
             out = module(*args, **kwargs)  # with the module's own hooks, as in its run
+        res.in_place = self.inplace[pos] = changed_in_place(handed, before, out)
         res.output = map_tensors(lambda t: t.detach(), out)
         if grads and c.grad is not None:
             self._backward(module, out, c, leaves, res)
@@ -192,16 +292,31 @@ class Replay:
         res.in_grads = [None if t is None else next(it) for t in leaves]
         res.param_grads = {n: g for (n, _), g in zip(params, it) if g is not None}
 
+    def _in_place(self, pos: int) -> list[tuple[int, int | None]]:
+        """What call ``pos`` changes in place (:attr:`inplace`), seen once by replaying it
+        (forward only) where neither a replay of it nor the one pass has yet. A call that cannot
+        be replayed counts as changing nothing: its own row says it could not be replayed."""
+        got = self.inplace.get(pos)
+        if got is None:
+            try:
+                self.run(pos, False)
+            except Exception:  # its own row replays it again and says why it fails
+                pass
+            got = self.inplace.setdefault(pos, [])
+        return got
+
     @contextlib.contextmanager
     def _stubs(self, c: CallRec, device: torch.device, res: Result) -> Iterator[None]:
-        queues: dict[int, tuple[nn.Module, list[CallRec]]] = {}
+        for k in c.children:  # before any stub is set: these replays run the children
+            self._in_place(k)
+        queues: dict[int, tuple[nn.Module, list[tuple[int, CallRec]]]] = {}
         for k in c.children:
             child = self.ref.calls[k]
             name = self.name_map(child.name)
             m = self.modules.get(name) if name is not None else None
             if m is None:
                 continue
-            queues.setdefault(id(m), (m, []))[1].append(child)
+            queues.setdefault(id(m), (m, []))[1].append((k, child))
         saved: list[tuple[nn.Module, Any, dict[str, Any]]] = []
         try:
             for m, queue in queues.values():
@@ -222,7 +337,7 @@ class Replay:
                 m.__dict__.update(hooks)
 
     def _stub(
-        self, m: nn.Module, queue: list[CallRec], device: torch.device, res: Result
+        self, m: nn.Module, queue: list[tuple[int, CallRec]], device: torch.device, res: Result
     ) -> Callable[..., Any]:
         prev = m.__dict__.get("forward")
         real = prev if prev is not None else type(m).forward.__get__(m)
@@ -230,7 +345,7 @@ class Replay:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             given = [t for _, t in iter_tensors((args, kwargs))]
-            child = pending.pop(0) if pending else None
+            pos, child = pending.pop(0) if pending else (-1, None)
             if (
                 child is None
                 or child.output is None
@@ -238,6 +353,12 @@ class Replay:
                 or len(given) != sum(1 for _ in iter_tensors(child.inputs))
             ):
                 res.ran.append(child.name if child is not None else type(m).__name__)
+                return real(*args, **kwargs)
+            in_place = self.inplace.get(pos, [])
+            if any(j is None for _, j in in_place):
+                # it changes what it was handed and returns another tensor: the value its caller
+                # keeps is not recorded, so it runs for real (on the caller's values)
+                res.ran_in_place.append(child.name)
                 return real(*args, **kwargs)
             # a copy of what was handed: the norms come later, and the caller may change its
             # tensor in place after the call (h += f(ln(h)))
@@ -261,10 +382,13 @@ class Replay:
                     seen.add(id(t))
             if any(g is not None for g in grads):
                 payload = (outs, grads, child.grad, res.child_grad_errors, self._errors)
-                made = iter(_Stub.apply(payload, *given))
+                made = list(_Stub.apply(payload, *given))
             else:
-                made = iter(o.clone() for o in outs)
-            return map_tensors(lambda _t: next(made), value)
+                made = [o.clone() for o in outs]
+            if in_place:
+                made = write_back(given, made, in_place)
+            it = iter(made)
+            return map_tensors(lambda _t: next(it), value)
 
         return forward
 
