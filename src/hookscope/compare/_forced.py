@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._nested import iter_tensors, map_tensors
+from ..core._nested import map_tensors, tensors_of
 from ..core._scope import HookScope, graph_task_id
 from ._replay import Replay, Result, _cast, changed_in_place, versions, write_back
 from ._run import CallRec, restore_aliases
@@ -127,11 +127,10 @@ class Forced:
 
 
 class _Frame:
-    __slots__ = ("given", "handed", "leaves", "pos", "res", "to_caller", "versions")
+    __slots__ = ("given", "handed", "pos", "res", "to_caller", "versions")
 
     def __init__(self, pos: int, res: Result) -> None:
         self.pos, self.res = pos, res
-        self.leaves: list[torch.Tensor | None] = []
         # the tensors the caller handed to the call, and their recorded gradients (or None)
         self.given: list[torch.Tensor] = []
         self.to_caller: list[torch.Tensor | None] = []
@@ -196,6 +195,9 @@ class _Pass:
         # seeded, as in the per-call replay, whether or not the caller's code uses it)
         self.handles: list[torch.Tensor] = []
         self.swaps: list[_Swap] = []  # the calls running, with their parameters swapped
+        # each recorded value cast once (an output handed to the next call is one object in a
+        # record kept in memory): see _cast
+        self.casts: dict[Any, Any] | None = {} if rep.ref_in_memory() else None
         # (module, local name) -> (module's name, the leaf standing for that parameter)
         self.leaves: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
 
@@ -311,15 +313,20 @@ class _Pass:
         ref, rep = self.ref, self.rep
         pos = self.by_live.get((name, i))
         parent = next((f for f in reversed(self.stack) if f is not None), None)
-        given = [t for _, t in iter_tensors((args, kwargs))]
+        if not kwargs and args.__class__ is tuple and len(args) == 1:
+            given = [args[0]] if args[0].__class__ is torch.Tensor else tensors_of(args)
+        else:
+            given = tensors_of((args, kwargs))
         c = ref.calls[pos] if pos is not None else None
+        inputs = c.inputs if c is not None else None
+        recorded = tensors_of(inputs) if inputs is not None else []
         if (
             c is None
-            or c.inputs is None
+            or inputs is None
             or c.output is None
             or c.parent != (parent.pos if parent is not None else None)
             or (parent is None and self.stack)
-            or len(given) != len(list(iter_tensors(c.inputs)))
+            or len(given) != len(recorded)
         ):
             # run as it is: not the per-call replay of this call, nor of the calls enclosing it
             for f in self.stack:
@@ -336,23 +343,35 @@ class _Pass:
             # the errors are computed later (lazily, with the others): a copy of what the caller
             # handed, which its code may change in place after the call (``h += f(ln(h))``)
             handed = [t.detach().clone() if t.is_floating_point() else t for t in given]
-            parent.res.child_errors.append(
-                rep._errors(list(zip([t for _, t in iter_tensors(c.inputs)], handed)))
-            )
+            parent.res.child_errors.append(rep._errors(list(zip(recorded, handed))))
         own = rep._own_call(c)
         value = _cast(
-            restore_aliases(c.inputs, c.alias),
+            restore_aliases(inputs, c.alias),
             own.input_dtypes if own else None,
             rep.dtype,
             self.device,
             rep.round_to,
+            self.casts,
         )
         self.stack.append(frame)
         frame.given = given
+        if not self.grads and self.casts is not None:
+            # the module gets the cast values themselves: copies, so that one working in place
+            # leaves the cast of the record (shared with other calls) as it was
+            copies: dict[int, torch.Tensor] = {}
+
+            def copy(t: torch.Tensor) -> torch.Tensor:
+                c = copies.get(id(t))
+                if c is None:
+                    c = copies[id(t)] = t.clone()
+                return c
+
+            value = map_tensors(copy, value)
+        leaves = tensors_of(value)
         if not self.grads:
             self.out.results[pos] = res
-            frame.handed = [t for _, t in iter_tensors(value)]
-            frame.versions = versions(frame.handed)
+            frame.handed = leaves
+            frame.versions = versions(leaves)
             return tuple(value[0]), dict(value[1])
         # which leaves get a gradient: floating, first occurrence, recorded gradient (as
         # _requiring); the caller gets the recorded gradient of what it passed (as the stubs)
@@ -360,32 +379,35 @@ class _Pass:
         distinct: dict[int, int] = {}
         forced: list[torch.Tensor] = []
         wanted: list[bool] = []
-        for k, (_, t) in enumerate(iter_tensors(value)):
-            g = want[k] if k < len(want) else None
-            if id(t) in distinct:
-                frame.leaves.append(None)
+        slots: list[int] = []
+        kept: list[int] = []  # the leaves whose gradient is kept: floating, wanted, first
+        for k, t in enumerate(leaves):
+            j = distinct.get(id(t))
+            if j is not None:
+                slots.append(j)
                 continue
-            distinct[id(t)] = len(forced)
-            w = g is not None and t.is_floating_point()
+            j = distinct[id(t)] = len(forced)
+            slots.append(j)
+            w = k < len(want) and want[k] is not None and t.is_floating_point()
             forced.append(t)
             wanted.append(w)
-            frame.leaves.append(t if w else None)
+            if w:
+                kept.append(k)
         to_caller: list[torch.Tensor | None] = [None] * len(given)
         seen: set[int] = set()
         for k, (t, g) in enumerate(zip(given, want)):
             if g is not None and t.requires_grad and id(t) not in seen:
                 to_caller[k] = g.to(device=t.device, dtype=t.dtype)
             seen.add(id(t))
-        slots = [distinct[id(t)] for _, t in iter_tensors(value)]
-        first = {j: k for k, j in reversed(list(enumerate(slots)))}
+        n = len(leaves)
 
         def keep(grads: tuple[Any, ...]) -> None:
-            res.in_grads = [
-                grads[slots[k]] if frame.leaves[k] is not None and first[slots[k]] == k else None
-                for k in range(len(slots))
-            ]
+            got: list[Any] = [None] * n
+            for k in kept:
+                got[k] = grads[slots[k]]
+            res.in_grads = got
 
-        res.in_grads = [None] * len(slots)
+        res.in_grads = [None] * n
         frame.to_caller = to_caller
         *made, handle = _Enter.apply((forced, wanted, keep), self.anchor)
         self.handles.append(handle)
@@ -400,8 +422,11 @@ class _Pass:
         ref, rep = self.ref, self.rep
         c = ref.calls[frame.pos]
         res = frame.res
-        res.output = map_tensors(lambda t: t.detach(), output)
-        real = [t for _, t in iter_tensors(output)]
+        if output.__class__ is torch.Tensor:
+            res.output, real = output.detach(), [output]
+        else:
+            res.output = map_tensors(lambda t: t.detach(), output)
+            real = tensors_of(output)
         parent = next((f for f in reversed(self.stack) if f is not None), None)
         in_place = res.in_place = rep.inplace[frame.pos] = changed_in_place(
             frame.handed, frame.versions, output
@@ -417,8 +442,10 @@ class _Pass:
             if live is not None:
                 self.out.unforced.add(live)
         own = rep._own_call(c)
-        value = _cast(c.output, own.output if own else None, rep.dtype, self.device, rep.round_to)
-        values = [t for _, t in iter_tensors(value)]
+        value = _cast(
+            c.output, own.output if own else None, rep.dtype, self.device, rep.round_to, self.casts
+        )
+        values = tensors_of(value)
         if len(values) != len(real):
             self._dirty(frame)
             return None
@@ -446,6 +473,8 @@ class _Pass:
             made = [v.clone() for v in values]
         if in_place:
             made = write_back(frame.given, made, in_place)
+        if value.__class__ is torch.Tensor:
+            return made[0]
         it = iter(made)
         return map_tensors(lambda _t: next(it), value)
 

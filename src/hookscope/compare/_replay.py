@@ -33,8 +33,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._nested import iter_tensors, map_tensors
+from ..core._nested import iter_tensors, map_tensors, tensors_of
 from ._run import CallRec, RunRecord, restore_aliases
+from ._store import ValueStore
 from ._tolerance import Norms, rel_pairs
 
 __all__ = ["Replay", "Result"]
@@ -97,15 +98,18 @@ def _cast(
     dtype: torch.dtype,
     device: torch.device,
     round_to: torch.dtype | None = None,
+    cache: dict[Any, Any] | None = None,
 ) -> Any:
     """``value``'s floating leaves cast to the dtypes of ``like``'s leaves (same structure, or a
     list of dtypes), else to ``dtype``; tensors met twice stay one tensor (identity checks such
-    as ``q is k`` hold)."""
+    as ``q is k`` hold). ``cache``: casts kept across calls, by tensor and dtype (a record held in
+    memory hands the next call the same object as the last output: it is cast once); whoever
+    hands a cached cast to a module hands it a copy."""
     if isinstance(like, list) and all(isinstance(d, torch.dtype) for d in like):
         dts = like
     else:
-        dts = [t.dtype for _, t in iter_tensors(like)] if like is not None else []
-    n = sum(1 for _ in iter_tensors(value))
+        dts = [t.dtype for t in tensors_of(like)] if like is not None else []
+    n = len(tensors_of(value))
     it = iter(dts if len(dts) == n else [None] * n)
     memo: dict[int, torch.Tensor] = {}
 
@@ -114,6 +118,13 @@ def _cast(
         hit = memo.get(id(t))
         if hit is not None:
             return hit
+        key = None
+        if cache is not None:
+            key = (id(t), d)
+            got = cache.get(key)
+            if got is not None and got[0] is t:
+                memo[id(t)] = got[1]
+                return got[1]
         out = t.detach().to(device)
         if out.is_floating_point():
             out = out.to(d if d is not None and d.is_floating_point else dtype)
@@ -122,6 +133,8 @@ def _cast(
         if out.data_ptr() == t.data_ptr() and out.numel():
             out = out.clone()  # a module that works in place must not change the record
         memo[id(t)] = out
+        if key is not None:
+            cache[key] = (t, out)  # t is kept by the record: its id stays its own
         return out
 
     return map_tensors(one, value)
@@ -225,6 +238,16 @@ class Replay:
             return None
         pos = self.own.by_key.get((name, c.index))
         return None if pos is None else self.own.calls[pos]
+
+    def ref_in_memory(self) -> bool:
+        """Whether every value of ``ref`` is held in memory (one object per value, read back as
+        that object): a store never spilled to disk."""
+        calls = self.ref.calls
+        if not calls:
+            return False
+        store = calls[0].store
+        store = getattr(store, "store", store)
+        return isinstance(store, ValueStore) and store._spool is None and store._folder is None
 
     def _device(self) -> torch.device:
         for m in self.modules.values():

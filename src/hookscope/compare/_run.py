@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
 from ..core._errors import HookscopeError
-from ..core._nested import iter_tensors, map_tensors
+from ..core._nested import map_tensors, tensors_of
 from ..core._random import random_draws, training_modules
 from ..core._scope import HookScope, check_model
 from ._hooks import CallHooks
@@ -242,7 +242,7 @@ def restore_aliases(value: Any, alias: list[int] | None) -> Any:
     """``value`` with leaf ``i`` replaced by leaf ``alias[i]`` (the same object again)."""
     if alias is None:
         return value
-    leaves = [t for _, t in iter_tensors(value)]
+    leaves = tensors_of(value)
     it = iter(range(len(leaves)))
     return map_tensors(lambda _t: leaves[alias[next(it)]], value)
 
