@@ -73,8 +73,8 @@ def check_arguments(a: Any, b: Any, spec: Any, names: Any, loss_reduction: Any =
 
 
 def _check_modes(a: nn.Module, b: nn.Module, names: Any) -> None:
-    """Warn where a module is in training mode in one model and in eval mode in the other: its
-    computation differs (BatchNorm's batch statistics against its running ones), so it is named
+    """Warn where a module whose forward reads ``self.training`` is in training mode in one model
+    and in eval mode in the other: its computation differs (BatchNorm's batch statistics against its running ones), so it is named
     as a culprit, by its mode, not by its code."""
     rename: Callable[[str], str | None]
     if names is None:
@@ -92,7 +92,7 @@ def _check_modes(a: nn.Module, b: nn.Module, names: Any) -> None:
         except Exception:  # a names= function that fails: check_names says so later
             return
         mb = in_b.get(other) if other is not None else None
-        if mb is not None and mb.training != m.training:
+        if mb is not None and mb.training != m.training and (_by_mode(m) or _by_mode(mb)):
             differ.append((name or "<root>", m.training))
     if differ:
         shown = ", ".join(f"{n} ({'train' if t else 'eval'} in a)" for n, t in differ[:3])
@@ -104,6 +104,13 @@ def _check_modes(a: nn.Module, b: nn.Module, names: Any) -> None:
             HookscopeWarning,
             stacklevel=4,  # _check_modes, check_arguments, hs.compare, the caller
         )
+
+
+def _by_mode(module: nn.Module) -> bool:
+    """Whether the module's own forward reads ``self.training`` (BatchNorm, dropout, most
+    attention modules): its computation may depend on the mode."""
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    return code is not None and "training" in code.co_names
 
 
 def check_reduction(loss_reduction: Any, a: Any, b: Any) -> None:
