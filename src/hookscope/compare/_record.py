@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +23,22 @@ import torch
 import torch.nn as nn
 
 from ..core._compiled import named_modules, named_parameters, strip_compiled
-from ..core._errors import enter_once
-from ..core._scope import HookScope, check_model
+from ..core._errors import enter_once, some_names
+from ..core._random import _states, training_modules
+from ..core._scope import (
+    HookScope,
+    _Hook,
+    acts_here,
+    check_model,
+    get_ident,
+    graph_task_id,
+    thread_checked,
+)
 from ..core._select import resolve
 from ._hooks import CallHooks
 from ._ranks import REDUCTIONS, join_ranks
 from ._run import CompareError, RunRecord, calls_of, model_dtype
-from ._store import SPOOL, Spool, SpoolReader, ValueStore, cpu_copy
+from ._store import SPOOL, Spool, SpoolReader, ValueStore, _describe, cpu_copy
 
 __all__ = ["Record", "load_record", "of_ranks", "record"]
 
@@ -50,6 +61,7 @@ class Record:
         self._scope = HookScope("record")
         self._hooks: CallHooks | None = None
         self._spool: Spool | None = None
+        self._watch = _Watch(_device_type(model))
 
     def __enter__(self) -> Record:
         enter_once(self, "record", self._scope.active)
@@ -79,6 +91,7 @@ class Record:
             self._hooks = CallHooks(
                 named, self._scope, self._spool, _detached, strip_compiled(model)
             )
+            self._watch.place(self._scope, strip_compiled(model), self.world)
         except BaseException:  # no record: no hooks, no empty values.bin to refuse the next one
             self._scope.remove()
             self._spool.close()
@@ -95,13 +108,17 @@ class Record:
             spool.path.unlink(missing_ok=True)
             return
         hooks.checked(None)
+        why = self._refused(hooks, spool)
+        if why is not None:  # no record: a run it cannot hold as one forward and its backward
+            spool.path.unlink(missing_ok=True)
+            raise CompareError(f"hs.record: {why}; nothing was written to {str(self._dir)!r}")
         params = {n: _full(p.grad) for n, p in named_parameters(self._model)}
         torch.save(params, self._dir / "params.pt")
         index = {
             "version": _VERSION,
             "model": type(self._model).__name__,
             "dtype": str(model_dtype(self._model)).removeprefix("torch."),
-            "autocast": None,
+            "autocast": _dtype_name(self._watch.autocast),
             "grads": hooks.grads or any(v is not None for v in params.values()),
             "params": self._owners,
             "calls": [e.to_json() for e in hooks.entries],
@@ -115,6 +132,159 @@ class Record:
         tmp.write_text(json.dumps(index))
         os.replace(tmp, self._dir / "index.json")
         self.calls = len(hooks.entries)
+
+    def _refused(self, hooks: CallHooks, spool: Spool) -> str | None:
+        """Why the run inside the block cannot be a record (``None``: it can)."""
+        watch, kind = self._watch, type(self._model).__name__
+        if watch.foreign and not hooks.entries:
+            return (
+                f"the model ({kind}) ran in another thread ({some_names(sorted(watch.foreign))}) "
+                "than the one that entered hs.record, whose hooks act on their own thread only; "
+                "enter hs.record in the thread that runs the model"
+            )
+        if not hooks.entries:
+            return (
+                f"no call of the model ({kind}) or of its recorded layers ran inside the with "
+                "block; run its forward (and backward) inside `with hs.record(model, folder):`"
+            )
+        if watch.drew:
+            return (
+                f"the model ({kind}) drew random numbers in its forward (dropout in training mode, "
+                "functional dropout, torch.rand), so its values cannot be compared with another "
+                "run's; call model.eval() (modules in training mode: "
+                f"{', '.join(training_modules(self._model)) or 'none'}) or remove the draws"
+            )
+        if spool.again:
+            key = spool.again[0]
+            return (
+                f"{_describe(key)} was written twice: the block ran more than one backward "
+                "(backward(retain_graph=True) and another, or torch.autograd.grad besides "
+                "backward); a record holds one forward and its one backward: record each in a "
+                "`with hs.record(...)` block of its own"
+            )
+        changed = watch.changed()
+        if changed:
+            return (
+                f"the gradients of {some_names(changed)} were changed inside the with block after "
+                "backward made them (optimizer.zero_grad, clip_grad_norm_, a scaler's unscale_); "
+                "the record would hold those, not the backward's: end the with block right after "
+                "backward, before changing .grad"
+            )
+        return None
+
+
+class _Watch:
+    """What the record checks of the run besides the values: the model's own calls (random
+    draws between its start and end, the autocast dtype it ran under, calls from other threads)
+    and each parameter's gradient as backward left it (changed later inside the block?)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.depth = 0
+        self.before: list[torch.Tensor] | None = None
+        self.drew = False
+        self.autocast: torch.dtype | None = None
+        self.foreign: set[str] = set()
+        self.order: list[str] = []  # the parameters' names, in the model's order
+        # parameter name -> (its parameter, a weak reference to its .grad, that grad's _version)
+        self.grads: dict[str, tuple[torch.Tensor, Any, int]] = {}
+
+    def place(self, scope: HookScope, model: nn.Module, world: int) -> None:
+        scope.add_forward_pre(model, _RootPre(self), layer="")
+        scope.add_forward(model, _RootPost(self), layer="", always_call=True)
+        if world > 1:  # DDP and FSDP2 rewrite the gradients after accumulating them: as meant
+            return
+        for name, p in named_parameters(model):
+            if p.requires_grad and p.is_leaf:
+                self.order.append(name)
+                scope.add_post_accumulate_grad(p, _Accumulated(self, name), layer=name)
+
+    def start(self) -> None:
+        if self.depth == 0:
+            self.before = _states()
+            dev = self.device_type
+            if torch.is_autocast_enabled(dev):
+                self.autocast = torch.get_autocast_dtype(dev)
+        self.depth += 1
+
+    def end(self) -> None:
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and self.before is not None:
+            after = _states()
+            before, self.before = self.before, None
+            if len(after) != len(before) or any(
+                not torch.equal(x, y) for x, y in zip(before, after)
+            ):
+                self.drew = True
+
+    def changed(self) -> list[str]:
+        """Parameters whose ``.grad`` is no longer the tensor backward left (or was changed in
+        place since)."""
+        out = []
+        for name in self.order:
+            got = self.grads.get(name)
+            if got is None:
+                continue
+            p, ref, version = got
+            g = p.grad
+            if g is None or ref() is not g or g._version != version:
+                out.append(name)
+        return out
+
+
+class _RootPre(_Hook):
+    __slots__ = ("watch",)
+
+    def __init__(self, watch: _Watch) -> None:
+        self.fn = None  # type: ignore[assignment]
+        self.watch = watch
+
+    @thread_checked
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            self.watch.foreign.add(threading.current_thread().name)
+            return
+        if graph_task_id() == -1:  # not a checkpoint's recompute in backward
+            self.watch.start()
+
+
+class _RootPost(_Hook):
+    __slots__ = ("watch",)
+
+    def __init__(self, watch: _Watch) -> None:
+        self.fn = None  # type: ignore[assignment]
+        self.watch = watch
+
+    @thread_checked
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            return
+        if graph_task_id() == -1:
+            self.watch.end()
+
+
+class _Accumulated:
+    """After a parameter's gradient was accumulated: note the tensor backward left in ``.grad``."""
+
+    __slots__ = ("name", "watch")
+
+    def __init__(self, watch: _Watch, name: str) -> None:
+        self.watch, self.name = watch, name
+
+    def __call__(self, p: torch.Tensor) -> None:
+        g = p.grad
+        if g is not None:
+            self.watch.grads[self.name] = (p, weakref.ref(g), g._version)
+
+
+def _device_type(model: nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
@@ -275,6 +445,7 @@ def _load_one(path: Path) -> RunRecord:
         by_key={c.key: i for i, c in enumerate(calls)},
         param_grads=params,
         dtype=getattr(torch, index["dtype"]),
+        autocast=getattr(torch, index["autocast"]) if index.get("autocast") else None,
         has_grads=bool(index["grads"]),
         params=index["params"],
         partial_grads=index.get("version", 1) < 2 or bool(index.get("lost")),

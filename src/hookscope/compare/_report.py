@@ -63,6 +63,13 @@ class CompareRow:
         return base if self.index == 0 else f"{base}#{self.index}"
 
 
+def _clean(v: Any) -> Any:
+    """A float that JSON cannot hold (inf, -inf, nan) as its name."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    return v
+
+
 def _fmt(x: float | None) -> str:
     if x is None:
         return "-"
@@ -123,19 +130,16 @@ class CompareReport:
         raise KeyError(f"no row for module {name!r} call {index}")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-serialisable; infinite errors as the string ``"inf"``)."""
-
-        def clean(v: Any) -> Any:
-            return "inf" if isinstance(v, float) and math.isinf(v) else v
-
-        rows = [{k: clean(v) for k, v in dataclasses.asdict(r).items()} for r in self.rows]
+        """Plain data, strict JSON: a value that is not finite (an error or a loss) as the string
+        ``"inf"``, ``"-inf"`` or ``"nan"``."""
+        rows = [{k: _clean(v) for k, v in dataclasses.asdict(r).items()} for r in self.rows]
         return {
             "culprit": self.culprit,
             "culprits": list(self.culprits),
             "first_divergent": self.first_divergent,
             "unmatched": list(self.unmatched),
             "dtypes": list(self.dtypes),
-            "loss": list(self.loss) if self.loss else None,
+            "loss": [_clean(v) for v in self.loss] if self.loss else None,
             "notes": list(self.notes),
             "rows": rows,
         }

@@ -89,6 +89,7 @@ class Spool:
     def __init__(self, folder: Path) -> None:
         self.path = folder / SPOOL
         self.index: dict[str, tuple[int, int]] = {}
+        self.again: list[str] = []  # keys written a second time (a second backward)
         self._lock = threading.Lock()
         self._at = 0
         try:
@@ -135,6 +136,8 @@ class Spool:
             blob = buf.getbuffer()
             start = self._at
             self._at += f.write(blob)
+            if key in self.index:
+                self.again.append(key)
             self.index[key] = (start, len(blob))
 
     def put(self, key: str, value: Any) -> None:

@@ -1,0 +1,324 @@
+"""Audit of hs.compare / hs.record at the edges: runs a record cannot hold as one forward and its
+backward (autocast, no call, another thread, random draws, two backwards, gradients changed inside
+the block), and the report's plain data. Each test proves its value against a plain run."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hookscope as hs
+from hookscope.compare._store import SPOOL
+
+
+def _loss(o: torch.Tensor) -> torch.Tensor:
+    return o.float().pow(2).sum()
+
+
+def _net(seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh())
+    return net, torch.randn(4, 16)
+
+
+def _nothing_written(folder: Path) -> None:
+    assert not (folder / "index.json").exists()
+    assert not (folder / SPOOL).exists()
+
+
+# -- a record made under torch.autocast ------------------------------------------------------------
+def test_a_record_made_under_autocast_carries_its_dtype_and_a_fault_free_copy_is_no_culprit(
+    tmp_path,
+):
+    """Recorded under bf16 autocast, compared with a live fp32 copy: the tolerance is bf16's
+    (the record said fp32, and every module of a fault-free copy was named)."""
+    net, x = _net()
+    with hs.record(net, tmp_path):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = net(x)
+        _loss(out).backward()
+    net.zero_grad(set_to_none=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = net(x)  # the plain run: what the record holds
+    assert json.loads((tmp_path / "index.json").read_text())["autocast"] == "bfloat16"
+    report = hs.compare(str(tmp_path), copy.deepcopy(net), x, loss_fn=_loss)
+    assert report.dtypes == ("bfloat16", "float32")
+    assert report.culprit is None, report
+    # the root row's error is the plain autocast run against the fp32 one
+    with torch.no_grad():
+        want = float((net(x) - plain.float()).norm() / plain.float().norm())
+    assert report.row("").error == pytest.approx(want, rel=1e-3)
+
+
+# -- runs that are no record: refused at the end of the block, nothing left behind ---------------
+def test_a_block_where_the_model_never_ran_is_refused_not_an_empty_record(tmp_path):
+    """An empty record compared with a live model gave zero rows and no culprit (a warning that
+    blamed layers=)."""
+    net, _ = _net()
+    refused = pytest.raises(hs.CompareError, match=r"no call of the model \(Sequential\)")
+    with refused, hs.record(net, tmp_path):
+        pass
+    _nothing_written(tmp_path)
+
+
+def test_a_model_run_in_another_thread_is_refused_naming_the_thread(tmp_path):
+    """The hooks act on the thread that entered hs.record only: a forward in a worker thread was
+    recorded as nothing."""
+    net, x = _net()
+    calls = []
+    plain = net.register_forward_hook(lambda m, i, o: calls.append(1))  # it sees the call
+
+    def work() -> None:
+        _loss(net(x)).backward()
+
+    refused = pytest.raises(hs.CompareError, match=r"another thread \('worker'\)")
+    with refused, hs.record(net, tmp_path):
+        t = threading.Thread(target=work, name="worker")
+        t.start()
+        t.join()
+    plain.remove()
+    assert calls == [1]
+    _nothing_written(tmp_path)
+
+
+class _FunctionalDropout(nn.Module):
+    """Dropout as a function, in eval mode too: no nn.Dropout for a list of module types."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.lin(x), 0.5, training=True)
+
+
+def test_a_forward_that_draws_random_numbers_is_refused_while_recording(tmp_path):
+    """Two records of a model with functional dropout compared as if they were values (the root
+    differed by 0.9 and was reported as a divergence)."""
+    net = _FunctionalDropout().eval()
+    x = torch.randn(4, 16)
+    a, b = net(x), net(x)
+    assert not torch.equal(a, b)  # the reference: two plain runs differ
+    refused = pytest.raises(hs.CompareError, match="drew random numbers")
+    with refused, hs.record(net, tmp_path):
+        _loss(net(x)).backward()
+    _nothing_written(tmp_path)
+    # draws outside the model's forward (making the inputs inside the block) are not the model's
+    net.zero_grad(set_to_none=True)
+    lin = nn.Linear(16, 16)
+    with hs.record(lin, tmp_path):
+        _loss(lin(torch.randn(4, 16))).backward()
+    assert (tmp_path / "index.json").exists()
+
+
+def test_two_backwards_in_one_block_are_refused_not_doubled_parameter_gradients(tmp_path):
+    """backward(retain_graph=True) then another: .grad held twice the gradient while the
+    activation gradients held one, and a fault-free copy was named (parameter gradients 0.5 off)."""
+    net, x = _net()
+    refused = pytest.raises(
+        hs.CompareError, match="written twice: the block ran more than one backward"
+    )
+    with refused, hs.record(net, tmp_path):
+        loss = _loss(net(x))
+        loss.backward(retain_graph=True)
+        loss.backward()
+    _nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "after",
+    [
+        lambda net: net.zero_grad(set_to_none=True),
+        lambda net: net.zero_grad(set_to_none=False),
+        lambda net: torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3),
+    ],
+    ids=["zero_grad", "zero_grad-in-place", "clip_grad_norm"],
+)
+def test_gradients_changed_inside_the_block_after_backward_are_refused(tmp_path, after):
+    """A training step inside the block (backward, clip, step, zero_grad) left params.pt with other
+    gradients than backward made: a fault-free copy was named, or a layer's gradient went unchecked."""
+    net, x = _net()
+    refused = pytest.raises(hs.CompareError, match=r"gradients of '0.weight', '0.bias', '2.weight'")
+    with refused, hs.record(net, tmp_path):
+        _loss(net(x)).backward()
+        after(net)
+    _nothing_written(tmp_path)
+    # an optimizer step inside the block changes the weights, not .grad: the record is made, and
+    # its parameter gradients are those of a plain backward
+    net.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(net)
+    _loss(ref(x)).backward()
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    with hs.record(net, tmp_path / "b"):
+        _loss(net(x)).backward()
+        opt.step()
+    params = torch.load(tmp_path / "b" / "params.pt")
+    for n, p in ref.named_parameters():
+        assert torch.equal(params[n], p.grad)
+
+
+# -- the report's plain data -----------------------------------------------------------------------
+def test_to_dict_is_strict_json_for_an_infinite_loss_and_nan_errors():
+    """to_dict promised JSON-serialisable data with 'inf' for infinite errors, yet an infinite
+    loss went out as the float inf (json.dumps writes Infinity: not JSON)."""
+    net, x = _net()
+    net = net[:3]  # the last Linear's output is the model's: an infinite bias makes the loss inf
+    bad = copy.deepcopy(net)
+    with torch.no_grad():
+        bad[2].bias[0] = float("inf")
+    report = hs.compare(net, bad, x, loss_fn=_loss)
+    assert report.culprit == "2"
+    d = report.to_dict()
+    text = json.dumps(d, allow_nan=False)  # strict JSON
+    assert json.loads(text)["loss"] == [pytest.approx(float(_loss(net(x)).detach())), "inf"]
+    assert report.loss is not None and report.loss[1] == float("inf")
+    row = next(r for r in d["rows"] if r["name"] == "2")
+    assert row["local_error"] == "inf"
+
+
+# -- train/eval mode -------------------------------------------------------------------------------
+def test_a_module_in_training_mode_in_one_model_only_is_named_with_a_warning_saying_why():
+    """A BatchNorm in training mode in a and eval mode in b was named as the culprit with no word
+    on the modes: it looked like a fault in its code."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh())
+    with torch.no_grad():
+        a[1].running_mean.uniform_()
+        a[1].running_var.uniform_(0.5, 2.0)
+    b = copy.deepcopy(a).eval()
+    x = torch.randn(4, 8)
+    with pytest.warns(hs.HookscopeWarning, match=r"training mode in one model.*1 \(train in a\)"):
+        report = hs.compare(a, b, x, loss_fn=_loss)
+    # the reference: the two modes' outputs of that BatchNorm on the same input differ
+    h = a[0](x).detach()
+    want = (b[1](h) - nn.functional.batch_norm(h, None, None, a[1].weight, a[1].bias, True)).norm()
+    assert float(want.detach()) > 0.1
+    assert report.culprit == "1" and a.training and not b.training  # both left as found
+    # both in the same mode: no warning, no culprit
+    assert hs.compare(a.eval(), b, x, loss_fn=_loss).culprit is None
+
+
+# -- found here, to fix in files this audit does not own (strict xfails) --------------------------
+@pytest.mark.xfail(
+    strict=True,
+    reason="_run.py/_compare.py: the same input objects go to A's run and then to B's, so a cache "
+    "that A's forward mutates (a DynamicCache passed as past_key_values) reaches B grown, and a "
+    "fault-free copy is named (here 'model'). Needs: each run gets its own deep copy of the "
+    "inputs (or inputs changed by a run are refused by name).",
+)
+def test_a_cache_passed_in_and_mutated_by_the_forward_reaches_both_runs_as_it_was():
+    from helpers.lm import tiny_decoder
+
+    m = tiny_decoder("llama")
+    ids = torch.randint(3, 40, (2, 7))
+    with torch.no_grad():
+        prefix = m(ids[:, :4], use_cache=True).past_key_values
+    cache = copy.deepcopy(prefix)
+    with warnings.catch_warnings():  # the grown cache also fails the attention replays
+        warnings.simplefilter("ignore", hs.HookscopeWarning)
+        report = hs.compare(m, copy.deepcopy(m), ids[:, 4:], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == prefix.get_seq_length()  # the caller's cache as it was
+    assert report.culprit is None and all(r.error == 0 for r in report.rows)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return self.lin(x) * scale
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_compare.py: _check_inputs compares only the tensors of the inputs (rel_error), so "
+    "a record made with scale=2.0 is compared with a live run given scale=1.0 (or another cache "
+    "object) without a word. Needs: non-tensor leaves compared with ==, and objects it cannot "
+    "walk (a DynamicCache) compared by their tensors or refused by name.",
+)
+def test_inputs_that_differ_from_the_record_only_in_a_number_are_refused(tmp_path):
+    net = _Scaled()
+    x = torch.randn(3, 8)
+    with hs.record(net, tmp_path):
+        _loss(net(x, scale=2.0)).backward()
+    net.zero_grad(set_to_none=True)
+    assert not torch.equal(net(x, scale=2.0), net(x, scale=1.0))  # the runs differ
+    with pytest.raises(hs.CompareError, match="inputs given differ"):
+        hs.compare(str(tmp_path), copy.deepcopy(net), x, scale=1.0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_compare.py: against a recorded A, the rounding check replays a copy of B (in A's "
+    "dtype), fault included, on A's rounded inputs and compares it with A's output: the fault "
+    "shows there as much, so it is read as conditioning ('not stable across dtypes') and missed. "
+    "Needs: the copy's replay on rounded inputs against the same copy on A's own inputs.",
+)
+def test_a_fault_in_a_bf16_model_against_an_fp32_record_is_named(tmp_path):
+    net, x = _net()
+    with hs.record(net, tmp_path):
+        _loss(net(x)).backward()
+    net.zero_grad(set_to_none=True)
+    bad = copy.deepcopy(net)
+    with torch.no_grad():
+        bad[2].weight.mul_(1.2)  # a 20% change: far above bf16's 5e-2
+    bad = bad.to(torch.bfloat16)
+    assert hs.compare(net, bad, x, loss_fn=_loss).culprit == "2"  # the live comparison names it
+    assert hs.compare(str(tmp_path), bad, x, loss_fn=_loss).culprit == "2"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_compare.py: against a recorded A the ill-conditioning check (A's module computing in "
+    "B's dtype) does not run, so a fault-free bf16 copy is named (a LayerNorm whose input "
+    "gradient cancels) with no note; the live comparison explains it. Needs: B's copy in A's "
+    "dtype against B's own module in B's dtype on A's values, or a note on the row.",
+)
+def test_a_fault_free_bf16_copy_against_an_fp32_record_is_no_culprit(tmp_path):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16))
+    x = torch.randn(4, 16)
+    with hs.record(net, tmp_path):
+        _loss(net(x)).backward()
+    net.zero_grad(set_to_none=True)
+    b = copy.deepcopy(net).to(torch.bfloat16)
+    assert hs.compare(net, b, x, loss_fn=_loss).culprit is None  # live: explained
+    assert hs.compare(str(tmp_path), b, x, loss_fn=_loss).culprit is None
+
+
+class _OwnGenerator(nn.Module):
+    """Noise from a generator of its own: the global generators do not move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + 0.1 * torch.rand(x.shape, generator=self.gen)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_run.py: random draws are detected by the global generators only; a module drawing "
+    "from its own torch.Generator is compared, and its replay draws again, so a fault-free copy "
+    "is named ('0'). Needs: draws from any generator detected (the random ops seen by a "
+    "TorchFunctionMode during the run), or A's own modules replayed once on A's values to check "
+    "they give A's outputs again.",
+)
+def test_a_module_drawing_from_its_own_generator_is_refused():
+    a = nn.Sequential(_OwnGenerator(), nn.Tanh())
+    x = torch.randn(4, 8)
+    first, second = a(x), a(x)
+    assert not torch.equal(first, second)  # the reference: two plain runs differ
+    with pytest.raises(hs.CompareError, match="random"):
+        hs.compare(a, copy.deepcopy(a), x, loss_fn=_loss)
