@@ -207,13 +207,6 @@ def test_a_module_in_training_mode_in_one_model_only_is_named_with_a_warning_say
 
 
 # -- found here, to fix in files this audit does not own (strict xfails) --------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="_run.py/_compare.py: the same input objects go to A's run and then to B's, so a cache "
-    "that A's forward mutates (a DynamicCache passed as past_key_values) reaches B grown, and a "
-    "fault-free copy is named (here 'model'). Needs: each run gets its own deep copy of the "
-    "inputs (or inputs changed by a run are refused by name).",
-)
 def test_a_cache_passed_in_and_mutated_by_the_forward_reaches_both_runs_as_it_was():
     from helpers.lm import tiny_decoder
 
@@ -238,13 +231,6 @@ class _Scaled(nn.Module):
         return self.lin(x) * scale
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_compare.py: _check_inputs compares only the tensors of the inputs (rel_error), so "
-    "a record made with scale=2.0 is compared with a live run given scale=1.0 (or another cache "
-    "object) without a word. Needs: non-tensor leaves compared with ==, and objects it cannot "
-    "walk (a DynamicCache) compared by their tensors or refused by name.",
-)
 def test_inputs_that_differ_from_the_record_only_in_a_number_are_refused(tmp_path):
     net = _Scaled()
     x = torch.randn(3, 8)
@@ -256,13 +242,6 @@ def test_inputs_that_differ_from_the_record_only_in_a_number_are_refused(tmp_pat
         hs.compare(str(tmp_path), copy.deepcopy(net), x, scale=1.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_compare.py: against a recorded A, the rounding check replays a copy of B (in A's "
-    "dtype), fault included, on A's rounded inputs and compares it with A's output: the fault "
-    "shows there as much, so it is read as conditioning ('not stable across dtypes') and missed. "
-    "Needs: the copy's replay on rounded inputs against the same copy on A's own inputs.",
-)
 def test_a_fault_in_a_bf16_model_against_an_fp32_record_is_named(tmp_path):
     net, x = _net()
     with hs.record(net, tmp_path):
@@ -276,13 +255,6 @@ def test_a_fault_in_a_bf16_model_against_an_fp32_record_is_named(tmp_path):
     assert hs.compare(str(tmp_path), bad, x, loss_fn=_loss).culprit == "2"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_compare.py: against a recorded A the ill-conditioning check (A's module computing in "
-    "B's dtype) does not run, so a fault-free bf16 copy is named (a LayerNorm whose input "
-    "gradient cancels) with no note; the live comparison explains it. Needs: B's copy in A's "
-    "dtype against B's own module in B's dtype on A's values, or a note on the row.",
-)
 def test_a_fault_free_bf16_copy_against_an_fp32_record_is_no_culprit(tmp_path):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16))
@@ -307,14 +279,6 @@ class _OwnGenerator(nn.Module):
         return self.lin(x) + 0.1 * torch.rand(x.shape, generator=self.gen)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_run.py: random draws are detected by the global generators only; a module drawing "
-    "from its own torch.Generator is compared, and its replay draws again, so a fault-free copy "
-    "is named ('0'). Needs: draws from any generator detected (the random ops seen by a "
-    "TorchFunctionMode during the run), or A's own modules replayed once on A's values to check "
-    "they give A's outputs again.",
-)
 def test_a_module_drawing_from_its_own_generator_is_refused():
     a = nn.Sequential(_OwnGenerator(), nn.Tanh())
     x = torch.randn(4, 8)
@@ -322,3 +286,44 @@ def test_a_module_drawing_from_its_own_generator_is_refused():
     assert not torch.equal(first, second)  # the reference: two plain runs differ
     with pytest.raises(hs.CompareError, match="random"):
         hs.compare(a, copy.deepcopy(a), x, loss_fn=_loss)
+
+
+def test_a_record_of_a_module_drawing_from_its_own_generator_is_refused(tmp_path):
+    """hs.record too: the generator a module holds, or one passed in the inputs, is watched as
+    the global ones are; nothing is left written."""
+
+    class GivenGenerator(nn.Module):
+        def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+            return x + torch.rand(x.shape, generator=generator)
+
+    a = nn.Sequential(_OwnGenerator(), nn.Tanh())
+    with pytest.raises(hs.CompareError, match="random"):
+        with hs.record(a, tmp_path / "own"):
+            _loss(a(torch.randn(4, 8))).backward()
+    assert not (tmp_path / "own" / "index.json").exists()
+    a.zero_grad(set_to_none=True)
+    g = torch.Generator().manual_seed(0)
+    m = GivenGenerator()
+    with pytest.raises(hs.CompareError, match="random"):
+        with hs.record(m, tmp_path / "given2"):
+            m(torch.randn(2), generator=g)
+
+
+def test_a_cache_object_other_than_the_recorded_one_is_refused(tmp_path):
+    """Objects the inputs hold (a DynamicCache) are compared with the record's by their
+    attributes: another length, or the same length with other values, is refused by name."""
+    from helpers.lm import tiny_decoder
+
+    m = tiny_decoder("llama")
+    ids = torch.randint(3, 40, (2, 7))
+    with torch.no_grad():
+        prefix = m(ids[:, :4], use_cache=True).past_key_values
+        longer = m(ids[:, :5], use_cache=True).past_key_values
+        other = m(ids[:, 1:5].flip(1)[:, :4], use_cache=True).past_key_values
+    with torch.no_grad(), hs.record(m, tmp_path):
+        m(ids[:, 4:], past_key_values=copy.deepcopy(prefix), use_cache=True)
+    live = copy.deepcopy(m)
+    for cache, why in ((longer, "shape"), (other, "other values")):
+        with pytest.raises(hs.CompareError, match=why):
+            hs.compare(str(tmp_path), live, ids[:, 4:], past_key_values=copy.deepcopy(cache),
+                       use_cache=True)  # fmt: skip

@@ -276,7 +276,7 @@ class CAM:
     def __call__(self, x: torch.Tensor, target: Target = None) -> torch.Tensor:
         """The maps of ``x`` for ``target`` (see :data:`Target`); the model is left as found."""
         batch_stats = _BatchStats(self.model)
-        with buffers_kept(self.model), random_draws() as draws, batch_stats:
+        with buffers_kept(self.model), random_draws(self.model) as draws, batch_stats:
             maps = self._maps(x, target)
         if draws.drew:
             raise CAMError(

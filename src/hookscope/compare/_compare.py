@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import os
 import warnings
@@ -15,6 +16,7 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, strip_compiled
 from ..core._errors import HookscopeWarning
+from ..core._nested import tensors_of
 from ._checks import check_arguments, check_loss, check_names
 from ._forced import Forced, forced_pass
 from ._record import load_record
@@ -64,6 +66,7 @@ class _Job:
         # the rows' errors are computed together, once every row is replayed (then verdicts)
         self.norms = norms = Norms()
         self.rep_b = self.rep_a = self.rep_bc = self.rep_round = None
+        self.rep_stand: Replay | None = None
         if rb is not None and rb.modules is not None:
             self.rep_b = Replay(rb.modules, ra, rb, self.map, rb.dtype, rb.autocast, norms=norms)
             if rb.compiled:
@@ -99,6 +102,11 @@ class _Job:
                 rename = lambda n: n  # noqa: E731
             assert mods is not None
             self.rep_round = Replay(mods, ra, ra, rename, ra.dtype, ra.autocast, round_to=self.low)
+            if ra.modules is None:
+                # the stand-in for a recorded A (B's copy in A's dtype, a fault of B's included):
+                # its rounding and dtype effects are measured against itself on A's own values,
+                # never against A's output (where B's fault would show as much)
+                self.rep_stand = Replay(mods, ra, ra, rename, ra.dtype, ra.autocast)
 
     # -- matching ------------------------------------------------------------------------------
     def pairs(self) -> tuple[list[tuple[int, int]], list[str]]:
@@ -362,31 +370,48 @@ class _Job:
                 kind = "compiled"
         r.flagged = kind
 
+    def _reference(self, i: int, r: CompareRow, grads: bool) -> tuple[Any, Any, bool]:
+        """What a check of conditioning measures against: A's output and input gradients, or,
+        for a recorded A, the stand-in's own replay on A's values (``(output, in_grads, True)``;
+        ``(None, None, True)`` when it cannot run)."""
+        ca = self.ra.calls[i]
+        if self.rep_stand is None:
+            return ca.output, ca.in_grad, False
+        got = self._run(self.rep_stand, i, grads, r)
+        if got is None:
+            return None, None, True
+        return got.output, got.in_grads, True
+
     def _explained(self, i: int, r: CompareRow, kind: str) -> str | None:
         """A local error the reference shows too when its inputs are rounded to the lower dtype
         comes from the module's conditioning (max-pooling ties, cancellation), not from B."""
         assert self.rep_round is not None
-        ca = self.ra.calls[i]
-        got = self._run(self.rep_round, i, kind == "backward", r)
-        if got is None:
+        grads = kind == "backward"
+        out, in_grad, stand = self._reference(i, r, grads)
+        got = self._run(self.rep_round, i, grads, r)
+        if got is None or (stand and out is None):
             return kind
-        if kind == "forward":
-            e_round, e = (
-                _worst([rel_error(ca.output, got.output), *got.child_errors]),
-                r.local_error,
-            )
+        # against a stand-in the children's values are A's, not the stand-in's: its own output
+        # and input gradients only
+        if not grads:
+            e_round = _worst([rel_error(out, got.output), *([] if stand else got.child_errors)])
+            e = r.local_error
         else:
             e_round = _worst(
-                [rel_pairs(list(zip(ca.in_grad or [], got.in_grads or []))), *got.child_grad_errors]
+                [
+                    rel_pairs(list(zip(in_grad or [], got.in_grads or []))),
+                    *([] if stand else got.child_grad_errors),
+                ]
             )
             e = r.local_grad_error
-        what = "gradient" if kind == "backward" else "output"
+        what = "gradient" if grads else "output"
         if e_round is None or e is None or e > 2 * e_round + r.tol:
             return self._explained_by_dtype(i, r, kind, what)
+        whose = "a copy of B in A's dtype (A is a record)" if stand else "A's own"
         r.note = (
             f"{what} not stable across dtypes here: rounding its inputs to {str(self.low)[6:]} "
-            f"moves A's own {what} by {e_round:.1e} (e.g. max-pooling ties, cancellation), so its "
-            f"local error {e:.1e} is not a fault"
+            f"moves {whose} {what} by {e_round:.1e} (e.g. max-pooling ties, cancellation), so "
+            f"its local error {e:.1e} is not a fault"
         )
         return None
 
@@ -394,7 +419,10 @@ class _Job:
         """A local error that A's own module shows too when it computes in B's dtype (a copy of
         A in that dtype, or under B's autocast, replayed on A's values the same way) comes from
         the dtype (an ill-conditioned computation: batch norm over two values, cancellation),
-        not from B's code. Needs A's live modules."""
+        not from B's code. For a recorded A, B's copy in A's dtype stands in for A: B's own
+        module (in B's dtype) against that copy, both on A's values."""
+        if self.rep_stand is not None and self.rep_b is not None:
+            return self._explained_by_stand_in(i, r, kind, what)
         low = self._low_replay()
         if low is None:
             return kind
@@ -430,6 +458,28 @@ class _Job:
             f"{what} ill-conditioned in {dtype}: A's own module computing in {dtype} on A's values "
             f"is off by {e_low:.1e} too (e.g. batch norm over very few values, cancellation), so "
             f"its local error {e:.1e} is not a fault"
+        )
+        return None
+
+    def _explained_by_stand_in(self, i: int, r: CompareRow, kind: str, what: str) -> str | None:
+        assert self.rep_b is not None
+        grads = kind == "backward"
+        out, in_grad, _ = self._reference(i, r, grads)
+        got = self._run(self.rep_b, i, grads, r)
+        if got is None or out is None:
+            return kind
+        if not grads:
+            e_low, e = rel_error(out, got.output), r.local_error
+        else:
+            e_low = rel_pairs(list(zip(in_grad or [], got.in_grads or [])))
+            e = r.local_grad_error
+        if e_low is None or e is None or e > 2 * e_low + r.tol:
+            return kind
+        dtype = str(self.rb.autocast or self.rb.dtype)[6:] if self.rb is not None else "?"
+        r.note = (
+            f"{what} ill-conditioned in {dtype}: B's module is off by {e_low:.1e} from a copy of "
+            f"itself in A's dtype, both on A's values (A is a record; e.g. batch norm over very "
+            f"few values, cancellation), so its local error {e:.1e} is not a fault"
         )
         return None
 
@@ -645,14 +695,19 @@ def compare(
         >>> hs.compare(a, copy.deepcopy(a), torch.randn(4, 8)).culprit is None
         True
     """
-    sa = RunSpec(a, inputs, kwargs, loss_fn, None, "a", max_bytes)
+    # each run gets inputs of its own: a forward that changes what it is given (a cache it
+    # grows, a tensor it works on in place) changes neither the other run's nor the caller's
+    ia, ka = _own_inputs(inputs, kwargs)
+    ib, kb = _own_inputs(inputs, kwargs)
+    sa = RunSpec(a, ia, ka, loss_fn, None, "a", max_bytes)
     # B's replays read A's inputs: of B's own, only their dtypes are kept
-    sb = RunSpec(b, inputs, kwargs, loss_fn, autocast, "b", max_bytes, inputs=False)
-    check_arguments(a, b, sb, names, loss_reduction)
+    sb = RunSpec(b, ib, kb, loss_fn, autocast, "b", max_bytes, inputs=False)
+    given = dataclasses.replace(sb, args=inputs, kwargs=kwargs)  # the caller's own, to check
+    check_arguments(a, b, given, names, loss_reduction)
     reduction = loss_reduction or "mean"
     ra = _side(a, "a", sa, reduction)
     rb = _side(b, "b", sb, reduction)
-    _check_records(ra, rb, sb)
+    _check_records(ra, rb, given)
     _check_reduction(ra, rb, reduction)
     if loss_fn is not None:
         live = a if isinstance(a, nn.Module) else b if isinstance(b, nn.Module) else None
@@ -667,6 +722,27 @@ def compare(
             if isinstance(m, nn.Module):
                 stack.enter_context(preserved(m))
         return build_report(job)
+
+
+def _own_inputs(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """A copy of the inputs for one run: tensors cloned (keeping ``requires_grad``), the objects
+    around them (a cache) deep-copied. Inputs that cannot be copied are refused by name: a run
+    that changed them would hand the other run changed inputs, silently."""
+    memo: dict[int, Any] = {}
+    for t in tensors_of((inputs, kwargs)):
+        c = t.detach().clone()
+        if t.requires_grad:
+            c.requires_grad_(True)
+        memo[id(t)] = c
+    try:
+        return copy.deepcopy((tuple(inputs), dict(kwargs)), memo)
+    except Exception as exc:
+        raise CompareError(
+            "hs.compare: cannot copy the inputs for each run "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}); each "
+            "run needs its own, so that a forward changing what it is given (a cache it grows) "
+            "does not change the other run's: pass inputs copy.deepcopy can copy"
+        ) from None
 
 
 def _side(m: Any, what: str, spec: RunSpec, loss_reduction: str) -> RunRecord:
@@ -714,6 +790,64 @@ def _check_reduction(ra: RunRecord, rb: RunRecord, loss_reduction: str) -> None:
     )
 
 
+_ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _where(path: str) -> str:
+    return path or "the inputs"
+
+
+def _difference(rec: Any, given: Any, path: str, depth: int = 10) -> str | None:
+    """Where the recorded inputs and the given ones differ other than in their tensors' values
+    (those :func:`rel_error` compares): structure, numbers, flags, strings, and the objects
+    inside them (a cache object: its attributes, its tensors' shapes), or ``None``."""
+    if isinstance(rec, torch.Tensor) or isinstance(given, torch.Tensor):
+        if not (isinstance(rec, torch.Tensor) and isinstance(given, torch.Tensor)):
+            return f"{_where(path)} is a {type(given).__name__} here, a {type(rec).__name__} in the record"
+        if rec.shape != given.shape:
+            return (
+                f"{_where(path)} has shape {tuple(given.shape)} here, {tuple(rec.shape)} in the "
+                "record"
+            )
+        if "__dict__" in path and not torch.equal(rec, given.to(rec.device, rec.dtype)):
+            # inside an object (a cache) rel_error does not walk: its values compared here
+            return f"{_where(path)} holds other values here than in the record"
+        return None
+    if isinstance(rec, _ATOMS) or isinstance(given, _ATOMS):
+        if type(rec) is not type(given) or rec != given:
+            return f"{_where(path)} is {given!r} here, {rec!r} in the record"
+        return None
+    if type(rec).__name__ != type(given).__name__:
+        return (
+            f"{_where(path)} is a {type(given).__name__} here, a {type(rec).__name__} in the record"
+        )
+    if depth == 0:
+        return None
+    if isinstance(rec, (list, tuple)):
+        if len(rec) != len(given):
+            return f"{_where(path)} has {len(given)} items here, {len(rec)} in the record"
+        for k, (x, y) in enumerate(zip(rec, given)):
+            got = _difference(x, y, f"{path}[{k}]", depth - 1)
+            if got is not None:
+                return got
+        return None
+    if isinstance(rec, Mapping):
+        if list(rec.keys()) != list(given.keys()):
+            return (
+                f"{_where(path)} has the keys {sorted(map(str, given))} here, "
+                f"{sorted(map(str, rec))} in the record"
+            )
+        for k in rec:
+            got = _difference(rec[k], given[k], f"{path}[{k!r}]", depth - 1)
+            if got is not None:
+                return got
+        return None
+    a, b = getattr(rec, "__dict__", None), getattr(given, "__dict__", None)
+    if isinstance(a, dict) and isinstance(b, dict):  # an object: its attributes
+        return _difference(a, b, f"{path}.__dict__" if path else "__dict__", depth - 1)
+    return None
+
+
 def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The live run must get the recorded run's inputs: refuse others by name."""
     pos = ra.by_key.get(("", 0))
@@ -728,6 +862,12 @@ def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]
         return
     rec = ra.calls[pos].inputs
     given = cast_like((tuple(inputs), dict(kwargs)), ra.dtype, torch.device("cpu"))
+    other = _difference(rec, given, "")
+    if other is not None:
+        raise CompareError(
+            f"hs.compare: the inputs given differ from those of the recorded run: {other}; pass "
+            "the same inputs the record was made with"
+        )
     err = rel_error(rec, given)
     if err is None or err == 0.0:
         return

@@ -20,6 +20,7 @@ module call is what ``benchmarks/bench_compare.py`` measures (``hs.record`` agai
 
 from __future__ import annotations
 
+import copy as _copy
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,27 @@ from ..core._nested import map_tensors, tensors_of
 from ..core._recompute import Recomputes
 from ..core._scope import HookScope, _Hook, acts_here, get_ident, graph_task_id, thread_checked
 
-__all__ = ["CallHooks", "Entry"]
+__all__ = ["CallHooks", "Entry", "object_copier"]
+
+_ATOMS = frozenset({bool, int, float, complex, str, bytes, torch.dtype, torch.device})
+
+
+def object_copier() -> Callable[[Any], Any]:
+    """``other`` for :func:`~hookscope.core._nested.map_tensors`: each object that is no tensor,
+    number or string (a cache passed to a call) deep-copied, so that a forward growing it does
+    not change the value kept of it, nor the kept value a replay hands a module; the same object
+    twice in one value stays one copy. Modules, and objects that cannot be copied, are kept."""
+    memo: dict[int, Any] = {}
+
+    def copy_object(obj: Any) -> Any:
+        if obj.__class__ in _ATOMS or isinstance(obj, (nn.Module, type)):
+            return obj
+        try:
+            return _copy.deepcopy(obj, memo)
+        except Exception:  # a lock, a handle: kept as it is
+            return obj
+
+    return copy_object
 
 
 class Entry:
@@ -91,6 +112,7 @@ class CallHooks:
         # id(tensor) -> (weak reference to it, its _version when copied, the copy)
         self.copies: dict[int, tuple[Any, int, torch.Tensor]] = {}
         self.copy = self._shared(copy) if share else copy
+        self.objects = share  # a sink that keeps values (not one writing them at once)
         self.inputs = inputs
         self.entries: list[Entry] = []
         self.stack: list[int] = []
@@ -173,6 +195,9 @@ class CallHooks:
             return None
         if len(leaves) == 1 and not kwargs and args.__class__ is tuple and len(args) == 1:
             kept = ((self.copy(leaves[0]),), {})
+        elif self.copies is not None and self.objects:
+            # kept in memory: the objects among the inputs (a cache) as they are now
+            kept = map_tensors(self.copy, (tuple(args), dict(kwargs)), object_copier())
         else:
             kept = map_tensors(self.copy, (tuple(args), dict(kwargs)))
         self.sink.put(f"in{pos}", kept)

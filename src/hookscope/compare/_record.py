@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, named_parameters, strip_compiled
 from ..core._errors import enter_once, some_names
-from ..core._random import _states, training_modules
+from ..core._random import _generators, _states, training_modules
 from ..core._scope import (
     HookScope,
     _Hook,
@@ -188,9 +188,12 @@ class _Watch:
         self.order: list[str] = []  # the parameters' names, in the model's order
         # parameter name -> (its parameter, a weak reference to its .grad, that grad's _version)
         self.grads: dict[str, tuple[torch.Tensor, Any, int]] = {}
+        self.generators: list[torch.Generator] = []  # the model's own (a module's self.gen)
+        self.gens: list[torch.Generator] = []  # those and the ones a call was given
 
     def place(self, scope: HookScope, model: nn.Module, world: int) -> None:
-        scope.add_forward_pre(model, _RootPre(self), layer="")
+        self.generators = _generators((model,))
+        scope.add_forward_pre(model, _RootPre(self), layer="", with_kwargs=True)
         scope.add_forward(model, _RootPost(self), layer="", always_call=True)
         if world > 1:  # DDP and FSDP2 rewrite the gradients after accumulating them: as meant
             return
@@ -199,9 +202,10 @@ class _Watch:
                 self.order.append(name)
                 scope.add_post_accumulate_grad(p, _Accumulated(self, name), layer=name)
 
-    def start(self) -> None:
+    def start(self, inputs: Any) -> None:
         if self.depth == 0:
-            self.before = _states()
+            self.gens = self.generators + _generators((inputs,))
+            self.before = _states(self.gens)
             dev = self.device_type
             if torch.is_autocast_enabled(dev):
                 self.autocast = torch.get_autocast_dtype(dev)
@@ -210,7 +214,7 @@ class _Watch:
     def end(self) -> None:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0 and self.before is not None:
-            after = _states()
+            after = _states(self.gens)
             before, self.before = self.before, None
             if len(after) != len(before) or any(
                 not torch.equal(x, y) for x, y in zip(before, after)
@@ -240,12 +244,12 @@ class _RootPre(_Hook):
         self.watch = watch
 
     @thread_checked
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             self.watch.foreign.add(threading.current_thread().name)
             return
         if graph_task_id() == -1:  # not a checkpoint's recompute in backward
-            self.watch.start()
+            self.watch.start((args, kwargs))
 
 
 class _RootPost(_Hook):

@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 
 from ..core._nested import iter_tensors, map_tensors, tensors_of
+from ._hooks import object_copier
 from ._run import CallRec, RunRecord, restore_aliases
 from ._store import ValueStore
 from ._tolerance import Norms, rel_pairs
@@ -137,7 +138,9 @@ def _cast(
             cache[key] = (t, out)  # t is kept by the record: its id stays its own
         return out
 
-    return map_tensors(one, value)
+    # an object among the values (a cache) is handed over as a copy: a module growing it must
+    # not change the record
+    return map_tensors(one, value, object_copier())
 
 
 class _Overwrite(torch.autograd.Function):

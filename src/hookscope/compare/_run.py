@@ -288,7 +288,12 @@ def record_run(spec: RunSpec) -> RunRecord:
         modules, HookScope("compare"), store, _clone, inputs=spec.inputs or compiled, share=True
     )
     loss = None
-    with preserved(model), hooks.scope, contextlib.closing(store), random_draws() as draws:
+    with (
+        preserved(model),
+        hooks.scope,
+        contextlib.closing(store),
+        random_draws(model, args, kwargs) as draws,
+    ):
         with _autocast(device, spec.autocast):
             out = model(*args, **kwargs)
             if spec.loss_fn is not None:

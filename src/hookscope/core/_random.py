@@ -2,8 +2,9 @@
 
 Dropout called as a function (``F.dropout(x, p, self.training)``, attention dropout inside
 ``scaled_dot_product_attention``), stochastic depth and sampling layers are invisible to a list of
-module types. Every one of them draws from torch's global generators, so a forward that leaves
-those generators where it found them drew nothing. Products that compare runs (a patched run
+module types. Every one of them draws from a generator: torch's global ones, or one the model
+keeps itself (a ``torch.Generator`` held by a module, or passed in the inputs); a forward that
+leaves all of those where it found them drew nothing. Products that compare runs (a patched run
 against a clean one, two prompts' activations) check this on their first forward and refuse a
 model whose values change from run to run.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -31,17 +33,48 @@ class RandomDraws:
         self.drew = False
 
 
-def _states() -> list[torch.Tensor]:
+def _generators(roots: tuple[Any, ...]) -> list[torch.Generator]:
+    """The generators a model keeps itself: held by any of its modules (``self.gen``, in a list
+    or dict attribute), or passed among its inputs."""
+    found: dict[int, torch.Generator] = {}
+
+    def walk(obj: Any, depth: int) -> None:
+        if isinstance(obj, torch.Generator):
+            found[id(obj)] = obj
+        elif depth and isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth - 1)
+        elif depth and isinstance(obj, dict):
+            for v in obj.values():
+                walk(v, depth - 1)
+
+    for root in roots:
+        if isinstance(root, nn.Module):
+            for m in root.modules():
+                for v in m.__dict__.values():
+                    if v.__class__ in _PLAIN:
+                        continue
+                    walk(v, 2)
+        else:
+            walk(root, 4)
+    return list(found.values())
+
+
+_PLAIN = frozenset({bool, int, float, str, type(None)})
+
+
+def _states(generators: list[torch.Generator]) -> list[torch.Tensor]:
     states = [torch.random.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states += list(torch.cuda.get_rng_state_all())
-    return states
+    return states + [g.get_state() for g in generators]
 
 
 @contextmanager
-def random_draws() -> Iterator[RandomDraws]:
+def random_draws(*roots: Any) -> Iterator[RandomDraws]:
     """Note whether the code inside draws random numbers (the generators are not restored: the
-    draws happened in a run the caller keeps).
+    draws happened in a run the caller keeps): from torch's global generators, or from one that
+    ``roots`` (models, inputs) hold.
 
     >>> with random_draws() as d:
     ...     _ = torch.nn.functional.dropout(torch.ones(4), 0.5, training=True)
@@ -51,13 +84,19 @@ def random_draws() -> Iterator[RandomDraws]:
     ...     _ = torch.nn.functional.dropout(torch.ones(4), 0.5, training=False)
     >>> d.drew
     False
+    >>> g = torch.Generator().manual_seed(0)
+    >>> with random_draws([g]) as d:
+    ...     _ = torch.rand(2, generator=g)
+    >>> d.drew
+    True
     """
     found = RandomDraws()
-    before = _states()
+    generators = _generators(roots)
+    before = _states(generators)
     try:
         yield found
     finally:
-        after = _states()
+        after = _states(generators)
         found.drew = len(after) != len(before) or any(
             not torch.equal(a, b) for a, b in zip(before, after)
         )

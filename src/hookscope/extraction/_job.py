@@ -543,7 +543,7 @@ class Job:
         forward gives other features at every run, and a resume would mix draws)."""
         if self.checked_draws:
             return runner(data)
-        with random_draws() as draws:
+        with random_draws(runner.model, data) as draws:
             feats = runner(data)
         self.checked_draws = True
         if draws.drew:

@@ -175,7 +175,7 @@ def _forward(
     if getattr(getattr(root, "config", None), "is_encoder_decoder", False):
         kwargs["decoder_input_ids"] = ids[:, :1]  # the encoder layers run first; stopped there
     try:
-        with random_draws() as draws, capture(model, named, stop=True) as cap:
+        with random_draws(model) as draws, capture(model, named, stop=True) as cap:
             if with_mask or len(kwargs) > 1:
                 model(**kwargs)
             else:
