@@ -297,16 +297,14 @@ def test_a_record_of_a_module_drawing_from_its_own_generator_is_refused(tmp_path
             return x + torch.rand(x.shape, generator=generator)
 
     a = nn.Sequential(_OwnGenerator(), nn.Tanh())
-    with pytest.raises(hs.CompareError, match="random"):
-        with hs.record(a, tmp_path / "own"):
-            _loss(a(torch.randn(4, 8))).backward()
+    with pytest.raises(hs.CompareError, match="random"), hs.record(a, tmp_path / "own"):
+        _loss(a(torch.randn(4, 8))).backward()
     assert not (tmp_path / "own" / "index.json").exists()
     a.zero_grad(set_to_none=True)
     g = torch.Generator().manual_seed(0)
     m = GivenGenerator()
-    with pytest.raises(hs.CompareError, match="random"):
-        with hs.record(m, tmp_path / "given2"):
-            m(torch.randn(2), generator=g)
+    with pytest.raises(hs.CompareError, match="random"), hs.record(m, tmp_path / "given2"):
+        m(torch.randn(2), generator=g)
 
 
 def test_a_cache_object_other_than_the_recorded_one_is_refused(tmp_path):
@@ -327,3 +325,22 @@ def test_a_cache_object_other_than_the_recorded_one_is_refused(tmp_path):
         with pytest.raises(hs.CompareError, match=why):
             hs.compare(str(tmp_path), live, ids[:, 4:], past_key_values=copy.deepcopy(cache),
                        use_cache=True)  # fmt: skip
+
+
+def test_a_fault_in_an_attention_given_a_cache_is_named():
+    """With a cache passed in and grown by the forward, each replay gets the cache as the call
+    got it: a fault in one attention is named, a fault-free copy names nothing."""
+    from helpers.lm import tiny_decoder
+
+    m = tiny_decoder("llama")
+    ids = torch.randint(3, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        prefix = m(ids[:, :4], use_cache=True).past_key_values
+    b = copy.deepcopy(m)
+    b.model.layers[1].self_attn.scaling *= 1.01
+    kw = {"past_key_values": prefix, "use_cache": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.HookscopeWarning)  # every replay runs
+        assert hs.compare(m, copy.deepcopy(m), ids[:, 4:], **kw).culprit is None
+        assert hs.compare(m, b, ids[:, 4:], **kw).culprit == "model.layers.1.self_attn"
+    assert prefix.get_seq_length() == 4  # the caller's cache as it was

@@ -93,6 +93,26 @@ def test_a_folder_holding_the_ranks_records_takes_no_other_record(cnn_record):
         model(batch())
 
 
+def test_a_rank_of_a_run_of_more_ranks_is_refused_where_fewer_ranks_recorded(
+    cnn_record, monkeypatch
+):
+    """Rank 2 of a 4-rank run into the folder of a 2-rank record: its own folder (rank2) is
+    free, yet it would leave a mixed record; refused by name, nothing written."""
+    import importlib
+
+    rec = importlib.import_module("hookscope.compare._record")
+    monkeypatch.setattr(rec, "_rank_world", lambda: (WORLD, 2 * WORLD))
+    model = make_cnn()
+    with (
+        pytest.raises(hs.CompareError, match=f"record of {WORLD} ranks"),
+        hs.record(model, cnn_record),
+    ):
+        model(batch())
+    from pathlib import Path
+
+    assert not (Path(cnn_record) / f"rank{WORLD}").exists()
+
+
 @pytest.mark.distributed
 def test_ddp_ranks_match_one_process_on_the_combined_batch(cnn_record):
     report = hs.compare(cnn_record, make_cnn(), batch(), loss_fn=mean_loss)

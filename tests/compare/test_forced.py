@@ -335,6 +335,8 @@ def test_a_backward_fault_before_an_in_place_relu_is_found():
     # the report says so rather than reading it as zero; the one pass still names the module
     assert report.row("1").grad_error is None
     (note,) = [n for n in report.notes if n.startswith("a: no gradient recorded")]
+    assert "no gradient recorded for some of its values in a and b" in report.row("1").note
+    assert not report.row("3").note
     assert "of 1," in note or "of 1:" in note
     assert report.culprit == "1"
     same = hs.compare(a, copy.deepcopy(a), torch.randn(3, 4), loss_fn=lambda o: o.pow(2).sum())

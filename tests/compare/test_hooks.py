@@ -135,3 +135,67 @@ def test_compare_leaves_buffers_as_found_even_where_the_forward_replaces_them():
     assert dict(a.named_buffers()).keys() == before.keys()
     for n, t in a.named_buffers():
         assert torch.equal(t, before[n]), n
+
+
+def test_objects_among_the_inputs_are_kept_as_they_were_when_the_call_started():
+    """A cache passed down the layers and grown by each: the value kept of each call holds it
+    as that call got it (what a plain pre-hook sees), though its tensors require grad."""
+    import copy
+
+    from helpers.lm import tiny_decoder
+
+    torch.manual_seed(0)
+    m = tiny_decoder("llama")
+    ids = torch.randint(3, 40, (2, 7))
+    with torch.no_grad():
+        prefix = m(ids[:, :4], use_cache=True).past_key_values
+    seen = {}
+
+    def lens(cache):
+        return [layer.keys.shape[2] for layer in cache.layers]
+
+    handles = [
+        m.get_submodule(f"model.layers.{k}.self_attn").register_forward_pre_hook(
+            lambda mod, a, kw, k=k: seen.__setitem__(k, lens(kw["past_key_values"])),
+            with_kwargs=True,
+        )
+        for k in range(2)
+    ]
+    try:
+        m(ids[:, 4:], past_key_values=copy.deepcopy(prefix), use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    assert seen == {0: [4, 4], 1: [7, 4]}
+    kw = {"past_key_values": copy.deepcopy(prefix), "use_cache": True}
+    rec = _run.record_run(_run.RunSpec(m, (ids[:, 4:],), kw, lambda o: o.logits.sum()))
+    for k in range(2):
+        c = rec.calls[rec.by_key[(f"model.layers.{k}.self_attn", 0)]]
+        assert lens(c.inputs[1]["past_key_values"]) == seen[k]
+
+
+def test_an_object_that_cannot_be_copied_is_kept_with_a_warning_naming_the_layer():
+    import threading
+    import warnings
+
+    import hookscope as hs
+
+    class Holder:
+        def __init__(self) -> None:
+            self.lock, self.bias = threading.Lock(), torch.ones(4)
+
+    class Uses(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, holder):
+            return self.lin(x) + holder.bias
+
+    model = nn.Sequential()
+    model.add_module("use", Uses())
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        _run.record_run(_run.RunSpec(model.use, (torch.randn(2, 4), Holder()), {}))
+    msgs = [str(w.message) for w in got if issubclass(w.category, hs.HookscopeWarning)]
+    assert msgs and "cannot copy a Holder" in msgs[0] and "lock" in msgs[0]

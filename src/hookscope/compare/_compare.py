@@ -65,6 +65,8 @@ class _Job:
         self.shared = _shared_params(ra, b)
         # the rows' errors are computed together, once every row is replayed (then verdicts)
         self.norms = norms = Norms()
+        # the calls some of whose gradients PyTorch never handed over, per run
+        self.lost_a, self.lost_b = _lost_calls(ra), _lost_calls(rb)
         self.rep_b = self.rep_a = self.rep_bc = self.rep_round = None
         self.rep_stand: Replay | None = None
         if rb is not None and rb.modules is not None:
@@ -192,6 +194,16 @@ class _Job:
         if ca.index == 0:
             r.param_grad_error = self._param_grads(ca.name, cb.name)
         self._local(i, r)
+        lost = [
+            side for side, calls, k in (("a", self.lost_a, i), ("b", self.lost_b, j)) if k in calls
+        ]
+        if lost and self.grads:
+            why = (
+                f"no gradient recorded for some of its values in {' and '.join(lost)} (changed "
+                "in place after they were handed on: PyTorch drops a gradient hook on a view "
+                "changed in place); its gradient errors cover only the gradients both runs have"
+            )
+            r.note = f"{r.note}; {why}" if r.note else why
         if self.rep_bc is not None:
             got = self._run(self.rep_bc, j, False, r)
             if got is not None:
@@ -531,6 +543,19 @@ def _shared_params(ra: RunRecord, b: nn.Module | None) -> set[str]:
 def _worst(errors: list[float | None]) -> float | None:
     known = [e for e in errors if e is not None]
     return max(known) if known else None
+
+
+def _lost_calls(rec: RunRecord | None) -> set[int]:
+    """The positions of the calls with a gradient the run lost (``grad<k>_<i>`` and
+    ``ingrad<k>_<i>`` keys of :attr:`RunRecord.lost`)."""
+    if rec is None:
+        return set()
+    out = set()
+    for key in rec.lost:
+        digits = key.removeprefix("in").removeprefix("grad").split("_")[0]
+        if digits.isdigit():
+            out.add(int(digits))
+    return out
 
 
 def _depth(rec: RunRecord, pos: int) -> int:

@@ -68,19 +68,31 @@ class Record:
         model = self._model
         check_model(model)
         named = dict(named_modules(model)) if self._layers is None else resolve(model, self._layers)
-        self._dir.mkdir(parents=True, exist_ok=True)
         # one process: nor a record of several ranks (their folders) already in it
         taken = (self.folder, self._dir) if self.world > 1 else (self.folder, self.folder / "rank0")
         if any((d / "index.json").exists() for d in taken):
             raise CompareError(
                 f"hs.record: {str(self.folder)!r} already holds a record; give an empty folder"
             )
+        if self.world > 1:  # another rank's record of another run (another number of ranks)
+            for other in sorted(self.folder.glob("rank*/index.json")):
+                try:
+                    world = json.loads(other.read_text()).get("world")
+                except (OSError, ValueError):
+                    world = None
+                if world != self.world:
+                    raise CompareError(
+                        f"hs.record: {str(self.folder)!r} already holds a record of "
+                        f"{world if world is not None else 'another number of'} ranks "
+                        f"({other.parent.name}); this run has {self.world}: give an empty folder"
+                    )
         for p in model.parameters():
             if p.grad is not None:
                 raise CompareError(
                     "hs.record: the model's parameters already hold gradients; call "
                     "model.zero_grad(set_to_none=True) first, so the record holds this run's"
                 )
+        self._dir.mkdir(parents=True, exist_ok=True)
         self._owners = {
             (f"{n}.{p}" if n else p): n
             for n, m in named_modules(model)

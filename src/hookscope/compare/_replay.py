@@ -138,9 +138,22 @@ def _cast(
             cache[key] = (t, out)  # t is kept by the record: its id stays its own
         return out
 
-    # an object among the values (a cache) is handed over as a copy: a module growing it must
-    # not change the record
-    return map_tensors(one, value, object_copier())
+    # an object among the values (a cache) is handed over as a copy, its tensors cast as the
+    # others: a module growing it must not change the record
+    return map_tensors(one, value, object_copier(lambda t: _cast_one(t, dtype, device, round_to)))
+
+
+def _cast_one(
+    t: torch.Tensor, dtype: torch.dtype, device: torch.device, round_to: torch.dtype | None
+) -> torch.Tensor:
+    """A tensor inside an object (a cache) as :func:`_cast` casts a leaf without a known dtype:
+    a copy on ``device``, floating ones in ``dtype``."""
+    out = t.detach().to(device)
+    if out.is_floating_point():
+        out = out.to(dtype)
+        if round_to is not None:
+            out = out.to(round_to).to(out.dtype)
+    return out.clone() if out.data_ptr() == t.data_ptr() and out.numel() else out
 
 
 class _Overwrite(torch.autograd.Function):
