@@ -273,3 +273,29 @@ def test_many_hooks_with_kwargs_get_them_as_the_public_methods_give_them():
         assert torch.equal(m(x, scale=3.0), x * 3.0)
     assert seen["many"] == seen["public"] == [("pre", 3.0), ("post", 6.0)]
     assert torch.equal(outs["many"], outs["public"]) and torch.equal(outs["many"], x * 6.0 + 1)
+
+
+def test_a_view_gradient_hook_gets_what_a_plain_tensor_hook_gets():
+    """add_view_grad_hook (a pre-hook of the identity view's backward node): the gradient equals
+    a plain ``register_hook`` on the same value; a view changed in place loses it, as PyTorch
+    drops a tensor hook there."""
+    torch.manual_seed(0)
+    w = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    want, got, lost = [], [], []
+    y = x @ w
+    y.register_hook(lambda g: want.append(g.clone()))
+    (y.tanh() * 2).sum().backward()
+    scope = hs.HookScope("test")
+    y = x @ w
+    v = y.view_as(y)
+    scope.add_view_grad_hook(v, lambda g: got.append(g.clone()))
+    (v.tanh() * 2).sum().backward()
+    assert len(got) == 1 and torch.equal(got[0], want[0])
+    y = x @ w
+    v = y.view_as(y)
+    scope.add_view_grad_hook(v, lambda g: lost.append(g))
+    v.mul_(2)
+    v.sum().backward()
+    assert lost == []
+    scope.remove()

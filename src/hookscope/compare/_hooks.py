@@ -322,7 +322,7 @@ class CallHooks:
                 return args, None
             v = args.view_as(args)
             k = key + "0"
-            _grad_hook(v, _LeafGrad(self, k))
+            self.scope.add_view_grad_hook(v, _LeafGrad(self, k))
             watch.append((v, v._version, k, layer))
             if self.copies:
                 self._same_copy(args, v)
@@ -348,7 +348,7 @@ class CallHooks:
             if v is None:
                 v = views[id(t)] = t.view_as(t)
                 k = key + str(i)
-                _grad_hook(v, _LeafGrad(self, k))
+                self.scope.add_view_grad_hook(v, _LeafGrad(self, k))
                 watch.append((v, v._version, k, layer))
                 if self.copies:
                     self._same_copy(t, v)
@@ -418,19 +418,6 @@ class _Count(_Hook):
             self.hooks.model_calls += 1
 
 
-def _grad_hook(v: torch.Tensor, hook: _LeafGrad) -> None:
-    """``hook(grad)`` with the gradient of the identity view ``v``: a pre-hook on its own
-    ``ViewBackward`` node (the node has that one input gradient; half the cost of
-    ``Tensor.register_hook``, which keeps a handle and a hook dict per tensor); a tensor subclass
-    (DTensor) through ``register_hook``. Either is dropped by PyTorch if ``v`` is changed in place
-    (see :meth:`CallHooks._views`)."""
-    node = v.grad_fn
-    if v.__class__ is torch.Tensor and node is not None:
-        node.register_prehook(hook.pre)
-    else:
-        v.register_hook(hook)
-
-
 class _LeafGrad:
     """The gradient of one tensor leaf, stored under its key: a gradient hook on the identity
     view, registered directly (no handle kept: it lives as long as the graph), acting in any
@@ -449,7 +436,3 @@ class _LeafGrad:
         hooks.grads = True
         hooks.fired.add(self.key)
         hooks.sink.put(self.key, grad.detach())  # autograd hands each hook a fresh tensor
-
-    def pre(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """As a pre-hook of the view's backward node: its one input gradient."""
-        self(grads[0])

@@ -202,6 +202,18 @@ class _GradHook(_Hook):
         return self.fn(*args)
 
 
+class _FirstGrad:
+    """A backward node's pre-hook handing its first input gradient to ``fn``."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, grads: tuple[Any, ...]) -> None:
+        self.fn(grads[0])
+
+
 class _OpaqueHook(_Hook):
     """A hook inside a compiled region: Dynamo breaks the graph and runs it eagerly (exact values).
 
@@ -546,6 +558,19 @@ class HookScope:
             return None
 
         tensor.register_hook(_GradHook(guarded, self.owner, "tensor", layer, self.id))
+
+    def add_view_grad_hook(self, view: torch.Tensor, fn: Callable[[Any], Any]) -> None:
+        """``fn(grad)`` with the gradient of ``view``, an identity view the caller made for this
+        hook alone (``t.view_as(t)``): a pre-hook of the view's own backward node, which has that
+        one input gradient (half the cost of ``Tensor.register_hook``, which keeps a handle and a
+        hook dict per tensor); a tensor subclass (DTensor) through ``register_hook``. No handle is
+        kept (it lives as long as the graph): ``fn`` checks its scope itself (inert once removed)
+        and skips ``None``. PyTorch drops either kind of hook if the view is changed in place."""
+        node = view.grad_fn
+        if view.__class__ is torch.Tensor and node is not None:
+            node.register_prehook(_FirstGrad(fn))
+        else:
+            view.register_hook(fn)
 
     def add_post_accumulate_grad(
         self, param: torch.Tensor, fn: Callable[[torch.Tensor], None], *, layer: str
