@@ -440,3 +440,61 @@ def test_a_values_bin_left_by_a_killed_run_is_refused_naming_the_fix(tmp_path):
     with refused, hs.record(net, tmp_path):
         net(torch.randn(1, 2))
     assert (tmp_path / SPOOL).read_bytes() == b"half a run"  # left as found
+
+
+class _HandsOn(nn.Module):
+    """Outputs handed to the next call (written once), one changed in place before it is handed
+    on (written again: other bytes), one input to three modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h2 = self.b(h)
+        h2.mul_(3.0)  # changed after b returned it
+        return self.c(h2) + self.d(h2)
+
+
+def test_a_value_written_again_unchanged_is_stored_once_and_reads_back_as_plain_hooks_saw():
+    import importlib
+
+    rec_mod = importlib.import_module("hookscope.compare._record")
+    torch.manual_seed(0)
+    m = _HandsOn()
+    x = torch.randn(4, 8)
+    seen: dict[tuple[str, str], torch.Tensor] = {}
+    hooks = []
+    for name, mod in m.named_modules():
+        hooks.append(
+            mod.register_forward_pre_hook(
+                lambda _m, a, name=name: seen.__setitem__((name, "in"), a[0].detach().clone())
+            )
+        )
+        hooks.append(mod.register_forward_hook(
+            lambda _m, a, o, name=name: seen.__setitem__((name, "out"), o.detach().clone())))  # fmt: skip
+    m(x).sum().backward()
+    for h in hooks:
+        h.remove()
+    m.zero_grad(set_to_none=True)
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp())
+    with hs.record(m, folder / "r"):
+        m(x).sum().backward()
+    rec = rec_mod.load_record(folder / "r", "mean")
+    for c in rec.calls:
+        assert torch.equal(c.inputs[0][0], seen[(c.name, "in")]), c.name
+        assert torch.equal(c.output, seen[(c.name, "out")]), c.name
+    # 5 calls' inputs and outputs are 10 values of 4x8 floats; distinct: x, a's output, b's
+    # output before and after the in-place change, c's and d's outputs, the root's output (7)
+    index = json.loads((folder / "r" / "index.json").read_text())
+    import re
+
+    values = [k for k in index["values"] if re.fullmatch(r"(in|out)\d+", k)]
+    grads = [k for k in index["values"] if "grad" in k]
+    assert len(values) == 10
+    pickles = sum(n for k, (_, n) in index["values"].items())
+    tensor_bytes = (folder / "r" / SPOOL).stat().st_size - pickles
+    assert tensor_bytes == (7 + len(grads)) * 4 * 8 * 4  # each distinct tensor once

@@ -304,7 +304,9 @@ def _dtype_name(dtype: torch.dtype | None) -> str | None:
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
-    return t.detach()  # the spool writes its bytes at once: no copy needed
+    # the spool writes its bytes at once (no copy needed), and finds a tensor it wrote already
+    # by the memory it views while that tensor lives: the tensor itself, not a detached alias
+    return t
 
 
 def _is_ddp(model: nn.Module) -> bool:

@@ -59,6 +59,16 @@ def _raw(t: torch.Tensor) -> memoryview | None:
         return None
 
 
+def _as_written(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as :meth:`Spool.write` takes it: a dense one as it is (written by reference to
+    its bytes), any other on the CPU, detached where autograd made it (pickled whole)."""
+    if t.__class__ is torch.Tensor and t.layout is torch.strided and not t.is_quantized:
+        return t
+    if t.requires_grad and not t.is_leaf:  # (a leaf keeps its kind: a Parameter stays one)
+        t = t.detach()
+    return t if t.device.type == "cpu" else t.cpu()
+
+
 def _compare_error(msg: str) -> Exception:
     from ._run import CompareError  # _run imports this module
 
@@ -92,6 +102,8 @@ class Spool:
         self.again: list[str] = []  # keys written a second time (a second backward)
         self._lock = threading.Lock()
         self._at = 0
+        # the tensors written, by the memory they view: written once while unchanged (_same)
+        self._seen: dict[tuple[Any, ...], tuple[Any, int, tuple[Any, ...]]] = {}
         try:
             self._f: Any = open(self.path, "xb", buffering=0)  # noqa: SIM115 (closed by close())
         except FileExistsError:
@@ -102,7 +114,9 @@ class Spool:
             ) from None
 
     def write(self, key: str, value: Any) -> None:
-        value = map_tensors(lambda t: t if t.device.type == "cpu" else t.cpu(), value)
+        # dense tensors are written as they are (their bytes copied to the CPU by _raw: a
+        # tensor seen again is found by the memory it views); others are pickled whole, detached
+        value = map_tensors(_as_written, value)
         with self._lock:
             f = self._f
             if f is None:
@@ -114,12 +128,18 @@ class Spool:
             def reference(obj: Any) -> Any:
                 if not isinstance(obj, torch.Tensor):
                     return None
+                same = self._same(obj)
+                if same is not None and same[0]:
+                    return same[0]
                 data = _raw(obj)
                 if data is None:
                     return None
                 at = self._at
                 self._at += f.write(data)
-                return (at, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+                ref = (at, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+                if same is not None:
+                    self._seen[same[1]] = (weakref.ref(obj), obj._version, ref)
+                return ref
 
             buf = io.BytesIO()
             pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
@@ -139,6 +159,24 @@ class Spool:
             if key in self.index:
                 self.again.append(key)
             self.index[key] = (start, len(blob))
+
+    def _same(self, t: torch.Tensor) -> tuple[Any, Any] | None:
+        """``(reference, key)``: the bytes of ``t`` already written, when a tensor viewing the
+        same memory the same way (itself, or an identity view of it: the next call's input is
+        the last call's output) was written at the same version and is still alive (so that
+        memory is still its own); ``(None, key)`` when not; ``None`` for a tensor without a
+        version counter (inference mode) or a non-dense one."""
+        if t.__class__ is not torch.Tensor or t.layout is not torch.strided or not t.numel():
+            return None
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor
+            return None
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        hit = self._seen.get(key)
+        if hit is not None and hit[1] == version and hit[0]() is not None:
+            return hit[2], key
+        return None, key
 
     def put(self, key: str, value: Any) -> None:
         """:meth:`write` (the name the record's hooks call)."""

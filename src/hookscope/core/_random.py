@@ -39,28 +39,32 @@ def _generators(roots: tuple[Any, ...]) -> list[torch.Generator]:
     found: dict[int, torch.Generator] = {}
 
     def walk(obj: Any, depth: int) -> None:
-        if isinstance(obj, torch.Generator):
+        cls = obj.__class__
+        if cls is torch.Generator:  # (not isinstance: its metaclass makes that slow)
             found[id(obj)] = obj
-        elif depth and isinstance(obj, (list, tuple)):
+        elif cls in _PLAIN:
+            return
+        elif depth and cls in (list, tuple):
             for v in obj:
                 walk(v, depth - 1)
-        elif depth and isinstance(obj, dict):
+        elif depth and (cls is dict or isinstance(obj, dict)):
             for v in obj.values():
                 walk(v, depth - 1)
 
     for root in roots:
         if isinstance(root, nn.Module):
             for m in root.modules():
-                for v in m.__dict__.values():
-                    if v.__class__ in _PLAIN:
-                        continue
-                    walk(v, 2)
+                for k, v in m.__dict__.items():
+                    if k not in _MODULE_OWN and v.__class__ not in _PLAIN:
+                        walk(v, 2)
         else:
             walk(root, 4)
     return list(found.values())
 
 
-_PLAIN = frozenset({bool, int, float, str, type(None)})
+_PLAIN = frozenset({bool, int, float, str, type(None), torch.Tensor, nn.Parameter})
+# what every nn.Module keeps (its parameters, buffers, submodules, hooks): no generator there
+_MODULE_OWN = frozenset(nn.Module().__dict__)
 
 
 def _states(generators: list[torch.Generator]) -> list[torch.Tensor]:
