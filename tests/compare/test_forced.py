@@ -463,13 +463,16 @@ def _encoder_layer() -> nn.Module:
 
 def test_multihead_attention_uses_out_proj_without_calling_it(monkeypatch):
     """``nn.MultiheadAttention`` passes ``out_proj.weight`` to a function (``out_proj`` is never
-    called): a fault-free pair names nothing, a fault in that weight is the attention's."""
+    called): a fault-free pair names nothing, a fault in that weight is the attention's. The one
+    pass gives that weight's gradient to the attention's calls (the child never runs as a
+    module: its parameters are swapped for leaves during its parent's calls), so every row
+    stays in the one pass."""
     a = _encoder_layer()
     x = torch.randn(2, 5, 8)
     loss = lambda o: o.pow(2).sum()  # noqa: E731
     fast, forced, slow = _both(monkeypatch, a, copy.deepcopy(a), x, loss_fn=loss)
-    assert not forced.void
-    assert {"self_attn.out_proj.weight", "self_attn.out_proj.bias"} <= forced.used_outside
+    assert not forced.void and not forced.used_outside and not forced.unforced
+    assert forced.adopted == {"self_attn": ["out_proj.weight", "out_proj.bias"]}
     assert fast.culprit is None and slow.culprit is None
     _rows_agree(fast, slow)
     b = copy.deepcopy(a)

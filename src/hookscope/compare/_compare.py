@@ -159,6 +159,7 @@ class _Job:
             return None
         pre_a = f"{ca.name}." if ca.name else ""
         own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        own += f.adopted.get(bname, [])  # its children's that never run as modules
         if any(pre_a + n in self.shared for n in own):
             return None  # tied weights: the sums mix modules; per call, A replayed too
         if self.grads and got.in_grads is not None:
@@ -351,13 +352,18 @@ class _Job:
         others, calls = whole
         mine: dict[str, torch.Tensor] = {}
         ref: dict[str, torch.Tensor] = {}
+        bname = self.map(self.ra.calls[calls[0]].name) if calls else None
+        f = self.forced
+        # the parameters of children that never run as modules are the module's own code's (as
+        # the one pass counts them); other children's used by its code are not compared here
+        adopted = set(f.adopted.get(bname, ())) if f is not None and bname is not None else set()
         for k in calls:
             got_b = self._run(self.rep_b, k, True, r)
             got_a = self._run(self.rep_a, k, True, r)
             if got_b is None or got_a is None or got_b.param_grads is None:
                 return
             for n, g in got_b.param_grads.items():
-                if "." not in n:  # the module's own (not a use of a child's, by its own code)
+                if "." not in n or n in adopted:  # the module's own
                     mine[n] = mine[n] + g if n in mine else g
             for n, g in (got_a.param_grads or {}).items():
                 ref[n] = ref[n] + g if n in ref else g

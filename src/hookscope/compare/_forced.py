@@ -123,6 +123,9 @@ class Forced:
         # parameters (the live model's full names) whose gradient in the pass comes partly from
         # uses outside their owners' calls
         self.used_outside: set[str] = set()
+        # live module -> parameters of its children that never run as modules (names relative
+        # to it: "out_proj.weight"), whose gradients are its calls' (see _Pass._swap)
+        self.adopted: dict[str, list[str]] = {}
         self.void = ""  # why the whole pass is void ("" when it is not)
 
 
@@ -140,18 +143,19 @@ class _Frame:
 
 
 class _Swap:
-    """One call's module with its own parameters swapped for the pass's leaves while it runs."""
+    """One call's module with its own parameters (and those of its children that never run as
+    modules) swapped for the pass's leaves while it runs."""
 
     __slots__ = ("module", "params")
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.params: list[tuple[str, torch.Tensor]] = []  # (local name, the parameter)
+        # (the module holding it, local name, the parameter)
+        self.params: list[tuple[nn.Module, str, torch.Tensor]] = []
 
     def restore(self) -> None:
-        own = self.module._parameters
-        for n, p in self.params:
-            own[n] = p  # type: ignore[assignment]
+        for m, n, p in self.params:
+            m._parameters[n] = p  # type: ignore[assignment]
 
 
 def forced_pass(rep: Replay, names: dict[int, str], grads: bool) -> Forced:
@@ -195,6 +199,23 @@ class _Pass:
         # seeded, as in the per-call replay, whether or not the caller's code uses it)
         self.handles: list[torch.Tensor] = []
         self.swaps: list[_Swap] = []  # the calls running, with their parameters swapped
+        # per live module: its children with parameters that never run as modules in the
+        # recorded run, and their names (their parameters are the module's own code's to use)
+        self.uncalled: dict[int, list[tuple[nn.Module, str]]] = {}
+        called = {live for live, _ in self.by_live}
+        for mname, m in rep.modules.items():
+            for cn, child in m.named_children():
+                full = f"{mname}.{cn}" if mname else cn
+                if full in called or not any(
+                    p is not None and p.requires_grad for p in child._parameters.values()
+                ):
+                    continue
+                self.uncalled.setdefault(id(m), []).append((child, full))
+                out.adopted.setdefault(mname, []).extend(
+                    f"{cn}.{n}"
+                    for n, p in child._parameters.items()
+                    if p is not None and p.requires_grad
+                )
         # each recorded value cast once (an output handed to the next call is one object in a
         # record kept in memory): see _cast
         self.casts: dict[Any, Any] | None = {} if rep.ref_in_memory() else None
@@ -298,6 +319,14 @@ class _Pass:
         each leaf gets is the module's calls', and a use of the parameter outside its owners'
         calls still reaches the parameter itself."""
         sw = _Swap(module)
+        self._swap_own(sw, module, name)
+        for child, cname in self.uncalled.get(id(module), ()):
+            # a child that never runs as a module (nn.MultiheadAttention's out_proj): its
+            # parameters are used by this module's own code, and their gradient is its calls'
+            self._swap_own(sw, child, cname)
+        self.swaps.append(sw)
+
+    def _swap_own(self, sw: _Swap, module: nn.Module, name: str) -> None:
         own = module._parameters
         for n, p in own.items():
             if p is not None and p.requires_grad:
@@ -305,9 +334,8 @@ class _Pass:
                 hit = self.leaves.get(key)
                 if hit is None:
                     hit = self.leaves[key] = (name, p.detach().requires_grad_(True))
-                sw.params.append((n, p))
+                sw.params.append((module, n, p))
                 own[n] = hit[1]  # type: ignore[assignment]
-        self.swaps.append(sw)
 
     def _enter(self, name: str, i: int, args: Any, kwargs: Any) -> Any:
         ref, rep = self.ref, self.rep
