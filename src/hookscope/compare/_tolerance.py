@@ -112,8 +112,10 @@ def _fast(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float] | None:
 
 # pairs of at most this many elements are stacked with the pairs of their size and dtypes: one
 # subtraction and two norms per group instead of per pair (a tiny model's rows have hundreds of
-# pairs of a dozen shapes; measured 40% faster on the fault suite's models)
-_GROUP = 1 << 16
+# small pairs of a dozen shapes: the norms of the fault suite's Llama and ViT about 40% faster);
+# larger ones one at a time (a stack of large pairs is a large fresh allocation: measured 2.5x
+# slower than pair by pair on the CNN with a limit of 65536)
+_GROUP = 1 << 12
 
 
 def _fast_many(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> list[tuple[float, float] | None]:
