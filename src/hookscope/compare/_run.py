@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._buffers import buffers_kept
 from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
 from ..core._errors import HookscopeError
 from ..core._nested import map_tensors, tensors_of
@@ -172,29 +173,16 @@ def at_path(obj: Any, path: tuple[Any, ...]) -> Any:
 
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[None]:
-    """Put back parameter ``.grad`` and buffers as found, on exit: their values (running
-    statistics), and the buffers themselves where the forward replaced, added or removed one (a
-    cache re-registered at another length)."""
+    """Put back parameter ``.grad`` and buffers as found, on exit (the buffers through
+    :func:`~hookscope.core._buffers.buffers_kept`: their values, and the buffers themselves where
+    the forward replaced, added or resized one)."""
     grads = [(p, p.grad) for p in model.parameters()]
-    mods = list(model.modules())
-    found = [dict(m._buffers) for m in mods]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     for p, _ in grads:
         p.grad = None
     try:
-        yield
+        with buffers_kept(model):
+            yield
     finally:
-        for m, was in zip(mods, found):
-            now = m._buffers
-            if now.keys() != was.keys() or any(now[k] is not v for k, v in was.items()):
-                now.clear()
-                now.update(was)
-        with torch.no_grad():
-            for b, v in buffers:
-                if b.shape == v.shape:
-                    b.copy_(v)
-                else:  # resized in place
-                    b.set_(v)
         for p, g in grads:
             p.grad = g
 

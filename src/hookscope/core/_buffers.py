@@ -2,7 +2,8 @@
 
 A forward can change a buffer in two ways: in place (BatchNorm's running statistics in train
 mode, which some kernels update without bumping the tensor's version) or by reassigning it
-(``self.steps = self.steps + 1`` replaces the tensor in the module's ``_buffers``). Both are undone.
+(``self.steps = self.steps + 1`` replaces the tensor in the module's ``_buffers``, a cache is
+re-registered at another length). Both are undone, and a buffer the forward added is removed.
 """
 
 from __future__ import annotations
@@ -28,18 +29,27 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
         >>> bn.num_batches_tracked.item(), bn.running_mean.tolist()
         (0, [0.0, 0.0])
     """
+    modules = list(model.modules())
+    names = [set(m._buffers) for m in modules]
     saved = [
         (module, name, b, None if b.is_meta else b.detach().clone())
-        for module in model.modules()
+        for module in modules
         for name, b in module._buffers.items()
         if b is not None
     ]
     try:
         yield
     finally:
+        for module, had in zip(modules, names):
+            for name in [n for n in module._buffers if n not in had]:
+                del module._buffers[name]  # added in forward
         with torch.no_grad():
             for module, name, b, values in saved:
                 if module._buffers.get(name) is not b:
                     module._buffers[name] = b  # reassigned in forward: put the original back
-                if values is not None and not torch.equal(b, values):
+                if values is None:
+                    continue
+                if b.shape != values.shape:  # resized in place
+                    b.set_(values)
+                elif not torch.equal(b, values):
                     b.copy_(values)

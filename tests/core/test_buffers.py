@@ -1,0 +1,43 @@
+"""core/_buffers.py: a model's buffers put back as found after a forward that must leave no
+trace, against a copy of its state taken by hand before the forward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from hookscope.core._buffers import buffers_kept
+
+
+class _Changes(nn.Module):
+    """Every way a forward changes buffers: BatchNorm's statistics in place, a count reassigned,
+    a cache re-registered at another length, a buffer resized in place, a buffer added."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+        self.register_buffer("grow", torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.steps = self.steps + 1
+        self.register_buffer("cache", torch.arange(float(x.shape[0])), persistent=False)
+        self.grow.resize_(5).fill_(7.0)
+        self.register_buffer("added", torch.ones(1))
+        return self.bn(x) + self.cache[:, None]
+
+
+def test_every_buffer_is_the_same_object_with_the_same_values_and_no_buffer_is_added():
+    torch.manual_seed(0)
+    m = _Changes().train()
+    objects = {n: b for n, b in m.named_buffers()}
+    values = {n: b.clone() for n, b in m.named_buffers()}
+    with buffers_kept(m):
+        m(torch.randn(3, 4))
+        assert m.steps.item() == 1.0 and m.grow.shape == (5,)  # the forward did change them
+    assert dict(m.named_buffers()).keys() == objects.keys()
+    for n, b in m.named_buffers():
+        assert b is objects[n], n
+        assert b.shape == values[n].shape and torch.equal(b, values[n]), n
+    assert "added" not in m._buffers and not hasattr(m, "added")
