@@ -469,13 +469,22 @@ class _Job:
                     )
                 )
             e_low, e = _worst(errs), r.local_grad_error
+        return self._ill_conditioned(r, kind, what, e_low, e, None)
+
+    def _ill_conditioned(
+        self, r: CompareRow, kind: str, what: str, e_low: Any, e: Any, stand: str | None
+    ) -> str | None:
+        """``kind`` unless the reference in B's dtype (A's own module, or ``stand``: what stands
+        in for it) is off by about as much as B's module (then ``None``, and the row says so)."""
         if e_low is None or e is None or e > 2 * e_low + r.tol:
             return kind
         dtype = str(self.rb.autocast or self.rb.dtype)[6:] if self.rb is not None else "?"
+        whose = (
+            stand or f"A's own module computing in {dtype} on A's values is off by {e_low:.1e} too"
+        )
         r.note = (
-            f"{what} ill-conditioned in {dtype}: A's own module computing in {dtype} on A's values "
-            f"is off by {e_low:.1e} too (e.g. batch norm over very few values, cancellation), so "
-            f"its local error {e:.1e} is not a fault"
+            f"{what} ill-conditioned in {dtype}: {whose} (e.g. batch norm over very few values, "
+            f"cancellation), so its local error {e:.1e} is not a fault"
         )
         return None
 
@@ -491,15 +500,13 @@ class _Job:
         else:
             e_low = rel_pairs(list(zip(in_grad or [], got.in_grads or [])))
             e = r.local_grad_error
-        if e_low is None or e is None or e > 2 * e_low + r.tol:
-            return kind
-        dtype = str(self.rb.autocast or self.rb.dtype)[6:] if self.rb is not None else "?"
-        r.note = (
-            f"{what} ill-conditioned in {dtype}: B's module is off by {e_low:.1e} from a copy of "
-            f"itself in A's dtype, both on A's values (A is a record; e.g. batch norm over very "
-            f"few values, cancellation), so its local error {e:.1e} is not a fault"
+        stand = (
+            f"B's module is off by {e_low:.1e} from a copy of itself in A's dtype, both on A's "
+            "values (A is a record)"
+            if e_low is not None
+            else None
         )
-        return None
+        return self._ill_conditioned(r, kind, what, e_low, e, stand)
 
     def _low_replay(self) -> Replay | None:
         """A's modules computing in B's dtype (a copy; or A's own under B's autocast), made once."""
