@@ -344,3 +344,23 @@ def test_a_fault_in_an_attention_given_a_cache_is_named():
         assert hs.compare(m, copy.deepcopy(m), ids[:, 4:], **kw).culprit is None
         assert hs.compare(m, b, ids[:, 4:], **kw).culprit == "model.layers.1.self_attn"
     assert prefix.get_seq_length() == 4  # the caller's cache as it was
+
+
+def test_the_refusal_names_the_input_that_differs_and_nan_equals_nan(tmp_path):
+    class Eps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x, eps=1e-5, mode="a"):
+            return self.lin(x) * (1 if eps != eps else 2) + (0 if mode == "a" else 1)
+
+    net = Eps()
+    x = torch.randn(3, 8)
+    with hs.record(net, tmp_path / "r"):
+        _loss(net(x, eps=float("nan"), mode="a")).backward()
+    net.zero_grad(set_to_none=True)
+    live = copy.deepcopy(net)
+    hs.compare(str(tmp_path / "r"), live, x, eps=float("nan"), mode="a")  # nan is nan: the same
+    with pytest.raises(hs.CompareError, match=r"kwargs\['mode'\] is 'b' here, 'a' in the record"):
+        hs.compare(str(tmp_path / "r"), live, x, eps=float("nan"), mode="b")

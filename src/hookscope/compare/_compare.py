@@ -852,9 +852,10 @@ def _difference(rec: Any, given: Any, path: str, depth: int = 10) -> str | None:
             return f"{_where(path)} holds other values here than in the record"
         return None
     if isinstance(rec, _ATOMS) or isinstance(given, _ATOMS):
-        if type(rec) is not type(given) or rec != given:
-            return f"{_where(path)} is {given!r} here, {rec!r} in the record"
-        return None
+        same = type(rec) is type(given) and (
+            rec == given or (isinstance(rec, float) and math.isnan(rec) and math.isnan(given))
+        )
+        return None if same else f"{_where(path)} is {given!r} here, {rec!r} in the record"
     if type(rec).__name__ != type(given).__name__:
         return (
             f"{_where(path)} is a {type(given).__name__} here, a {type(rec).__name__} in the record"
@@ -900,7 +901,10 @@ def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]
         return
     rec = ra.calls[pos].inputs
     given = cast_like((tuple(inputs), dict(kwargs)), ra.dtype, torch.device("cpu"))
-    other = _difference(rec, given, "")
+    if isinstance(rec, tuple) and len(rec) == 2:  # (args, kwargs): named as such
+        other = _difference(rec[0], given[0], "args") or _difference(rec[1], given[1], "kwargs")
+    else:
+        other = _difference(rec, given, "")
     if other is not None:
         raise CompareError(
             f"hs.compare: the inputs given differ from those of the recorded run: {other}; pass "
