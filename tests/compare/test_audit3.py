@@ -364,3 +364,45 @@ def test_the_refusal_names_the_input_that_differs_and_nan_equals_nan(tmp_path):
     hs.compare(str(tmp_path / "r"), live, x, eps=float("nan"), mode="a")  # nan is nan: the same
     with pytest.raises(hs.CompareError, match=r"kwargs\['mode'\] is 'b' here, 'a' in the record"):
         hs.compare(str(tmp_path / "r"), live, x, eps=float("nan"), mode="b")
+
+
+def test_two_compares_in_two_threads_give_what_each_gives_alone():
+    """Each thread's hooks act for its own runs only: two compares running at once (each on its
+    own pair of models) give the rows each gives alone."""
+    import threading
+
+    def pair(seed: int, fault: bool):
+        torch.manual_seed(seed)
+        a = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8), nn.LayerNorm(8))
+        b = copy.deepcopy(a)
+        if fault:
+            b[3].eps = 0.5
+        return a, b, torch.randn(4, 8)
+
+    def rows(report):
+        return [(r.label, r.error, r.local_error, r.grad_error, r.local_grad_error)
+                for r in report.rows]  # fmt: skip
+
+    jobs = [pair(0, True), pair(1, False)]
+    alone = [hs.compare(a, b, x, loss_fn=_loss) for a, b, x in jobs]
+    got: dict[int, object] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def run(k: int) -> None:
+        try:
+            a, b, x = jobs[k]
+            start.wait()
+            for _ in range(5):
+                got[k] = hs.compare(a, b, x, loss_fn=_loss)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert alone[0].culprit == got[0].culprit == "3" and alone[1].culprit is got[1].culprit is None
+    assert rows(got[0]) == rows(alone[0]) and rows(got[1]) == rows(alone[1])
