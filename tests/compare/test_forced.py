@@ -163,21 +163,22 @@ def test_tied_weights_take_their_parameter_gradients_per_call(monkeypatch):
 # gradient back to a call, changes what it handed in place, or where the record lacks a gradient
 
 
-class _BadGrad(torch.autograd.Function):
-    """Forward exact (a copy, so in-place layers after it work); backward scales by 1.5."""
+class _ScaledGrad(torch.autograd.Function):
+    """Forward exact (a copy, so in-place layers after it work); backward scales by ``k``."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, k):
+        ctx.k = k
         return x.clone()
 
     @staticmethod
     def backward(ctx, g):
-        return g * 1.5
+        return g * ctx.k, None
 
 
 class _BadBackward(nn.Linear):
     def forward(self, x):
-        return _BadGrad.apply(super().forward(x))
+        return _ScaledGrad.apply(super().forward(x), 1.5)
 
 
 def _rows_agree(fast, slow):
@@ -388,24 +389,12 @@ def test_a_call_that_works_in_place_on_what_its_caller_keeps(monkeypatch):
     assert fast.culprit is None and slow.culprit is None
 
 
-class _Half(torch.autograd.Function):
-    """The identity, with half the gradient."""
-
-    @staticmethod
-    def forward(ctx, w):
-        return w.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * 0.5
-
-
 class _HalfGradUse(_UsesChildWeight):
     """The same forward; the gradient of the caller's own use of ``lin.weight`` is halved."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x).tanh()
-        return self.out(h) + self.k * (h @ _Half.apply(self.lin.weight))
+        return self.out(h) + self.k * (h @ _ScaledGrad.apply(self.lin.weight, 0.5))
 
 
 def test_a_parameter_used_outside_its_modules_calls_is_on_its_callers_row(monkeypatch):

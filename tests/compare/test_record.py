@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
-from helpers.common import KeepsItsInput, tiny_models_on_one_thread  # noqa: F401
+from helpers.common import KeepsItsInput, plain_step, tiny_models_on_one_thread  # noqa: F401
 from helpers.faults import FAULTS, cnn, faulty
 
 
@@ -210,10 +210,7 @@ def test_the_recorded_run_is_the_run_without_hookscope(tmp_path):
     torch.manual_seed(0)
     m = KeepsItsInput()
     x = torch.randn(3, 4)
-    out_ref = m(x)
-    out_ref.pow(2).sum().backward()
-    ref = {n: p.grad.clone() for n, p in m.named_parameters()}
-    m.zero_grad(set_to_none=True)
+    out_ref, ref = plain_step(m, x)
     with hs.record(m, tmp_path / "r"):
         out = m(x)
         out.pow(2).sum().backward()

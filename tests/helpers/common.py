@@ -66,6 +66,16 @@ def tiny_models_on_one_thread() -> Iterator[None]:
         yield
 
 
+def plain_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The reference for a step under hookscope: ``model(x)`` and the parameter gradients of
+    ``out.pow(2).sum()`` without any hook; ``.grad`` left cleared."""
+    out = model(x)
+    out.pow(2).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
 class KeepsItsInput(nn.Module):
     """A residual kept from before an in-place ReLU: the ReLU changes it too."""
 

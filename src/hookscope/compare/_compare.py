@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, strip_compiled
 from ..core._errors import HookscopeWarning
-from ..core._nested import tensors_of
+from ..core._nested import SCALARS, tensors_of
 from ._checks import check_arguments, check_loss, check_names
 from ._forced import Forced, forced_pass
 from ._record import load_record
@@ -828,7 +828,7 @@ def _check_reduction(ra: RunRecord, rb: RunRecord, loss_reduction: str) -> None:
     )
 
 
-_ATOMS = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+_ATOMS = tuple(SCALARS)
 
 
 def _where(path: str) -> str:

@@ -30,13 +30,11 @@ import torch
 import torch.nn as nn
 
 from ..core._errors import HookscopeWarning
-from ..core._nested import map_tensors, tensors_of
+from ..core._nested import SCALARS, map_tensors, tensors_of
 from ..core._recompute import Recomputes
 from ..core._scope import HookScope, _Hook, acts_here, get_ident, graph_task_id, thread_checked
 
 __all__ = ["CallHooks", "Entry", "object_copier"]
-
-_ATOMS = frozenset({bool, int, float, complex, str, bytes, torch.dtype, torch.device})
 
 
 class _Uncopyable(Exception):
@@ -58,7 +56,7 @@ def object_copier(
 
     def walk(obj: Any, depth: int) -> Any:
         cls = obj.__class__
-        if cls in _ATOMS or obj is None:
+        if cls in SCALARS:
             return obj
         got = memo.get(id(obj))
         if got is not None:
@@ -92,7 +90,7 @@ def object_copier(
         return new
 
     def copy_object(obj: Any) -> Any:
-        if obj.__class__ in _ATOMS:
+        if obj.__class__ in SCALARS:
             return obj
         try:
             return walk(obj, 12)
@@ -249,7 +247,7 @@ class CallHooks:
             return None
         if len(leaves) == 1 and not kwargs and args.__class__ is tuple and len(args) == 1:
             kept = ((self.copy(leaves[0]),), {})
-        elif self.copies is not None and self.objects:
+        elif self.objects:
             # kept in memory: the objects among the inputs (a cache) as they are now
             kept = map_tensors(self.copy, (tuple(args), dict(kwargs)), object_copier(where=name))
         else:

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, named_parameters, strip_compiled
 from ..core._errors import enter_once, some_names
-from ..core._random import _generators, _states, training_modules
+from ..core._random import GeneratorStates, generators_of, training_modules
 from ..core._scope import (
     HookScope,
     _Hook,
@@ -193,7 +193,7 @@ class _Watch:
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
         self.depth = 0
-        self.before: list[torch.Tensor] | None = None
+        self.states: GeneratorStates | None = None  # taken when the model's call started
         self.drew = False
         self.autocast: torch.dtype | None = None
         self.foreign: set[str] = set()
@@ -201,10 +201,9 @@ class _Watch:
         # parameter name -> (its parameter, a weak reference to its .grad, that grad's _version)
         self.grads: dict[str, tuple[torch.Tensor, Any, int]] = {}
         self.generators: list[torch.Generator] = []  # the model's own (a module's self.gen)
-        self.gens: list[torch.Generator] = []  # those and the ones a call was given
 
     def place(self, scope: HookScope, model: nn.Module, world: int) -> None:
-        self.generators = _generators((model,))
+        self.generators = generators_of(model)
         scope.add_forward_pre(model, _RootPre(self), layer="", with_kwargs=True)
         scope.add_forward(model, _RootPost(self), layer="", always_call=True)
         if world > 1:  # DDP and FSDP2 rewrite the gradients after accumulating them: as meant
@@ -216,8 +215,7 @@ class _Watch:
 
     def start(self, inputs: Any) -> None:
         if self.depth == 0:
-            self.gens = self.generators + _generators((inputs,))
-            self.before = _states(self.gens)
+            self.states = GeneratorStates(self.generators + generators_of(inputs))
             dev = self.device_type
             if torch.is_autocast_enabled(dev):
                 self.autocast = torch.get_autocast_dtype(dev)
@@ -225,12 +223,9 @@ class _Watch:
 
     def end(self) -> None:
         self.depth = max(self.depth - 1, 0)
-        if self.depth == 0 and self.before is not None:
-            after = _states(self.gens)
-            before, self.before = self.before, None
-            if len(after) != len(before) or any(
-                not torch.equal(x, y) for x, y in zip(before, after)
-            ):
+        if self.depth == 0 and self.states is not None:
+            states, self.states = self.states, None
+            if states.moved():
                 self.drew = True
 
     def changed(self) -> list[str]:

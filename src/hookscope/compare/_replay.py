@@ -263,7 +263,7 @@ class Replay:
             return False
         store = calls[0].store
         store = getattr(store, "store", store)
-        return isinstance(store, ValueStore) and store._spool is None and store._folder is None
+        return isinstance(store, ValueStore) and store.in_memory
 
     def _device(self) -> torch.device:
         for m in self.modules.values():

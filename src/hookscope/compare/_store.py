@@ -299,6 +299,12 @@ class ValueStore:
         self._spool: Spool | None = None
         self._reader: SpoolReader | None = None
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether every value is held in memory (one object per value, read back as that
+        object): never spilled to disk, not a record's folder."""
+        return self._spool is None and self._folder is None
+
     def folder(self) -> Path:
         if self._folder is None:
             self._folder = Path(tempfile.mkdtemp(prefix="hookscope-compare-"))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "SCALARS",
     "Shapes",
     "call_shapes",
     "describe",
@@ -42,7 +43,8 @@ def _is_namedtuple(obj: Any) -> bool:
 
 # leaves that are never containers: the walks below return at once for them (an ABC check of
 # ``Mapping`` and a dataclass check per leaf are most of a walk's cost on a layer's arguments)
-_ATOMS = frozenset({type(None), int, float, bool, str, bytes, complex, torch.dtype, torch.device})
+SCALARS = frozenset({type(None), int, float, bool, str, bytes, complex, torch.dtype, torch.device})
+_ATOMS = SCALARS
 
 
 def iter_tensors(obj: Any, path: Path = ()) -> Iterator[tuple[Path, torch.Tensor]]:

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ._compiled import named_modules
 
-__all__ = ["RandomDraws", "random_draws", "training_modules"]
+__all__ = ["GeneratorStates", "RandomDraws", "generators_of", "random_draws", "training_modules"]
 
 
 class RandomDraws:
@@ -74,6 +74,29 @@ def _states(generators: list[torch.Generator]) -> list[torch.Tensor]:
     return states + [g.get_state() for g in generators]
 
 
+def generators_of(*roots: Any) -> list[torch.Generator]:
+    """The generators ``roots`` hold (models: any module's attributes; inputs: nested lists,
+    tuples and dicts); torch's global ones are always watched besides."""
+    return _generators(roots)
+
+
+class GeneratorStates:
+    """The states of torch's global generators and of ``generators``, taken when made;
+    :meth:`moved` says whether any has moved since (a draw happened)."""
+
+    __slots__ = ("before", "generators")
+
+    def __init__(self, generators: list[torch.Generator]) -> None:
+        self.generators = generators
+        self.before = _states(generators)
+
+    def moved(self) -> bool:
+        after = _states(self.generators)
+        return len(after) != len(self.before) or any(
+            not torch.equal(a, b) for a, b in zip(self.before, after)
+        )
+
+
 @contextmanager
 def random_draws(*roots: Any) -> Iterator[RandomDraws]:
     """Note whether the code inside draws random numbers (the generators are not restored: the
@@ -95,15 +118,11 @@ def random_draws(*roots: Any) -> Iterator[RandomDraws]:
     True
     """
     found = RandomDraws()
-    generators = _generators(roots)
-    before = _states(generators)
+    states = GeneratorStates(_generators(roots))
     try:
         yield found
     finally:
-        after = _states(generators)
-        found.drew = len(after) != len(before) or any(
-            not torch.equal(a, b) for a, b in zip(before, after)
-        )
+        found.drew = states.moved()
 
 
 def training_modules(model: nn.Module, limit: int = 3) -> list[str]:
