@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from ..core._nested import map_tensors, tensors_of
-from ..core._scope import HookScope, graph_task_id
+from ..core._scope import HookScope, _Hook, graph_task_id
 from ._replay import Replay, Result, _cast, changed_in_place, versions, write_back
 from ._run import CallRec, restore_aliases
 
@@ -226,12 +226,20 @@ class _Pass:
     def run(self, model: nn.Module, call: CallRec) -> None:
         rep = self.rep
         scope = HookScope("compare")
-        for m in rep.modules.values():
-            name = self.names.get(id(m))
-            if name is None:
-                continue
-            scope.add_forward_pre(m, self._pre(name), layer=name, with_kwargs=True)
-            scope.add_forward(m, self._post(name), layer=name, always_call=True)
+        named = [
+            (m, name) for m in rep.modules.values() if (name := self.names.get(id(m))) is not None
+        ]
+        scope.add_forward_many(
+            [(m, _Hook(self._pre(name), "compare", "forward_pre", name, scope.id), name)
+             for m, name in named],
+            pre=True,
+            with_kwargs=True,
+        )  # fmt: skip
+        scope.add_forward_many(
+            [(m, _Hook(self._post(name), "compare", "forward", name, scope.id), name)
+             for m, name in named],
+            always_call=True,
+        )  # fmt: skip
         args, kwargs = call.inputs
         ctx = (
             torch.autocast(device_type=self.device.type, dtype=rep.autocast)

@@ -449,7 +449,8 @@ class HookScope:
         ``_forward_pre_hooks``). This does the same, keeps ``(dict, id)`` for :meth:`remove`, and
         falls back to the public method for a module whose class overrides it (or whose hook dict
         is not a plain dict) and for a module inside a compiled region (its calls must be routed,
-        see :meth:`_place`).
+        see :meth:`_place`); a module of a model whose ``generate()`` may compile it holds that
+        model's guard, as :meth:`_place` does.
         """
         if not self.active:
             raise RuntimeError(f"{self!r} was removed; create a new scope to add hooks")
@@ -475,9 +476,7 @@ class HookScope:
                 or d.__class__ is not OrderedDict
                 or (always_call and always.__class__ is not OrderedDict)
                 or (with_kwargs and kw.__class__ is not OrderedDict)
-                or (
-                    routed and (region_of(module) is not None or generate_guard(module) is not None)
-                )
+                or (routed and region_of(module) is not None)
             ):
                 placed = self._place(module, hook)
                 if pre:
@@ -489,6 +488,10 @@ class HookScope:
                         )
                     )
                 continue
+            if routed:  # a module of a model whose generate() may compile it: hold its guard
+                guard = generate_guard(module)
+                if guard is not None:
+                    self._on_remove.append(guard.acquire(layer))
             hid = RemovableHandle.next_id
             RemovableHandle.next_id = hid + 1
             d[hid] = hook
