@@ -1,6 +1,7 @@
 """compare/_tolerance.py: the relative errors every row reads, against float64 computed here by
-hand; pairs stacked with the pairs of their size give what one pair at a time gives, and a pair
-that is not finite takes the careful path whether or not it is stacked."""
+hand; pairs stacked with the pairs of their size (an empty one included) give what one pair at
+a time gives, and a pair that is not finite takes the careful path whether or not it is
+stacked."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def _pairs(seed: int):
     out = []
     for n, dy in [(16, torch.bfloat16), (16, torch.bfloat16), (16, torch.bfloat16),
                   (300, torch.float16), (300, torch.float16), (7, torch.float32),
-                  (tol._GROUP + 5, torch.bfloat16), (16, torch.float32)]:  # fmt: skip
+                  (tol._GROUP + 5, torch.bfloat16), (16, torch.float32), (0, torch.bfloat16),
+                  (40, torch.bfloat16), (16, torch.bfloat16)]:  # fmt: skip
         x = torch.randn(n, generator=g)
         y = (x + 1e-2 * torch.randn(n, generator=g)).to(dy)
         out.append((x, y))

@@ -106,6 +106,26 @@ def _cast(
     as ``q is k`` hold). ``cache``: casts kept across calls, by tensor and dtype (a record held in
     memory hands the next call the same object as the last output: it is cast once); whoever
     hands a cached cast to a module hands it a copy."""
+    if value.__class__ is torch.Tensor:  # most outputs: one tensor (no walk)
+        if like.__class__ is torch.Tensor:
+            return _cast_leaf(value, like.dtype, dtype, device, round_to, cache)
+        if like is None:
+            return _cast_leaf(value, None, dtype, device, round_to, cache)
+        if like.__class__ is list and like[0].__class__ is torch.dtype:
+            return _cast_leaf(value, like[0], dtype, device, round_to, cache)
+    elif (
+        value.__class__ is tuple
+        and len(value) == 2
+        and value[0].__class__ is tuple
+        and len(value[0]) == 1
+        and value[0][0].__class__ is torch.Tensor
+        and value[1].__class__ is dict
+        and not value[1]
+        and like.__class__ is list
+        and len(like) == 1
+        and like[0].__class__ is torch.dtype
+    ):  # most inputs: ((tensor,), {}) with its dtype kept
+        return ((_cast_leaf(value[0][0], like[0], dtype, device, round_to, cache),), {})
     if isinstance(like, list) and all(isinstance(d, torch.dtype) for d in like):
         dts = like
     else:
@@ -119,28 +139,40 @@ def _cast(
         hit = memo.get(id(t))
         if hit is not None:
             return hit
-        key = None
-        if cache is not None:
-            key = (id(t), d)
-            got = cache.get(key)
-            if got is not None and got[0] is t:
-                memo[id(t)] = got[1]
-                return got[1]
-        out = t.detach().to(device)
-        if out.is_floating_point():
-            out = out.to(d if d is not None and d.is_floating_point else dtype)
-            if round_to is not None:
-                out = out.to(round_to).to(out.dtype)
-        if out.data_ptr() == t.data_ptr() and out.numel():
-            out = out.clone()  # a module that works in place must not change the record
-        memo[id(t)] = out
-        if key is not None:
-            cache[key] = (t, out)  # t is kept by the record: its id stays its own
+        out = memo[id(t)] = _cast_leaf(t, d, dtype, device, round_to, cache)
         return out
 
     # an object among the values (a cache) is handed over as a copy, its tensors cast as the
     # others: a module growing it must not change the record
     return map_tensors(one, value, object_copier(lambda t: _cast_one(t, dtype, device, round_to)))
+
+
+def _cast_leaf(
+    t: torch.Tensor,
+    d: torch.dtype | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    round_to: torch.dtype | None,
+    cache: dict[Any, Any] | None,
+) -> torch.Tensor:
+    """One leaf of :func:`_cast`: in ``d`` (its dtype in the live run) where floating, else
+    ``dtype``; through ``cache`` (by tensor and ``d``) where one is kept."""
+    key = None
+    if cache is not None:
+        key = (id(t), d)
+        got = cache.get(key)
+        if got is not None and got[0] is t:
+            return got[1]
+    out = t.detach().to(device)
+    if out.is_floating_point():
+        out = out.to(d if d is not None and d.is_floating_point else dtype)
+        if round_to is not None:
+            out = out.to(round_to).to(out.dtype)
+    if out.data_ptr() == t.data_ptr() and out.numel():
+        out = out.clone()  # a module that works in place must not change the record
+    if key is not None:
+        cache[key] = (t, out)  # t is kept by the record: its id stays its own
+    return out
 
 
 def _cast_one(
