@@ -3,7 +3,11 @@ runs names the faulty module on the fault suite.
 
 Models: the fault suite's (``tests/helpers/faults.py``): a 2-layer Llama decoder (hidden 64,
 GQA 4/2 heads, RoPE, RMSNorm; 2x12 tokens), a BatchNorm CNN (4x3x16x16) and a 2-layer ViT
-(hidden 32, 2x3x16x16). CPU, one intra-op thread, contenders interleaved (``_timing``).
+(hidden 32, 2x3x16x16), tiny by design (a step of 1-4 ms, where the per-call cost of Python hooks
+dominates); a wide Llama (4x512, 256 tokens) and the models ``bench_memory.py`` measures
+(resnet18 at 4x3x64x64, a 4-layer torchvision ViT of width 128, a 4-block GPT-2 of width 128 on
+4x64 tokens; eval mode), where compute does. CPU, one intra-op thread, contenders interleaved
+(``_timing``).
 
 Cost: one plain forward+backward of A plus one of B (a bf16 copy) against ``hs.compare(a, b,
 loss_fn=...)`` (goal: <= 3x), and one plain step against the same step inside ``hs.record``
@@ -53,6 +57,21 @@ def _llama_wide():
     model.config.max_position_embeddings = 512
     ids = torch.randint(3, 40, (2, 256), generator=torch.Generator().manual_seed(1))
     return model, (ids,), {"use_cache": False}, lambda o: o.logits.float().logsumexp(-1).mean()
+
+
+def _shared_models() -> list[tuple[str, object]]:
+    """The models ``bench_memory.py`` measures (resnet18, a torchvision ViT, GPT-2), in eval mode
+    (GPT-2's dropout would draw random numbers): sizes where a step takes tens of milliseconds."""
+    from bench_memory import models
+
+    def build(name):
+        def made():
+            model, inputs, loss = models()[name]
+            return model.eval(), inputs, {}, loss or (lambda o: o.float().pow(2).mean())
+
+        return made
+
+    return [(name, build(name)) for name in models()]
 
 
 class _Writing:
@@ -122,7 +141,9 @@ def _cost_row(name: str, build, rounds: int) -> list[str]:
 def cost(rounds: int) -> None:
     global _WRITING
     _WRITING = _Writing()
-    models = [*MODELS.items(), ("llama wide (4x512, 256 tokens)", _llama_wide)]
+    models = [
+        *MODELS.items(), ("llama wide (4x512, 256 tokens)", _llama_wide), *_shared_models()
+    ]  # fmt: skip
     rows = [_cost_row(name, build, rounds) for name, build in models]
     print(table(
         ["model", "A+B fwd+bwd ms", "compare ms", "compare / A+B", "A fwd+bwd ms", "record ms",

@@ -4,6 +4,7 @@ model left as found, cost of the replay."""
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 
 import pytest
@@ -286,3 +287,31 @@ def test_an_ill_conditioned_module_in_bf16_is_not_a_culprit_but_a_fault_still_is
     b = copy.deepcopy(a)
     b.head.weight.data.mul_(1.2)
     assert hs.compare(a, b.to(torch.bfloat16), x, loss_fn=loss).culprit == "head"
+
+
+def test_the_copies_in_the_lower_dtype_are_made_per_subtree_and_stay_one_tree():
+    """The conditioning checks replay A's modules in B's dtype: each module is copied (with its
+    own subtree) when a replay first asks for it, not the whole model; a module inside a copied
+    subtree is that copy's child, and a later copy of its ancestor replaces a standalone copy of
+    it, so a replay of the ancestor stubs the very child object it calls."""
+    replay = importlib.import_module("hookscope.compare._replay")
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    source = {n: m for n, m in a.named_modules()}
+    copies = replay.CopiesIn(source, torch.bfloat16)
+    norm = copies.get("1.1")
+    assert set(copies) == {"1.1"} and norm is not source["1.1"]
+    assert norm.weight.dtype == torch.bfloat16 and source["1.1"].weight.dtype == torch.float32
+    torch.testing.assert_close(norm.weight, source["1.1"].weight.to(torch.bfloat16), rtol=0, atol=0)
+    block = copies.get("1")
+    assert set(copies) == {"1", "1.0", "1.1"}
+    assert copies.get("1.1") is block[1] and copies.get("1.0") is block[0]  # one tree
+    assert copies.get("nothing") is None and copies.get("nothing", 3) == 3
+    assert copies.get("") is not a and set(copies) == set(source)  # the root: every module
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(
+        copies.get("")(x.to(torch.bfloat16)),
+        copy.deepcopy(a).to(torch.bfloat16)(x.to(torch.bfloat16)),
+        rtol=0,
+        atol=0,
+    )

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._compiled import named_modules, strip_compiled
+from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning
 from ..core._nested import SCALARS, tensors_of
 from ._checks import check_arguments, check_loss, check_names
 from ._forced import Forced, forced_pass
 from ._record import load_record
-from ._replay import Replay, Result
+from ._replay import CopiesIn, Replay, Result
 from ._report import CompareReport, CompareRow
 from ._run import CompareError, RunRecord, RunSpec, _device, cast_like, preserved, record_run
 from ._tolerance import (
@@ -98,7 +98,7 @@ class _Job:
             # A's dtype stands in for them
             mods = ra.modules
             if mods is None and b is not None:
-                mods = dict(named_modules(copy.deepcopy(strip_compiled(b)).to(ra.dtype)))
+                mods = CopiesIn(dict(named_modules(b)), ra.dtype)
                 rename = self.map
             else:
                 rename = lambda n: n  # noqa: E731
@@ -509,7 +509,8 @@ class _Job:
         return self._ill_conditioned(r, kind, what, e_low, e, stand)
 
     def _low_replay(self) -> Replay | None:
-        """A's modules computing in B's dtype (a copy; or A's own under B's autocast), made once."""
+        """A's modules computing in B's dtype (each copied when first replayed, :class:`CopiesIn`;
+        or A's own under B's autocast), made once."""
         if self._low is not None or self.ra.modules is None or self.rb is None:
             return self._low
         ra, rb = self.ra, self.rb
@@ -519,7 +520,7 @@ class _Job:
             root = ra.modules.get("")
             if root is None:
                 return None
-            mods = dict(named_modules(copy.deepcopy(strip_compiled(root)).to(rb.dtype)))
+            mods = CopiesIn(ra.modules, rb.dtype)
         self._low = Replay(
             mods, ra, rb, lambda n: n, rb.dtype if rb.autocast is None else ra.dtype, rb.autocast
         )
