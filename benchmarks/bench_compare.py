@@ -20,7 +20,8 @@ first module, in the order outputs are produced, whose relative output error exc
 threshold: 1e-4 for fp32 pairs, 1e-2 for bf16 pairs) is; whether PyTorch DebugMode's
 ``check_hash_mismatches`` (first mismatching operator, attributed to the module it ran in) is.
 
-Run: ``.venv/bin/python benchmarks/bench_compare.py [--rounds 5] [--skip-cost] [--skip-faults]``
+Run: ``.venv/bin/python benchmarks/bench_compare.py [--rounds 5] [--skip-cost] [--skip-faults]
+[--only NAME]``
 """
 
 from __future__ import annotations
@@ -138,12 +139,13 @@ def _cost_row(name: str, build, rounds: int) -> list[str]:
     ]  # fmt: skip
 
 
-def cost(rounds: int) -> None:
+def cost(rounds: int, only: str = "") -> None:
     global _WRITING
     _WRITING = _Writing()
     models = [
         *MODELS.items(), ("llama wide (4x512, 256 tokens)", _llama_wide), *_shared_models()
     ]  # fmt: skip
+    models = [(name, build) for name, build in models if only.lower() in name.lower()]
     rows = [_cost_row(name, build, rounds) for name, build in models]
     print(table(
         ["model", "A+B fwd+bwd ms", "compare ms", "compare / A+B", "A fwd+bwd ms", "record ms",
@@ -234,10 +236,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--skip-cost", action="store_true")
     p.add_argument("--skip-faults", action="store_true")
+    p.add_argument("--only", default="", help="cost: only the models whose name holds this")
     args = p.parse_args()
     torch.set_num_threads(1)
     if not args.skip_cost:
-        cost(args.rounds)
+        cost(args.rounds, args.only)
         print()
     if not args.skip_faults:
         faults()
