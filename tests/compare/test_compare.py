@@ -315,3 +315,28 @@ def test_the_copies_in_the_lower_dtype_are_made_per_subtree_and_stay_one_tree():
         rtol=0,
         atol=0,
     )
+
+
+def test_the_cast_of_one_tensor_takes_the_dtypes_as_the_walk_does():
+    """``_cast``'s one-tensor paths give what the general walk gives: the dtype kept for the
+    leaf where exactly one is kept, else the replay's dtype (a list of another length, none)."""
+    replay = importlib.import_module("hookscope.compare._replay")
+    cpu = torch.device("cpu")
+    t = torch.randn(3)
+    for like, want in [
+        ([torch.float16], torch.float16),
+        (torch.zeros(1, dtype=torch.float16), torch.float16),
+        (None, torch.float64),
+        ([], torch.float64),
+        ([torch.float16, torch.bfloat16], torch.float64),
+    ]:
+        got = replay._cast(t, like, torch.float64, cpu)
+        walked = replay._cast(
+            [t], [like] if like.__class__ is torch.Tensor else like, torch.float64, cpu
+        )
+        assert got.dtype == want and walked[0].dtype == want
+        torch.testing.assert_close(got, t.to(want), rtol=0, atol=0)
+        assert got.data_ptr() != t.data_ptr()  # never the recorded tensor itself
+    (x,), kw = replay._cast(((t,), {}), [torch.bfloat16], torch.float64, cpu)
+    assert kw == {} and x.dtype == torch.bfloat16
+    torch.testing.assert_close(x, t.to(torch.bfloat16), rtol=0, atol=0)

@@ -137,7 +137,7 @@ def _cast(
             return _cast_leaf(value, like.dtype, dtype, device, round_to, cache)
         if like is None:
             return _cast_leaf(value, None, dtype, device, round_to, cache)
-        if like.__class__ is list and like[0].__class__ is torch.dtype:
+        if like.__class__ is list and len(like) == 1 and like[0].__class__ is torch.dtype:
             return _cast_leaf(value, like[0], dtype, device, round_to, cache)
     elif (
         value.__class__ is tuple
