@@ -402,15 +402,19 @@ class HookScope:
     def _place(self, module: nn.Module, hook: _Hook) -> _Hook:
         """A hook on a module inside a compiled region: route the region's calls, make it opaque.
         A hook on a module of a model whose generate() may compile it by itself: hold its guard."""
-        guard = generate_guard(module)
-        if guard is not None:
-            self._on_remove.append(guard.acquire(hook.layer))
+        self._hold_guard(module, hook.layer)
         region = region_of(module)
         if region is None:
             return hook
         release = region.acquire(module, hook.kind, hook.layer)
         self._on_remove.append(release)
         return _opaque(hook, region, release)
+
+    def _hold_guard(self, module: nn.Module, layer: str) -> None:
+        """Hold the guard of the generating model ``module`` belongs to (if any) until removal."""
+        guard = generate_guard(module)
+        if guard is not None:
+            self._on_remove.append(guard.acquire(layer))
 
     def add_forward(
         self,
@@ -488,10 +492,8 @@ class HookScope:
                         )
                     )
                 continue
-            if routed:  # a module of a model whose generate() may compile it: hold its guard
-                guard = generate_guard(module)
-                if guard is not None:
-                    self._on_remove.append(guard.acquire(layer))
+            if routed:  # a module of a model whose generate() may compile it
+                self._hold_guard(module, layer)
             hid = RemovableHandle.next_id
             RemovableHandle.next_id = hid + 1
             d[hid] = hook
