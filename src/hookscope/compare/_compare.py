@@ -79,9 +79,10 @@ class _Job:
             self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast, norms=norms)
         self.forced: Forced | None = None
         # rows whose parameter gradients were compared with A's whole .grad: A's call ->
-        # (the row's other gradient errors, A's calls those gradients add up), checked against A's
-        # own replay of those calls where the row's gradient error is over tolerance
-        self._whole: dict[int, tuple[list[Any], list[int]]] = {}
+        # (the row's other gradient errors, A's calls those gradients add up, B's module's own
+        # gradients over those calls), checked against A's own replay of those calls where the
+        # row's gradient error is over tolerance
+        self._whole: dict[int, tuple[list[Any], list[int], dict[str, Any]]] = {}
         self.notes: list[str] = []  # for the report's notes
         # a gradient one run has and the other has not counts as a zero one (a module that stops
         # the gradient is named); a compiled run has none for outputs nothing depends on, so
@@ -292,8 +293,12 @@ class _Job:
             # the module's own parameter gradients over all its calls: A's whole .grad
             f = self.forced
             assert f is not None
-            calls = [k for k, c in enumerate(self.ra.calls) if c.name == ca.name]
-            self._whole[i] = (list(errs), [k for k in calls if k in f.results])
+            calls = self._calls_of(ca.name)
+            self._whole[i] = (
+                list(errs),
+                [k for k in calls if k in f.results],
+                dict(got.param_grads),
+            )
             errs.append(
                 self.norms.rel_pairs(
                     [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
@@ -310,7 +315,7 @@ class _Job:
         ):
             # a module called once whose own parameters no other module uses: its local
             # parameter gradients are the whole run's .grad of A (no replay of A needed)
-            self._whole[i] = (list(errs), [i])
+            self._whole[i] = (list(errs), [i], dict(got.param_grads))
             errs.append(
                 self.norms.rel_pairs(
                     [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
@@ -342,29 +347,28 @@ class _Job:
         pre = f"{b_name}." if b_name else ""
         return any(pre + n in f.used_outside for n in params)
 
-    def _confirm(self, r: CompareRow, whole: tuple[list[Any], list[int]]) -> None:
+    def _calls_of(self, a_name: str) -> list[int]:
+        """A's calls of module ``a_name``, in order (positions in A's record)."""
+        out, k, by_key = [], 0, self.ra.by_key
+        while (a_name, k) in by_key:
+            out.append(by_key[(a_name, k)])
+            k += 1
+        return out
+
+    def _confirm(self, r: CompareRow, whole: tuple[list[Any], list[int], dict[str, Any]]) -> None:
         """A row whose parameter gradients were compared with A's whole ``.grad``, over
         tolerance: that ``.grad`` also holds any use of the parameters outside the module's calls
-        (its caller's ``h @ lin.weight``, a loss term), so the module's own gradients are
-        compared again with A's replay of the same calls (both summed over them)."""
-        if self.rep_a is None or self.rep_b is None:
+        (its caller's ``h @ lin.weight``, a loss term), so the module's own gradients (B's, as the
+        row has them: the one pass's sum over its calls, or its one call's replay) are compared
+        again with A's replay of the same calls (summed over them)."""
+        if self.rep_a is None:
             return
-        others, calls = whole
-        mine: dict[str, torch.Tensor] = {}
+        others, calls, mine = whole
         ref: dict[str, torch.Tensor] = {}
-        bname = self.map(self.ra.calls[calls[0]].name) if calls else None
-        f = self.forced
-        # the parameters of children that never run as modules are the module's own code's (as
-        # the one pass counts them); other children's used by its code are not compared here
-        adopted = set(f.adopted.get(bname, ())) if f is not None and bname is not None else set()
         for k in calls:
-            got_b = self._run(self.rep_b, k, True, r)
             got_a = self._run(self.rep_a, k, True, r)
-            if got_b is None or got_a is None or got_b.param_grads is None:
+            if got_a is None:
                 return
-            for n, g in got_b.param_grads.items():
-                if "." not in n or n in adopted:  # the module's own
-                    mine[n] = mine[n] + g if n in mine else g
             for n, g in (got_a.param_grads or {}).items():
                 ref[n] = ref[n] + g if n in ref else g
         pairs = [(ref.get(n), g) for n, g in mine.items()]
