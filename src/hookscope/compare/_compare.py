@@ -179,7 +179,9 @@ class _Job:
         assert rb is not None
         ca, cb = ra.calls[i], rb.calls[j]
         module = (ra.modules or {}).get(ca.name) or (rb.modules or {}).get(cb.name)
-        params = list(module.parameters(recurse=False)) if module is not None else []
+        params = (
+            [p for p in module._parameters.values() if p is not None] if module is not None else []
+        )
         norms = self.norms
         r = CompareRow(
             name=ca.name,
@@ -191,8 +193,10 @@ class _Job:
             b_name=cb.name if cb.name != ca.name else None,
         )
         r.error = norms.rel_error(ca.output, cb.output)
-        if self.grads and ca.grad is not None and cb.grad is not None:
-            r.grad_error = norms.rel_pairs(list(zip(ca.grad, cb.grad)), self.missing)
+        if self.grads:
+            ga, gb = ca.grad, cb.grad
+            if ga is not None and gb is not None:
+                r.grad_error = norms.rel_pairs(list(zip(ga, gb)), self.missing)
         if ca.index == 0:
             r.param_grad_error = self._param_grads(ca.name, cb.name)
         self._local(i, r)

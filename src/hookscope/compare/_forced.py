@@ -488,11 +488,11 @@ class _Pass:
         if not values:
             return value
         seeds: list[torch.Tensor | None] = [None] * len(real)
-        if self.grads and c.grad is not None:
-            for k, (o, g) in enumerate(zip(real, c.grad)):
+        ref_grads = c.grad
+        if self.grads and ref_grads is not None:
+            for k, (o, g) in enumerate(zip(real, ref_grads)):
                 if g is not None and o.requires_grad:
                     seeds[k] = g.to(device=o.device, dtype=o.dtype)
-        ref_grads = c.grad
 
         def on_grads(grads: tuple[Any, ...]) -> None:
             if parent is not None and ref_grads is not None:
