@@ -121,10 +121,10 @@ _GROUP = 1 << 12
 def _fast_many(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> list[tuple[float, float] | None]:
     """:func:`_fast` of pairs of one size and dtypes, stacked (``None`` for a pair whose norms
     are not finite: the careful path)."""
-    x = torch.stack([t.detach().reshape(-1) for t in xs])
+    x = torch.stack([t.reshape(-1) for t in xs])  # detached when added (Norms._add)
     if x.dtype != torch.float32:
         x = x.float()
-    y = torch.stack([t.detach().reshape(-1) for t in ys])
+    y = torch.stack([t.reshape(-1) for t in ys])
     if y.device != x.device:
         y = y.to(x.device)
     if y.dtype not in _PROMOTE:
@@ -278,8 +278,8 @@ class Norms:
         return self.rel_pairs(list(zip(a, b)))
 
     def _add(self, x: torch.Tensor, y: torch.Tensor) -> int:
-        self._x.append(x.detach())
-        self._y.append(y.detach())
+        self._x.append(x.detach() if x.requires_grad else x)
+        self._y.append(y.detach() if y.requires_grad else y)
         self._bytes += x.numel() * x.element_size() + y.numel() * y.element_size()
         return self._base + len(self._x) - 1
 
