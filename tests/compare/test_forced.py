@@ -445,6 +445,41 @@ def test_a_tied_embedding_used_by_hand(monkeypatch, scale):
     _rows_agree(fast, slow)
 
 
+class _OneParameterTwoNames(nn.Module):
+    """One parameter registered under two names of one module (``self.w2 = self.w1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4, 4))
+        self.w2 = self.w1
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x @ self.w1 + (x @ self.w2).tanh())
+
+
+@pytest.mark.parametrize("change", [None, "bf16", "scale"])
+def test_a_parameter_under_two_names_of_one_module(monkeypatch, change):
+    """The one pass gave each name its own leaf, so the module's gradient for its first name
+    was one use's, against A's whole ``.grad`` (both uses): a fault-free copy named the model
+    (local gradient error 0.24). One leaf per parameter: both uses, as A counts them."""
+    torch.manual_seed(0)
+    a = _OneParameterTwoNames()
+    b = copy.deepcopy(a)
+    if change == "bf16":
+        b = b.to(torch.bfloat16)
+    if change == "scale":
+        with torch.no_grad():
+            b.w1.mul_(1.01)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    fast, forced, slow = _both(monkeypatch, a, b, torch.randn(3, 4), loss_fn=loss)
+    assert not forced.void and not forced.dirty and len(forced.results) == len(fast.rows)
+    assert fast.culprit == slow.culprit == ("" if change == "scale" else None)
+    if change is None:
+        assert fast.row("").local_grad_error == 0.0 and fast.row("").param_grad_error == 0.0
+    _rows_agree(fast, slow)
+
+
 def _encoder_layer() -> nn.Module:
     torch.manual_seed(0)
     return nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()

@@ -213,8 +213,8 @@ class _Pass:
                 self.uncalled.setdefault(id(m), []).append((child, full))
                 out.adopted.setdefault(mname, []).extend(
                     f"{cn}.{n}"
-                    for n, p in child._parameters.items()
-                    if p is not None and p.requires_grad
+                    for n, p in child.named_parameters(recurse=False)
+                    if p.requires_grad
                 )
         # each recorded value cast once (an output handed to the next call is one object in a
         # record kept in memory): see _cast
@@ -336,9 +336,13 @@ class _Pass:
 
     def _swap_own(self, sw: _Swap, module: nn.Module, name: str) -> None:
         own = module._parameters
-        for n, p in own.items():
+        first: dict[int, str] = {}
+        for n, p in list(own.items()):
             if p is not None and p.requires_grad:
-                key = (id(module), n)
+                # one leaf per parameter, under its first name: a parameter the module holds
+                # under two names (``self.w2 = self.w1``) is one parameter, whose gradient is
+                # both names' uses (as ``named_parameters`` and A's ``.grad`` count it)
+                key = (id(module), first.setdefault(id(p), n))
                 hit = self.leaves.get(key)
                 if hit is None:
                     hit = self.leaves[key] = (name, p.detach().requires_grad_(True))
