@@ -340,3 +340,46 @@ def test_the_cast_of_one_tensor_takes_the_dtypes_as_the_walk_does():
     (x,), kw = replay._cast(((t,), {}), [torch.bfloat16], torch.float64, cpu)
     assert kw == {} and x.dtype == torch.bfloat16
     torch.testing.assert_close(x, t.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("a_recorded", [False, True], ids=["live", "record"])
+@pytest.mark.parametrize("kind", ["pre", "post"])
+def test_a_hook_of_the_model_s_own_is_part_of_its_module_s_call(tmp_path, kind, a_recorded):
+    """A call is what ``module(x)`` does, the module's own hooks included: a forward pre-hook
+    (or forward hook) of B's scaling what its Linear gets (or gives) by 1.1 makes that Linear
+    the culprit with the local error a hand-written check gives, not its caller (whose code hands
+    it the same tensor as A's); the same hook on both models names nothing."""
+    a = _mlp()
+    b = copy.deepcopy(a)
+    lin = b[2][0]
+
+    def scale_in(m, args):
+        return (args[0] * 1.1,)
+
+    def scale_out(m, args, out):
+        return out * 1.1
+
+    def hook(m):
+        if kind == "pre":
+            return m.register_forward_pre_hook(scale_in)
+        return m.register_forward_hook(scale_out)
+
+    hook(lin)
+    src = a
+    if a_recorded:
+        with hs.record(a, tmp_path / "rec"):
+            _loss(a(X)).backward()
+        a.zero_grad(set_to_none=True)
+        src = tmp_path / "rec"
+    report = hs.compare(src, b, X, loss_fn=_loss)
+    assert report.culprit == "2.0" and report.culprits == ["2.0"]
+    with torch.no_grad():  # A's own input to the Linear, and the Linear as a hand-written check
+        h = a[1](a[0](X))
+        want = lin(h)  # with its hook
+        ref = a[2][0](h)
+    row = report.row("2.0")
+    assert row.local_error == pytest.approx(((want - ref).norm() / ref.norm()).item(), rel=1e-5)
+    assert report.row("2").local_error == 0.0 and report.row("").local_error == 0.0
+    if not a_recorded:
+        hook(a[2][0])
+        assert hs.compare(a, b, X, loss_fn=_loss).culprit is None

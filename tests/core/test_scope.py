@@ -198,6 +198,33 @@ def test_many_pre_and_always_called_hooks_behave_like_registered_ones():
     assert calls == []
 
 
+def test_many_hooks_prepended_run_before_the_module_s_own_as_registered_ones():
+    """add_forward_many(prepend=True), what hs.compare's call boundaries use: each hook runs
+    before the hooks the module already has (on the bulk path and on the public one), as
+    ``register_forward_pre_hook(prepend=True)`` does, and is removed with the scope."""
+    order: list[str] = []
+
+    class Custom(nn.Linear):
+        def register_forward_pre_hook(self, hook, **kw):  # the public path
+            return super().register_forward_pre_hook(hook, **kw)
+
+    net = nn.Sequential(nn.Linear(2, 2), Custom(2, 2))
+    own = [m.register_forward_pre_hook(lambda m, i, n=n: order.append(f"own{n}")) for n, m in
+           enumerate(net)]  # fmt: skip
+    scope = hs.HookScope("test")
+    hooks = [_Hook(lambda m, i, n=n: order.append(f"mine{n}"), "", "", "", 0) for n in (0, 1)]
+    scope.add_forward_many([(net[n], hooks[n], str(n)) for n in (0, 1)], pre=True, prepend=True)
+    net(torch.zeros(1, 2))
+    assert order == ["mine0", "own0", "mine1", "own1"]
+    scope.remove()
+    order.clear()
+    net(torch.zeros(1, 2))
+    assert order == ["own0", "own1"]
+    for h in own:
+        h.remove()
+    assert hs.hooks_on(net) == []
+
+
 def _scope_kinds():
     """Every kind of scope a user enters with ``with``, made on a fresh net (name, factory)."""
     return {

@@ -212,9 +212,7 @@ class _Pass:
                     continue
                 self.uncalled.setdefault(id(m), []).append((child, full))
                 out.adopted.setdefault(mname, []).extend(
-                    f"{cn}.{n}"
-                    for n, p in child.named_parameters(recurse=False)
-                    if p.requires_grad
+                    f"{cn}.{n}" for n, p in child.named_parameters(recurse=False) if p.requires_grad
                 )
         # each recorded value cast once (an output handed to the next call is one object in a
         # record kept in memory): see _cast
@@ -234,6 +232,7 @@ class _Pass:
              for m, name in named],
             pre=True,
             with_kwargs=True,
+            prepend=True,  # before the module's own pre-hooks, as the record's (see CallHooks)
         )  # fmt: skip
         scope.add_forward_many(
             [(m, _Hook(self._post(name), "compare", "forward", name, scope.id), name)

@@ -179,8 +179,14 @@ class CallHooks:
         self.fired: set[str] = set()
         self.lost: dict[str, str] = {}  # key -> layer: gradients PyTorch never handed over
         self.recomputes = Recomputes()
+        # a call is what ``module(...)`` does, its own hooks included: its inputs are what the
+        # caller handed (before the module's pre-hooks), its output what the caller gets (after
+        # its forward hooks), so a hook that changes them counts as the module's own computation
         scope.add_forward_many(
-            [(m, _Pre(self, name), name) for name, m in named.items()], pre=True, with_kwargs=True
+            [(m, _Pre(self, name), name) for name, m in named.items()],
+            pre=True,
+            with_kwargs=True,
+            prepend=True,
         )
         scope.add_forward_many(
             [(m, _Post(self, name), name) for name, m in named.items()], always_call=True

@@ -441,11 +441,13 @@ class HookScope:
         pre: bool = False,
         always_call: bool = False,
         with_kwargs: bool = False,
+        prepend: bool = False,
     ) -> None:
         """Plain forward hooks ``(module, hook, layer)``, many at once: what a capture of every leaf
         registers. Same effect as :meth:`add_forward` (``pre=True``: :meth:`add_forward_pre`) per
         hook, without a handle object per hook (``with_kwargs``: the hook also gets the call's
-        keyword arguments, as the methods' option).
+        keyword arguments; ``prepend``: each hook runs before the module's hooks already there, as
+        the methods' options).
 
         ``register_forward_hook`` without options does one thing: it puts the hook in the module's
         ``_forward_hooks`` under an id from ``RemovableHandle.next_id``, in order (with
@@ -484,11 +486,18 @@ class HookScope:
             ):
                 placed = self._place(module, hook)
                 if pre:
-                    self._keep(module.register_forward_pre_hook(placed, with_kwargs=with_kwargs))
+                    self._keep(
+                        module.register_forward_pre_hook(
+                            placed, prepend=prepend, with_kwargs=with_kwargs
+                        )
+                    )
                 else:
                     self._keep(
                         module.register_forward_hook(
-                            placed, always_call=always_call, with_kwargs=with_kwargs
+                            placed,
+                            prepend=prepend,
+                            always_call=always_call,
+                            with_kwargs=with_kwargs,
                         )
                     )
                 continue
@@ -497,6 +506,8 @@ class HookScope:
             hid = RemovableHandle.next_id
             RemovableHandle.next_id = hid + 1
             d[hid] = hook
+            if prepend:
+                d.move_to_end(hid, last=False)
             direct.append((d, hid))
             if always_call:
                 always[hid] = True
