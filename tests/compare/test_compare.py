@@ -180,6 +180,37 @@ def test_a_model_that_draws_random_numbers_is_refused_by_name():
         hs.compare(a, copy.deepcopy(a), torch.randn(2, 4))
 
 
+class _Noisy(nn.Module):
+    """Dropout called as a function, on whatever the mode: draws in eval mode too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.dropout(self.lin(x), 0.5, training=True)
+
+
+def test_a_draw_in_eval_mode_is_refused_naming_its_module_and_a_draw_in_the_loss_as_the_loss_s():
+    """A model in eval mode whose code draws whatever the mode is refused naming the module that
+    draws (not "call .eval()", which would not help); a loss_fn that draws is refused as the
+    loss's, not the model's; neither leaves the model changed."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Tanh(), _Noisy())).eval()
+    x = torch.randn(2, 4)
+    with pytest.raises(hs.CompareError, match=r"in the forward of '1\.1' \(_Noisy\).*no module is"):
+        hs.compare(a, copy.deepcopy(a), x)
+    assert all(p.grad is None for p in a.parameters())
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    with pytest.raises(hs.CompareError, match=r"^hs.compare: loss_fn draws random numbers"):
+        hs.compare(
+            plain, copy.deepcopy(plain), x, loss_fn=lambda o: (o * torch.randn_like(o)).sum()
+        )
+    # a loss that draws from a generator of its own, seeded inside it, is deterministic: fine
+    seeded = lambda o: (o * torch.randn(o.shape, generator=torch.Generator().manual_seed(0))).sum()  # noqa: E731
+    assert hs.compare(plain, copy.deepcopy(plain), x, loss_fn=seeded).culprit is None
+
+
 def test_both_models_are_left_as_found():
     a, inputs, kwargs, loss = cnn()  # BatchNorm in training mode: running stats would move
     b = copy.deepcopy(a).to(torch.bfloat16)

@@ -22,7 +22,7 @@ from ..core._buffers import buffers_kept
 from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
 from ..core._errors import HookscopeError
 from ..core._nested import map_tensors, tensors_of
-from ..core._random import random_draws, training_modules
+from ..core._random import drawing_module, random_draws, training_modules
 from ..core._scope import HookScope, check_model
 from ._hooks import CallHooks
 from ._store import ValueStore
@@ -276,6 +276,7 @@ def record_run(spec: RunSpec) -> RunRecord:
         modules, HookScope("compare"), store, _clone, inputs=spec.inputs or compiled, share=True
     )
     loss = None
+    # draws are checked apart in the forward, the loss and the backward: each has its own fix
     with (
         preserved(model),
         hooks.scope,
@@ -284,10 +285,16 @@ def record_run(spec: RunSpec) -> RunRecord:
     ):
         with _autocast(device, spec.autocast):
             out = model(*args, **kwargs)
-            if spec.loss_fn is not None:
-                loss_t = spec.loss_fn(out)
-                _check_loss_value(loss_t, spec.what)
         if spec.loss_fn is not None:
+            with random_draws() as in_loss, _autocast(device, spec.autocast):
+                loss_t = spec.loss_fn(out)
+            _check_loss_value(loss_t, spec.what)
+            if in_loss.drew:
+                raise CompareError(
+                    "hs.compare: loss_fn draws random numbers (torch.randn_like, a sampled target), "
+                    "so each run gets another loss and their gradients differ by chance; make "
+                    "loss_fn deterministic (a fixed target, or a generator seeded inside it)"
+                )
             loss_t.backward()
             loss = float(loss_t.detach())
         # the run's own .grad tensors (no copy): preserved() puts the earlier ones back on exit
@@ -295,12 +302,7 @@ def record_run(spec: RunSpec) -> RunRecord:
             n: (None if p.grad is None else p.grad.detach()) for n, p in named_parameters(model)
         }
     if draws.drew:
-        raise CompareError(
-            f"hs.compare: model {spec.what!r} ({type(model).__name__}) draws random numbers in its "
-            "forward (dropout in training mode?), so two runs cannot be compared value by value; "
-            f"call .eval() on both models (modules in training mode: "
-            f"{', '.join(training_modules(model))})"
-        )
+        raise CompareError(_draws_message(spec, args, kwargs, device))
     hooks.checked(None)
     calls = calls_of(hooks.entries, store)
     owners = {}
@@ -321,6 +323,39 @@ def record_run(spec: RunSpec) -> RunRecord:
         params=owners,
         partial_grads=bool(hooks.lost),
         lost=dict(hooks.lost),
+    )
+
+
+def _draws_message(spec: RunSpec, args: Any, kwargs: Any, device: torch.device) -> str:
+    """Why a model that drew random numbers is refused: where (its forward run again, each
+    module call watched) and the fix that applies there."""
+    model = spec.model
+
+    def again() -> None:
+        with _autocast(device, spec.autocast):
+            model(*args, **kwargs)
+
+    with preserved(model):
+        where = drawing_module(model, again, args, kwargs)
+    kind = type(model).__name__
+    head = f"hs.compare: model {spec.what!r} ({kind}) draws random numbers"
+    if where is not None:
+        mods = dict(named_modules(model))
+        inner = mods.get(where)
+        head += f" in the forward of {where or '<root>'!r} ({type(inner).__name__})"
+    else:
+        head += " in its forward or backward"
+    head += ", so two runs cannot be compared value by value; "
+    training = training_modules(model)
+    if training:
+        return head + (
+            f"call .eval() on both models (modules in training mode: {', '.join(training)}; "
+            "dropout, also inside attention)"
+        )
+    return head + (
+        "no module is in training mode: that code draws whatever the mode (F.dropout(x, p) "
+        "without training=self.training, torch.rand, a sampling layer, stochastic depth); make "
+        "it deterministic in eval mode (F.dropout(x, p, training=self.training))"
     )
 
 

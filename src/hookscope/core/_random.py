@@ -11,7 +11,7 @@ model whose values change from run to run.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -20,7 +20,14 @@ import torch.nn as nn
 
 from ._compiled import named_modules
 
-__all__ = ["GeneratorStates", "RandomDraws", "generators_of", "random_draws", "training_modules"]
+__all__ = [
+    "GeneratorStates",
+    "RandomDraws",
+    "drawing_module",
+    "generators_of",
+    "random_draws",
+    "training_modules",
+]
 
 
 class RandomDraws:
@@ -128,3 +135,56 @@ def random_draws(*roots: Any) -> Iterator[RandomDraws]:
 def training_modules(model: nn.Module, limit: int = 3) -> list[str]:
     """Up to ``limit`` names of modules in training mode (``""`` is the root), for messages."""
     return [name or "<root>" for name, m in named_modules(model) if m.training][:limit]
+
+
+def drawing_module(model: nn.Module, run: Callable[[], Any], *roots: Any) -> str | None:
+    """Run ``run()`` (a forward of ``model``, on a path that is refusing a model that drew) and
+    name the innermost module whose call advanced a generator (torch's global ones, or one that
+    ``model`` or ``roots`` hold): ``""`` for the root, ``None`` when no module call drew (the
+    draw is outside every call) or ``run`` raised. For a message naming where the draw is.
+
+    >>> class Noisy(nn.Module):
+    ...     def forward(self, x):
+    ...         return torch.nn.functional.dropout(x, 0.5, training=True)
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Tanh(), Noisy())).eval()
+    >>> drawing_module(net, lambda: net(torch.ones(1, 2)))
+    '1.1'
+    """
+    from ._scope import HookScope, _Hook  # (the scope module imports this one)
+
+    generators = _generators((model, *roots))
+    stack: list[list[torch.Tensor]] = []
+    found: list[str] = []
+
+    def pre(_m: nn.Module, _args: Any) -> None:
+        stack.append(_states(generators))
+
+    def post(name: str) -> Callable[..., None]:
+        def hook(_m: nn.Module, _args: Any, _out: Any) -> None:
+            before = stack.pop() if stack else None
+            if found or before is None:
+                return
+            after = _states(generators)
+            if len(after) != len(before) or any(
+                not torch.equal(a, b) for a, b in zip(before, after)
+            ):
+                found.append(name)  # the first call to end having drawn: the innermost
+
+        return hook
+
+    scope = HookScope("random")
+    named = list(named_modules(model))
+    scope.add_forward_many(
+        [(m, _Hook(pre, "random", "forward_pre", n, scope.id), n) for n, m in named], pre=True
+    )
+    scope.add_forward_many(
+        [(m, _Hook(post(n), "random", "forward", n, scope.id), n) for n, m in named],
+        always_call=True,
+    )
+    with scope:
+        try:
+            with torch.no_grad():
+                run()
+        except Exception:
+            return None
+    return found[0] if found else None
