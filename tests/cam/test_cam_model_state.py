@@ -83,3 +83,26 @@ def test_cam_with_dropout_in_train_mode_is_refused(method):
         cam(x, 0)
     net.eval()
     torch.testing.assert_close(cam(x, 0), cam(x, 0), rtol=0, atol=0)
+
+
+class _AlwaysDrops(nn.Module):
+    """Dropout called as a function on whatever the mode: draws in eval mode too."""
+
+    def forward(self, x):
+        return torch.nn.functional.dropout(x, 0.5, training=True)
+
+
+def test_cam_of_an_eval_model_that_draws_names_the_module_not_eval():
+    """An eval() model whose code draws whatever the mode: the refusal names the module that
+    draws and the functional fix, not "call model.eval() first" (already applied)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), _AlwaysDrops(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(4, 3),
+    ).eval()  # fmt: skip
+    cam = hs.get_cam("gradcam")(net, "1")
+    with pytest.raises(hs.CAMError) as err:
+        cam(torch.randn(2, 3, 8, 8), 0)
+    msg = str(err.value)
+    assert "in the forward of '2' (_AlwaysDrops)" in msg and "no module is in training mode" in msg
+    assert "call model.eval() first" not in msg

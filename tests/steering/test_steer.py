@@ -407,7 +407,8 @@ def test_steer_a_layer_returning_a_namedtuple():
 
 def test_steering_vector_checks_what_the_run_does():
     model = tiny_gpt2().train()  # GPT-2's dropout: another vector per call
-    with pytest.raises(hs.HookscopeError, match=r"draws random numbers.*model.eval\(\)"):
+    with pytest.raises(hs.HookscopeError, match=r"draws random numbers in the forward of "
+                       r"'transformer.drop' \(Dropout\).*model.eval\(\)"):  # fmt: skip
         hs.steering_vector(model, [[3, 4]], [[3, 5]], "transformer.h.1")
     model.eval()
     with pytest.raises(hs.HookscopeError, match=r"positive\[0\] holds torch.float32.*integer ids"):

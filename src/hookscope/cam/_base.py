@@ -27,7 +27,7 @@ from ..core._buffers import buffers_kept
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import describe, first_tensor, replace_first
-from ..core._random import random_draws, training_modules
+from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model, in_backward
 from ..core._select import resolve
 from ._tokens import Reshape, to_grid
@@ -279,10 +279,10 @@ class CAM:
         with buffers_kept(self.model), random_draws(self.model) as draws, batch_stats:
             maps = self._maps(x, target)
         if draws.drew:
+            where = draw_place(self.model, lambda: self.model(x), x)
             raise CAMError(
-                f"{type(self).__name__}: the model draws random numbers in its forward (dropout in "
-                f"training mode? modules in training mode: {some_names(training_modules(self.model))}), "
-                "so every call gives another map; call model.eval() first"
+                f"{type(self).__name__}: the model draws random numbers{where}, so every call "
+                f"gives another map; {draw_fix(self.model)}"
             )
         if batch_stats.ran:
             warnings.warn(

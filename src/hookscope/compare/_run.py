@@ -22,7 +22,7 @@ from ..core._buffers import buffers_kept
 from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
 from ..core._errors import HookscopeError
 from ..core._nested import map_tensors, tensors_of
-from ..core._random import drawing_module, random_draws, training_modules
+from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model
 from ._hooks import CallHooks
 from ._store import ValueStore
@@ -336,26 +336,10 @@ def _draws_message(spec: RunSpec, args: Any, kwargs: Any, device: torch.device) 
             model(*args, **kwargs)
 
     with preserved(model):
-        where = drawing_module(model, again, args, kwargs)
-    kind = type(model).__name__
-    head = f"hs.compare: model {spec.what!r} ({kind}) draws random numbers"
-    if where is not None:
-        mods = dict(named_modules(model))
-        inner = mods.get(where)
-        head += f" in the forward of {where or '<root>'!r} ({type(inner).__name__})"
-    else:
-        head += " in its forward or backward"
-    head += ", so two runs cannot be compared value by value; "
-    training = training_modules(model)
-    if training:
-        return head + (
-            f"call .eval() on both models (modules in training mode: {', '.join(training)}; "
-            "dropout, also inside attention)"
-        )
-    return head + (
-        "no module is in training mode: that code draws whatever the mode (F.dropout(x, p) "
-        "without training=self.training, torch.rand, a sampling layer, stochastic depth); make "
-        "it deterministic in eval mode (F.dropout(x, p, training=self.training))"
+        where = draw_place(model, again, args, kwargs)
+    return (
+        f"hs.compare: model {spec.what!r} ({type(model).__name__}) draws random numbers{where}, "
+        f"so two runs cannot be compared value by value; {draw_fix(model)}"
     )
 
 

@@ -23,6 +23,8 @@ from ._compiled import named_modules
 __all__ = [
     "GeneratorStates",
     "RandomDraws",
+    "draw_fix",
+    "draw_place",
     "drawing_module",
     "generators_of",
     "random_draws",
@@ -172,6 +174,8 @@ def drawing_module(model: nn.Module, run: Callable[[], Any], *roots: Any) -> str
 
         return hook
 
+    from ._buffers import buffers_kept
+
     scope = HookScope("random")
     named = list(named_modules(model))
     scope.add_forward_many(
@@ -181,10 +185,37 @@ def drawing_module(model: nn.Module, run: Callable[[], Any], *roots: Any) -> str
         [(m, _Hook(post(n), "random", "forward", n, scope.id), n) for n, m in named],
         always_call=True,
     )
-    with scope:
+    with scope, buffers_kept(model):  # (running statistics in training mode: as found)
         try:
             with torch.no_grad():
                 run()
         except Exception:
             return None
     return found[0] if found else None
+
+
+def draw_place(model: nn.Module, run: Callable[[], Any], *roots: Any) -> str:
+    """Where a refused model draws, for a message: ``" in the forward of 'blocks.1.drop'
+    (StochasticDepth)"`` (:func:`drawing_module`), or ``" in its forward"``."""
+    where = drawing_module(model, run, *roots)
+    if where is None:
+        return " in its forward"
+    module = dict(named_modules(model)).get(where)
+    return f" in the forward of {where or '<root>'!r} ({type(module).__name__})"
+
+
+def draw_fix(model: nn.Module) -> str:
+    """The fix for a model that draws random numbers: ``eval()`` where modules are in training
+    mode; else the code draws whatever the mode, and eval() would not help."""
+    training = training_modules(model)
+    if training:
+        return (
+            f"call model.eval() first (modules in training mode: {', '.join(map(repr, training))}; "
+            "dropout, also inside attention)"
+        )
+    return (
+        "no module is in training mode: that code draws whatever the mode (F.dropout(x, p) "
+        "without training=self.training, torch.rand, a sampling layer, stochastic depth), so "
+        "model.eval() does not help; make it deterministic in eval mode "
+        "(F.dropout(x, p, training=self.training))"
+    )

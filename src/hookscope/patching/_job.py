@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules
 from ..core._nested import iter_tensors
-from ..core._random import random_draws, training_modules
+from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model, model_device
 from ._batching import default_budget
 from ._inputs import PatchingError, as_kwargs, batch_size, check_aligned, check_count
@@ -176,7 +176,7 @@ class SweepJob:
         if cuda:  # measured: the forward's peak on the device
             peak = torch.cuda.max_memory_allocated(self.device) - before
         if what and draws.drew:
-            raise PatchingError(_draws_message(what, self.model))
+            raise PatchingError(_draws_message(what, self.model, kwargs))
         if what:
             again_acts, again = self._hooked_forward(kwargs, layers)
             _check_repeatable(what, (acts, out), (again_acts, again))
@@ -217,23 +217,14 @@ class SweepJob:
         return acts, out
 
 
-def _draws_message(what: str, model: nn.Module) -> str:
-    """Why a forward that drew from torch's global generators is refused, and the fix that
-    applies: eval() where modules are in training mode, else the functional cause."""
-    training = training_modules(model)
-    if training:
-        return (
-            f"{what}: the model draws random numbers in its forward (modules in training mode: "
-            f"{', '.join(map(repr, training))}; e.g. "
-            "dropout, also inside attention), so every run differs and a patch's effect would "
-            "be noise; call model.eval() first"
-        )
+def _draws_message(what: str, model: nn.Module, kwargs: dict[str, Any]) -> str:
+    """Why a forward that drew from torch's global generators is refused: where (the forward run
+    again, each module call watched), and the fix that applies: eval() where modules are in
+    training mode, else the functional cause."""
+    where = draw_place(model, lambda: model(**kwargs), kwargs)
     return (
-        f"{what}: the model draws random numbers in its forward although no module is in "
-        "training mode (a function called with randomness on whatever the mode: "
-        "F.dropout(x, p) without training=self.training, a sampling layer, stochastic depth), "
-        "so every run differs and a patch's effect would be noise; make that call "
-        "deterministic in eval mode (e.g. F.dropout(x, p, training=self.training))"
+        f"{what}: the model draws random numbers{where}, so every run differs and a patch's "
+        f"effect would be noise; {draw_fix(model)}"
     )
 
 

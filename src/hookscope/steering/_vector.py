@@ -12,7 +12,7 @@ from ..core._capture import capture
 from ..core._compiled import named_modules, strip_compiled
 from ..core._errors import HookscopeError, LayerNotRunError
 from ..core._nested import first_tensor
-from ..core._random import random_draws, training_modules
+from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import check_model, model_device
 from ..core._select import resolve
 from ..core._signature import accepts
@@ -189,10 +189,16 @@ def _forward(
             "in a thread of its own is not seen; read a layer that the model calls in this thread"
         ) from None
     if first and draws.drew:
-        modes = training_modules(model)
+
+        def again() -> None:
+            if with_mask or len(kwargs) > 1:
+                model(**kwargs)
+            else:
+                model(ids)
+
+        where = draw_place(model, again, kwargs)
         raise HookscopeError(
-            "steering_vector: the forward over the prompts draws random numbers (dropout in "
-            + (f"training mode: {', '.join(modes)}" if modes else "the forward")
-            + "), so every call would give another vector; call model.eval() first"
+            f"steering_vector: the forward over the prompts draws random numbers{where}, so "
+            f"every call would give another vector; {draw_fix(model)}"
         )
     return cap
