@@ -675,7 +675,8 @@ def compare(
     ``a`` and ``b`` are live models or folders written by :func:`hookscope.record`; they compute
     the same function with the same module names (a model and
     ``torch.compile`` of a copy, a bf16 copy, a copy with a change, a port with ``names=``).
-    Both run once on ``inputs`` (floating inputs cast to each model's parameter dtype; ``kwargs``
+    Both run once on ``inputs`` (floating inputs cast to each model's parameter dtype, those a
+    cache object passed in holds too; ``kwargs``
     go to both forwards), every module call recorded with its inputs and output and, with
     ``loss_fn``, after ``loss_fn(output).backward()``, its gradients. Then each module call of B
     is **replayed on A's own inputs to it**, the modules it calls returning A's outputs (so the

@@ -24,7 +24,7 @@ from ..core._errors import HookscopeError
 from ..core._nested import map_tensors, tensors_of
 from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model
-from ._hooks import CallHooks
+from ._hooks import CallHooks, object_copier
 from ._store import ValueStore
 
 __all__ = [
@@ -143,15 +143,37 @@ def model_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def cast_like(obj: Any, dtype: torch.dtype, device: torch.device | None = None) -> Any:
-    """``obj`` with floating tensors cast to ``dtype`` (and every tensor moved to ``device``)."""
+def cast_like(
+    obj: Any, dtype: torch.dtype, device: torch.device | None = None, objects: bool = False
+) -> Any:
+    """``obj`` with floating tensors cast to ``dtype`` (and every tensor moved to ``device``);
+    ``objects``: also those inside the objects among it (a cache passed in: copied, its tensors
+    cast, where they are not already in ``dtype`` on ``device``)."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if device is not None and t.device != device:
             t = t.to(device)
         return t.to(dtype) if t.is_floating_point() else t
 
+    if objects and any(
+        (t.is_floating_point() and t.dtype != dtype) or (device is not None and t.device != device)
+        for t in _object_tensors(obj)
+    ):
+        return map_tensors(one, obj, object_copier(one))
     return map_tensors(one, obj)
+
+
+def _object_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors held by the objects among ``obj`` (not its own leaves): a cache's."""
+    found: list[torch.Tensor] = []
+
+    def note(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    copier = object_copier(note)
+    map_tensors(lambda t: t, obj, copier)
+    return found
 
 
 def at_path(obj: Any, path: tuple[Any, ...]) -> Any:
@@ -266,8 +288,9 @@ def record_run(spec: RunSpec) -> RunRecord:
     model = spec.model
     modules = dict(named_modules(model))
     dtype, device = model_dtype(model), _device(model)
-    args = cast_like(spec.args, dtype, device)
-    kwargs = cast_like(spec.kwargs, dtype, device)
+    # a cache object passed in holds tensors too: cast with the others (B's own copy)
+    args = cast_like(spec.args, dtype, device, objects=True)
+    kwargs = cast_like(spec.kwargs, dtype, device, objects=True)
     want_grads = spec.loss_fn is not None
     check_model(model)  # index compiled regions first: hooks inside them are routed
     store = ValueStore(spec.max_bytes)
