@@ -437,3 +437,51 @@ def test_a_cache_passed_in_is_cast_to_b_s_dtype_with_the_other_inputs(tmp_path, 
         report = hs.compare(a, b, ids[:, 4:], loss_fn=loss, **kw)
     assert report.culprit == "model.layers.1.mlp.down_proj"
     assert prefix.get_seq_length() == 4 and prefix.layers[0].keys.dtype == torch.float32
+
+
+class _Pooled(nn.Module):
+    """A forward that runs one of its children in a worker thread of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1, thread_name_prefix="worker") as pool:
+            got = pool.submit(self.l2, x)
+            return self.l1(x) + got.result()
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["live", "record"])
+def test_a_module_the_forward_runs_in_a_worker_thread_is_said_not_silently_left_out(
+    tmp_path, recorded
+):
+    """A child run by a worker thread of the model's own is not hooked (hooks act on their own
+    thread): the report and a warning say so, naming it and the thread, and its fault is its
+    caller's own computation (it had no row and no word: the caller was named silently)."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(16, 16), _Pooled(), nn.Tanh())
+    x = torch.randn(4, 16)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[1].l2.weight.mul_(1.2)
+    src: object = a
+    if recorded:
+        with hs.record(a, tmp_path / "rec"):
+            _loss(a(x)).backward()
+        a.zero_grad(set_to_none=True)
+        src = tmp_path / "rec"
+    with pytest.warns(hs.HookscopeWarning, match=r"a and b: '1.l2' ran in another thread \(worker"):
+        report = hs.compare(src, b, x, loss_fn=_loss)
+    assert report.culprit == "1" and "1.l2" not in [r.name for r in report.rows]
+    assert any("'1.l2' ran in another thread" in n for n in report.notes)
+    # the caller's local error is its own code with the child's, against a hand-written check
+    with torch.no_grad():
+        h = a[0](x)
+        want = b[1].l1(h) + b[1].l2(h)
+        ref = a[1].l1(h) + a[1].l2(h)
+    assert report.row("1").local_error == pytest.approx(
+        ((want - ref).norm() / ref.norm()).item(), rel=1e-5
+    )

@@ -627,6 +627,20 @@ def build_report(job: _Job) -> CompareReport:
                 "a gradient hook on a view changed in place; those gradients compare only where "
                 "both runs have one (use inplace=False to compare them)"
             )
+    threads = [(side, r.elsewhere) for side, r in (("a", ra), ("b", rb)) if r.elsewhere]
+    if len(threads) == 2 and threads[0][1].keys() == threads[1][1].keys():
+        threads = [("a and b", threads[0][1])]
+    for side, elsewhere in threads:
+        names = sorted(elsewhere)
+        why = (
+            f"{side}: {', '.join(map(repr, names[:4]))}{' ...' if len(names) > 4 else ''} ran in "
+            f"another thread ({', '.join(sorted(set(elsewhere.values()))[:2])}) than the one "
+            "running the model: hooks act on their own thread, so those calls have no rows of "
+            "their own and count as their caller's own computation; call them in the model's "
+            "thread for rows of their own"
+        )
+        notes.append(why)
+        warnings.warn(f"hs.compare: {why}", HookscopeWarning, stacklevel=3)
     if (ra.partial_grads and not ra.lost) or (rb.partial_grads and not rb.lost):
         notes.append(
             "a record of the earlier format (one file per value) has no gradient where an "

@@ -21,6 +21,7 @@ module call is what ``benchmarks/bench_compare.py`` measures (``hs.record`` agai
 from __future__ import annotations
 
 import copy as _copy
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -178,6 +179,9 @@ class CallHooks:
         self.unchecked: list[tuple[torch.Tensor, int, str, str]] = []
         self.fired: set[str] = set()
         self.lost: dict[str, str] = {}  # key -> layer: gradients PyTorch never handed over
+        # module -> thread: calls made by another thread while a call of this one ran (a worker
+        # the model started: hooks act on their own thread, so those calls are not recorded)
+        self.elsewhere: dict[str, str] = {}
         self.recomputes = Recomputes()
         # a call is what ``module(...)`` does, its own hooks included: its inputs are what the
         # caller handed (before the module's pre-hooks), its output what the caller gets (after
@@ -383,6 +387,9 @@ class _Pre(_Hook):
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            hooks = self.hooks
+            if hooks.stack and self.name not in hooks.elsewhere:
+                hooks.elsewhere[self.name] = threading.current_thread().name
             return None
         if graph_task_id() != -1:  # activation checkpointing re-running forward in backward
             return self.hooks.recompute(self.name, (args, kwargs), True)

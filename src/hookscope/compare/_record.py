@@ -139,6 +139,7 @@ class Record:
             "world": self.world,
             "values": spool.index,
             "lost": hooks.lost,
+            "elsewhere": hooks.elsewhere,
         }
         tmp = self._dir / "index.json.tmp"
         tmp.write_text(json.dumps(index))
@@ -463,4 +464,5 @@ def _load_one(path: Path) -> RunRecord:
         params=index["params"],
         partial_grads=index.get("version", 1) < 2 or bool(index.get("lost")),
         lost=dict(index.get("lost") or {}),
+        elsewhere=dict(index.get("elsewhere") or {}),
     )

@@ -128,6 +128,8 @@ class RunRecord:
     partial_grads: bool = False
     # gradients PyTorch never handed over (a view changed in place): key -> module
     lost: dict[str, str] = dataclasses.field(default_factory=dict)
+    # modules called by another thread during the run (not recorded): module -> thread
+    elsewhere: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def run_dtype(self) -> torch.dtype:
@@ -346,6 +348,7 @@ def record_run(spec: RunSpec) -> RunRecord:
         params=owners,
         partial_grads=bool(hooks.lost),
         lost=dict(hooks.lost),
+        elsewhere=dict(hooks.elsewhere),
     )
 
 
