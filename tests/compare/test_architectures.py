@@ -1,6 +1,6 @@
 """hs.compare on architectures beyond the fault suite's (GPT-2 with tied weights, BERT, T5 and
-BART encoder-decoders, Mamba, ResNet in eval and train mode, MobileNetV3 with in-place
-activations, nn.Transformer whose attention never calls its out_proj): a fault-free copy in fp32
+BART encoder-decoders, Mamba, ResNet in eval and train mode, MobileNetV3 and EfficientNet with
+in-place activations, nn.Transformer whose attention never calls its out_proj): a fault-free copy in fp32
 and in bf16 names no culprit, and one weight scaled by 1.2 is named (its module; an uncalled
 out_proj's fault is its attention's), in fp32 and in bf16."""
 
@@ -56,6 +56,10 @@ CASES = {
     "resnet18-train": (lambda: _tv("resnet18", True), (IMG,), {}, _img_loss, "layer3.1.conv2"),
     "mobilenet_v3": (lambda: _tv("mobilenet_v3_small", False), (IMG,), {}, _img_loss,
                      "features.2.block.0.0"),
+    # in-place SiLU inside squeeze-excitation, `result += input` in MBConv: gradients of values
+    # changed in place (the fp32 copy named a culprit when they were lost)
+    "efficientnet_b0": (lambda: _tv("efficientnet_b0", False), (IMG,), {}, _img_loss,
+                        "features.5.0.block.1.0"),
     "transformer": (_transformer, (torch.randn(2, 6, 16), torch.randn(2, 4, 16)), {},
                     lambda o: o.pow(2).sum(), "decoder.layers.0.multihead_attn.out_proj"),
 }  # fmt: skip

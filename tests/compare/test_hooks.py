@@ -199,3 +199,54 @@ def test_an_object_that_cannot_be_copied_is_kept_with_a_warning_naming_the_layer
         _run.record_run(_run.RunSpec(model.use, (torch.randn(2, 4), Holder()), {}))
     msgs = [str(w.message) for w in got if issubclass(w.category, hs.HookscopeWarning)]
     assert msgs and "cannot copy a Holder" in msgs[0] and "lock" in msgs[0]
+
+
+class _UsedBefore(nn.Module):
+    """A module's output used by its caller before an in-place ReLU changes it, and after."""
+
+    def __init__(self, inplace: bool) -> None:
+        super().__init__()
+        self.c1, self.relu, self.c2 = nn.Linear(4, 4), nn.ReLU(inplace=inplace), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.c1(x)
+        s = h * 2.0  # a use of c1's output before the ReLU changes it
+        r = self.relu(h)
+        return self.c2(r) + s + h  # h: the changed value, through the caller's own reference
+
+
+def test_gradients_of_values_changed_in_place_are_taken_from_the_graph_exactly(tmp_path):
+    """PyTorch drops the gradient hook of a view changed in place; the record takes those
+    gradients from the graph's own nodes instead: c1's output gradient (every use: before the
+    change, through the ReLU, through the caller's reference), the ReLU's input gradient
+    (through the ReLU only) and its output gradient (the changed value's, every use), each equal
+    to the same model with ``inplace=False`` and plain tensor hooks written by hand; nothing is
+    recorded as lost."""
+    torch.manual_seed(0)
+    model = _UsedBefore(inplace=True)
+    twin = _UsedBefore(inplace=False)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    got: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(g):
+            got[name] = g.clone()
+
+        return hook
+
+    h = twin.c1(x)
+    h.register_hook(keep("c1.out"))
+    s = h * 2.0
+    r = twin.relu(h)
+    r.register_hook(keep("relu.out"))
+    out = twin.c2(r) + s + r  # the in-place model's `h` is the ReLU's output itself
+    out.pow(2).sum().backward()
+    want_relu_in = got["relu.out"] * (h > 0)
+    rec = _run.record_run(_run.RunSpec(model, (x,), {}, lambda o: o.pow(2).sum(), None, "a", None))
+    assert rec.lost == {}
+    call = {c.name: c for c in rec.calls}
+    # the ReLU's output gradient: c2's path, and the caller's own reference `h` (the same value)
+    torch.testing.assert_close(call["relu"].grad[0], got["relu.out"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(call["relu"].in_grad[0], want_relu_in, rtol=0, atol=1e-6)
+    torch.testing.assert_close(call["c1"].grad[0], got["c1.out"], rtol=0, atol=1e-6)

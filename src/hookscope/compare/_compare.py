@@ -67,6 +67,10 @@ class _Job:
         self.norms = norms = Norms()
         # the calls some of whose gradients PyTorch never handed over, per run
         self.lost_a, self.lost_b = _lost_calls(ra), _lost_calls(rb)
+        # A's calls whose output gradient (the seed of their local backward) was lost, and
+        # those whose input gradient (what their caller's local backward gets back) was
+        self.lost_seed = _lost_calls(ra, "grad")
+        self.lost_in = _lost_calls(ra, "ingrad")
         self.rep_b = self.rep_a = self.rep_bc = self.rep_round = None
         self.rep_stand: Replay | None = None
         if rb is not None and rb.modules is not None:
@@ -285,6 +289,22 @@ class _Job:
             self.notes.append(f"{r.label}: its local error includes its {why}")
         r.local_error = worst([self.norms.rel_error(ca.output, got.output), *got.child_errors])
         if not self.grads or got.in_grads is None or ca.in_grad is None:
+            return
+        lost = [c for c in ca.children if c in self.lost_in]
+        if i in self.lost_seed or lost:
+            # the replay's backward would miss a path A's run had: no local gradient error
+            what = (
+                "its output's gradient"
+                if i in self.lost_seed
+                else "the input gradient of "
+                + ", ".join(f"{self.ra.calls[c].name}#{self.ra.calls[c].index}" for c in lost[:3])
+            )
+            why = (
+                f"no local gradient error: A's record lacks {what} (a value changed in place "
+                "after it was handed on through views of views, whose gradient PyTorch does not "
+                "hand over), so B's replay would miss that path"
+            )
+            r.note = f"{r.note}; {why}" if r.note else why
             return
         errs = [
             self.norms.rel_pairs(list(zip(ca.in_grad, got.in_grads)), self.missing),
@@ -567,13 +587,15 @@ def _worst(errors: list[float | None]) -> float | None:
     return max(known) if known else None
 
 
-def _lost_calls(rec: RunRecord | None) -> set[int]:
+def _lost_calls(rec: RunRecord | None, kind: str = "") -> set[int]:
     """The positions of the calls with a gradient the run lost (``grad<k>_<i>`` and
-    ``ingrad<k>_<i>`` keys of :attr:`RunRecord.lost`)."""
+    ``ingrad<k>_<i>`` keys of :attr:`RunRecord.lost`; ``kind``: only those of that prefix)."""
     if rec is None:
         return set()
     out = set()
     for key in rec.lost:
+        if kind and not (key.startswith(kind) and key[len(kind) : len(kind) + 1].isdigit()):
+            continue
         digits = key.removeprefix("in").removeprefix("grad").split("_")[0]
         if digits.isdigit():
             out.add(int(digits))

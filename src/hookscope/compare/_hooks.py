@@ -175,9 +175,18 @@ class CallHooks:
         self.grads = False
         self.root = root
         # identity views to check for in-place changes, by the call whose end checks them
-        self.watch: dict[int, list[tuple[torch.Tensor, int, str, str]]] = {}
-        self.unchecked: list[tuple[torch.Tensor, int, str, str]] = []
+        # (view, its _version, key, layer, the tensor it views, the node of that tensor's base
+        # then): see _views and checked
+        self.watch: dict[int, list[tuple[torch.Tensor, int, str, str, torch.Tensor, Any]]] = {}
+        self.unchecked: list[tuple[torch.Tensor, int, str, str, torch.Tensor, Any]] = []
         self.fired: set[str] = set()
+        # keys whose gradient is taken from the graph's own nodes instead of a view changed in
+        # place (see _recover): the view's hook, were it to fire, is ignored
+        self.recovered: set[str] = set()
+        # views checked unchanged when their call ended, checked again when the model's call
+        # ends: a later change in place of the tensor they view (``out += x`` in a caller)
+        # drops their hooks too
+        self.seen: list[tuple[torch.Tensor, int, str, str, torch.Tensor, Any]] = []
         self.lost: dict[str, str] = {}  # key -> layer: gradients PyTorch never handed over
         # module -> thread: calls made by another thread while a call of this one ran (a worker
         # the model started: hooks act on their own thread, so those calls are not recorded)
@@ -275,7 +284,17 @@ class CallHooks:
         if not self.stack:
             return None
         pos = self.stack.pop()
-        self.checked(pos)  # its inputs, and its children's outputs: changed in place meanwhile?
+        self.checked(pos, output)  # its inputs, its children's outputs: changed in place?
+        if not self.stack and self.seen:  # the outermost call: changed since their check?
+            seen, self.seen = self.seen, []
+            for v, version, key, layer, t, node in seen:
+                if (
+                    v._version != version
+                    and key not in self.fired
+                    and key not in self.recovered
+                    and not self._recover(v, key, t, node, -1, None)
+                ):
+                    self.lost[key] = layer
         e = self.entries[pos]
         e.end = self.ended
         self.ended += 1
@@ -323,7 +342,8 @@ class CallHooks:
         base's history), but PyTorch drops a hook on a view that is changed in place: each view
         is checked when the call ``check`` ends (its own call for inputs, its caller for
         outputs), and a changed one's key goes to ``lost`` (its gradient is not recorded, and
-        the comparison says so rather than reading a missing gradient as zero)."""
+        the comparison says so rather than reading a missing gradient as zero) unless it can
+        be taken from the graph's own nodes instead (:meth:`_recover`)."""
         watch = self.watch.setdefault(check, []) if check is not None else self.unchecked
         if kwargs is None and args.__class__ is torch.Tensor:  # one tensor: no walk
             if not args.requires_grad:
@@ -331,7 +351,7 @@ class CallHooks:
             v = args.view_as(args)
             k = key + "0"
             self.scope.add_view_grad_hook(v, _LeafGrad(self, k))
-            watch.append((v, v._version, k, layer))
+            watch.append((v, v._version, k, layer, args, _node(args)))
             if self.copies:
                 self._same_copy(args, v)
             return v, None
@@ -357,7 +377,7 @@ class CallHooks:
                 v = views[id(t)] = t.view_as(t)
                 k = key + str(i)
                 self.scope.add_view_grad_hook(v, _LeafGrad(self, k))
-                watch.append((v, v._version, k, layer))
+                watch.append((v, v._version, k, layer, t, _node(t)))
                 if self.copies:
                     self._same_copy(t, v)
             return v
@@ -365,16 +385,79 @@ class CallHooks:
         new_args = map_tensors(alias, args)
         return new_args, (map_tensors(alias, kwargs) if kwargs is not None else None)
 
-    def checked(self, pos: int | None) -> None:
-        """The views to check when call ``pos`` ends (``None``: the ones left, at the end)."""
+    def checked(self, pos: int | None, output: Any = None) -> None:
+        """The views to check when call ``pos`` ends (``None``: the ones left, at the end);
+        ``output``: what call ``pos`` returned."""
         watch = self.watch.pop(pos, []) if pos is not None else self.unchecked
-        for v, version, key, layer in watch:
-            if v._version != version and key not in self.fired:
+        for v, version, key, layer, t, node in watch:
+            if v._version == version or key in self.fired or key in self.recovered:
+                if pos is not None:
+                    self.seen.append((v, version, key, layer, t, node))
+            elif pos is None or not self._recover(v, key, t, node, pos, output):
                 self.lost[key] = layer
         if pos is None:
             self.unchecked = []
             for p in list(self.watch):
                 self.checked(p)
+
+    def _recover(
+        self, v: torch.Tensor, key: str, t: torch.Tensor, node: Any, pos: int, output: Any
+    ) -> bool:
+        """The gradient of view ``v`` (of ``t``), changed in place, from the graph itself (in
+        forward, when the change is found at the end of call ``pos``, which returned
+        ``output``: the nodes are known before backward runs).
+
+        PyTorch moves a view changed in place onto new history (its base's ``CopySlices``) and
+        drops the hook of its old node. ``node`` is the node of ``t``'s base when the view was
+        made.
+
+        - A call's **output** ``t`` made by the call (not a view, not a leaf): its gradient,
+          over every use, is what reaches ``node``, the node that made it (a pre-hook there).
+        - A call's **input** that the call changed in place and returned
+          (``nn.ReLU(inplace=True)``), viewing the whole of its base: the call's first in-place
+          node on that base after ``node`` maps the gradient of the changed value (over every
+          use: the returned tensor, or the caller's own reference to it) to the gradient of the
+          input: a hook there gives both, the call's input gradient and its output gradient
+          (replacing the returned view's, which sees only the uses of the returned tensor).
+
+        Else (a view of part of a tensor, a leaf, an input changed in place but another tensor
+        returned): ``False``, the key is lost."""
+        if node is None:
+            return False
+        if key.startswith("grad"):
+            if t._is_view():
+                return False
+            node.register_prehook(_NodeGrad(self, key, t.output_nr))
+            self.recovered.add(key)
+            return True
+        base = t._base if t._is_view() else t
+        if (
+            output.__class__ is not torch.Tensor
+            or (output._base if output._is_view() else output) is not base
+            or any(
+                x.shape != base.shape
+                or x.stride() != base.stride()
+                or x.storage_offset() != base.storage_offset()
+                for x in (v, output)
+            )
+        ):
+            return False
+        at, depth = base.grad_fn, 0
+        while at is not None and at is not node and depth < 64:
+            nxt = at.next_functions[0][0] if at.next_functions else None
+            if nxt is node:
+                out_key = f"grad{pos}_0"
+                at.register_hook(_NodeGradIn(self, key, out_key))
+                self.recovered.update((key, out_key))
+                return True
+            at, depth = nxt, depth + 1
+        return False
+
+
+def _node(t: torch.Tensor) -> Any:
+    """The node of ``t``'s base now (``None`` for a leaf)."""
+    base = t._base
+    return (base if base is not None else t).grad_fn
 
 
 class _Pre(_Hook):
@@ -442,8 +525,49 @@ class _LeafGrad:
 
     def __call__(self, grad: torch.Tensor | None) -> None:
         hooks = self.hooks
-        if grad is None or not hooks.scope.active:
+        if grad is None or not hooks.scope.active or self.key in hooks.recovered:
             return
         hooks.grads = True
         hooks.fired.add(self.key)
         hooks.sink.put(self.key, grad.detach())  # autograd hands each hook a fresh tensor
+
+
+class _NodeGrad:
+    """A pre-hook of the node that made a call's output (see :meth:`CallHooks._recover`): the
+    gradient reaching that output, stored under its key."""
+
+    __slots__ = ("hooks", "key", "nr")
+
+    def __init__(self, hooks: CallHooks, key: str, nr: int) -> None:
+        self.hooks, self.key, self.nr = hooks, key, nr
+
+    def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        hooks = self.hooks
+        g = grads[self.nr] if self.nr < len(grads) else None
+        if g is None or not hooks.scope.active:
+            return
+        hooks.grads = True
+        hooks.fired.add(self.key)
+        hooks.sink.put(self.key, g.detach().clone())
+
+
+class _NodeGradIn:
+    """A hook of a call's first in-place node on its input (see :meth:`CallHooks._recover`):
+    the gradient it hands the input's earlier node (the input's, under ``key``) and the one it
+    got (the changed value's: the call's output gradient, under ``out_key``)."""
+
+    __slots__ = ("hooks", "key", "out_key")
+
+    def __init__(self, hooks: CallHooks, key: str, out_key: str) -> None:
+        self.hooks, self.key, self.out_key = hooks, key, out_key
+
+    def __call__(self, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        hooks = self.hooks
+        if not hooks.scope.active:
+            return
+        for k, got in ((self.out_key, grad_outputs), (self.key, grad_inputs)):
+            g = got[0] if got else None
+            if g is not None:
+                hooks.grads = True
+                hooks.fired.add(k)
+                hooks.sink.put(k, g.detach().clone())
