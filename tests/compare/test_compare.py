@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import math
 
 import pytest
 import torch
@@ -414,3 +415,106 @@ def test_a_hook_of_the_model_s_own_is_part_of_its_module_s_call(tmp_path, kind, 
     if not a_recorded:
         hook(a[2][0])
         assert hs.compare(a, b, X, loss_fn=_loss).culprit is None
+
+
+class _Router(nn.Module):
+    """A top-2 router as transformers' MoE routers: logits, the chosen experts' weights, their
+    indices (an integer output that rounding in bf16 flips where two experts nearly tie)."""
+
+    def __init__(self, d: int = 16, e: int = 6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(e, d) / d**0.5)
+
+    def forward(self, x):
+        logits = x @ self.weight.T
+        w, idx = logits.softmax(-1).topk(2, -1)
+        return logits, w / w.sum(-1, keepdim=True), idx
+
+
+class _MoE(nn.Module):
+    def __init__(self, d: int = 16, e: int = 6) -> None:
+        super().__init__()
+        self.router = _Router(d, e)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(e))
+
+    def forward(self, x):
+        _, w, idx = self.router(x)
+        out = torch.zeros_like(x)
+        for j, ex in enumerate(self.experts):
+            out = out + (w * (idx == j)).sum(-1, keepdim=True) * ex(x)
+        return out
+
+
+def test_a_router_fault_is_named_in_bf16_though_rounding_flips_its_expert_choices():
+    """Rounding in bf16 flips some expert indices, in B as in A's own module computing in bf16:
+    the integer output's error is inf on both sides. The router's floating outputs still show a
+    fault (its weight x1.2: the logits off by 0.2), which was hidden (inf against inf read as
+    ill-conditioned); a fault-free bf16 copy still names nothing."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(16, 16), _MoE(), nn.Linear(16, 4))
+    with torch.no_grad():  # nearly tied experts: bf16 flips the choice on some tokens
+        g = a[1].router.weight
+        g[1] = g[0] + 1e-3 * torch.randn(16)
+        g[3] = g[2] + 1e-3 * torch.randn(16)
+    x = torch.randn(2, 24, 16)
+    loss = lambda o: o.float().logsumexp(-1).mean()  # noqa: E731
+    free = hs.compare(a, copy.deepcopy(a).to(torch.bfloat16), x, loss_fn=loss)
+    assert free.culprit is None
+    assert free.row("1.router").local_error == math.inf  # the indices flipped: the case at hand
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b[1].router.weight.mul_(1.2)
+    report = hs.compare(a, b.to(torch.bfloat16), x, loss_fn=loss)
+    assert report.culprit == "1.router" and report.row("1.router").flagged == "forward"
+
+
+class _DoubleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return 2 * g
+
+
+class _Binned(nn.Module):
+    """A value and its bin: an integer output that rounding in bf16 moves across bin edges."""
+
+    def __init__(self, broken_backward: bool = False) -> None:
+        super().__init__()
+        self.broken_backward = broken_backward
+
+    def forward(self, x):
+        y = _DoubleGrad.apply(x) if self.broken_backward else x
+        return torch.tanh(y), (x * 7).round().long()
+
+
+def test_a_backward_fault_is_named_where_the_forward_s_error_is_explained():
+    """The forward's error is explained (bins flipped by bf16 rounding, in A's own module in
+    bf16 too), so the verdict also looks at the backward: a backward-only fault there is named
+    (it was never looked at once the forward was explained)."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self, broken: bool) -> None:
+            super().__init__()
+            self.lin, self.bin, self.out = nn.Linear(8, 8), _Binned(broken), nn.Linear(8, 2)
+
+        def forward(self, x):
+            h, k = self.bin(self.lin(x))
+            return self.out(h) + k.float().mean()
+
+    a = Net(False)
+    x = torch.randn(16, 8)
+    loss = lambda o: o.float().pow(2).sum()  # noqa: E731
+    free = hs.compare(a, copy.deepcopy(a).to(torch.bfloat16), x, loss_fn=loss)
+    assert free.culprit is None and free.row("bin").local_error == math.inf
+    b = copy.deepcopy(a)
+    b.bin.broken_backward = True
+    report = hs.compare(a, b.to(torch.bfloat16), x, loss_fn=loss)
+    assert report.culprit == "bin" and report.row("bin").flagged == "backward"
+    assert (
+        "not stable across dtypes" in report.row("bin").note
+        or "ill-conditioned" in report.row("bin").note
+    )  # the forward's explanation is kept

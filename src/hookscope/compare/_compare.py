@@ -25,6 +25,8 @@ from ._report import CompareReport, CompareRow
 from ._run import CompareError, RunRecord, RunSpec, _device, cast_like, preserved, record_run
 from ._tolerance import (
     Norms,
+    float_error,
+    has_integers,
     lower,
     reduction_size,
     rel_error,
@@ -97,6 +99,9 @@ class _Job:
             or (rb is not None and (rb.compiled or rb.partial_grads))
         )
         self._owned: dict[str, list[str]] | None = None
+        # B's replayed output of the calls whose output holds integers (a router's indices):
+        # where those differ in B and in the reference alike, their floating outputs decide
+        self._int_out: dict[int, Any] = {}
         self._low: Replay | None = None
         if self.mixed and (ra.modules is not None or b is not None):
             # the conditioning check replays A's modules; for a recorded A, a copy of B's in
@@ -288,6 +293,8 @@ class _Job:
             r.note = f"{r.note}; {why}" if r.note else why
             self.notes.append(f"{r.label}: its local error includes its {why}")
         r.local_error = worst([self.norms.rel_error(ca.output, got.output), *got.child_errors])
+        if self.mixed and has_integers(ca.output):
+            self._int_out[i] = got.output
         if not self.grads or got.in_grads is None or ca.in_grad is None:
             return
         lost = [c for c in ca.children if c in self.lost_in]
@@ -406,10 +413,15 @@ class _Job:
         kind = None
         if over(r.local_error):
             kind = "forward"
-        elif over(r.local_grad_error):
-            kind = "backward"
-        if kind is not None and self.rep_round is not None:
-            kind = self._explained(i, r, kind)
+            if self.rep_round is not None:
+                kind = self._explained(i, r, kind)
+        if kind is None and over(r.local_grad_error):
+            # also where the forward's error was explained: a backward fault is a fault
+            kind, said = "backward", r.note
+            if self.rep_round is not None:
+                kind = self._explained(i, r, kind)
+                if said and r.note != said:
+                    r.note = f"{said}; {r.note}" if r.note else said
         if kind is None and r.compile_error is not None:
             assert self.rb is not None
             if r.compile_error > tolerance(self.rb.run_dtype, 1) + r.tol - tolerance(self.low, 1):
@@ -451,6 +463,8 @@ class _Job:
             )
             e = r.local_grad_error
         what = "gradient" if grads else "output"
+        if not grads:
+            e, e_round = self._floats(i, e, e_round, out, got.output)
         if e_round is None or e is None or e > 2 * e_round + r.tol:
             return self._explained_by_dtype(i, r, kind, what)
         whose = "a copy of B in A's dtype (A is a record)" if stand else "A's own"
@@ -478,7 +492,7 @@ class _Job:
             return kind
         if kind == "forward":
             e_low = _worst([rel_error(ca.output, got.output), *got.child_errors])
-            e = r.local_error
+            e, e_low = self._floats(i, r.local_error, e_low, ca.output, got.output)
         else:
             errs = [
                 rel_pairs(list(zip(ca.in_grad or [], got.in_grads or []))),
@@ -498,6 +512,19 @@ class _Job:
                 )
             e_low, e = _worst(errs), r.local_grad_error
         return self._ill_conditioned(r, kind, what, e_low, e, None)
+
+    def _floats(self, i: int, e: Any, e_ref: Any, ref: Any, ref_got: Any) -> tuple[Any, Any]:
+        """B's local error and the reference's, or, where both are infinite because integer
+        outputs differ in both (a router's expert indices, flipped by rounding in B's dtype as in
+        the reference's), the errors of their floating outputs: a fault in what the module
+        computes in floating point still shows there (it was hidden: inf against inf)."""
+        if e != math.inf or e_ref != math.inf or i not in self._int_out:
+            return e, e_ref
+        e_f = float_error(self.ra.calls[i].output, self._int_out[i])
+        ref_f = float_error(ref, ref_got)
+        if e_f is None or ref_f is None:
+            return e, e_ref
+        return e_f, ref_f
 
     def _ill_conditioned(
         self, r: CompareRow, kind: str, what: str, e_low: Any, e: Any, stand: str | None
@@ -524,7 +551,7 @@ class _Job:
         if got is None or out is None:
             return kind
         if not grads:
-            e_low, e = rel_error(out, got.output), r.local_error
+            e, e_low = self._floats(i, r.local_error, rel_error(out, got.output), out, got.output)
         else:
             e_low = rel_pairs(list(zip(in_grad or [], got.in_grads or [])))
             e = r.local_grad_error

@@ -27,6 +27,8 @@ from ..core._nested import iter_tensors
 __all__ = [
     "Lazy",
     "Norms",
+    "float_error",
+    "has_integers",
     "lower",
     "reduction_size",
     "rel_error",
@@ -84,6 +86,28 @@ def rel_error(ref: Any, got: Any) -> float | None:
     err = norms.rel_error(ref, got)
     norms.resolve()
     return value(err)
+
+
+def float_error(ref: Any, got: Any) -> float | None:
+    """:func:`rel_error` over the pairs of floating tensors only (integer ones left out, even
+    where they differ); ``None`` when there is none or the structures differ. What a module's
+    floating outputs say where its integer outputs (a router's expert indices) differ.
+
+    >>> float_error((torch.tensor([3.0, 4.0]), torch.tensor([1])),
+    ...             (torch.tensor([3.0, 4.5]), torch.tensor([2])))
+    0.1
+    """
+    a = [t for _, t in iter_tensors(ref)]
+    b = [t for _, t in iter_tensors(got)]
+    if len(a) != len(b):
+        return None
+    pairs = [(x, y) for x, y in zip(a, b) if x.is_floating_point() and y.is_floating_point()]
+    return rel_pairs(pairs) if pairs else None
+
+
+def has_integers(value: Any) -> bool:
+    """Whether ``value`` holds a tensor that is not floating (ids, indices, a mask)."""
+    return any(not t.is_floating_point() for _, t in iter_tensors(value))
 
 
 _PROMOTE = (torch.float32, torch.bfloat16, torch.float16)
