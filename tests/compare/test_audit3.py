@@ -485,3 +485,35 @@ def test_a_module_the_forward_runs_in_a_worker_thread_is_said_not_silently_left_
     assert report.row("1").local_error == pytest.approx(
         ((want - ref).norm() / ref.norm()).item(), rel=1e-5
     )
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x, mask=None, bias=None):
+        out = self.lin(x)
+        out = out.masked_fill(~mask, 0.0) if mask.dtype == torch.bool else out * mask
+        return out + bias
+
+
+def test_inputs_of_another_dtype_are_refused_and_keywords_in_another_order_are_not(tmp_path):
+    """A float 0/1 mask recorded, a bool mask given (equal values, another computation) was
+    accepted and the module blamed: refused, naming the input and both dtypes. The same keyword
+    inputs in another order were refused (keys compared in order) and would have been paired
+    by position: accepted, paired by name."""
+    torch.manual_seed(0)
+    net = _Masked()
+    x, bias = torch.randn(3, 8), torch.randn(3, 4)
+    mask = (torch.rand(3, 4) > 0.5).float()
+    with hs.record(net, tmp_path):
+        _loss(net(x, mask=mask, bias=bias)).backward()
+    net.zero_grad(set_to_none=True)
+    b = copy.deepcopy(net)
+    with pytest.raises(
+        hs.CompareError, match=r"kwargs\['mask'\] is bool here, float32 in the record"
+    ):
+        hs.compare(tmp_path, b, x, mask=mask.bool(), bias=bias, loss_fn=_loss)
+    report = hs.compare(tmp_path, b, x, bias=bias, mask=mask, loss_fn=_loss)
+    assert report.culprit is None and all(r.error == 0.0 for r in report.rows)

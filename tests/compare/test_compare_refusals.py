@@ -326,3 +326,19 @@ def test_a_record_whose_model_call_cannot_be_joined_warns_that_its_loss_cannot_b
         hs.HookscopeWarning, match=r"record a: the model's own call cannot be joined"
     ):
         check_loss(rec, "a", lambda o: o.sum(), torch.device("cpu"))
+
+
+def test_names_mapping_two_modules_of_a_to_one_of_b_or_misbehaving_is_refused():
+    """``{"0": "2"}`` left A's own "2" mapped to B's "2" as well: B's "2" was paired twice (an
+    exact copy named its root); refused by name, as a function that raises or returns no name."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    b = copy.deepcopy(a)
+    x = torch.randn(2, 4)
+    with pytest.raises(hs.CompareError, match=r"maps A's modules '0' and '2' both to B's '2'"):
+        hs.compare(a, b, x, names={"0": "2"})
+    assert hs.compare(a, b, x, names={"0": "2", "2": "0"}).culprit is not None  # a swap: fine
+    with pytest.raises(hs.CompareError, match=r"names= raised KeyError .* for A's module"):
+        hs.compare(a, b, x, names=lambda n: {"": ""}[n])
+    with pytest.raises(hs.CompareError, match=r"names= returned 3 \(int\)"):
+        hs.compare(a, b, x, names=lambda n: 3)

@@ -218,3 +218,44 @@ def test_the_recorded_run_is_the_run_without_hookscope(tmp_path):
     assert torch.equal(out, out_ref)
     for n, p in m.named_parameters():
         assert torch.equal(p.grad, ref[n]), n
+
+
+@pytest.mark.parametrize("name", ["params.pt", "index.json.tmp"])
+def test_a_file_of_the_user_s_under_a_name_the_record_writes_is_refused_not_replaced(
+    tmp_path, name
+):
+    """A checkpoint saved as params.pt in the folder was replaced by the record's gradients:
+    refused before anything is written, the file kept as it was."""
+    net = nn.Sequential(nn.Linear(4, 4))
+    (tmp_path / name).write_bytes(b"the user's")
+    refused = pytest.raises(hs.CompareError, match=rf"already holds {name}, a file the record")
+    with refused, hs.record(net, tmp_path):
+        net(torch.randn(2, 4)).sum().backward()
+    assert (tmp_path / name).read_bytes() == b"the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_two_records_of_runs_on_other_inputs_are_refused_and_an_fp32_and_a_bf16_record_are_not(
+    tmp_path,
+):
+    """Two records made on inputs that differ in one element were compared silently (every
+    row differed, the first layer named where the runs drift): refused, naming the difference.
+    An fp32 record and a bf16 one of the same inputs (each cast to its model's dtype) compare."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    other = x.clone()
+    other[0, 0] += 1.0
+    loss = lambda o: o.float().pow(2).sum()  # noqa: E731
+    for name, model, inputs in [
+        ("a", net, x),
+        ("b", net, other),
+        ("low", copy.deepcopy(net).to(torch.bfloat16), x),
+    ]:
+        with hs.record(model, tmp_path / name):
+            loss(model(inputs.to(next(model.parameters()).dtype))).backward()
+        model.zero_grad(set_to_none=True)
+    with pytest.raises(hs.CompareError, match=r"two records were made on different inputs"):
+        hs.compare(tmp_path / "a", tmp_path / "b")
+    report = hs.compare(tmp_path / "a", tmp_path / "low")
+    assert report.first_divergent is None and report.dtypes == ("float32", "bfloat16")

@@ -214,18 +214,45 @@ def check_names(names: Any, ra: RunRecord, rb: RunRecord) -> None:
     if names is None:
         return
     in_a, in_b = set(_known(ra)), set(_known(rb))
+    target: dict[str, str | None] = {}
     if isinstance(names, Mapping):
         for k, v in names.items():
             if k not in in_a:
                 raise _unknown(k, "a", ra)
             if v is not None and v not in in_b:
                 raise _unknown(v, "b", rb)
-        return
-    fn: Callable[[str], str | None] = names
-    for n in _known(ra):
-        v = fn(n)
-        if v is not None and v != n and v not in in_b:
-            raise _unknown(v, "b", rb)
+        target = {n: names.get(n, n) for n in _known(ra)}
+    else:
+        fn: Callable[[str], str | None] = names
+        for n in _known(ra):
+            try:
+                v = fn(n)
+            except Exception as exc:
+                raise CompareError(
+                    f"hs.compare: names= raised {type(exc).__name__} ({exc}) for A's module "
+                    f"{n or '<root>'!r}; return B's name for it, or None where it has no "
+                    "counterpart"
+                ) from None
+            if v is not None and not isinstance(v, str):
+                raise CompareError(
+                    f"hs.compare: names= returned {v!r} ({type(v).__name__}) for A's module "
+                    f"{n or '<root>'!r}; return B's name for it (a str), or None"
+                )
+            if v is not None and v != n and v not in in_b:
+                raise _unknown(v, "b", rb)
+            target[n] = v
+    # one to one: a module of B stands for one module of A (its calls are paired once)
+    seen: dict[str, str] = {}
+    for n, v in target.items():
+        if v is None:
+            continue
+        if v in seen:
+            raise CompareError(
+                f"hs.compare: names= maps A's modules {seen[v] or '<root>'!r} and "
+                f"{n or '<root>'!r} both to B's {v or '<root>'!r}; a module of B stands for one "
+                "of A: map one of them to another module of B, or to None"
+            )
+        seen[v] = n
 
 
 def check_loss(rec: RunRecord, what: str, loss_fn: Any, device: torch.device) -> None:

@@ -874,6 +874,41 @@ def _check_records(ra: RunRecord, rb: RunRecord, spec: RunSpec) -> None:
     for rec in (ra, rb):
         if rec.modules is None and (live or spec.args or spec.kwargs):
             _check_inputs(rec, spec.args, spec.kwargs)
+    if not live and not spec.args and not spec.kwargs:
+        _check_same_inputs(ra, rb)
+
+
+def _check_same_inputs(ra: RunRecord, rb: RunRecord) -> None:
+    """Two records compared with each other must have run on the same inputs (each cast to its
+    model's dtype: compared in the less precise of the two): refuse others by name."""
+    pa, pb = ra.by_key.get(("", 0)), rb.by_key.get(("", 0))
+    if pa is None or pb is None:
+        warnings.warn(
+            "hs.compare: a record holds no call of the model itself (recorded with layers= that "
+            "leave it out), so the two records' inputs cannot be checked against each other: "
+            "record with layers including '' (the model) to have them checked",
+            HookscopeWarning,
+            stacklevel=4,
+        )
+        return
+    low = lower(ra.dtype, rb.dtype)
+    cpu = torch.device("cpu")
+    xa = cast_like(ra.calls[pa].inputs, low, cpu, objects=True)
+    xb = cast_like(rb.calls[pb].inputs, low, cpu, objects=True)
+    if isinstance(xa, tuple) and len(xa) == 2 and isinstance(xb, tuple) and len(xb) == 2:
+        other = _difference(xa[0], xb[0], "args") or _difference(xa[1], xb[1], "kwargs")
+        if other is None:  # keywords paired by name, not order
+            xb = (xb[0], {k: xb[1][k] for k in xa[1]})
+    else:
+        other = _difference(xa, xb, "")
+    err = rel_error(xa, xb) if other is None else None
+    if other is None and (err is None or err == 0.0):
+        return
+    raise CompareError(
+        "hs.compare: the two records were made on different inputs"
+        + (f": {other}" if other is not None else f" (relative difference {err:.2e})")
+        + "; compare records of runs on the same inputs (the same batch, in the same order)"
+    )
 
 
 def _check_reduction(ra: RunRecord, rb: RunRecord, loss_reduction: str) -> None:
@@ -920,6 +955,11 @@ def _difference(rec: Any, given: Any, path: str, depth: int = 10) -> str | None:
                 f"{_where(path)} has shape {tuple(given.shape)} here, {tuple(rec.shape)} in the "
                 "record"
             )
+        if rec.dtype != given.dtype and not (rec.is_floating_point() and given.is_floating_point()):
+            # (floating ones are cast to each model's dtype: any float dtype is the same input)
+            return (
+                f"{_where(path)} is {str(given.dtype)[6:]} here, {str(rec.dtype)[6:]} in the record"
+            )
         if "__dict__" in path and not torch.equal(rec, given.to(rec.device, rec.dtype)):
             # inside an object (a cache) rel_error does not walk: its values compared here
             return f"{_where(path)} holds other values here than in the record"
@@ -944,7 +984,7 @@ def _difference(rec: Any, given: Any, path: str, depth: int = 10) -> str | None:
                 return got
         return None
     if isinstance(rec, Mapping):
-        if list(rec.keys()) != list(given.keys()):
+        if set(rec.keys()) != set(given.keys()):  # (keyword order does not matter)
             return (
                 f"{_where(path)} has the keys {sorted(map(str, given))} here, "
                 f"{sorted(map(str, rec))} in the record"
@@ -976,6 +1016,8 @@ def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]
     given = cast_like((tuple(inputs), dict(kwargs)), ra.dtype, torch.device("cpu"))
     if isinstance(rec, tuple) and len(rec) == 2:  # (args, kwargs): named as such
         other = _difference(rec[0], given[0], "args") or _difference(rec[1], given[1], "kwargs")
+        if other is None:  # keywords paired by name, not order
+            given = (given[0], {k: given[1][k] for k in rec[1]})
     else:
         other = _difference(rec, given, "")
     if other is not None:

@@ -74,6 +74,13 @@ class Record:
             raise CompareError(
                 f"hs.record: {str(self.folder)!r} already holds a record; give an empty folder"
             )
+        # a file of the user's under a name the record writes would be replaced: refused
+        for name in ("params.pt", "index.json.tmp"):
+            if (self._dir / name).exists():
+                raise CompareError(
+                    f"hs.record: {str(self._dir)!r} already holds {name}, a file the record "
+                    "writes (it would be replaced); give an empty folder, or move that file"
+                )
         if self.world > 1:  # another rank's record of another run (another number of ranks)
             for other in sorted(self.folder.glob("rank*/index.json")):
                 try:
