@@ -517,3 +517,41 @@ def test_inputs_of_another_dtype_are_refused_and_keywords_in_another_order_are_n
         hs.compare(tmp_path, b, x, mask=mask.bool(), bias=bias, loss_fn=_loss)
     report = hs.compare(tmp_path, b, x, bias=bias, mask=mask, loss_fn=_loss)
     assert report.culprit is None and all(r.error == 0.0 for r in report.rows)
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "no_grad"])
+def test_a_model_run_by_another_thread_during_the_record_is_refused_where_grads_mix(tmp_path, grad):
+    """While one thread records a step, another thread trains the same model: the shared .grad
+    held both runs' gradients (each record, against an exact copy, named a culprit); refused,
+    naming the thread. A run of the other thread under no_grad leaves .grad alone: recorded,
+    and exact."""
+    net, x = _net()
+    other = torch.randn(4, 16)
+    started, release = threading.Event(), threading.Event()
+
+    def work() -> None:
+        with torch.set_grad_enabled(grad):
+            out = net(other)
+            started.set()
+            release.wait(10)
+            if grad:
+                _loss(out).backward()
+
+    t = threading.Thread(target=work, name="trainer")
+    try:
+        with hs.record(net, tmp_path):
+            t.start()
+            started.wait(10)
+            _loss(net(x)).backward()
+            release.set()
+            t.join()
+    except hs.CompareError as exc:
+        assert grad and "also ran in another thread ('trainer')" in str(exc)
+        _nothing_written(tmp_path)
+        return
+    finally:
+        release.set()
+        t.join()
+    assert not grad
+    net.zero_grad(set_to_none=True)
+    assert hs.compare(tmp_path, copy.deepcopy(net), x, loss_fn=_loss).culprit is None

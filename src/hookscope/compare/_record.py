@@ -162,6 +162,13 @@ class Record:
                 "than the one that entered hs.record, whose hooks act on their own thread only; "
                 "enter hs.record in the thread that runs the model"
             )
+        if watch.foreign_grad and any(p.grad is not None for p in self._model.parameters()):
+            return (
+                f"the model ({kind}) also ran in another thread "
+                f"({some_names(sorted(watch.foreign))}) during the block: the parameters' .grad, "
+                "shared by every thread, would mix that run's gradients with this one's; record "
+                "while no other thread runs the model (or record each thread's own copy)"
+            )
         if not hooks.entries:
             return (
                 f"no call of the model ({kind}) or of its recorded layers ran inside the with "
@@ -205,6 +212,7 @@ class _Watch:
         self.drew = False
         self.autocast: torch.dtype | None = None
         self.foreign: set[str] = set()
+        self.foreign_grad = False  # one of those calls ran with gradients on
         self.order: list[str] = []  # the parameters' names, in the model's order
         # parameter name -> (its parameter, a weak reference to its .grad, that grad's _version)
         self.grads: dict[str, tuple[torch.Tensor, Any, int]] = {}
@@ -262,6 +270,7 @@ class _RootPre(_Hook):
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             self.watch.foreign.add(threading.current_thread().name)
+            self.watch.foreign_grad |= torch.is_grad_enabled()
             return
         if graph_task_id() == -1:  # not a checkpoint's recompute in backward
             self.watch.start((args, kwargs))
