@@ -12,10 +12,12 @@ file per value, written before this format) are still read.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import threading
 import weakref
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +134,9 @@ class Record:
             spool.path.unlink(missing_ok=True)
             raise CompareError(f"hs.record: {why}; nothing was written to {str(self._dir)!r}")
         params = {n: _full(p.grad) for n, p in named_parameters(self._model)}
-        torch.save(params, self._dir / "params.pt")
+        buf = io.BytesIO()
+        torch.save(params, buf)
+        (self._dir / "params.pt").write_bytes(buf.getbuffer())
         index = {
             "version": _VERSION,
             "model": type(self._model).__name__,
@@ -147,6 +151,12 @@ class Record:
             "values": spool.index,
             "lost": hooks.lost,
             "elsewhere": hooks.elsewhere,
+            # what the other two files hold, checked when read: a file changed after the record,
+            # or one of another record put beside this index, is refused
+            "checksums": {
+                SPOOL: [spool.crc, spool.size],
+                "params.pt": [zlib.crc32(buf.getbuffer()), buf.getbuffer().nbytes],
+            },
         }
         tmp = self._dir / "index.json.tmp"
         tmp.write_text(json.dumps(index))
@@ -410,6 +420,64 @@ def load_record(folder: str | os.PathLike[str], loss_reduction: str = "mean") ->
     return _load_one(path)
 
 
+_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def _check_index(index: dict[str, Any], path: Path) -> None:
+    """An index.json as :class:`Record` writes it, else :class:`CompareError` naming what is
+    wrong (a hand edit, a merge, a copy cut short): its fields and types, its calls one tree (a
+    call's parent started before it and lists it as a child), and, for the current format, the
+    values of every call present."""
+
+    def damaged(why: str) -> CompareError:
+        return CompareError(
+            f"hs.compare: the record {str(path)!r} is damaged: its index.json {why}; copy it "
+            "again whole, or record again"
+        )
+
+    version = index.get("version", 1)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise damaged(f'has "version" {version!r}, not a number')
+    if index.get("dtype") not in _DTYPES:
+        raise damaged(f'has "dtype" {index.get("dtype")!r}, not one of {", ".join(_DTYPES)}')
+    if index.get("autocast") not in (None, *_DTYPES):
+        raise damaged(f'has "autocast" {index.get("autocast")!r}')
+    if not isinstance(index.get("grads"), bool):
+        raise damaged('has no "grads" (true or false)')
+    if not isinstance(index.get("params"), dict):
+        raise damaged('has no "params" (the module of each parameter)')
+    for field in ("lost", "elsewhere", "checksums"):
+        if not isinstance(index.get(field, {}), dict):
+            raise damaged(f'has a "{field}" that is not an object')
+    calls = index["calls"]
+    n = len(calls)
+    fields = {"name": str, "index": int, "end": int, "n_in": int, "n_out": int, "children": list}
+    for pos, e in enumerate(calls):
+        if not isinstance(e, dict) or any(not isinstance(e.get(k), t) for k, t in fields.items()):
+            raise damaged(f"has call {pos} without its fields ({', '.join(fields)}, parent)")
+        parent = e.get("parent")
+        if parent is not None and (
+            not isinstance(parent, int)
+            or not 0 <= parent < pos
+            or pos not in calls[parent]["children"]
+        ):
+            raise damaged(
+                f"has call {pos} ({e['name'] or '<root>'}) whose parent is not a call before it"
+            )
+        if any(not isinstance(c, int) or not pos < c < n for c in e["children"]):
+            raise damaged(
+                f"has call {pos} ({e['name'] or '<root>'}) listing children it does not hold"
+            )
+    if version >= 2:
+        values = index.get("values")
+        if not isinstance(values, dict):
+            raise damaged('has no "values" (where each value lies in values.bin)')
+        for pos, e in enumerate(calls):
+            for kind, count in (("in", e["n_in"]), ("out", e["n_out"])):
+                if count and f"{kind}{pos}" not in values:
+                    raise damaged(f"has no {_describe(f'{kind}{pos}')} ({e['name'] or '<root>'})")
+
+
 def of_ranks(folder: str | os.PathLike[str]) -> bool:
     """Whether ``folder`` holds a record made on several ranks (``rank<r>`` subfolders)."""
     path = Path(folder)
@@ -443,6 +511,7 @@ def _load_one(path: Path) -> RunRecord:
             f"cannot be read: {type(exc).__name__}); write one with `with hs.record(model, "
             "folder): ...`"
         ) from None
+    _check_index(index, path)
     n = index.get("model_calls", sum(1 for e in entries if e["name"] == ""))
     if n > 1:
         raise CompareError(
@@ -458,12 +527,24 @@ def _load_one(path: Path) -> RunRecord:
                 f'hs.compare: the record {str(path)!r} is damaged: the "values" of its '
                 "index.json are not (offset, length) pairs; copy it again whole, or record again"
             ) from None
-        store.check()  # every value inside values.bin: a file cut short is refused here
+        # every value inside values.bin (a file cut short is refused here), and the file the one
+        # written with this index (a changed byte, another record's file)
+        store.check(index.get("checksums", {}).get(SPOOL))
     else:
         store = ValueStore(0, path)  # format 1: one torch.save file per value
     calls = calls_of(entries, store)
     try:
-        params = torch.load(path / "params.pt", map_location="cpu", weights_only=False)
+        blob = (path / "params.pt").read_bytes()
+        want = index.get("checksums", {}).get("params.pt")
+        if want is not None and [zlib.crc32(blob), len(blob)] != list(want):
+            raise CompareError(
+                f"hs.compare: the record {str(path)!r} is damaged: params.pt is not the file "
+                "written with its index.json (its checksum differs: changed since, or the file "
+                "of another record); copy it again whole, or record again"
+            )
+        params = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=False)
+    except CompareError:
+        raise
     except Exception as exc:  # missing, cut short: the parameter gradients cannot be read
         raise CompareError(
             f"hs.compare: the record {str(path)!r} is damaged: its params.pt (the parameter "

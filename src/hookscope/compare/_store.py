@@ -22,6 +22,7 @@ import tempfile
 import threading
 import warnings
 import weakref
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,7 @@ class Spool:
         self.path = folder / SPOOL
         self.index: dict[str, tuple[int, int]] = {}
         self.again: list[str] = []  # keys written a second time (a second backward)
+        self.crc = 0  # CRC-32 of every byte written, in order (index.json keeps it)
         self._lock = threading.Lock()
         self._at = 0
         # the tensors written, by the memory they view: written once while unchanged (_same)
@@ -136,6 +138,7 @@ class Spool:
                     return None
                 at = self._at
                 self._at += f.write(data)
+                self.crc = zlib.crc32(data, self.crc)
                 ref = (at, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
                 if same is not None:
                     self._seen[same[1]] = (weakref.ref(obj), obj._version, ref)
@@ -156,6 +159,7 @@ class Spool:
             blob = buf.getbuffer()
             start = self._at
             self._at += f.write(blob)
+            self.crc = zlib.crc32(blob, self.crc)
             if key in self.index:
                 self.again.append(key)
             self.index[key] = (start, len(blob))
@@ -182,6 +186,11 @@ class Spool:
         """:meth:`write` (the name the record's hooks call)."""
         self.write(key, value)
 
+    @property
+    def size(self) -> int:
+        """Bytes written so far."""
+        return self._at
+
     def close(self) -> None:
         with self._lock:
             if self._f is not None:
@@ -207,9 +216,13 @@ class SpoolReader:
             "whole, or record again"
         )
 
-    def check(self) -> None:
+    def check(self, checksum: Any = None) -> None:
         """Every value the index names lies inside the file (a file cut short, by a copy or a
-        disk that filled, is refused when the record is opened)."""
+        disk that filled, is refused when the record is opened); with ``checksum`` (``[crc32,
+        size]`` as the record wrote it), the file is the one written (a byte changed since, or
+        the file of another record, is refused)."""
+        if checksum is not None:
+            self._checksum(checksum)
         if not self.index:
             return
         try:
@@ -223,6 +236,31 @@ class SpoolReader:
                     f"{SPOOL} holds {size} bytes, yet index.json places {_describe(key)} at bytes "
                     f"{at}..{at + n} (the file was cut short?)"
                 )
+
+    def _checksum(self, checksum: Any) -> None:
+        try:
+            crc, size = int(checksum[0]), int(checksum[1])
+        except (TypeError, ValueError, IndexError):
+            raise self._damaged(
+                f"the checksum of {SPOOL} in its index.json is not readable"
+            ) from None
+        try:
+            got = self.path.stat().st_size
+        except FileNotFoundError:
+            raise self._damaged(f"{SPOOL} is missing") from None
+        if got != size:
+            raise self._damaged(
+                f"{SPOOL} holds {got} bytes, {size} were written (cut short, or another file?)"
+            )
+        value = 0
+        with open(self.path, "rb") as f:
+            while chunk := f.read(16 << 20):
+                value = zlib.crc32(chunk, value)
+        if value != crc:
+            raise self._damaged(
+                f"{SPOOL} is not the file written with its index.json (its checksum differs: "
+                "changed since, or the file of another record)"
+            )
 
     def get(self, key: str, default: Any = None) -> Any:
         where = self.index.get(key)
