@@ -195,7 +195,7 @@ def test_a_module_in_training_mode_in_one_model_only_is_named_with_a_warning_say
         a[1].running_var.uniform_(0.5, 2.0)
     b = copy.deepcopy(a).eval()
     x = torch.randn(4, 8)
-    with pytest.warns(hs.HookscopeWarning, match=r"training mode in one model.*1 \(train in a\)"):
+    with pytest.warns(hs.HookscopeWarning, match=r"training mode in one run.*1 \(train in a\)"):
         report = hs.compare(a, b, x, loss_fn=_loss)
     # the reference: the two modes' outputs of that BatchNorm on the same input differ
     h = a[0](x).detach()
@@ -204,6 +204,32 @@ def test_a_module_in_training_mode_in_one_model_only_is_named_with_a_warning_say
     assert report.culprit == "1" and a.training and not b.training  # both left as found
     # both in the same mode: no warning, no culprit
     assert hs.compare(a.eval(), b, x, loss_fn=_loss).culprit is None
+
+
+@pytest.mark.parametrize("recorded", ["a", "both"])
+def test_a_record_keeps_the_modes_so_another_mode_in_the_other_run_is_warned_of(tmp_path, recorded):
+    """A record made in eval mode against a live model in training mode (or two records made in
+    other modes) named the BatchNorm with no word on the modes (the check needed two live
+    models): the record keeps each module's mode, and the warning names it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh()).eval()
+    x = torch.randn(4, 8)
+    with hs.record(net, tmp_path / "eval"):
+        _loss(net(x)).backward()
+    net.zero_grad(set_to_none=True)
+    b = copy.deepcopy(net).train()
+    if recorded == "both":  # (a copy: a training step moves its running statistics)
+        trained = copy.deepcopy(b)
+        with hs.record(trained, tmp_path / "train"):
+            _loss(trained(x)).backward()
+    other = tmp_path / "train" if recorded == "both" else b
+    kw = {} if recorded == "both" else {"loss_fn": _loss}
+    args = () if recorded == "both" else (x,)
+    with pytest.warns(hs.HookscopeWarning, match=r"training mode in one run.*1 \(eval in a\)"):
+        hs.compare(tmp_path / "eval", other, *args, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.HookscopeWarning)
+        assert hs.compare(tmp_path / "eval", b.eval(), x, loss_fn=_loss).culprit is None
 
 
 # -- found here, to fix in files this audit does not own (strict xfails) --------------------------

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import iter_tensors, map_tensors
 from ..core._select import suggest
@@ -68,14 +67,16 @@ def check_arguments(a: Any, b: Any, spec: Any, names: Any, loss_reduction: Any =
     for what, m in (("a", a), ("b", b)):
         if isinstance(m, nn.Module):
             _check_call(m, what, spec.args, spec.kwargs)
-    if isinstance(a, nn.Module) and isinstance(b, nn.Module):
-        _check_modes(a, b, names)
 
 
-def _check_modes(a: nn.Module, b: nn.Module, names: Any) -> None:
-    """Warn where a module whose forward reads ``self.training`` is in training mode in one model
-    and in eval mode in the other: its computation differs (BatchNorm's batch statistics against its running ones), so it is named
+def check_modes(ra: RunRecord, rb: RunRecord, names: Any) -> None:
+    """Warn where a module whose forward reads ``self.training`` is in training mode in one run
+    and in eval mode in the other (live models, or records that kept their modes): its
+    computation differs (BatchNorm's batch statistics against its running ones), so it is named
     as a culprit, by its mode, not by its code."""
+    ma, mb = ra.modes, rb.modes
+    if ma is None or mb is None:  # a record made before modes were kept
+        return
     rename: Callable[[str], str | None]
     if names is None:
         rename = lambda n: n  # noqa: E731
@@ -84,33 +85,23 @@ def _check_modes(a: nn.Module, b: nn.Module, names: Any) -> None:
         rename = lambda n: table.get(n, n)  # noqa: E731
     else:
         rename = names
-    in_b = dict(named_modules(b))
     differ = []
-    for name, m in named_modules(a):
-        try:
-            other = rename(name)
-        except Exception:  # a names= function that fails: check_names says so later
-            return
-        mb = in_b.get(other) if other is not None else None
-        if mb is not None and mb.training != m.training and (_by_mode(m) or _by_mode(mb)):
-            differ.append((name or "<root>", m.training))
+    for name, (training, by_mode) in ma.items():
+        other = rename(name)
+        got = mb.get(other) if other is not None else None
+        if got is not None and got[0] != training and (by_mode or got[1]):
+            differ.append((name or "<root>", training))
     if differ:
         shown = ", ".join(f"{n} ({'train' if t else 'eval'} in a)" for n, t in differ[:3])
         warnings.warn(
-            f"hs.compare: {len(differ)} module(s) are in training mode in one model and in eval "
+            f"hs.compare: {len(differ)} module(s) are in training mode in one run and in eval "
             f"mode in the other: {shown}{' ...' if len(differ) > 3 else ''}; a module that "
             "computes differently by mode (BatchNorm, dropout) is then named for its mode, not "
-            "its code: call .eval() (or .train()) on both models",
+            "its code: call .eval() (or .train()) on both models (for a record: record the "
+            "model in the mode you compare it in)",
             HookscopeWarning,
-            stacklevel=4,  # _check_modes, check_arguments, hs.compare, the caller
+            stacklevel=3,  # check_modes, hs.compare, the caller
         )
-
-
-def _by_mode(module: nn.Module) -> bool:
-    """Whether the module's own forward reads ``self.training`` (BatchNorm, dropout, most
-    attention modules): its computation may depend on the mode."""
-    code = getattr(getattr(type(module), "forward", None), "__code__", None)
-    return code is not None and "training" in code.co_names
 
 
 def check_reduction(loss_reduction: Any, a: Any, b: Any) -> None:

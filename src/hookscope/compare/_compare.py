@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning
 from ..core._nested import SCALARS, tensors_of
-from ._checks import check_arguments, check_loss, check_names
+from ._checks import check_arguments, check_loss, check_modes, check_names
 from ._forced import Forced, forced_pass
 from ._record import load_record
 from ._replay import CopiesIn, Replay, Result
@@ -827,6 +827,7 @@ def compare(
             if rec.modules is None:
                 check_loss(rec, what, loss_fn, device)
     check_names(names, ra, rb)
+    check_modes(ra, rb, names)
     job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
     with contextlib.ExitStack() as stack:
         for m in (a, b):

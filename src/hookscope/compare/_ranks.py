@@ -81,6 +81,7 @@ def join_ranks(recs: list[RunRecord], loss_reduction: str = "mean") -> RunRecord
         partial_grads=any(r.partial_grads for r in recs),
         lost={k: v for r in recs for k, v in r.lost.items()},
         elsewhere={k: v for r in recs for k, v in r.elsewhere.items()},
+        modes=base.modes,
     )
 
 

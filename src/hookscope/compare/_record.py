@@ -39,7 +39,7 @@ from ..core._scope import (
 from ..core._select import resolve
 from ._hooks import CallHooks
 from ._ranks import REDUCTIONS, join_ranks
-from ._run import CompareError, RunRecord, calls_of, model_dtype
+from ._run import CompareError, RunRecord, calls_of, model_dtype, modes_of
 from ._store import SPOOL, Spool, SpoolReader, ValueStore, _describe, cpu_copy
 
 __all__ = ["Record", "load_record", "of_ranks", "record"]
@@ -151,6 +151,7 @@ class Record:
             "values": spool.index,
             "lost": hooks.lost,
             "elsewhere": hooks.elsewhere,
+            "modes": modes_of(self._model),
             # what the other two files hold, checked when read: a file changed after the record,
             # or one of another record put beside this index, is refused
             "checksums": {
@@ -446,7 +447,7 @@ def _check_index(index: dict[str, Any], path: Path) -> None:
         raise damaged('has no "grads" (true or false)')
     if not isinstance(index.get("params"), dict):
         raise damaged('has no "params" (the module of each parameter)')
-    for field in ("lost", "elsewhere", "checksums"):
+    for field in ("lost", "elsewhere", "checksums", "modes"):
         if not isinstance(index.get(field, {}), dict):
             raise damaged(f'has a "{field}" that is not an object')
     calls = index["calls"]
@@ -562,4 +563,5 @@ def _load_one(path: Path) -> RunRecord:
         partial_grads=index.get("version", 1) < 2 or bool(index.get("lost")),
         lost=dict(index.get("lost") or {}),
         elsewhere=dict(index.get("elsewhere") or {}),
+        modes=index.get("modes"),
     )

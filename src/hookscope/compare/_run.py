@@ -36,6 +36,7 @@ __all__ = [
     "calls_of",
     "cast_like",
     "model_dtype",
+    "modes_of",
     "preserved",
     "record_run",
     "restore_aliases",
@@ -130,6 +131,8 @@ class RunRecord:
     lost: dict[str, str] = dataclasses.field(default_factory=dict)
     # modules called by another thread during the run (not recorded): module -> thread
     elsewhere: dict[str, str] = dataclasses.field(default_factory=dict)
+    # each module's [training, reads self.training] (None: a record made before they were kept)
+    modes: dict[str, list[bool]] | None = None
 
     @property
     def run_dtype(self) -> torch.dtype:
@@ -349,7 +352,21 @@ def record_run(spec: RunSpec) -> RunRecord:
         partial_grads=bool(hooks.lost),
         lost=dict(hooks.lost),
         elsewhere=dict(hooks.elsewhere),
+        modes=modes_of(model),
     )
+
+
+def modes_of(model: nn.Module) -> dict[str, list[bool]]:
+    """Each module's ``[training, reads self.training]`` (what ``check_modes`` compares; a record
+    keeps it in its index.json)."""
+    return {name: [m.training, reads_training(m)] for name, m in named_modules(model)}
+
+
+def reads_training(module: nn.Module) -> bool:
+    """Whether the module's own forward reads ``self.training`` (BatchNorm, dropout, most
+    attention modules): its computation may depend on the mode."""
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    return code is not None and "training" in code.co_names
 
 
 def _draws_message(spec: RunSpec, args: Any, kwargs: Any, device: torch.device) -> str:
