@@ -259,3 +259,34 @@ def test_two_records_of_runs_on_other_inputs_are_refused_and_an_fp32_and_a_bf16_
         hs.compare(tmp_path / "a", tmp_path / "b")
     report = hs.compare(tmp_path / "a", tmp_path / "low")
     assert report.first_divergent is None and report.dtypes == ("float32", "bfloat16")
+
+
+def test_a_loss_term_on_the_weights_is_noted_by_the_record_and_left_out_of_the_comparison(
+    tmp_path,
+):
+    """A record made with weight decay written into the loss (``loss + wd * sum(p^2)``), against
+    a live copy compared with the plain loss: every module owning a weight was named (its
+    parameter gradients against A's .grad, which holds the decay's share). The record notes the
+    parameters used outside the model's call (not those used only inside it), and those are
+    left out of the comparison with a note; a fault is still named."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 4))
+    x = torch.randn(3, 8)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    with hs.record(net, tmp_path / "wd"):
+        decay = sum(p.pow(2).sum() for n, p in net.named_parameters() if n.endswith("weight"))
+        (loss(net(x)) + 1e-2 * decay).backward()
+    net.zero_grad(set_to_none=True)
+    index = json.loads((tmp_path / "wd" / "index.json").read_text())
+    assert index["outside"] == ["0.weight", "1.weight", "3.weight"]
+    same = hs.compare(tmp_path / "wd", copy.deepcopy(net), x, loss_fn=loss)
+    assert same.culprit is None
+    assert "gradients of 0.weight not compared" in same.row("0").note
+    b = copy.deepcopy(net)
+    with torch.no_grad():
+        b[3].weight.mul_(1.01)
+    assert hs.compare(tmp_path / "wd", b, x, loss_fn=loss).culprit == "3"
+    with hs.record(net, tmp_path / "plain"):  # no term: nothing outside
+        loss(net(x)).backward()
+    assert json.loads((tmp_path / "plain" / "index.json").read_text())["outside"] == []
+    assert torch._C._len_torch_function_stack() == 0  # the record's mode is gone

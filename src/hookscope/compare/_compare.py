@@ -260,6 +260,8 @@ class _Job:
         for p in self._owned.get(a_name, ()):
             local = p[len(a_name) + 1 :] if a_name else p
             q = f"{b_name}.{local}" if b_name else local
+            if p in ra.outside or q in rb.outside:  # a loss term on it in one record
+                continue
             pairs.append((ra.param_grads.get(p), rb.param_grads.get(q)))
         return self.norms.rel_pairs(pairs, self.missing) if pairs else None
 
@@ -330,11 +332,7 @@ class _Job:
                 [k for k in calls if k in f.results],
                 dict(got.param_grads),
             )
-            errs.append(
-                self.norms.rel_pairs(
-                    [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
-                )
-            )
+            errs.append(self.norms.rel_pairs(self._against_grad(pre, got.param_grads, r)))
         elif forced:
             pass
         elif (
@@ -347,11 +345,7 @@ class _Job:
             # a module called once whose own parameters no other module uses: its local
             # parameter gradients are the whole run's .grad of A (no replay of A needed)
             self._whole[i] = (list(errs), [i], dict(got.param_grads))
-            errs.append(
-                self.norms.rel_pairs(
-                    [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
-                )
-            )
+            errs.append(self.norms.rel_pairs(self._against_grad(pre, got.param_grads, r)))
         elif got.param_grads and self.rep_a is not None:
             ref = self._run(self.rep_a, i, True, r)
             if ref is not None and ref.param_grads is not None:
@@ -368,6 +362,26 @@ class _Job:
             )
             r.note = f"{r.note}; {why}" if r.note else why
         r.local_grad_error = worst(errs)
+
+    def _against_grad(
+        self, pre: str, grads: Mapping[str, Any], r: CompareRow
+    ) -> list[tuple[Any, Any]]:
+        """The pairs (A's whole ``.grad``, B's gradient) of a module's own parameters, leaving
+        out those the recorded A also used outside the model's call (a loss term on them: A's
+        ``.grad`` holds that use), with a note on the row."""
+        out = self.ra.outside
+        skipped = [pre + n for n in grads if pre + n in out]
+        if skipped:
+            why = (
+                f"gradients of {', '.join(skipped[:3])} not compared: A's record was made with a "
+                "loss that also uses them outside the model (a term on the weights, e.g. weight "
+                "decay), so its .grad holds that use"
+            )
+            if why not in r.note:
+                r.note = f"{r.note}; {why}" if r.note else why
+        return [
+            (self.ra.param_grads.get(pre + n), g) for n, g in grads.items() if pre + n not in out
+        ]
 
     def _used_outside(self, a_name: str, params: Mapping[str, Any]) -> bool:
         """Whether the one pass saw a gradient reach one of these parameters (local names of
@@ -505,11 +519,7 @@ class _Job:
                 and once
                 and not any(pre + n in self.shared for n in got.param_grads)
             ):
-                errs.append(
-                    rel_pairs(
-                        [(self.ra.param_grads.get(pre + n), g) for n, g in got.param_grads.items()]
-                    )
-                )
+                errs.append(rel_pairs(self._against_grad(pre, got.param_grads, r)))
             e_low, e = _worst(errs), r.local_grad_error
         return self._ill_conditioned(r, kind, what, e_low, e, None)
 

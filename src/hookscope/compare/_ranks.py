@@ -82,6 +82,7 @@ def join_ranks(recs: list[RunRecord], loss_reduction: str = "mean") -> RunRecord
         lost={k: v for r in recs for k, v in r.lost.items()},
         elsewhere={k: v for r in recs for k, v in r.elsewhere.items()},
         modes=base.modes,
+        outside={n for r in recs for n in r.outside},
     )
 
 

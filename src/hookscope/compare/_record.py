@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from ..core._compiled import named_modules, named_parameters, strip_compiled
 from ..core._errors import enter_once, some_names
@@ -118,10 +119,14 @@ class Record:
             self._spool.close()
             self._spool.path.unlink(missing_ok=True)
             raise
+        params = {id(p): (n, p) for n, p in named_parameters(model) if p.requires_grad}
+        self._watch.outside = _Outside(params)
+        self._watch.outside.__enter__()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         self._scope.remove()
+        self._leave_mode()
         spool, hooks = self._spool, self._hooks
         assert spool is not None and hooks is not None
         spool.close()
@@ -152,6 +157,8 @@ class Record:
             "lost": hooks.lost,
             "elsewhere": hooks.elsewhere,
             "modes": modes_of(self._model),
+            # parameters used outside the model's call with gradients on (a loss term on them)
+            "outside": sorted(self._watch.outside.used) if self._watch.outside else [],
             # what the other two files hold, checked when read: a file changed after the record,
             # or one of another record put beside this index, is refused
             "checksums": {
@@ -163,6 +170,21 @@ class Record:
         tmp.write_text(json.dumps(index))
         os.replace(tmp, self._dir / "index.json")
         self.calls = len(hooks.entries)
+
+    def _leave_mode(self) -> None:
+        """Take the watch's torch function mode off the stack (where it is: the block may have
+        left another mode above it)."""
+        mode, watch = self._watch.outside, self._watch
+        if mode is None:
+            return
+        if watch.popped:  # an exception left the model's call without its post-hook
+            watch.popped = False
+            return
+        n = torch._C._len_torch_function_stack()
+        held = [torch._C._pop_torch_function_stack() for _ in range(n)][::-1]
+        for m in held:
+            if m is not mode:
+                torch._C._push_on_torch_function_stack(m)
 
     def _refused(self, hooks: CallHooks, spool: Spool) -> str | None:
         """Why the run inside the block cannot be a record (``None``: it can)."""
@@ -211,6 +233,29 @@ class Record:
         return None
 
 
+class _Outside(TorchFunctionMode):
+    """Inside the record's block but outside the model's call (the watch pops it while the model
+    runs): notes the model's parameters that torch functions use with gradients on, such as a
+    loss term on the weights (``loss + wd * sum(p.pow(2).sum() ...)``). Their ``.grad`` then
+    holds that use besides the model's: compared with a live model's, it would read as a
+    fault of each module owning one."""
+
+    def __init__(self, params: dict[int, tuple[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self.params = params
+        self.used: set[str] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.is_grad_enabled():
+            for a in (*args, *kwargs.values()):
+                for x in a if a.__class__ in (list, tuple) else (a,):
+                    hit = self.params.get(id(x))
+                    if hit is not None and hit[1] is x:
+                        self.used.add(hit[0])
+        return func(*args, **kwargs)
+
+
 class _Watch:
     """What the record checks of the run besides the values: the model's own calls (random
     draws between its start and end, the autocast dtype it ran under, calls from other threads)
@@ -228,10 +273,13 @@ class _Watch:
         # parameter name -> (its parameter, a weak reference to its .grad, that grad's _version)
         self.grads: dict[str, tuple[torch.Tensor, Any, int]] = {}
         self.generators: list[torch.Generator] = []  # the model's own (a module's self.gen)
+        self.outside: _Outside | None = None  # on the torch function mode stack, but in calls
+        self.popped = False
 
     def place(self, scope: HookScope, model: nn.Module, world: int) -> None:
         self.generators = generators_of(model)
-        scope.add_forward_pre(model, _RootPre(self), layer="", with_kwargs=True)
+        # first and last of the model's hooks: a wrapper's own hooks (FSDP's unshard) are inside
+        scope.add_forward_pre(model, _RootPre(self), layer="", with_kwargs=True, prepend=True)
         scope.add_forward(model, _RootPost(self), layer="", always_call=True)
         if world > 1:  # DDP and FSDP2 rewrite the gradients after accumulating them: as meant
             return
@@ -242,6 +290,10 @@ class _Watch:
 
     def start(self, inputs: Any) -> None:
         if self.depth == 0:
+            mode, n = self.outside, torch._C._len_torch_function_stack()
+            if mode is not None and n and torch._C._get_function_stack_at(n - 1) is mode:
+                torch._C._pop_torch_function_stack()  # the model's own uses are its own
+                self.popped = True
             self.states = GeneratorStates(self.generators + generators_of(inputs))
             dev = self.device_type
             if torch.is_autocast_enabled(dev):
@@ -250,6 +302,9 @@ class _Watch:
 
     def end(self) -> None:
         self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and self.popped:
+            torch._C._push_on_torch_function_stack(self.outside)
+            self.popped = False
         if self.depth == 0 and self.states is not None:
             states, self.states = self.states, None
             if states.moved():
@@ -564,4 +619,5 @@ def _load_one(path: Path) -> RunRecord:
         lost=dict(index.get("lost") or {}),
         elsewhere=dict(index.get("elsewhere") or {}),
         modes=index.get("modes"),
+        outside=set(index.get("outside") or ()),
     )

@@ -133,6 +133,9 @@ class RunRecord:
     elsewhere: dict[str, str] = dataclasses.field(default_factory=dict)
     # each module's [training, reads self.training] (None: a record made before they were kept)
     modes: dict[str, list[bool]] | None = None
+    # parameters the recorded run also used outside the model's call (a loss term on them):
+    # their .grad holds that use
+    outside: set[str] = dataclasses.field(default_factory=set)
 
     @property
     def run_dtype(self) -> torch.dtype:
