@@ -77,6 +77,10 @@ def test_a_model_against_its_bf16_copy_and_a_changed_model(spec, tmp_path, capsy
         (["compare", "{spec}", "--input", "4,3", "--b-dtype", "int8"], "unknown --b-dtype"),
         (["compare", "{rec}"], "a record needs B"),
         (["compare", "{spec}", "{rec}", "--input", "4,3"], "giving the record first"),
+        # --plot checked before the runs: no PATH.png beside a path without a suffix or a folder
+        (["compare", "{rec}", "{rec}", "--plot", "{tmp}/plot"], "give a file name ending in"),
+        (["compare", "{rec}", "{rec}", "--plot", "{tmp}"], "is a folder"),
+        (["compare", "{rec}", "{rec}", "--plot", "{tmp}/no/x.png"], "does not exist"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(spec, tmp_path, capsys, args, needle):
@@ -86,6 +90,8 @@ def test_bad_input_is_one_line_and_exit_2(spec, tmp_path, capsys, args, needle):
     assert main(filled) == 2
     err = capsys.readouterr().err
     assert err.startswith("hookscope: error:") and needle in err and err.count("\n") == 1
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == []  # nothing written
+    assert not list(tmp_path.glob("*.png")) and not list(tmp_path.glob("empty.*"))
 
 
 @pytest.mark.parametrize(

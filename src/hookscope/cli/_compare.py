@@ -144,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
     from ..compare._compare import compare
     from ..compare._record import load_record
 
+    if args.plot:
+        _check_plot(args.plot)  # before the runs: a bad path must not cost the comparison
     folder_a = _record_folder(args.model)
     folder_b = _record_folder(args.b) if args.b is not None else None
     _refuse_ignored(args, folder_a, folder_b)
@@ -184,10 +186,27 @@ def run(args: argparse.Namespace) -> int:
         b = _live_b(args, a)
         inputs = make_inputs(args, a)
         report = compare(a, b, *inputs, loss_fn=loss, autocast=autocast)
-    if args.plot:
-        report.plot(args.plot)
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
         print(report)
+    if args.plot:  # after the report is out
+        report.plot(args.plot)
     return 0
+
+
+_PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def _check_plot(path: str) -> None:
+    """``--plot`` names a file to write, with a suffix matplotlib writes, in a folder that is."""
+    p = Path(path)
+    if p.is_dir():
+        raise CLIError(f"--plot {path!r} is a folder; give a file name ending in .png")
+    if p.suffix.lower() not in _PLOT_SUFFIXES:
+        raise CLIError(
+            f"--plot {path!r}: give a file name ending in {', '.join(_PLOT_SUFFIXES)} (the format "
+            "is read from it)"
+        )
+    if not p.parent.is_dir():
+        raise CLIError(f"--plot {path!r}: the folder {str(p.parent)!r} does not exist")

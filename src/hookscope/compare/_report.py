@@ -229,6 +229,14 @@ class CompareReport:
         ax.set_title(f"culprit: {self.culprit or 'none'}")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        if path is not None:
-            fig.savefig(os.fspath(path), dpi=100)
+        if path is not None:  # written whole or not at all
+            target = os.fspath(path)
+            tmp = f"{target}.tmp{os.getpid()}"
+            fmt = os.path.splitext(target)[1].lstrip(".").lower() or "png"
+            try:
+                fig.savefig(tmp, dpi=100, format=fmt)
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         return fig
