@@ -174,6 +174,8 @@ def test_a_record_of_some_layers_still_names_the_culprit(tmp_path):
     assert [x.label for x in r.rows] == ["<root>", "conv1", "conv2", "fc"]
     assert r.culprit == "conv2"
     assert sorted(r.unmatched)[:2] == ["b: act1#0", "b: act2#0"]
+    # the verdict's scope is said: the calls not recorded are not looked at
+    assert any("culprit is looked for among the paired calls only" in n for n in r.notes)
 
 
 def test_other_inputs_than_the_recorded_ones_are_refused(tmp_path):

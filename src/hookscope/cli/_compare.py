@@ -59,6 +59,12 @@ def _record_folder(text: str) -> Path | None:
         if not (path / "index.json").exists() and not (path / "rank0" / "index.json").exists():
             raise CLIError(f"{text!r} is a folder but not a record (no index.json from hs.record)")
         return path
+    if ":" not in text and text != "demo" and not path.suffix:
+        # no model spec has neither a colon nor a suffix: a record folder that is not there
+        raise CLIError(
+            f"{text!r}: no such record folder (nor a model spec: 'package.module:callable', "
+            "'path/to/file.py:Name', 'hf:path/to/config.json' or 'demo')"
+        )
     return None
 
 

@@ -712,6 +712,12 @@ def build_report(job: _Job) -> CompareReport:
             "to replay A's inputs (pass the live model as b)"
         )
     notes.extend(job.notes)
+    if unmatched:
+        notes.append(
+            f"{len(unmatched)} call(s) ran in one run only, or were not recorded in one (see "
+            "unmatched; a record made with layers=): they are not compared, so the culprit is "
+            "looked for among the paired calls only"
+        )
     if job.failed:
         warnings.warn(
             f"hs.compare: could not replay {len(job.failed)} module call(s) on A's inputs "
@@ -838,6 +844,17 @@ def compare(
                 check_loss(rec, what, loss_fn, device)
     check_names(names, ra, rb)
     check_modes(ra, rb, names)
+    if (
+        isinstance(a, (str, os.PathLike))
+        and isinstance(b, (str, os.PathLike))
+        and os.path.realpath(a) == os.path.realpath(b)
+    ):
+        warnings.warn(
+            f"hs.compare: a and b are the same record ({os.fspath(a)!r}): every error is 0 by "
+            "construction; give the record of the other run as b",
+            HookscopeWarning,
+            stacklevel=2,
+        )
     job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
     with contextlib.ExitStack() as stack:
         for m in (a, b):

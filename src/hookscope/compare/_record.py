@@ -207,6 +207,12 @@ class Record:
                 f"no call of the model ({kind}) or of its recorded layers ran inside the with "
                 "block; run its forward (and backward) inside `with hs.record(model, folder):`"
             )
+        if hooks.model_calls > 1:
+            return (
+                f"the model ({kind}) ran {hooks.model_calls} times inside the block; a record "
+                "holds one forward and its backward: record each forward in a `with "
+                "hs.record(...)` block (and folder) of its own"
+            )
         if watch.drew:
             return (
                 f"the model ({kind}) drew random numbers in its forward (dropout in training mode, "
