@@ -306,7 +306,8 @@ def check_loss(rec: RunRecord, what: str, loss_fn: Any, device: torch.device) ->
     raise CompareError(
         f"hs.compare: record {what}: the output gradient loss_fn gives at the recorded output "
         f"differs from the recorded one by {err_s}: the record was made with another loss; pass "
-        "the loss the record's backward used as loss_fn (scaling included)"
+        "the loss the record's backward used as loss_fn (scaling included; on the command line "
+        "--loss sum or square, or --loss none to compare the forward only)"
     )
 
 
