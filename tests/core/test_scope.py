@@ -326,3 +326,30 @@ def test_a_view_gradient_hook_gets_what_a_plain_tensor_hook_gets():
     v.sum().backward()
     assert lost == []
     scope.remove()
+
+
+def test_node_hooks_see_the_gradients_a_node_gets_and_gives():
+    """add_node_hook: a pre-hook on the node that made ``h`` gets ``h``'s gradient (even after
+    a view of ``h`` was changed in place, which drops the view's own hooks), a hook on the
+    in-place node gets what it gives its input and what it got, as ``torch.autograd.grad``
+    computes them on the same graph written without the in-place op."""
+    w = torch.randn(4, requires_grad=True)
+    scope = hs.HookScope("test")
+    got: dict[str, torch.Tensor] = {}
+    h = w * 2
+    scope.add_node_hook(h.grad_fn, lambda go: got.update(h=go[0].clone()), pre=True)
+    v = h.view_as(h)
+    s = h * 3  # a use before the change
+    torch.relu_(v)
+    scope.add_node_hook(
+        h.grad_fn, lambda gi, go: got.update(into=gi[0].clone(), out=go[0].clone()), pre=False
+    )
+    (v * torch.arange(4.0)).sum().add(s.sum()).backward()
+    w2 = w.detach().clone().requires_grad_(True)
+    h2 = w2 * 2
+    r2 = torch.relu(h2)
+    g_h, g_r = torch.autograd.grad((r2 * torch.arange(4.0)).sum() + (h2 * 3).sum(), [h2, r2])
+    torch.testing.assert_close(got["h"], g_h, rtol=0, atol=0)
+    torch.testing.assert_close(got["out"], g_r, rtol=0, atol=0)
+    torch.testing.assert_close(got["into"], g_r * (h2 > 0), rtol=0, atol=0)
+    scope.remove()

@@ -427,7 +427,7 @@ class CallHooks:
         if key.startswith("grad"):
             if t._is_view():
                 return False
-            node.register_prehook(_NodeGrad(self, key, t.output_nr))
+            self.scope.add_node_hook(node, _NodeGrad(self, key, t.output_nr), pre=True)
             self.recovered.add(key)
             return True
         base = t._base if t._is_view() else t
@@ -447,7 +447,7 @@ class CallHooks:
             nxt = at.next_functions[0][0] if at.next_functions else None
             if nxt is node:
                 out_key = f"grad{pos}_0"
-                at.register_hook(_NodeGradIn(self, key, out_key))
+                self.scope.add_node_hook(at, _NodeGradIn(self, key, out_key), pre=False)
                 self.recovered.update((key, out_key))
                 return True
             at, depth = nxt, depth + 1

@@ -588,6 +588,17 @@ class HookScope:
         else:
             view.register_hook(fn)
 
+    def add_node_hook(self, node: Any, fn: Callable[..., Any], *, pre: bool) -> None:
+        """A hook on an autograd node itself (``pre``: ``fn(grad_outputs)`` before it runs; else
+        ``fn(grad_inputs, grad_outputs)`` after), for a gradient no tensor hook can see (a view
+        changed in place loses its own: the node that made its base still runs). As with
+        :meth:`add_view_grad_hook`, no handle is kept (it lives as long as the graph) and ``fn``
+        checks its scope itself (inert once removed) and returns ``None``."""
+        if pre:
+            node.register_prehook(fn)
+        else:
+            node.register_hook(fn)
+
     def add_post_accumulate_grad(
         self, param: torch.Tensor, fn: Callable[[torch.Tensor], None], *, layer: str
     ) -> RemovableHandle:
