@@ -186,7 +186,9 @@ class CallHooks:
         # views checked unchanged when their call ended, checked again when the model's call
         # ends: a later change in place of the tensor they view (``out += x`` in a caller)
         # drops their hooks too
-        self.seen: list[tuple[torch.Tensor, int, str, str, torch.Tensor, Any]] = []
+        # drops their hooks too (weak references: a tensor freed meanwhile was not changed, and
+        # the record must not keep activations alive that the run would have freed)
+        self.seen: list[tuple[Any, int, str, str, Any, Any]] = []
         self.lost: dict[str, str] = {}  # key -> layer: gradients PyTorch never handed over
         # module -> thread: calls made by another thread while a call of this one ran (a worker
         # the model started: hooks act on their own thread, so those calls are not recorded)
@@ -287,14 +289,22 @@ class CallHooks:
         self.checked(pos, output)  # its inputs, its children's outputs: changed in place?
         if not self.stack and self.seen:  # the outermost call: changed since their check?
             seen, self.seen = self.seen, []
-            for v, version, key, layer, t, node in seen:
+            for base_ref, version, key, layer, is_view, node in seen:
+                base = base_ref()
                 if (
-                    v._version != version
+                    base is not None
+                    and base._version != version
                     and key not in self.fired
                     and key not in self.recovered
-                    and not self._recover(v, key, t, node, -1, None)
                 ):
-                    self.lost[key] = layer
+                    if key.startswith("grad") and not is_view and node is not None:
+                        # a call's own output (the base itself): its node's gradient
+                        self.scope.add_node_hook(
+                            node, _NodeGrad(self, key, base.output_nr), pre=True
+                        )
+                        self.recovered.add(key)
+                    else:
+                        self.lost[key] = layer
         e = self.entries[pos]
         e.end = self.ended
         self.ended += 1
@@ -392,7 +402,10 @@ class CallHooks:
         for v, version, key, layer, t, node in watch:
             if v._version == version or key in self.fired or key in self.recovered:
                 if pos is not None:
-                    self.seen.append((v, version, key, layer, t, node))
+                    # the base, alive while any view of it is (a view object may die while its
+                    # node lives on in the graph); the version counter is the base's
+                    base = t._base if t._base is not None else t
+                    self.seen.append((weakref.ref(base), version, key, layer, t._is_view(), node))
             elif pos is None or not self._recover(v, key, t, node, pos, output):
                 self.lost[key] = layer
         if pos is None:
