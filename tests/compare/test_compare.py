@@ -518,3 +518,48 @@ def test_a_backward_fault_is_named_where_the_forward_s_error_is_explained():
         "not stable across dtypes" in report.row("bin").note
         or "ill-conditioned" in report.row("bin").note
     )  # the forward's explanation is kept
+
+
+class _SortedRouter(_Router):
+    """A fault only in the indices: the chosen experts returned sorted, the weights not."""
+
+    def forward(self, x):
+        logits, w, idx = super().forward(x)
+        return logits, w, idx.sort(-1).values
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["after-a-linear", "on-the-input"])
+def test_routers_in_bf16_pairs_name_no_false_culprit_and_a_fault_in_the_indices(tmp_path, first):
+    """A router reading the model's input (no gradient there) in a fault-free bf16 copy (or
+    under bf16 autocast, or against an fp32 record) was named for its backward once its
+    forward's flipped indices were explained (no reference for its children's gradients: not
+    judged now); a fault only in its indices (sorted) is named: B's indices must equal those of
+    A's own router computing in bf16 on the same values."""
+    torch.manual_seed(1)
+    a = (
+        nn.Sequential(_MoE(), nn.Linear(16, 4))
+        if first
+        else nn.Sequential(nn.Linear(16, 16), _MoE(), nn.Linear(16, 4))
+    )
+    moe = a[0] if first else a[1]
+    with torch.no_grad():  # nearly tied experts: bf16 flips the choice on some tokens
+        g = moe.router.weight
+        g[1] = g[0] + 1e-3 * torch.randn(16)
+    x = torch.randn(4, 32, 16)
+    loss = lambda o: o.float().logsumexp(-1).mean()  # noqa: E731
+    with hs.record(a, tmp_path / "a"):
+        loss(a(x)).backward()
+    a.zero_grad(set_to_none=True)
+    low = copy.deepcopy(a).to(torch.bfloat16)
+    router = "0.router" if first else "1.router"
+    assert hs.compare(a, low, x, loss_fn=loss).row(router).local_error == math.inf  # flipped
+    for src, b, kw in [
+        (a, low, {}),
+        (a, copy.deepcopy(a), {"autocast": torch.bfloat16}),
+        (tmp_path / "a", low, {}),
+    ]:
+        assert hs.compare(src, b, x, loss_fn=loss, **kw).culprit is None
+    bad = copy.deepcopy(a)
+    (bad[0] if first else bad[1]).router.__class__ = _SortedRouter
+    assert hs.compare(a, bad, x, loss_fn=loss).culprit == router  # fp32
+    assert hs.compare(a, bad.to(torch.bfloat16), x, loss_fn=loss).culprit == router

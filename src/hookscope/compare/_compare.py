@@ -102,6 +102,9 @@ class _Job:
         # B's replayed output of the calls whose output holds integers (a router's indices):
         # where those differ in B and in the reference alike, their floating outputs decide
         self._int_out: dict[int, Any] = {}
+        # False while a backward is judged after the forward's error was explained: a check whose
+        # reference cannot be computed then leaves the row unflagged, with a note
+        self._strict = True
         self._low: Replay | None = None
         if self.mixed and (ra.modules is not None or b is not None):
             # the conditioning check replays A's modules; for a recorded A, a copy of B's in
@@ -424,16 +427,20 @@ class _Job:
         whole = self._whole.pop(i, None)
         if whole is not None and over(r.local_grad_error):
             self._confirm(r, whole)
-        kind = None
+        kind, explained = None, False
         if over(r.local_error):
             kind = "forward"
             if self.rep_round is not None:
                 kind = self._explained(i, r, kind)
+                explained = kind is None
         if kind is None and over(r.local_grad_error):
-            # also where the forward's error was explained: a backward fault is a fault
+            # also where the forward's error was explained: a backward fault is a fault (there,
+            # only where a reference was computed that does not explain it)
             kind, said = "backward", r.note
             if self.rep_round is not None:
+                self._strict = not explained
                 kind = self._explained(i, r, kind)
+                self._strict = True
                 if said and r.note != said:
                     r.note = f"{said}; {r.note}" if r.note else said
         if kind is None and r.compile_error is not None:
@@ -477,8 +484,10 @@ class _Job:
             )
             e = r.local_grad_error
         what = "gradient" if grads else "output"
-        if not grads:
-            e, e_round = self._floats(i, e, e_round, out, got.output)
+        if not grads and e == math.inf and i in self._int_out:
+            # integer outputs differ: only the dtype check (A's module in B's dtype, whose
+            # integers a fault-free B reproduces exactly) can explain that
+            return self._explained_by_dtype(i, r, kind, what)
         if e_round is None or e is None or e > 2 * e_round + r.tol:
             return self._explained_by_dtype(i, r, kind, what)
         whose = "a copy of B in A's dtype (A is a record)" if stand else "A's own"
@@ -506,7 +515,7 @@ class _Job:
             return kind
         if kind == "forward":
             e_low = _worst([rel_error(ca.output, got.output), *got.child_errors])
-            e, e_low = self._floats(i, r.local_error, e_low, ca.output, got.output)
+            e, e_low = self._floats(i, r.local_error, e_low, ca.output, got.output, exact=True)
         else:
             errs = [
                 rel_pairs(list(zip(ca.in_grad or [], got.in_grads or []))),
@@ -523,13 +532,20 @@ class _Job:
             e_low, e = _worst(errs), r.local_grad_error
         return self._ill_conditioned(r, kind, what, e_low, e, None)
 
-    def _floats(self, i: int, e: Any, e_ref: Any, ref: Any, ref_got: Any) -> tuple[Any, Any]:
+    def _floats(
+        self, i: int, e: Any, e_ref: Any, ref: Any, ref_got: Any, exact: bool = False
+    ) -> tuple[Any, Any]:
         """B's local error and the reference's, or, where both are infinite because integer
         outputs differ in both (a router's expert indices, flipped by rounding in B's dtype as in
         the reference's), the errors of their floating outputs: a fault in what the module
-        computes in floating point still shows there (it was hidden: inf against inf)."""
+        computes in floating point still shows there (it was hidden: inf against inf).
+        ``exact``: the reference computes as B does (A's module in B's dtype, on the same
+        values), so B's integer outputs must be the reference's exactly (a fault only in the
+        indices shows there), else B's error stays infinite."""
         if e != math.inf or e_ref != math.inf or i not in self._int_out:
             return e, e_ref
+        if exact and not _same_integers(self._int_out[i], ref_got):
+            return e, 0.0
         e_f = float_error(self.ra.calls[i].output, self._int_out[i])
         ref_f = float_error(ref, ref_got)
         if e_f is None or ref_f is None:
@@ -541,6 +557,12 @@ class _Job:
     ) -> str | None:
         """``kind`` unless the reference in B's dtype (A's own module, or ``stand``: what stands
         in for it) is off by about as much as B's module (then ``None``, and the row says so)."""
+        if e_low is None and e is not None and not self._strict:
+            r.note = (
+                f"{what} error {e:.1e} not judged: its forward's error is explained by the "
+                "dtypes and no reference for its gradient could be computed"
+            )
+            return None
         if e_low is None or e is None or e > 2 * e_low + r.tol:
             return kind
         dtype = str(self.rb.autocast or self.rb.dtype)[6:] if self.rb is not None else "?"
@@ -556,15 +578,24 @@ class _Job:
     def _explained_by_stand_in(self, i: int, r: CompareRow, kind: str, what: str) -> str | None:
         assert self.rep_b is not None
         grads = kind == "backward"
-        out, in_grad, _ = self._reference(i, r, grads)
+        assert self.rep_stand is not None
+        ref = self._run(self.rep_stand, i, grads, r)
         got = self._run(self.rep_b, i, grads, r)
-        if got is None or out is None:
+        if got is None or ref is None or ref.output is None:
             return kind
+        out = ref.output
         if not grads:
             e, e_low = self._floats(i, r.local_error, rel_error(out, got.output), out, got.output)
         else:
-            e_low = rel_pairs(list(zip(in_grad or [], got.in_grads or [])))
+            errs = [rel_pairs(list(zip(ref.in_grads or [], got.in_grads or [])))]
+            if got.param_grads and ref.param_grads:  # B's own parameters: the copy's too
+                errs.append(
+                    rel_pairs([(ref.param_grads.get(n), g) for n, g in got.param_grads.items()])
+                )
+            e_low = _worst(errs)
             e = r.local_grad_error
+            if not self._strict and got.child_grad_errors:
+                e_low = None  # its children's gradients have no reference here: not judged
         stand = (
             f"B's module is off by {e_low:.1e} from a copy of itself in A's dtype, both on A's "
             "values (A is a record)"
@@ -600,6 +631,15 @@ _ERRORS = (
     "local_grad_error",
     "param_grad_error",
 )
+
+
+def _same_integers(x: Any, y: Any) -> bool:
+    """Whether the integer tensors of two values (same structure) are equal."""
+    a = [t for t in tensors_of(x) if not t.is_floating_point()]
+    b = [t for t in tensors_of(y) if not t.is_floating_point()]
+    return len(a) == len(b) and all(
+        p.shape == q.shape and torch.equal(p, q.to(p.device)) for p, q in zip(a, b)
+    )
 
 
 def _shared_params(ra: RunRecord, b: nn.Module | None) -> set[str]:
