@@ -563,3 +563,30 @@ def test_routers_in_bf16_pairs_name_no_false_culprit_and_a_fault_in_the_indices(
     (bad[0] if first else bad[1]).router.__class__ = _SortedRouter
     assert hs.compare(a, bad, x, loss_fn=loss).culprit == router  # fp32
     assert hs.compare(a, bad.to(torch.bfloat16), x, loss_fn=loss).culprit == router
+
+
+class _ThreeRouter(_Router):
+    """Three experts per token where A's router chooses two: outputs of another shape."""
+
+    def forward(self, x):
+        logits = x @ self.weight.T
+        w, idx = logits.softmax(-1).topk(3, -1)
+        return logits, w / w.sum(-1, keepdim=True), idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_module_whose_outputs_change_shape_is_named_though_its_backward_cannot_replay(dtype):
+    """B's router returns three experts per token, A's two: its backward cannot run on A's
+    output gradients (another shape), which left the row without a local error and named
+    nothing; its forward is replayed alone and names it, with the warning."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(16, 16), _MoE(), nn.Linear(16, 4))
+    b = copy.deepcopy(a)
+    b[1].router.__class__ = _ThreeRouter
+    x = torch.randn(2, 8, 16)
+    loss = lambda o: o.float().logsumexp(-1).mean()  # noqa: E731
+    with pytest.warns(hs.HookscopeWarning, match="could not replay 1 module call"):
+        report = hs.compare(a, b.to(dtype), x, loss_fn=loss)
+    row = report.row("1.router")
+    assert report.culprit == "1.router" and row.local_error == math.inf
+    assert "its forward replayed alone" in row.note

@@ -285,6 +285,13 @@ class _Job:
         forced = got is not None
         if got is None:
             got = self._run(self.rep_b, i, self.grads, r)
+            if got is None and self.grads:
+                # its backward cannot run on A's gradients (an output of another shape): its
+                # forward still can, and says what differs
+                why = r.note
+                got = self._run(self.rep_b, i, False, r)
+                if got is not None:
+                    r.note = f"{why} (backward; its forward replayed alone)"
         if got is None:
             return
         if got.ran:
