@@ -250,3 +250,19 @@ def test_gradients_of_values_changed_in_place_are_taken_from_the_graph_exactly(t
     torch.testing.assert_close(call["relu"].grad[0], got["relu.out"], rtol=0, atol=1e-6)
     torch.testing.assert_close(call["relu"].in_grad[0], want_relu_in, rtol=0, atol=1e-6)
     torch.testing.assert_close(call["c1"].grad[0], got["c1.out"], rtol=0, atol=1e-6)
+
+
+def test_a_live_b_takes_the_gradient_of_an_in_place_call_s_output_as_a_does():
+    """B, live, keeps no inputs: its in-place ReLU's output gradient was the returned tensor's
+    uses only while A's (taken from the in-place node) was every use of the changed value, so an
+    exact copy showed a gradient error of 0.79 there; both now take it from the node."""
+    import copy
+
+    import hookscope as hs
+
+    torch.manual_seed(0)
+    model = _UsedBefore(inplace=True)
+    x = torch.randn(3, 4)
+    report = hs.compare(model, copy.deepcopy(model), x, loss_fn=lambda o: o.pow(2).sum())
+    assert report.culprit is None and not report.notes
+    assert [r.grad_error for r in report.rows] == [0.0] * len(report.rows)

@@ -193,6 +193,9 @@ class CallHooks:
         # module -> thread: calls made by another thread while a call of this one ran (a worker
         # the model started: hooks act on their own thread, so those calls are not recorded)
         self.elsewhere: dict[str, str] = {}
+        # inputs=False: each call's inputs that require grad, their versions and nodes, to find
+        # a call that works in place on its input (its output gradient taken as A's is)
+        self.in_watch: dict[int, list[tuple[torch.Tensor, int, Any]]] = {}
         self.recomputes = Recomputes()
         # a call is what ``module(...)`` does, its own hooks included: its inputs are what the
         # caller handed (before the module's pre-hooks), its output what the caller gets (after
@@ -265,6 +268,10 @@ class CallHooks:
         stack.append(pos)
         if not self.inputs:
             e.in_dtypes = [t.dtype for t in leaves]
+            if torch.is_grad_enabled():
+                w = [(t, t._version, _node(t)) for t in leaves if t.requires_grad]
+                if w:
+                    self.in_watch[pos] = w
             return None
         if len(leaves) == 1 and not kwargs and args.__class__ is tuple and len(args) == 1:
             kept = ((self.copy(leaves[0]),), {})
@@ -287,6 +294,11 @@ class CallHooks:
             return None
         pos = self.stack.pop()
         self.checked(pos, output)  # its inputs, its children's outputs: changed in place?
+        w = self.in_watch.pop(pos, None) if self.in_watch else None
+        if w is not None and output.__class__ is torch.Tensor:
+            for t, version, node in w:
+                if t._version != version and self._in_place_node(t, node, output, pos, None):
+                    break
         if not self.stack and self.seen:  # the outermost call: changed since their check?
             seen, self.seen = self.seen, []
             for base_ref, version, key, layer, is_view, node in seen:
@@ -443,6 +455,15 @@ class CallHooks:
             self.scope.add_node_hook(node, _NodeGrad(self, key, t.output_nr), pre=True)
             self.recovered.add(key)
             return True
+        return self._in_place_node(t, node, output, pos, key)
+
+    def _in_place_node(
+        self, t: torch.Tensor, node: Any, output: Any, pos: int, key: str | None
+    ) -> bool:
+        """Call ``pos`` changed its input ``t`` in place and returned it (viewing the whole of its
+        base; ``node``: the base's node when the call started): a hook on the call's first
+        in-place node gives its input gradient (under ``key``, unless ``None``) and its output
+        gradient, the changed value's over every use (see :meth:`_recover`)."""
         base = t._base if t._is_view() else t
         if (
             output.__class__ is not torch.Tensor
@@ -451,7 +472,7 @@ class CallHooks:
                 x.shape != base.shape
                 or x.stride() != base.stride()
                 or x.storage_offset() != base.storage_offset()
-                for x in (v, output)
+                for x in (t, output)
             )
         ):
             return False
@@ -461,7 +482,7 @@ class CallHooks:
             if nxt is node:
                 out_key = f"grad{pos}_0"
                 self.scope.add_node_hook(at, _NodeGradIn(self, key, out_key), pre=False)
-                self.recovered.update((key, out_key))
+                self.recovered.update(k for k in (key, out_key) if k is not None)
                 return True
             at, depth = nxt, depth + 1
         return False
@@ -571,7 +592,7 @@ class _NodeGradIn:
 
     __slots__ = ("hooks", "key", "out_key")
 
-    def __init__(self, hooks: CallHooks, key: str, out_key: str) -> None:
+    def __init__(self, hooks: CallHooks, key: str | None, out_key: str) -> None:
         self.hooks, self.key, self.out_key = hooks, key, out_key
 
     def __call__(self, grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
@@ -580,7 +601,7 @@ class _NodeGradIn:
             return
         for k, got in ((self.out_key, grad_outputs), (self.key, grad_inputs)):
             g = got[0] if got else None
-            if g is not None:
+            if g is not None and k is not None:
                 hooks.grads = True
                 hooks.fired.add(k)
                 hooks.sink.put(k, g.detach().clone())
