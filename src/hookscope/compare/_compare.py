@@ -970,12 +970,7 @@ def _check_same_inputs(ra: RunRecord, rb: RunRecord) -> None:
     cpu = torch.device("cpu")
     xa = cast_like(ra.calls[pa].inputs, low, cpu, objects=True)
     xb = cast_like(rb.calls[pb].inputs, low, cpu, objects=True)
-    if isinstance(xa, tuple) and len(xa) == 2 and isinstance(xb, tuple) and len(xb) == 2:
-        other = _difference(xa[0], xb[0], "args") or _difference(xa[1], xb[1], "kwargs")
-        if other is None:  # keywords paired by name, not order
-            xb = (xb[0], {k: xb[1][k] for k in xa[1]})
-    else:
-        other = _difference(xa, xb, "")
+    other, xb = _aligned(xa, xb)
     err = rel_error(xa, xb) if other is None else None
     if other is None and (err is None or err == 0.0):
         return
@@ -1075,6 +1070,18 @@ def _difference(rec: Any, given: Any, path: str, depth: int = 10) -> str | None:
     return None
 
 
+def _aligned(rec: Any, given: Any) -> tuple[str | None, Any]:
+    """Where ``given`` differs from ``rec`` other than in values (:func:`_difference`; an
+    ``(args, kwargs)`` pair named as such), and ``given`` with its keywords in ``rec``'s order
+    (paired by name, not order) for the value comparison."""
+    if isinstance(rec, tuple) and len(rec) == 2 and isinstance(given, tuple) and len(given) == 2:
+        other = _difference(rec[0], given[0], "args") or _difference(rec[1], given[1], "kwargs")
+        if other is None and isinstance(rec[1], Mapping) and isinstance(given[1], Mapping):
+            given = (given[0], {k: given[1][k] for k in rec[1]})
+        return other, given
+    return _difference(rec, given, ""), given
+
+
 def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """The live run must get the recorded run's inputs: refuse others by name."""
     pos = ra.by_key.get(("", 0))
@@ -1089,12 +1096,7 @@ def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]
         return
     rec = ra.calls[pos].inputs
     given = cast_like((tuple(inputs), dict(kwargs)), ra.dtype, torch.device("cpu"))
-    if isinstance(rec, tuple) and len(rec) == 2:  # (args, kwargs): named as such
-        other = _difference(rec[0], given[0], "args") or _difference(rec[1], given[1], "kwargs")
-        if other is None:  # keywords paired by name, not order
-            given = (given[0], {k: given[1][k] for k in rec[1]})
-    else:
-        other = _difference(rec, given, "")
+    other, given = _aligned(rec, given)
     if other is not None:
         raise CompareError(
             f"hs.compare: the inputs given differ from those of the recorded run: {other}; pass "
