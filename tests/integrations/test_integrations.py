@@ -764,6 +764,7 @@ def _wandb_history(run_dir: str) -> list[dict]:
     ``exit`` record is there."""
     import time
 
+    from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = glob.glob(f"{run_dir}/wandb/offline-run-*/run-*.wandb")
@@ -777,11 +778,17 @@ def _wandb_history(run_dir: str) -> list[dict]:
             if left < 7 or kind == 0:  # padding to the end of the block
                 pos += left
                 continue
+            if pos + 7 + n > len(data):  # the service is still writing this record
+                break
             buf += data[pos + 7 : pos + 7 + n]
             pos += 7 + n
             if kind in (1, 4):  # a full record, or the last fragment of one
                 rec = pb.Record()
-                rec.ParseFromString(buf)
+                try:
+                    rec.ParseFromString(buf)
+                except DecodeError:  # a record caught half-written: read the file again
+                    kinds.append("partial")
+                    break
                 buf = b""
                 kinds.append(rec.WhichOneof("record_type"))
                 if kinds[-1] == "history":
@@ -791,7 +798,7 @@ def _wandb_history(run_dir: str) -> list[dict]:
                             for i in rec.history.item
                         }
                     )
-        if "exit" in kinds:
+        if "exit" in kinds and "partial" not in kinds:
             return rows
         time.sleep(0.1)
     raise AssertionError(f"the W&B run file has no exit record: {kinds}")
