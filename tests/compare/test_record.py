@@ -16,6 +16,7 @@ import torch.nn as nn
 import hookscope as hs
 from helpers.common import KeepsItsInput, plain_step, tiny_models_on_one_thread  # noqa: F401
 from helpers.faults import FAULTS, cnn, faulty
+from hookscope.compare._store import BUFFER
 
 
 def _record(model, folder, inputs, kwargs, loss, layers=None):
@@ -100,14 +101,16 @@ def test_the_record_is_written_while_the_run_goes(tmp_path):
             return x
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4), Probe())
-    x = torch.randn(2, 4)
+    net = nn.Sequential(nn.Linear(256, 256), Probe())
+    x = torch.randn(512, 256)  # 512 KiB a value: more than the spool's buffer holds
+    assert x.nbytes > BUFFER
     with hs.record(net, tmp_path):
         net(x).sum().backward()
-    # when the second layer runs, the root's, the first layer's and the probe's inputs and the
-    # first layer's output (2x4 floats each) are already on disk; no index yet
+    # when the second layer runs, the model's input (the first layer's too: one tensor, written
+    # once) and the first layer's output are on disk; the buffer holds at most BUFFER bytes
+    # besides; no index yet
     assert seen["files"] == ["values.bin"]
-    assert seen["bytes"] >= 4 * x.numel() * 4
+    assert seen["bytes"] >= 2 * x.nbytes
     assert {"params.pt", "index.json", "values.bin"} == set(os.listdir(tmp_path))
     index = json.loads((tmp_path / "index.json").read_text())
     assert index["version"] == 2
@@ -115,6 +118,31 @@ def test_the_record_is_written_while_the_run_goes(tmp_path):
     # read back: the first layer's output and gradient are what a plain hook sees
     got = hs.compare(tmp_path, copy.deepcopy(net), x, loss_fn=lambda o: o.sum())
     assert got.culprit is None and got.row("0").error == 0.0 and got.row("0").grad_error == 0.0
+
+
+def test_what_the_record_holds_in_memory_while_the_run_goes_is_bounded_by_its_buffer(tmp_path):
+    seen = {}
+
+    class Probe(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen["bytes"] = (tmp_path / "values.bin").stat().st_size
+            return x
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(128, 128) for _ in range(200)]
+    net = nn.Sequential(*layers, Probe())  # 200 calls writing 4 KiB each before the probe
+    with hs.record(net, tmp_path):
+        net(torch.randn(8, 128)).sum().backward()
+    index = json.loads((tmp_path / "index.json").read_text())
+    probe = next(c for c, e in enumerate(index["calls"]) if e["name"] == "200")
+    before = [
+        at + n
+        for key, (at, n) in index["values"].items()
+        if key.startswith(("in", "out")) and not key.startswith("ingrad")
+        and int(key.removeprefix("in").removeprefix("out")) < probe
+    ]  # fmt: skip
+    assert max(before) > 2 * BUFFER  # more was written before the probe than the buffer holds
+    assert 0 < max(before) - seen["bytes"] <= BUFFER
 
 
 def test_a_record_of_format_1_is_still_read():

@@ -87,10 +87,16 @@ def _describe(key: str) -> str:
     return f"the {what} of module call {call}" if what and call else f"the value {key!r}"
 
 
+BUFFER = 256 << 10  # what a spool holds before writing to its file (bytes)
+
+
 class Spool:
-    """Values appended to ``folder/values.bin`` as they come (one unbuffered write per tensor and
-    one per value: on disk when :meth:`write` returns); ``index[key] = (offset, length)`` of each
-    value's pickle. :meth:`close` ends it.
+    """Values appended to ``folder/values.bin`` as they come, through a buffer of ``BUFFER``
+    bytes (a tensor larger than what is left of it goes straight to the file; a step of a small
+    model writes hundreds of small values, and a system call each cost about as much as the rest
+    of the write); ``index[key] = (offset, length)`` of each value's pickle. :meth:`flush` puts
+    what the buffer holds in the file (a reader of an open spool calls it first); :meth:`close`
+    ends it.
 
     The file is created when the spool is (exclusively: a folder whose ``values.bin`` exists, being
     written by another spool or left by a run that was killed, is refused, so two writers never
@@ -107,7 +113,7 @@ class Spool:
         # the tensors written, by the memory they view: written once while unchanged (_same)
         self._seen: dict[tuple[Any, ...], tuple[Any, int, tuple[Any, ...]]] = {}
         try:
-            self._f: Any = open(self.path, "xb", buffering=0)  # noqa: SIM115 (closed by close())
+            self._f: Any = open(self.path, "xb", buffering=BUFFER)  # noqa: SIM115 (see close())
         except FileExistsError:
             raise _compare_error(
                 f"hookscope: {str(folder)!r} already holds a {SPOOL}: another hs.record is "
@@ -190,6 +196,12 @@ class Spool:
     def size(self) -> int:
         """Bytes written so far."""
         return self._at
+
+    def flush(self) -> None:
+        """What the buffer holds, into the file."""
+        with self._lock:
+            if self._f is not None:
+                self._f.flush()
 
     def close(self) -> None:
         with self._lock:
@@ -378,6 +390,8 @@ class ValueStore:
         if key in self.mem:
             return self.mem[key]
         if self._reader is not None and key in self._reader:
+            if self._spool is not None:
+                self._spool.flush()
             return self._reader.get(key, default)
         if self._folder is None:
             return default
