@@ -418,19 +418,17 @@ class CallHooks:
                     # node lives on in the graph); the version counter is the base's
                     base = t._base if t._base is not None else t
                     self.seen.append((weakref.ref(base), version, key, layer, t._is_view(), node))
-            elif pos is None or not self._recover(v, key, t, node, pos, output):
+            elif pos is None or not self._recover(key, t, node, pos, output):
                 self.lost[key] = layer
         if pos is None:
             self.unchecked = []
             for p in list(self.watch):
                 self.checked(p)
 
-    def _recover(
-        self, v: torch.Tensor, key: str, t: torch.Tensor, node: Any, pos: int, output: Any
-    ) -> bool:
-        """The gradient of view ``v`` (of ``t``), changed in place, from the graph itself (in
-        forward, when the change is found at the end of call ``pos``, which returned
-        ``output``: the nodes are known before backward runs).
+    def _recover(self, key: str, t: torch.Tensor, node: Any, pos: int, output: Any) -> bool:
+        """The gradient under ``key`` of the view of ``t`` made for it, changed in place, from
+        the graph itself (in forward, when the change is found at the end of call ``pos``, which
+        returned ``output``: the nodes are known before backward runs).
 
         PyTorch moves a view changed in place onto new history (its base's ``CopySlices``) and
         drops the hook of its old node. ``node`` is the node of ``t``'s base when the view was
