@@ -106,3 +106,28 @@ def test_cam_of_an_eval_model_that_draws_names_the_module_not_eval():
     msg = str(err.value)
     assert "in the forward of '2' (_AlwaysDrops)" in msg and "no module is in training mode" in msg
     assert "call model.eval() first" not in msg
+
+
+@pytest.mark.parametrize("method", ["gradcam", "scorecam"])
+def test_cam_leaves_a_layer_s_python_state_as_found_and_each_map_starts_from_it(method):
+    """A layer whose forward counts its calls (and scales its output by the count): the maps of
+    a second call equal the first's and a fresh copy's, and the counter, the list it appends to
+    and its tensor attribute are as found."""
+    from helpers.common import Counting
+
+    torch.manual_seed(0)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), Counting(4 * 6 * 6), nn.Linear(144, 3)
+        ).eval()
+
+    net, x = build(), torch.randn(2, 3, 8, 8)
+    cam = hs.cam_methods()[method]
+    first = cam(net, "0", **_kwargs(method))(x, target=1)
+    again = cam(net, "0", **_kwargs(method))(x, target=1)
+    fresh = cam(build(), "0", **_kwargs(method))(x, target=1)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    torch.testing.assert_close(fresh, first, rtol=0, atol=0)
+    assert net[3].state() == (False, 0, [], 0.0)

@@ -590,3 +590,26 @@ def test_a_module_whose_outputs_change_shape_is_named_though_its_backward_cannot
     row = report.row("1.router")
     assert report.culprit == "1.router" and row.local_error == math.inf
     assert "its forward replayed alone" in row.note
+
+
+def test_a_module_changing_its_python_state_in_forward_is_replayed_from_where_the_run_started():
+    """A call counter that scales a layer's output (a plain attribute, not a buffer): B's replay
+    on A's inputs used to start from the state B's own run left (the counter one higher) and
+    named the layer with a local error of 1.0 on an exact copy; each run now starts from the
+    state the first one did, both models are left as found, and a real fault is still named."""
+    from helpers.common import Counting
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(3, 3), Counting(3), nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    loss = lambda o: o.pow(2).mean()  # noqa: E731
+    b = copy.deepcopy(a)
+    r = hs.compare(a, b, x, loss_fn=loss)
+    assert r.culprit is None and r.first_divergent is None
+    assert [(row.name, row.error, row.local_error) for row in r.rows] == [
+        (n, 0.0, 0.0) for n in ("", "0", "1", "1.lin", "2")
+    ]
+    assert a[1].state() == b[1].state() == (False, 0, [], 0.0)
+    with torch.no_grad():
+        b[1].lin.weight[0, 0] += 0.1
+    assert hs.compare(a, b, x, loss_fn=loss).culprit == "1.lin"

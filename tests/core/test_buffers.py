@@ -41,3 +41,21 @@ def test_every_buffer_is_the_same_object_with_the_same_values_and_no_buffer_is_a
         assert b is objects[n], n
         assert b.shape == values[n].shape and torch.equal(b, values[n]), n
     assert "added" not in m._buffers and not hasattr(m, "added")
+
+
+def test_plain_attributes_are_put_back_and_a_private_mark_added_is_kept():
+    """A counter added by the forward is removed, a tensor attribute changed in place gets its
+    values back, a list its contents; a private attribute the forward added (a class's mark of
+    state not undone, e.g. hooks it installed) stays."""
+    from helpers.common import Counting
+    from hookscope.core._buffers import state_kept
+
+    m = Counting(3)
+    total, seen = m.total, m.seen
+    with state_kept(m):
+        m(torch.ones(1, 3))
+        m._installed = True
+        assert m.state() == (True, 1, [float(torch.ones(3).norm())], 1.0)  # the forward did
+    assert m.state() == (False, 0, [], 0.0)
+    assert m.total is total and m.seen is seen  # the same objects, their values put back
+    assert m._installed is True

@@ -80,3 +80,15 @@ def test_the_place_and_the_fix_say_what_applies():
     assert "no module is in training mode" in fix and "eval() does not help" in fix
     net[2][1].train()
     assert draw_fix(net).startswith("call model.eval() first (modules in training mode: '2.1'")
+
+
+def test_the_check_leaves_a_layer_s_python_state_as_found():
+    """drawing_module's second run of the forward leaves a layer's call counter, list and tensor
+    attribute as found (the products call it before telling the user what to fix)."""
+    from helpers.common import Counting
+
+    torch.manual_seed(0)
+    net = nn.Sequential(Counting(3), nn.Dropout(0.5)).train()
+    x = torch.randn(2, 3)
+    assert drawing_module(net, lambda: net(x)) == "1"
+    assert net[0].state() == (False, 0, [], 0.0)

@@ -88,3 +88,27 @@ class KeepsItsInput(nn.Module):
         skip = h
         y = self.act(h)
         return self.out(y * 2 + skip * 3)
+
+
+class Counting(nn.Module):
+    """A layer with Python state its forward changes, as a model of one's own may have: a call
+    counter that scales the output (added as an instance attribute on the first call), a list
+    it appends to and a tensor attribute (not a buffer) it adds to in place. A product that runs
+    the model again must start each run from the state the first one did and leave it as found."""
+
+    calls = 0
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.seen: list[float] = []
+        self.total = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.seen.append(float(x.detach().norm()))
+        self.total += 1
+        return self.lin(x) * self.calls
+
+    def state(self) -> tuple:
+        return ("calls" in self.__dict__, self.calls, list(self.seen), float(self.total))

@@ -460,3 +460,29 @@ def test_live_bytes_leave_out_the_given_input_and_in_place_results():
     prof = hs.memory_profile(net, torch.randn(2, 2, 2))
     assert prof.peak_forward_bytes == prof.live_bytes_end_forward == 64 + 4
     assert prof["2"].flops == 2 * 8  # one per element for the in-place ReLU, as before
+
+
+def test_a_profile_leaves_python_state_as_found_and_a_library_s_own_marks_in_place():
+    """A layer's call counter, list and tensor attribute are put back; Transformers' mark that it
+    installed its output-capturing hooks (set on the first forward asking for hidden states) is
+    kept: removing it made the next forward install them again, and every later
+    ``output_hidden_states=True`` forward returned each hidden state twice (5 instead of 3)."""
+    transformers = pytest.importorskip("transformers")
+    from helpers.common import Counting
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), Counting(3))
+    hs.memory_profile(net, torch.randn(2, 3))
+    assert net[1].state() == (False, 0, [], 0.0)
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    lm = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 6))
+    hs.memory_profile(
+        lm, ids, output_hidden_states=True, loss_fn=lambda o: o.logits.float().pow(2).mean()
+    )
+    out = lm(ids, output_hidden_states=True)
+    assert len(out.hidden_states) == cfg.num_hidden_layers + 1

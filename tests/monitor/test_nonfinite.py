@@ -251,3 +251,14 @@ def test_each_tensor_is_reduced_once_per_version(monkeypatch):
     assert [v for t, v in seen if t is not h and t.data_ptr() == h.data_ptr()] == [1]
     assert sum(t is y for t, _ in seen) == 1  # b's output, though three parents return it
     assert sum(t.shape == x.shape and torch.equal(t, x) for t, _ in seen) == 1
+
+
+def test_find_nonfinite_leaves_a_layer_s_python_state_as_found():
+    """Its forward (and backward) run leaves a layer's call counter, list and tensor attribute
+    as found."""
+    from helpers.common import Counting
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), Counting(3), Log())
+    assert hs.find_nonfinite(net, torch.rand(4, 3) - 2.0).layer is not None
+    assert net[1].state() == (False, 0, [], 0.0)

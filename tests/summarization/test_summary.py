@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 from itertools import pairwise
@@ -809,3 +810,17 @@ def test_to_text_below_the_narrowest_table_raises_with_the_width_that_fits():
         s.to_text(width=narrowest - 1)
     with pytest.raises(TypeError, match=r"^width must be an int"):
         s.to_text(width=40.0)  # type: ignore[arg-type]
+
+
+def test_summary_leaves_a_layer_s_python_state_as_found():
+    """A layer whose forward counts its calls: the summary's run leaves the counter, the list it
+    appends to and its tensor attribute as found, so the user's next forward is the first."""
+    from helpers.common import Counting
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), Counting(3))
+    x = torch.randn(2, 3)
+    expected = copy.deepcopy(net)(x)
+    hs.summary(net, x)
+    assert net[1].state() == (False, 0, [], 0.0)
+    torch.testing.assert_close(net(x), expected, rtol=0, atol=0)

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core._buffers import buffers_kept
+from ..core._buffers import state_kept
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import describe, first_tensor, replace_first
@@ -276,7 +276,7 @@ class CAM:
     def __call__(self, x: torch.Tensor, target: Target = None) -> torch.Tensor:
         """The maps of ``x`` for ``target`` (see :data:`Target`); the model is left as found."""
         batch_stats = _BatchStats(self.model)
-        with buffers_kept(self.model), random_draws(self.model) as draws, batch_stats:
+        with state_kept(self.model), random_draws(self.model) as draws, batch_stats:
             maps = self._maps(x, target)
         if draws.drew:
             where = draw_place(self.model, lambda: self.model(x), x)

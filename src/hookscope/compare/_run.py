@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._buffers import buffers_kept
+from ..core._buffers import state_kept
 from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
 from ..core._errors import HookscopeError
 from ..core._nested import map_tensors, tensors_of
@@ -136,6 +136,7 @@ class RunRecord:
     # parameters the recorded run also used outside the model's call (a loss term on them):
     # their .grad holds that use
     outside: set[str] = dataclasses.field(default_factory=set)
+    model: str = ""  # the model's class name
 
     @property
     def run_dtype(self) -> torch.dtype:
@@ -203,14 +204,15 @@ def at_path(obj: Any, path: tuple[Any, ...]) -> Any:
 
 @contextlib.contextmanager
 def preserved(model: nn.Module) -> Iterator[None]:
-    """Put back parameter ``.grad`` and buffers as found, on exit (the buffers through
-    :func:`~hookscope.core._buffers.buffers_kept`: their values, and the buffers themselves where
-    the forward replaced, added or resized one)."""
+    """Put back parameter ``.grad``, buffers and plain attributes as found, on exit (through
+    :func:`~hookscope.core._buffers.state_kept`: the buffers' values, and the buffers themselves
+    where the forward replaced, added or resized one; a step counter, a tensor attribute, the
+    contents of a list an attribute holds): each run starts from the state the first one did."""
     grads = [(p, p.grad) for p in model.parameters()]
     for p, _ in grads:
         p.grad = None
     try:
-        with buffers_kept(model):
+        with state_kept(model):
             yield
     finally:
         for p, g in grads:
@@ -341,6 +343,7 @@ def record_run(spec: RunSpec) -> RunRecord:
         for pname, _ in m.named_parameters(recurse=False):
             owners[f"{mname}.{pname}" if mname else pname] = mname
     return RunRecord(
+        model=type(model).__name__,
         calls=calls,
         by_key={c.key: i for i, c in enumerate(calls)},
         param_grads=param_grads,

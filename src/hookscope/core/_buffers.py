@@ -1,20 +1,196 @@
-"""Put a model's buffers back as they were after a forward that must leave no trace.
+"""Put a model's state back as it was after a forward that must leave no trace.
 
-A forward can change a buffer in two ways: in place (BatchNorm's running statistics in train
-mode, which some kernels update without bumping the tensor's version) or by reassigning it
-(``self.steps = self.steps + 1`` replaces the tensor in the module's ``_buffers``, a cache is
-re-registered at another length). Both are undone, and a buffer the forward added is removed.
+Buffers (:func:`buffers_kept`): a forward can change one in two ways: in place (BatchNorm's
+running statistics in train mode, which some kernels update without bumping the tensor's
+version) or by reassigning it (``self.steps = self.steps + 1`` replaces the tensor in the
+module's ``_buffers``, a cache is re-registered at another length). Both are undone, and a
+buffer the forward added is removed.
+
+Plain attributes (:class:`Attributes`, :func:`state_kept`): numbers, strings, None and tensors
+held as attributes of a module (a step counter ``self.calls += 1``, a tensor cached as a plain
+attribute), and the contents of the lists, dicts, sets and deques its attributes hold (a list of
+attention maps appended to). A product that runs a model a second time (a replay, a map, a
+profile) keeps them, or the second run starts from the state the first one left (a counter one
+higher: silently other values) and the user's model is left changed.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn as nn
 
-__all__ = ["buffers_kept"]
+__all__ = [
+    "INTERNALS",
+    "Attributes",
+    "Containers",
+    "buffers_kept",
+    "plain_attributes",
+    "state_kept",
+]
+
+# nn.Module's own bookkeeping (parameters, buffers, hooks...): never put back
+INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
+_SCALARS = (bool, int, float, str)
+
+
+def plain_attributes(d: dict[str, Any]) -> dict[str, Any]:
+    """A module's plain attributes: numbers, strings, None and tensors (not its parameters,
+    buffers, submodules, hooks or any other object)."""
+    return {
+        k: v
+        for k, v in d.items()
+        if (v is None or v.__class__ in _SCALARS or isinstance(v, torch.Tensor))
+        and k not in INTERNALS
+    }
+
+
+class Containers:
+    """The contents of the Python containers (lists, dicts, sets, deques, and those nested in
+    them or in tuples) held by the attributes of ``modules``, to put back in the same objects.
+
+    A container's contents are copied shallowly (the objects in it are shared); a container
+    reached twice is kept once.
+
+    >>> m = torch.nn.Linear(2, 2)
+    >>> m.maps = [1]
+    >>> kept = Containers([m])
+    >>> m.maps.append(2)
+    >>> kept.restore()
+    >>> m.maps
+    [1]
+    """
+
+    _DEPTH = 8  # nesting followed at most
+
+    def __init__(self, modules: Any) -> None:
+        self.saved: list[tuple[Any, Any]] = []
+        seen: set[int] = set()
+        for m in modules:
+            for k, v in m.__dict__.items():
+                if k not in INTERNALS:
+                    self._walk(v, seen, 0)
+
+    def _walk(self, obj: Any, seen: set[int], depth: int) -> None:
+        if depth > self._DEPTH or id(obj) in seen:
+            return
+        if isinstance(obj, dict):
+            items: Any = list(dict.items(obj))
+            inner: Any = [v for _, v in items]
+        elif isinstance(obj, (list, collections.deque, set)):
+            items = inner = list(obj)
+        elif isinstance(obj, tuple):
+            items, inner = None, obj  # immutable: only what it holds may change
+        else:
+            return
+        seen.add(id(obj))
+        if items is not None:
+            self.saved.append((obj, items))
+        for v in inner:
+            self._walk(v, seen, depth + 1)
+
+    def restore(self) -> None:
+        """Put every container's contents back (its own methods bypassed: a subclass that
+        counts or validates its writes sees nothing)."""
+        for obj, items in self.saved:
+            if isinstance(obj, dict):
+                now = list(dict.items(obj))
+                if len(now) != len(items) or any(
+                    a[0] is not b[0] or a[1] is not b[1] for a, b in zip(now, items)
+                ):
+                    dict.clear(obj)
+                    dict.update(obj, items)
+            elif isinstance(obj, list):
+                if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
+                    list.__setitem__(obj, slice(None), items)
+            elif isinstance(obj, collections.deque):
+                collections.deque.clear(obj)
+                collections.deque.extend(obj, items)
+            else:
+                set.clear(obj)
+                set.update(obj, items)
+
+
+class Attributes:
+    """The plain attributes of every module of ``model`` (:func:`plain_attributes`: a step
+    counter, a tensor cached as an attribute) and the contents of the containers its attributes
+    hold (:class:`Containers`), to put back with :meth:`restore`.
+
+    A tensor attribute is kept by value too (a forward may change it in place). A plain attribute
+    the forward added is removed on restore, unless its name starts with ``_``: a class's own
+    bookkeeping that records state the restore does not undo (Transformers'
+    ``_output_capturing_hooks_installed`` marks hooks it installed on the first forward that
+    asked for hidden states: removing the mark would install them twice).
+
+    Example:
+        >>> import torch.nn as nn
+        >>> m = nn.Linear(2, 2)
+        >>> m.calls, m.maps = 0, []
+        >>> kept = Attributes(m)
+        >>> m.calls += 1; m.maps.append(1); m.extra = 1.0
+        >>> kept.restore()
+        >>> m.calls, m.maps, hasattr(m, "extra")
+        (0, [], False)
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.attrs = [(m, plain_attributes(m.__dict__)) for m in model.modules()]
+        self.containers = Containers(model.modules())
+        # tensor attributes (not buffers) a forward may change in place: their values, put back
+        self.values = [
+            (v, v._version, v.detach().clone())
+            for _, before in self.attrs
+            for v in before.values()
+            if isinstance(v, torch.Tensor) and not v.is_meta
+        ]
+
+    def restore(self) -> None:
+        for m, before in self.attrs:
+            d = m.__dict__
+            for k in plain_attributes(d).keys() - before.keys():
+                if not k.startswith("_"):
+                    del d[k]
+            for k, v in before.items():
+                if d.get(k, _ABSENT) is not v:
+                    d[k] = v
+        self.containers.restore()
+        for v, version, value in self.values:
+            if v._version != version:
+                with torch.no_grad():
+                    v.copy_(value)
+
+
+_ABSENT = object()
+
+
+@contextmanager
+def state_kept(model: nn.Module) -> Iterator[None]:
+    """Restore every buffer (:func:`buffers_kept`) and plain attribute (:class:`Attributes`) of
+    ``model`` on exit.
+
+    Example:
+        >>> import torch, torch.nn as nn
+        >>> class Counts(nn.Linear):
+        ...     calls = 0
+        ...     def forward(self, x):
+        ...         self.calls += 1
+        ...         return super().forward(x) * self.calls
+        >>> m = Counts(2, 2)
+        >>> with state_kept(m):
+        ...     _ = m(torch.ones(1, 2))
+        >>> m.calls
+        0
+    """
+    attributes = Attributes(model)
+    try:
+        with buffers_kept(model):
+            yield
+    finally:
+        attributes.restore()
 
 
 @contextmanager

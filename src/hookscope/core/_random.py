@@ -174,7 +174,7 @@ def drawing_module(model: nn.Module, run: Callable[[], Any], *roots: Any) -> str
 
         return hook
 
-    from ._buffers import buffers_kept
+    from ._buffers import state_kept
 
     scope = HookScope("random")
     named = list(named_modules(model))
@@ -185,7 +185,7 @@ def drawing_module(model: nn.Module, run: Callable[[], Any], *roots: Any) -> str
         [(m, _Hook(post(n), "random", "forward", n, scope.id), n) for n, m in named],
         always_call=True,
     )
-    with scope, buffers_kept(model):  # (running statistics in training mode: as found)
+    with scope, state_kept(model):  # (running statistics in training mode, counters: as found)
         try:
             with torch.no_grad():
                 run()

@@ -10,13 +10,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._buffers import buffers_kept
+from ..core._buffers import Attributes, buffers_kept
 from ..core._compiled import compiled_regions, named_modules, strip_compiled
 from ..core._errors import HookscopeError, LayerNotFoundError
 from ..core._nested import iter_tensors
 from ..core._scope import check_model
 from ..core._select import suggest
-from ._replay import Containers, plain_attributes
 from ._saved import CallInputs, SavedTensors, SaveEvent
 
 __all__ = ["MemoryProfile", "MemoryRow", "memory_profile"]
@@ -240,34 +239,6 @@ def run_step(
         buffers.close()
         attributes.restore()
     return rec
-
-
-class Attributes:
-    """The plain attributes of every module (a step counter) and the contents of the containers
-    they hold (a list of attention maps appended to), to put back after a step."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.attrs = [(m, plain_attributes(m.__dict__)) for m in model.modules()]
-        self.containers = Containers(model.modules())
-        # tensor attributes (not buffers) a step may change in place: their values, put back
-        self.values = [
-            (v, v._version, v.detach().clone())
-            for _, before in self.attrs
-            for v in before.values()
-            if isinstance(v, torch.Tensor) and not v.is_meta
-        ]
-
-    def restore(self) -> None:
-        for m, before in self.attrs:
-            d = m.__dict__
-            for k in plain_attributes(d).keys() - before.keys():
-                del d[k]
-            d.update(before)
-        self.containers.restore()
-        for v, version, value in self.values:
-            if v._version != version:
-                with torch.no_grad():
-                    v.copy_(value)
 
 
 def _tensors(model: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:

@@ -41,7 +41,6 @@ changed in place by the recompute changed twice: no copy was kept, and a warning
 
 from __future__ import annotations
 
-import collections
 import warnings
 import weakref
 from typing import Any
@@ -49,92 +48,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._buffers import Containers, plain_attributes
 from ..core._errors import HookscopeError, HookscopeWarning
 from ..core._nested import iter_tensors
 
-__all__ = ["CallState", "Containers", "ModuleMemory", "cache_arguments", "plain_attributes"]
+__all__ = ["CallState", "ModuleMemory", "cache_arguments"]
 
 _MISSING = object()
-# nn.Module's own bookkeeping (parameters, buffers, hooks...): never swapped for a recompute
-_INTERNALS = frozenset(nn.Module().__dict__) - {"training"}
-_SCALARS = (bool, int, float, str)
-
-
-def plain_attributes(d: dict[str, Any]) -> dict[str, Any]:
-    """A module's plain attributes: numbers, strings, None and tensors (not its parameters,
-    buffers, submodules, hooks or any other object)."""
-    return {
-        k: v
-        for k, v in d.items()
-        if (v is None or v.__class__ in _SCALARS or isinstance(v, torch.Tensor))
-        and k not in _INTERNALS
-    }
-
-
-class Containers:
-    """The contents of the Python containers (lists, dicts, sets, deques, and those nested in
-    them or in tuples) held by the attributes of ``modules``, to put back in the same objects.
-
-    A container's contents are copied shallowly (the objects in it are shared); a container
-    reached twice is kept once.
-
-    >>> m = torch.nn.Linear(2, 2)
-    >>> m.maps = [1]
-    >>> kept = Containers([m])
-    >>> m.maps.append(2)
-    >>> kept.restore()
-    >>> m.maps
-    [1]
-    """
-
-    _DEPTH = 8  # nesting followed at most
-
-    def __init__(self, modules: Any) -> None:
-        self.saved: list[tuple[Any, Any]] = []
-        seen: set[int] = set()
-        for m in modules:
-            for k, v in m.__dict__.items():
-                if k not in _INTERNALS:
-                    self._walk(v, seen, 0)
-
-    def _walk(self, obj: Any, seen: set[int], depth: int) -> None:
-        if depth > self._DEPTH or id(obj) in seen:
-            return
-        if isinstance(obj, dict):
-            items: Any = list(dict.items(obj))
-            inner: Any = [v for _, v in items]
-        elif isinstance(obj, (list, collections.deque, set)):
-            items = inner = list(obj)
-        elif isinstance(obj, tuple):
-            items, inner = None, obj  # immutable: only what it holds may change
-        else:
-            return
-        seen.add(id(obj))
-        if items is not None:
-            self.saved.append((obj, items))
-        for v in inner:
-            self._walk(v, seen, depth + 1)
-
-    def restore(self) -> None:
-        """Put every container's contents back (its own methods bypassed: a subclass that
-        counts or validates its writes sees nothing)."""
-        for obj, items in self.saved:
-            if isinstance(obj, dict):
-                now = list(dict.items(obj))
-                if len(now) != len(items) or any(
-                    a[0] is not b[0] or a[1] is not b[1] for a, b in zip(now, items)
-                ):
-                    dict.clear(obj)
-                    dict.update(obj, items)
-            elif isinstance(obj, list):
-                if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
-                    list.__setitem__(obj, slice(None), items)
-            elif isinstance(obj, collections.deque):
-                collections.deque.clear(obj)
-                collections.deque.extend(obj, items)
-            else:
-                set.clear(obj)
-                set.update(obj, items)
 
 
 def _is_cache(value: Any) -> bool:

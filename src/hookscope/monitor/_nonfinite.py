@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn as nn
 
-from ..core._buffers import buffers_kept
+from ..core._buffers import state_kept
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning
 from ..core._nested import first_tensor, iter_tensors, map_tensors
@@ -406,8 +406,8 @@ def find_nonfinite(
         ('1', 'forward', 'nan')
     """
     check_model(model)
-    saved = contextlib.ExitStack()  # buffers put back as found (in place or reassigned)
-    saved.enter_context(buffers_kept(model))
+    saved = contextlib.ExitStack()  # buffers and plain attributes put back as found
+    saved.enter_context(state_kept(model))
     tracker = _Tracker(model, allow, detail=True, owner="find_nonfinite")
     try:
         with tracker.scope:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._buffers import buffers_kept
+from ..core._buffers import state_kept
 from ..core._compiled import compiled_regions, named_modules
 from ..core._errors import HookscopeWarning, some_names
 from ..core._inventory import has_global_hooks
@@ -80,7 +80,7 @@ def make_inputs(input_size: Any, dtypes: Any, device: torch.device) -> list[torc
 @contextlib.contextmanager
 def _state_kept(model: nn.Module) -> Iterator[None]:
     """Restore what one forward can change: buffers (changed in place, e.g. BatchNorm statistics in
-    train mode, or reassigned), the RNG,
+    train mode, or reassigned), plain attributes (a step counter), the RNG,
     and the MHA fast-path switch (turned off so sub-layers run through ``__call__``)."""
     mha = getattr(torch.backends, "mha", None)
     fast = mha.get_fastpath_enabled() if mha is not None else None
@@ -88,7 +88,7 @@ def _state_kept(model: nn.Module) -> Iterator[None]:
     try:
         if mha is not None:
             mha.set_fastpath_enabled(False)
-        with torch.random.fork_rng(devices=devices), buffers_kept(model):
+        with torch.random.fork_rng(devices=devices), state_kept(model):
             yield
     finally:
         if mha is not None:
