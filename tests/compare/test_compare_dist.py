@@ -352,3 +352,91 @@ def test_the_cli_reads_the_ranks_record_on_the_combined_inputs(cnn_record, tmp_p
     args = ["compare", cnn_record, spec, "--loss", "square", "--loss-reduction", "sum"]
     assert main(args) == 2
     assert "loss_reduction='mean'" in capsys.readouterr().err
+
+
+def _mixed(records, tmp_path, rank1_from: str, rank1_as: str = "rank1") -> str:
+    import shutil
+
+    folder = tmp_path / "mixed"
+    shutil.copytree(records / "cnn" / "rank0", folder / "rank0")
+    shutil.copytree(records / rank1_from, folder / rank1_as)
+    return str(folder)
+
+
+@pytest.mark.distributed
+def test_rank_folders_of_two_runs_are_refused_not_joined(records, tmp_path):
+    """Rank 1 of another run (the same model, another loss) beside rank 0: joined, it named a
+    fault-free live model's layer; DDP leaves every rank the same parameter gradients, so the
+    mix is refused naming the parameter. Rank 0's folder copied as rank 1's (its index says rank
+    0) is refused too."""
+    mixed = _mixed(records, tmp_path, "sum/rank1")
+    with pytest.raises(hs.CompareError, match="not of one run: the gradient of '0.weight'"):
+        hs.compare(mixed, make_cnn(), batch(), loss_fn=mean_loss)
+    twice = _mixed(records, tmp_path / "twice", "cnn/rank0")
+    with pytest.raises(hs.CompareError, match="rank1 holds rank 0 of 2"):
+        hs.compare(twice, make_cnn(), batch(), loss_fn=mean_loss)
+
+
+@pytest.mark.distributed
+def test_a_folder_holding_a_one_process_record_and_rank_records_is_refused(records, tmp_path):
+    """Both kinds in one folder (two runs recorded into it at once): compare used to read the
+    one-process record and ignore the ranks'; refused. A record of one process into a folder
+    where a rank is being written (its values.bin, no index yet) is refused when it starts, and
+    a rank's record where one process is being written; each removes its own file."""
+    import shutil
+
+    folder = tmp_path / "both"
+    shutil.copytree(records / "cnn", folder)
+    model = make_cnn()
+    with hs.record(model, tmp_path / "one"):
+        mean_loss(model(batch())).backward()
+    model.zero_grad(set_to_none=True)
+    for name in ("index.json", "values.bin", "params.pt"):
+        shutil.copy(tmp_path / "one" / name, folder / name)
+    with pytest.raises(hs.CompareError, match="both a record of one process"):
+        hs.compare(str(folder), make_cnn(), batch(), loss_fn=mean_loss)
+
+    writing = tmp_path / "writing"
+    (writing / "rank1").mkdir(parents=True)
+    shutil.copy(records / "cnn" / "rank1" / "values.bin", writing / "rank1" / "values.bin")
+    with (
+        pytest.raises(hs.CompareError, match="already holds records of ranks"),
+        hs.record(model, writing),
+    ):
+        model(batch())
+    assert not (writing / "values.bin").exists()
+
+
+def test_a_rank_record_where_one_process_is_recording_is_refused(tmp_path, monkeypatch):
+    import importlib
+
+    rec = importlib.import_module("hookscope.compare._record")
+    monkeypatch.setattr(rec, "_rank_world", lambda: (1, WORLD))
+    (tmp_path / "values.bin").write_bytes(b"")  # one process's record, being written
+    model = make_cnn()
+    with (
+        pytest.raises(hs.CompareError, match="already holds a record of one process"),
+        hs.record(model, tmp_path),
+    ):
+        model(batch())
+    assert not (tmp_path / "rank1" / "values.bin").exists()
+
+
+@pytest.mark.distributed
+def test_a_rank_record_without_rank0_names_the_missing_rank(records, tmp_path):
+    import shutil
+
+    shutil.copytree(records / "cnn" / "rank1", tmp_path / "rank1")
+    with pytest.raises(hs.CompareError, match=r"holds no record of rank\(s\) \[0\]"):
+        hs.compare(str(tmp_path), make_cnn(), batch(), loss_fn=mean_loss)
+
+
+@pytest.mark.distributed
+def test_a_rank_record_of_another_loss_is_named_as_such_not_as_a_reduction(records):
+    """A sum loss recorded on the ranks against a live mean loss: the gradients differ by a factor
+    neither reduction explains; the message said to pass the reduction already given."""
+    folder = str(records / "sum")
+    for red in ("mean", "sum"):
+        with pytest.raises(hs.CompareError, match="losses differ") as info:
+            hs.compare(folder, make_cnn(), batch(), loss_fn=mean_loss, loss_reduction=red)
+        assert f"pass loss_reduction={red!r}" not in str(info.value)

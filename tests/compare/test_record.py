@@ -320,3 +320,49 @@ def test_a_loss_term_on_the_weights_is_noted_by_the_record_and_left_out_of_the_c
         loss(net(x)).backward()
     assert json.loads((tmp_path / "plain" / "index.json").read_text())["outside"] == []
     assert torch._C._len_torch_function_stack() == 0  # the record's mode is gone
+
+
+def test_no_parameter_gradient_error_where_a_run_has_no_backward(tmp_path):
+    """A record made without backward compared with one made with it (or with a live model and
+    no loss_fn): there are no gradients to compare, so param_grad_error is None, as grad_error
+    is (it read 1.0 or inf on a fault-free pair)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with hs.record(net, tmp_path / "bwd"):
+        net(x).pow(2).mean().backward()
+    net.zero_grad(set_to_none=True)
+    with hs.record(net, tmp_path / "fwd"):
+        net(x)
+    for report in (
+        hs.compare(tmp_path / "bwd", copy.deepcopy(net), x),
+        hs.compare(tmp_path / "fwd", tmp_path / "bwd"),
+    ):
+        assert [r.param_grad_error for r in report.rows] == [None] * 4
+        assert [r.grad_error for r in report.rows] == [None] * 4
+        assert report.first_divergent is None and report.row("2").error == 0.0
+
+
+def test_a_record_of_another_model_is_said_to_pair_only_the_root(tmp_path):
+    """A record of one model compared with another whose modules share no name: only the roots
+    pair, and the verdict named the root with nothing but the generic unmatched note; now a
+    warning and a note name both models and their modules."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    with hs.record(net, tmp_path):
+        net(x).pow(2).mean().backward()
+
+    class Other(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.body(x)
+
+    with pytest.warns(hs.HookscopeWarning, match="look like two different models") as info:
+        report = hs.compare(tmp_path, Other(), x, loss_fn=lambda o: o.pow(2).mean())
+    msg = str(info[0].message)
+    assert "Sequential" in msg and "Other" in msg and "'body'" in msg and "'0'" in msg
+    assert any("look like two different models" in n for n in report.notes)

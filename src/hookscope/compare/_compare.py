@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..core._compiled import named_modules
-from ..core._errors import HookscopeWarning
+from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import SCALARS, tensors_of
 from ._checks import check_arguments, check_loss, check_modes, check_names
 from ._forced import Forced, forced_pass
@@ -209,7 +209,7 @@ class _Job:
             ga, gb = ca.grad, cb.grad
             if ga is not None and gb is not None:
                 r.grad_error = norms.rel_pairs(list(zip(ga, gb)), self.missing)
-        if ca.index == 0:
+        if ca.index == 0 and self.grads:  # (a run without backward has none to compare)
             r.param_grad_error = self._param_grads(ca.name, cb.name)
         self._local(i, r)
         lost = [
@@ -759,6 +759,18 @@ def build_report(job: _Job) -> CompareReport:
             "to replay A's inputs (pass the live model as b)"
         )
     notes.extend(job.notes)
+    paired = {ra.calls[i].name for i, _ in matched}
+    if unmatched and paired <= {""} and (len(ra.calls) > 1 or len(rb.calls) > 1):
+        names_a = sorted({c.name for c in ra.calls if c.name})
+        names_b = sorted({c.name for c in rb.calls if c.name})
+        why = (
+            f"no module of a ({ra.model or 'a'}: {some_names(names_a)}) pairs with one of b "
+            f"({rb.model or 'b'}: {some_names(names_b)}), only the models themselves: they look "
+            "like two different models, and the verdict can only name the whole model; compare "
+            "runs of the same model, or pass names= to pair a port's modules"
+        )
+        notes.append(why)
+        warnings.warn(f"hs.compare: {why}", HookscopeWarning, stacklevel=3)
     if unmatched:
         notes.append(
             f"{len(unmatched)} call(s) ran in one run only, or were not recorded in one (see "
@@ -996,9 +1008,20 @@ def _check_reduction(ra: RunRecord, rb: RunRecord, loss_reduction: str) -> None:
     if na == 0.0 or nb == 0.0:
         return
     ratio = na / nb if ra.world > 1 else nb / na  # the joined ranks' against one process's
-    if abs(math.log(ratio)) < math.log(world) / 2:
-        return
-    other = "mean" if ratio > 1 else "sum"
+    # the other reduction scales them by world (given "sum" for a mean) or 1/world (given "mean"
+    # for a sum); any other ratio far from 1 is another loss
+    other = "mean" if loss_reduction == "sum" else "sum"
+    expected = math.log(world) if loss_reduction == "sum" else -math.log(world)
+    if abs(math.log(ratio) - expected) >= math.log(world) / 2:
+        if abs(math.log(ratio)) < math.log(world) / 2:
+            return
+        raise CompareError(
+            f"hs.compare: the {world} ranks' output gradients are {ratio:.3g} times the "
+            f"one-process run's, with loss_reduction={loss_reduction!r} (the other reduction "
+            f"would make that {ratio * (world if loss_reduction == 'mean' else 1 / world):.3g}): "
+            "the two runs' losses differ, not only in how the ranks reduce theirs; compare runs "
+            "of the same loss"
+        )
     raise CompareError(
         f"hs.compare: with loss_reduction={loss_reduction!r} the {world} ranks' output gradients "
         f"are {ratio:.3g} times the one-process run's: the ranks' loss looks like a {other}; "

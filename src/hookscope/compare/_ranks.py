@@ -69,6 +69,7 @@ def join_ranks(recs: list[RunRecord], loss_reduction: str = "mean") -> RunRecord
         for n, g in base.param_grads.items()
     }
     return RunRecord(
+        model=base.model,
         calls=calls,
         by_key={c.key: i for i, c in enumerate(calls)},
         param_grads=params,

@@ -109,6 +109,23 @@ class Record:
             for p, _ in m.named_parameters(recurse=False)
         }
         self._spool = Spool(self._dir)
+        # a record of the other kind being written into the folder (one process / ranks): each
+        # looks for the other's file after creating its own, so of two started at once, at least
+        # one sees the other
+        if self.world > 1:
+            other = [self.folder / n for n in (SPOOL, "index.json") if (self.folder / n).exists()]
+        else:
+            other = [p for p in self.folder.glob(f"rank*/{SPOOL}") if p.parent.name[4:].isdigit()]
+        if other:
+            self._spool.close()
+            self._spool.path.unlink(missing_ok=True)
+            raise CompareError(
+                f"hs.record: {str(self.folder)!r} already holds "
+                + ("a record of one process" if self.world > 1 else "records of ranks")
+                + f" ({other[0].relative_to(self.folder)}), written or being written; this run "
+                + ("has " + str(self.world) + " ranks" if self.world > 1 else "is one process")
+                + ": give an empty folder"
+            )
         try:
             self._hooks = CallHooks(
                 named, self._scope, self._spool, _detached, strip_compiled(model)
@@ -540,21 +557,79 @@ def _check_index(index: dict[str, Any], path: Path) -> None:
                     raise damaged(f"has no {_describe(f'{kind}{pos}')} ({e['name'] or '<root>'})")
 
 
+def _rank_indexes(path: Path) -> list[Path]:
+    return sorted(
+        (p for p in path.glob("rank*/index.json") if p.parent.name[4:].isdigit()),
+        key=lambda p: int(p.parent.name[4:]),
+    )
+
+
 def of_ranks(folder: str | os.PathLike[str]) -> bool:
-    """Whether ``folder`` holds a record made on several ranks (``rank<r>`` subfolders)."""
+    """Whether ``folder`` holds a record made on several ranks (``rank<r>`` subfolders; a folder
+    holding both kinds of record is refused)."""
     path = Path(folder)
-    return not (path / "index.json").exists() and (path / "rank0" / "index.json").exists()
+    ranks = _rank_indexes(path) if path.is_dir() else []
+    if ranks and (path / "index.json").exists():
+        raise CompareError(
+            f"hs.compare: {str(path)!r} holds both a record of one process (index.json) and "
+            f"records of ranks ({', '.join(p.parent.name for p in ranks[:3])}): two runs were "
+            "recorded into one folder; give each record a folder of its own"
+        )
+    return bool(ranks)
 
 
 def _load_ranks(path: Path, loss_reduction: str) -> RunRecord:
-    world = json.loads((path / "rank0" / "index.json").read_text()).get("world", 1)
+    indexes = _rank_indexes(path)
+    try:
+        world = json.loads(indexes[0].read_text()).get("world", 1)
+    except (ValueError, AttributeError):
+        world = None
+    if not isinstance(world, int) or world < 2:
+        raise CompareError(
+            f"hs.compare: the record {str(indexes[0].parent)!r} is damaged: its index.json has no "
+            "number of ranks; copy it again whole, or record again"
+        )
     missing = [r for r in range(world) if not (path / f"rank{r}" / "index.json").exists()]
     if missing:
         raise CompareError(
             f"hs.compare: {str(path)!r} was recorded on {world} ranks but holds no record of "
             f"rank(s) {missing}; wait for every rank to leave `hs.record`, or record again"
         )
-    return join_ranks([_load_one(path / f"rank{r}") for r in range(world)], loss_reduction)
+    extra = [p.parent.name for p in indexes if int(p.parent.name[4:]) >= world]
+    recs = []
+    for r in range(world):
+        folder = path / f"rank{r}"
+        index = json.loads((folder / "index.json").read_text())
+        if (index.get("rank"), index.get("world")) != (r, world) or extra:
+            got = f"rank {index.get('rank')} of {index.get('world')}"
+            raise CompareError(
+                f"hs.compare: {str(path)!r} does not hold the records of the {world} ranks of "
+                "one run: "
+                + (f"it also holds {', '.join(extra)}" if extra else f"{folder.name} holds {got}")
+                + "; record every rank of one run into an empty folder (rank folders copied "
+                "from several runs are not one run)"
+            )
+        recs.append(_load_one(folder))
+    _check_one_run(path, recs)
+    return join_ranks(recs, loss_reduction)
+
+
+def _check_one_run(path: Path, recs: list[RunRecord]) -> None:
+    """The ranks' records come from one run: DDP and FSDP2 leave every rank the same parameter
+    gradients (the record writes each one whole), so a rank folder from another run (another
+    batch, another model) shows as a gradient that differs."""
+    base = recs[0].param_grads
+    for r, rec in enumerate(recs[1:], 1):
+        for name, g in base.items():
+            h = rec.param_grads.get(name)
+            if g is None or h is None:
+                continue
+            if g.shape != h.shape or not torch.equal(g, h):
+                raise CompareError(
+                    f"hs.compare: the rank records in {str(path)!r} are not of one run: the "
+                    f"gradient of {name!r} differs between rank0 and rank{r} (DDP and FSDP2 give "
+                    "every rank the same); record every rank of one run into an empty folder"
+                )
 
 
 def _load_one(path: Path) -> RunRecord:
@@ -614,6 +689,7 @@ def _load_one(path: Path) -> RunRecord:
             "again"
         ) from None
     return RunRecord(
+        model=str(model),
         calls=calls,
         by_key={c.key: i for i, c in enumerate(calls)},
         param_grads=params,
