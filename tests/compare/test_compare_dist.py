@@ -319,6 +319,10 @@ def test_batchnorm_in_training_mode_is_named_for_its_per_rank_statistics(records
     report = hs.compare(folder, make_bn_cnn().train(train), batch(), loss_fn=mean_loss)
     assert report.culprit == ("1" if train else None)
     assert report.row("0").error == 0.0
+    # said in its row and in the report: a difference by construction, and the fix
+    said = "each rank normalised its share"
+    assert (said in (report.row("1").note or "")) == train
+    assert any("SyncBatchNorm" in n for n in report.notes) == train
 
 
 CNN_FILE = """

@@ -234,7 +234,37 @@ class _Job:
             setattr(r, field, value(getattr(r, field)))
         self._verdict(i, r)
         self._unjoined(i, j, r)
+        self._per_rank_statistics(i, j, r)
         return r
+
+    def _per_rank_statistics(self, i: int, j: int, r: CompareRow) -> None:
+        """A BatchNorm in training mode, in a record of several ranks: each rank normalised its
+        share by that share's own statistics, a computation of its own that one process on the
+        combined batch does not make: said in the row, so its flag reads as what it is."""
+        ra, rb = self.ra, self.rb
+        assert rb is not None
+        ranks = ra if ra.world > 1 else rb if rb.world > 1 else None
+        if ranks is None:
+            return
+        module = (ra.modules or {}).get(ra.calls[i].name) or (rb.modules or {}).get(
+            rb.calls[j].name
+        )
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm) or isinstance(
+            module, nn.SyncBatchNorm
+        ):
+            return
+        name = (ranks.calls[i] if ranks is ra else ranks.calls[j]).name
+        mode = (ranks.modes or {}).get(name)
+        training = bool(mode[0]) if mode else module.training
+        if not training:
+            return
+        why = (
+            f"BatchNorm in training mode on {ranks.world} ranks: each rank normalised its share "
+            "of the batch by that share's own statistics, which one process on the combined "
+            "batch does not (a difference by construction, not a fault); use SyncBatchNorm, or "
+            "record in eval mode, to compare it"
+        )
+        r.note = f"{r.note}; {why}" if r.note else why
 
     def _unjoined(self, i: int, j: int, r: CompareRow) -> None:
         """Rows of a record of several ranks whose values could not be joined: no errors, no
@@ -759,6 +789,14 @@ def build_report(job: _Job) -> CompareReport:
             "to replay A's inputs (pass the live model as b)"
         )
     notes.extend(job.notes)
+    per_rank = [r.name for _, r in rows if r.note and "each rank normalised its share" in r.note]
+    if per_rank:
+        notes.append(
+            f"{some_names(per_rank)}: BatchNorm in training mode on several ranks normalises each "
+            "rank's share by its own statistics; one process on the combined batch does not, so "
+            "these differ by construction (see their rows): use SyncBatchNorm, or record in eval "
+            "mode"
+        )
     paired = {ra.calls[i].name for i, _ in matched}
     if unmatched and paired <= {""} and (len(ra.calls) > 1 or len(rb.calls) > 1):
         names_a = sorted({c.name for c in ra.calls if c.name})
