@@ -51,6 +51,7 @@ def _record_all(rank: int, root: str) -> None:
     for train in (False, True):
         _record_bn(rank, f"{root}/bn-{train}", train)
     _record_fsdp2(rank, f"{root}/fsdp2")
+    _record_pos(rank, f"{root}/pos")
 
 
 @pytest.fixture(scope="module")
@@ -444,3 +445,46 @@ def test_a_rank_record_of_another_loss_is_named_as_such_not_as_a_reduction(recor
         with pytest.raises(hs.CompareError, match="losses differ") as info:
             hs.compare(folder, make_cnn(), batch(), loss_fn=mean_loss, loss_reduction=red)
         assert f"pass loss_reduction={red!r}" not in str(info.value)
+
+
+class PosNet(nn.Module):
+    """A learned position embedding: its output (1, T, 4) is the same on every rank, and every
+    rank's share of the batch uses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pos = nn.Embedding(6, 4)
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.pos(torch.arange(x.shape[1])[None])
+        return self.lin(x + p)
+
+
+def pos_batch() -> torch.Tensor:
+    return torch.randn(WORLD * SHARE, 6, 4, generator=torch.Generator().manual_seed(2))
+
+
+def _record_pos(rank: int, folder: str) -> None:
+    ddp = nn.parallel.DistributedDataParallel(PosNet())
+    x = pos_batch()[rank * SHARE : (rank + 1) * SHARE]
+    with hs.record(ddp, folder):
+        mean_loss(ddp(x)).backward()
+
+
+@pytest.mark.distributed
+def test_the_gradient_of_a_value_every_rank_shares_is_the_sum_of_the_ranks_own(records):
+    """A position embedding's output is equal on every rank; its gradient (every share used it)
+    was left unjoined ("ranks cannot be joined"), and the parent's row lost its local error. It
+    is the sum of the ranks' rescaled gradients: equal to one process's on the combined batch."""
+    report = hs.compare(str(records / "pos"), PosNet(), pos_batch(), loss_fn=mean_loss)
+    assert report.culprit is None and report.first_divergent is None
+    pos = report.row("pos")
+    assert not pos.note
+    assert pos.grad_error is not None and pos.grad_error < 1e-6
+    assert report.row("").local_error is not None
+    with torch.no_grad():
+        faulty = PosNet()
+        faulty.pos.weight[2] += 0.1
+    assert hs.compare(str(records / "pos"), faulty, pos_batch(), loss_fn=mean_loss).culprit == "pos"

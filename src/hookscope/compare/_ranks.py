@@ -4,7 +4,8 @@ joined into the record of one process running the combined batch.
 Join rule, per module call (matched across ranks by name and occurrence) and per tensor leaf of
 its inputs, output and gradients: a leaf whose first dimension equals the rank's batch share on
 every rank (the share: the first dimension of the first tensor input of the rank's first recorded
-call) is concatenated in rank order; any other leaf must be equal on every rank and is taken once;
+call) is concatenated in rank order; any other leaf must be equal on every rank and is taken once
+(its gradient, the gradient of a value every rank's share used, is the sum of the ranks' own);
 otherwise the call cannot be joined and its row says so. Activation gradients are rescaled to the
 combined run's loss: with ``loss_reduction="mean"`` each rank's gradient is multiplied by its
 share of the combined batch (``1/world`` for equal shares); with ``"sum"`` they are taken as they
@@ -138,13 +139,74 @@ class _Joined:
             values.append(None if i is None else getattr(r.calls[i], _ATTR[kind]))
         if all(v is None for v in values):
             return default
-        joined, why = self._join(values, kind.endswith("grad"))
+        if kind.endswith("grad") and all(isinstance(v, list) for v in values):
+            # the forward leaves these are the gradients of ("grad": the output's, "ingrad": the
+            # inputs'): a leaf equal on every rank (not split by batch) takes their sum
+            fwd = "output" if kind == "grad" else "inputs"
+            leaves = []
+            for r in self.recs:
+                i = r.by_key.get(call.key)
+                v = None if i is None else getattr(r.calls[i], fwd)
+                leaves.append([t for _, t in iter_tensors(v)])
+            joined, why = self._join_grads(values, leaves)
+        else:
+            joined, why = self._join(values, kind.endswith("grad"))
         if why is not None:
             self.notes.setdefault(pos, f"ranks cannot be joined: {_ATTR[kind]} {why}")
         return joined
 
     def put(self, key: str, value: Any) -> None:
         raise CompareError("a record read from disk is read-only")
+
+    def _split(self, ts: tuple[torch.Tensor, ...]) -> bool:
+        """Whether leaves ``ts`` (one per rank) are the ranks' batch shares along dim 0."""
+        return all(t.dim() >= 1 and t.shape[0] == n for t, n in zip(ts, self.shares)) and (
+            len({t.shape[1:] for t in ts}) == 1
+        )
+
+    def _join_grads(
+        self, values: list[list[Any]], forward: list[list[torch.Tensor]]
+    ) -> tuple[Any, str | None]:
+        """Gradients (one list per rank, an entry per forward leaf), rescaled to the combined
+        run's loss: a leaf the ranks split by batch is concatenated; a leaf whose forward value
+        is the same on every rank (a position embedding's output, a shared mask) was used by
+        every rank's share, so its combined gradient is the sum of the ranks' own."""
+        n = len(values[0])
+        if any(len(v) != n for v in values):
+            return values[0], "has a different structure on different ranks"
+        out: list[Any] = []
+        why = None
+        for k in range(n):
+            ts = tuple(v[k] for v in values)
+            if all(t is None for t in ts):
+                out.append(None)
+                continue
+            if any(t is None for t in ts):
+                why = why or f"leaf {k} is missing on some ranks"
+                out.append(ts[0])
+                continue
+            ts = tuple(t * s if t.is_floating_point() else t for t, s in zip(ts, self.scale))
+            fs = tuple(f[k] if k < len(f) else None for f in forward)
+            shared = (
+                all(f is not None for f in fs)
+                and not self._split(fs)  # type: ignore[arg-type]
+                and len({f.shape for f in fs}) == 1  # type: ignore[union-attr]
+                and all(torch.equal(fs[0], f) for f in fs)  # type: ignore[arg-type]
+            )
+            if shared and len({t.shape for t in ts}) == 1:
+                out.append(torch.stack(ts).sum(0))
+            elif self._split(ts):
+                out.append(torch.cat(ts))
+            elif len({t.shape for t in ts}) == 1 and all(torch.equal(ts[0], t) for t in ts):
+                out.append(ts[0])
+            else:
+                why = why or (
+                    f"leaf {k} (shapes {[tuple(t.shape) for t in ts]}) is neither the ranks' "
+                    f"batch shares {self.shares} along dim 0 nor the gradient of a value equal "
+                    "on every rank"
+                )
+                out.append(ts[0])
+        return out, why
 
     def _join(self, values: list[Any], grad: bool) -> tuple[Any, str | None]:
         if any(v is None for v in values):
