@@ -298,9 +298,26 @@ def test_a_values_bin_cut_short_is_refused_naming_the_record(tmp_path, keep):
     assert str(tmp_path) in msg and "damaged" in msg and "cut short" in msg, msg
 
 
+def test_an_index_changed_after_the_record_is_refused_naming_the_record(tmp_path):
+    """Two values' places swapped in index.json (a hand edit, a merge of two indexes): each
+    reads back whole, so compare named a culprit on a fault-free copy; the index's own checksum
+    refuses it."""
+    net, x = _recorded(tmp_path)
+    index = json.loads((tmp_path / "index.json").read_text())
+    index["values"]["out1"], index["values"]["out2"] = (
+        index["values"]["out2"],
+        index["values"]["out1"],
+    )
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(hs.CompareError, match="index.json was changed after the record") as info:
+        hs.compare(tmp_path, copy.deepcopy(net), x)
+    assert str(tmp_path) in str(info.value)
+
+
 def test_an_index_pointing_past_the_end_is_refused_naming_the_record(tmp_path):
     net, x = _recorded(tmp_path)
     index = json.loads((tmp_path / "index.json").read_text())
+    del index["checksums"]["index.json"]  # (an index without its own checksum: the reader's checks)
     size = (tmp_path / SPOOL).stat().st_size
     _, n = index["values"]["out1"]
     index["values"]["out1"] = [size - 2, n]

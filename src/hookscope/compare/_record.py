@@ -183,6 +183,8 @@ class Record:
                 "params.pt": [zlib.crc32(buf.getbuffer()), buf.getbuffer().nbytes],
             },
         }
+        # and the index itself: an edit (two values' places swapped) would read as other values
+        index["checksums"]["index.json"] = _index_crc(json.loads(json.dumps(index)))
         tmp = self._dir / "index.json.tmp"
         tmp.write_text(json.dumps(index))
         os.replace(tmp, self._dir / "index.json")
@@ -564,6 +566,13 @@ def _rank_indexes(path: Path) -> list[Path]:
     )
 
 
+def _index_crc(index: dict[str, Any]) -> int:
+    """CRC-32 of an index as JSON read it (keys sorted), without its own checksum."""
+    sums = {k: v for k, v in (index.get("checksums") or {}).items() if k != "index.json"}
+    body = {**index, "checksums": sums}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
+
+
 def of_ranks(folder: str | os.PathLike[str]) -> bool:
     """Whether ``folder`` holds a record made on several ranks (``rank<r>`` subfolders; a folder
     holding both kinds of record is refused)."""
@@ -649,6 +658,13 @@ def _load_one(path: Path) -> RunRecord:
             "folder): ...`"
         ) from None
     _check_index(index, path)
+    want = (index.get("checksums") or {}).get("index.json")
+    if want is not None and want != _index_crc(index):
+        raise CompareError(
+            f"hs.compare: the record {str(path)!r} is damaged: its index.json was changed after "
+            "the record wrote it (its checksum differs); copy the record again whole, or record "
+            "again"
+        )
     n = index.get("model_calls", sum(1 for e in entries if e["name"] == ""))
     if n > 1:
         raise CompareError(
