@@ -24,7 +24,7 @@ from ._record import of_ranks
 from ._run import CompareError, RunRecord
 from ._tolerance import lower, rel_pairs, tolerance
 
-__all__ = ["check_arguments", "check_loss", "check_names", "check_reduction"]
+__all__ = ["check_arguments", "check_hooks_ran", "check_loss", "check_names", "check_reduction"]
 
 _AUTOCAST = (torch.float16, torch.bfloat16)
 _NAMES_FORMS = (
@@ -319,3 +319,74 @@ def _unchecked(what: str, why: str, fix: str) -> None:
         HookscopeWarning,
         stacklevel=4,  # _unchecked, check_loss, hs.compare, the caller
     )
+
+
+def check_hooks_ran(
+    other: RunRecord,
+    live: RunRecord,
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    autocast: torch.dtype | None,
+    rename: Callable[[str], str | None],
+    what: str,
+) -> None:
+    """The live run's modules that the other run called, and the live run did not, though the
+    live model has them: run the live model once more eagerly (``force_eager``: compiled code
+    set aside) counting their calls. A module it calls then was skipped by its compiled code (a
+    graph Dynamo compiled before hs.compare added its hooks: it does not guard on hooks), which
+    would leave its rows out and the culprit unseen: refused naming the modules and the fix. A
+    module not called eagerly either does not run for these inputs (listed as unmatched)."""
+    from ..core._buffers import state_kept
+    from ..core._scope import HookScope
+    from ._run import _autocast, _device, cast_like, model_dtype
+
+    called = {c.name for c in live.calls}
+    modules = live.modules or {}
+    want = sorted(
+        {
+            n
+            for c in other.calls
+            for n in (rename(c.name),)
+            if n is not None and n in modules and n not in called
+        }
+    )
+    if not want or not hasattr(torch.compiler, "set_stance"):
+        return
+    counts = dict.fromkeys(want, 0)
+    scope = HookScope("compare-check")
+
+    def counter(name: str) -> Callable[..., None]:
+        def pre(_m: nn.Module, _args: Any) -> None:
+            counts[name] += 1
+
+        return pre
+
+    for n in want:
+        scope.add_forward_pre(modules[n], counter(n), layer=n)
+    device = _device(model)
+    dtype = model_dtype(model)
+    x = cast_like(args, dtype, device, objects=True)
+    kw = cast_like(kwargs, dtype, device, objects=True)
+    try:
+        with (
+            scope,
+            state_kept(model),
+            torch.no_grad(),
+            _autocast(device, autocast),
+            torch.compiler.set_stance("force_eager"),
+        ):
+            model(*x, **kw)
+    except Exception:  # the check is for a run that went through once already: no verdict
+        return
+    ran = [n for n in want if counts[n]]
+    if ran:
+        raise CompareError(
+            f"hs.compare: the hooks on {len(ran)} module(s) of {what} ({some_names(ran)}) did "
+            f"not run in its compiled code, though {what} calls them (run eagerly) and the other "
+            "run did: code Dynamo compiled before hs.compare added its hooks skips them (it "
+            f"does not guard on hooks: {what} was called before, or its forward was compiled as "
+            "a function), so their rows, and a fault in them, would be left out. Compile the "
+            f"module itself (torch.compile(model) or model.compile()) and call hs.compare before "
+            "its first call, or call torch._dynamo.reset() before hs.compare"
+        )

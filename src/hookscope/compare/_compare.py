@@ -17,7 +17,7 @@ import torch.nn as nn
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import SCALARS, tensors_of
-from ._checks import check_arguments, check_loss, check_modes, check_names
+from ._checks import check_arguments, check_hooks_ran, check_loss, check_modes, check_names
 from ._forced import Forced, forced_pass
 from ._record import load_record
 from ._replay import CopiesIn, Replay, Result
@@ -941,6 +941,12 @@ def compare(
                 check_loss(rec, what, loss_fn, device)
     check_names(names, ra, rb)
     check_modes(ra, rb, names)
+    if isinstance(b, nn.Module):
+        check_hooks_ran(ra, rb, b, inputs, kwargs, autocast, _name_map(names), "b")
+    if isinstance(a, nn.Module):  # (B's names back to A's)
+        to_b = _name_map(names)
+        table = {to_b(n): n for n in ra.modules or {}}
+        check_hooks_ran(rb, ra, a, inputs, kwargs, None, lambda n: table.get(n, n), "a")
     if (
         isinstance(a, (str, os.PathLike))
         and isinstance(b, (str, os.PathLike))

@@ -200,17 +200,21 @@ class CallHooks:
         # a call is what ``module(...)`` does, its own hooks included: its inputs are what the
         # caller handed (before the module's pre-hooks), its output what the caller gets (after
         # its forward hooks), so a hook that changes them counts as the module's own computation
-        scope.add_forward_many(
-            [(m, _Pre(self, name), name) for name, m in named.items()],
-            pre=True,
-            with_kwargs=True,
-            prepend=True,
-        )
-        scope.add_forward_many(
-            [(m, _Post(self, name), name) for name, m in named.items()], always_call=True
-        )
-        if root is not None and not any(m is root for m in named.values()):
-            scope.add_forward_pre(root, _Count(self), layer="")
+        try:
+            scope.add_forward_many(
+                [(m, _Pre(self, name), name) for name, m in named.items()],
+                pre=True,
+                with_kwargs=True,
+                prepend=True,
+            )
+            scope.add_forward_many(
+                [(m, _Post(self, name), name) for name, m in named.items()], always_call=True
+            )
+            if root is not None and not any(m is root for m in named.values()):
+                scope.add_forward_pre(root, _Count(self), layer="")
+        except BaseException:  # (a module refused) no hook left behind
+            scope.remove()
+            raise
 
     def _shared(
         self, copy: Callable[[torch.Tensor], torch.Tensor]

@@ -120,7 +120,9 @@ class Attributes:
     counter, a tensor cached as an attribute) and the contents of the containers its attributes
     hold (:class:`Containers`), to put back with :meth:`restore`.
 
-    A tensor attribute is kept by value too (a forward may change it in place). A plain attribute
+    Modules of PyTorch's own classes are left out (a wrapper's bookkeeping, FSDP's or DDP's, is
+    not the model's state). A tensor attribute is kept by value too (a forward may change it in
+    place). A plain attribute
     the forward added is removed on restore, unless its name starts with ``_``: a class's own
     bookkeeping that records state the restore does not undo (Transformers'
     ``_output_capturing_hooks_installed`` marks hooks it installed on the first forward that
@@ -138,8 +140,12 @@ class Attributes:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.attrs = [(m, plain_attributes(m.__dict__)) for m in model.modules()]
-        self.containers = Containers(model.modules())
+        # PyTorch's own classes are left alone: their forward keeps no plain state of the
+        # model's (their state is buffers), and a wrapper's bookkeeping (FSDP's handles and
+        # streams, DDP's sync flags) must not be rolled back under it (a crash, not a restore)
+        modules = [m for m in model.modules() if not type(m).__module__.startswith("torch.")]
+        self.attrs = [(m, plain_attributes(m.__dict__)) for m in modules]
+        self.containers = Containers(modules)
         # tensor attributes (not buffers) a forward may change in place: their values, put back
         self.values = [
             (v, v._version, v.detach().clone())

@@ -357,7 +357,46 @@ def compiled_regions(model: nn.Module) -> list[Region]:
             mapping.setdefault(sub, region)
     for sub, region in mapping.items():
         _region_of[sub] = region
+    # a forward compiled as a function (module.forward = torch.compile(module.forward)): no
+    # region hookscope can route, so hooks on the modules it calls are refused when placed
+    for raw_name, module in model.named_modules():
+        fn = module.__dict__.get("forward")
+        if (
+            getattr(fn, "_torchdynamo_orig_callable", None) is None
+            or is_optimized(module)  # (the wrapper's own forward: a region, routed)
+            or region_of(module) is not None
+        ):
+            continue
+        for sub in module.modules():
+            if sub is not module:
+                _forward_compiled[sub] = (clean_name(raw_name), weakref.ref(module))
     return found
+
+
+# module -> (the name of the module whose forward, compiled as a function, calls it; that module)
+_forward_compiled: weakref.WeakKeyDictionary[nn.Module, tuple[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def check_not_in_compiled_forward(module: nn.Module, layer: str) -> None:
+    """Refuse a hook on a module called by a forward compiled as a function: that compiled code
+    traces the hook at compile time instead of running it (its rows, its values: silently
+    missing)."""
+    got = _forward_compiled.get(module) if _forward_compiled else None
+    if got is None:
+        return
+    owner, ref = got
+    fn = ref().__dict__.get("forward") if ref() is not None else None
+    if getattr(fn, "_torchdynamo_orig_callable", None) is None:  # set back since
+        return
+    raise UnsupportedModelError(
+        f"layer {layer!r} is called by {owner or '<root>'!r}, whose forward was compiled as a "
+        f"function ({owner or 'model'}.forward = torch.compile(...)): that compiled code does not "
+        "run hooks added to the modules it calls; compile the module instead "
+        f"(torch.compile({owner or 'model'}) or {owner or 'model'}.compile()), which hookscope "
+        "routes"
+    )
 
 
 def region_of(module: nn.Module) -> Region | None:
@@ -454,8 +493,9 @@ def index_generate(model: nn.Module) -> None:
 
 def routing() -> bool:
     """Whether any module is indexed in a compiled region or a generating model (else
-    :func:`region_of` and :func:`generate_guard` are None for every module: hot loops skip them)."""
-    return bool(_region_of) or bool(_generate_guards)
+    :func:`region_of` and :func:`generate_guard` are None for every module: hot loops skip them),
+    or is called by a forward compiled as a function."""
+    return bool(_region_of) or bool(_generate_guards) or bool(_forward_compiled)
 
 
 def generate_guard(module: nn.Module) -> GenerateGuard | None:

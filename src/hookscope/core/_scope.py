@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from ._compiled import (
+    check_not_in_compiled_forward,
     compiled_regions,
     generate_guard,
     index_generate,
@@ -402,6 +403,7 @@ class HookScope:
     def _place(self, module: nn.Module, hook: _Hook) -> _Hook:
         """A hook on a module inside a compiled region: route the region's calls, make it opaque.
         A hook on a module of a model whose generate() may compile it by itself: hold its guard."""
+        check_not_in_compiled_forward(module, hook.layer)
         self._hold_guard(module, hook.layer)
         region = region_of(module)
         if region is None:
@@ -467,6 +469,10 @@ class HookScope:
         attr = "_forward_pre_hooks" if pre else "_forward_hooks"
         kw_attr = attr + "_with_kwargs"
         routed = routing()  # any compiled region or generating model indexed at all
+        if routed:  # refused before any is placed: no hook left behind
+            hooks = list(hooks)
+            for module, _, layer in hooks:
+                check_not_in_compiled_forward(module, layer)
         plain_types: set[type] = set()  # module classes that keep nn.Module's register method
         for module, hook, layer in hooks:
             hook.owner, hook.kind, hook.layer, hook.scope_id = owner, kind, layer, scope_id
