@@ -100,3 +100,85 @@ def test_a_module_that_does_not_run_in_b_is_listed_not_refused():
     b.load_state_dict(Net().state_dict())
     r = hs.compare(Net(), torch.compile(b, backend="aot_eager"), X, loss_fn=loss)
     assert {"a: blocks.1#0", "a: blocks.1.fc1#0"} <= set(r.unmatched)
+
+
+class Mlp(nn.Module):
+    """A change only inside the compiled program, in the module's own code before it calls a
+    child: B's eager run of the module hands its child another input than the compiled run did."""
+
+    def __init__(self, fault: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fault = nn.Linear(16, 32), nn.Linear(32, 16), fault
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        if self.fault and torch.compiler.is_compiling():
+            h = h * 1.02
+        return self.fc2(h)
+
+
+class Scaled(torch.autograd.Function):
+    """Twice its input; its backward is off by 5% only inside the compiled program."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g * 2.0 * (1.05 if torch.compiler.is_compiling() else 1.0)
+
+
+class Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g * 2.0
+
+
+class Act(nn.Module):
+    def __init__(self, fault: bool = False) -> None:
+        super().__init__()
+        self.fn = Scaled if fault else Twice
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn.apply(x)
+
+
+class Outer(nn.Module):
+    def __init__(self, fault: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.mlp, self.act, self.head = Mlp(fault), Act(), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.mlp(x)))
+
+
+def test_a_compiled_only_change_before_a_child_s_call_is_named_as_compiled():
+    """compile_error compared only the module's output, which its eagerly replayed child (given
+    the compiled run's child output) masked: culprit None. It covers what the module hands its
+    children too."""
+    r = hs.compare(Outer(), torch.compile(Outer(fault=True), backend="aot_eager"), X, loss_fn=loss)
+    assert r.culprit == "mlp" and r.row("mlp").flagged == "compiled"
+    assert r.row("mlp").compile_error == pytest.approx(0.02 / 1.02, rel=1e-3)
+    assert r.row("mlp").local_error == 0.0  # B's module run eagerly is right
+    clean = hs.compare(Outer(), torch.compile(Outer(), backend="aot_eager"), X, loss_fn=loss)
+    assert clean.culprit is None and max(x.compile_error for x in clean.rows) <= 5e-7
+
+
+def test_a_backward_that_differs_only_when_compiled_is_named():
+    """A module whose compiled backward is off (its forward right): the compiled run's gradients
+    differ by 5% below it and nothing was named. B's module is now also run backward eagerly on
+    the compiled run's values and output gradient, against the compiled input gradient."""
+    a = Outer()
+    b = Outer()
+    b.act = Act(fault=True)
+    r = hs.compare(a, torch.compile(b, backend="aot_eager"), X, loss_fn=loss)
+    assert r.culprit == "act" and r.row("act").flagged == "compiled"
+    assert r.row("act").compile_error == pytest.approx(0.05 / 1.05, rel=1e-3)
+    assert "compiled backward" in r.row("act").note
+    assert r.row("act").local_error == 0.0 and r.row("act").local_grad_error == 0.0

@@ -106,6 +106,8 @@ class _Job:
         # reference cannot be computed then leaves the row unflagged, with a note
         self._strict = True
         self._low: Replay | None = None
+        # id(row) -> the backward part of its compile_error (lazy until the norms resolve)
+        self._compiled_back: dict[int, Any] = {}
         if self.mixed and (ra.modules is not None or b is not None):
             # the conditioning check replays A's modules; for a recorded A, a copy of B's in
             # A's dtype stands in for them
@@ -223,9 +225,28 @@ class _Job:
             )
             r.note = f"{r.note}; {why}" if r.note else why
         if self.rep_bc is not None:
-            got = self._run(self.rep_bc, j, False, r)
+            # compiled vs eager, B's module run eagerly on the compiled run's own values: the
+            # output, what the call handed its children (a compiled-only change in the module's
+            # own code before a child's call) and, with a backward, its input gradients from
+            # the compiled run's output gradient and what it handed back to its children
+            note, failed = r.note, len(self.failed)
+            got = self._run(self.rep_bc, j, self.grads, r) if self.grads else None
+            if got is None:  # (a backward that cannot replay: its forward still says what differs)
+                r.note = note
+                del self.failed[failed:]
+                got = self._run(self.rep_bc, j, False, r)
             if got is not None:
-                r.compile_error = norms.rel_error(got.output, cb.output)  # compiled vs eager
+                errs = [norms.rel_error(got.output, cb.output), *got.child_errors]
+                if got.in_grads is not None and cb.in_grad is not None:
+                    back = worst(
+                        [
+                            norms.rel_pairs(list(zip(cb.in_grad, got.in_grads)), False),
+                            *got.child_grad_errors,
+                        ]
+                    )
+                    errs.append(back)
+                    self._compiled_back[id(r)] = back
+                r.compile_error = worst(errs)
         return r
 
     def finish(self, i: int, j: int, r: CompareRow) -> CompareRow:
@@ -482,8 +503,16 @@ class _Job:
                     r.note = f"{said}; {r.note}" if r.note else said
         if kind is None and r.compile_error is not None:
             assert self.rb is not None
-            if r.compile_error > tolerance(self.rb.run_dtype, 1) + r.tol - tolerance(self.low, 1):
+            limit = tolerance(self.rb.run_dtype, 1) + r.tol - tolerance(self.low, 1)
+            if r.compile_error > limit:
                 kind = "compiled"
+                back = value(self._compiled_back.get(id(r)))
+                if back is not None and back > limit:
+                    why = (
+                        f"its compiled backward differs from its eager backward by {back:.1e} "
+                        "(B's module run eagerly on the compiled run's values)"
+                    )
+                    r.note = f"{r.note}; {why}" if r.note else why
         r.flagged = kind
 
     def _reference(self, i: int, r: CompareRow, grads: bool) -> tuple[Any, Any, bool]:

@@ -29,7 +29,9 @@ class CompareRow:
         local_error: B's module run on A's own inputs to this call (and A's outputs of the calls
             it makes), against A's output: the error the module adds by itself.
         compile_error: B compiled against B's module run eagerly on the inputs the compiled run
-            gave it (``None`` unless B is compiled): what compilation adds inside the module.
+            gave it (``None`` unless B is compiled): what compilation adds inside the module; its
+            output and what it hands its children, and with ``loss_fn`` its input gradients from
+            the compiled run's output gradient (what the compiled backward adds).
         grad_error: B's gradient of the output against A's.
         local_grad_error: B's vector-Jacobian product at A's inputs with A's output gradient,
             against A's input gradient (and the module's parameter gradients, the same way).
