@@ -82,6 +82,9 @@ def test_a_model_against_its_bf16_copy_and_a_changed_model(spec, tmp_path, capsy
         (["compare", "{rec}", "{rec}", "--plot", "{tmp}"], "is a folder"),
         (["compare", "{rec}", "{rec}", "--plot", "{tmp}/no/x.png"], "does not exist"),
         (["compare", "{tmp}/no_such_record", "{rec}"], "no such record folder"),
+        # a backend torch does not know: was a traceback and exit 1
+        (["compare", "{spec}", "--input", "4,3", "--compile", "nosuch"], "--compile nosuch"),
+        (["compare", "{rec}", "{spec}", "--compile", "nosuch"], "--compile nosuch"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(spec, tmp_path, capsys, args, needle):

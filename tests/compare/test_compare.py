@@ -613,3 +613,50 @@ def test_a_module_changing_its_python_state_in_forward_is_replayed_from_where_th
     with torch.no_grad():
         b[1].lin.weight[0, 0] += 0.1
     assert hs.compare(a, b, x, loss_fn=loss).culprit == "1.lin"
+
+
+class _GradTimes(torch.autograd.Function):
+    """The identity forward; its backward scales the gradient (a backward-only fault)."""
+
+    @staticmethod
+    def forward(ctx, w, k):  # type: ignore[override]
+        ctx.k = k
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g * ctx.k, None
+
+
+class _PortLinear(nn.Module):
+    """A port's own Linear: the same computation as nn.Linear, parameters named w and b."""
+
+    def __init__(self, lin: nn.Linear, k: float = 1.0) -> None:
+        super().__init__()
+        self.w = nn.Parameter(lin.weight.detach().clone())
+        self.b = nn.Parameter(lin.bias.detach().clone())
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, _GradTimes.apply(self.w, self.k), self.b)
+
+
+def test_a_port_s_parameters_of_other_names_are_paired_by_position_and_said():
+    """names= pairs a module whose parameters are named otherwise (w, b for weight, bias): their
+    gradients counted as missing, a param_grad_error of 1.0 on a fault-free port, and a 10%
+    weight-gradient fault went unnamed. Paired by position (same shapes in the same order),
+    with a note; the fault is named."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    loss = lambda o: o.pow(2).mean()  # noqa: E731
+    for k, culprit in ((1.0, None), (1.1, "0")):
+        b = nn.Sequential(_PortLinear(a[0], k), nn.Tanh(), copy.deepcopy(a[2]))
+        r = hs.compare(a, b, x, loss_fn=loss)
+        assert r.culprit == culprit
+        row = r.row("0")
+        assert "paired by position" in row.note and "w (b) with weight (a)" in row.note
+        if k == 1.0:
+            assert row.param_grad_error == 0.0 and row.local_grad_error == 0.0
+        else:
+            assert row.flagged == "backward" and row.local_grad_error > 0.05

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._main import CLIError, add_model_arguments, load, make_inputs
+from ._main import CLIError, add_model_arguments, compiled, load, make_inputs
 
 _LOSSES = ("none", "sum", "square")
 
@@ -90,7 +90,6 @@ def _loss(kind: str) -> Any:
 
 
 def _live_b(args: argparse.Namespace, a: Any) -> Any:
-    import torch
 
     if args.b is not None:
         spec_args = copy.copy(args)
@@ -102,7 +101,7 @@ def _live_b(args: argparse.Namespace, a: Any) -> Any:
     if dt is not None:
         b = b.to(dt)
     if args.compile is not None:
-        b = torch.compile(b, backend=args.compile)
+        b = compiled(b, args.compile)
     return b
 
 

@@ -206,6 +206,13 @@ def load(args: argparse.Namespace) -> Any:
         return model
     # compiled: no error locator (a hook on every module would break the graph at every layer);
     # an error inside the model is still reported as one line
+    return compiled(model, backend)
+
+
+def compiled(model: Any, backend: str) -> Any:
+    """``torch.compile(model, backend=backend)``; a backend torch does not know is one line."""
+    import torch
+
     try:
         return torch.compile(model, backend=backend)  # attributes read through to the model
     except Exception as e:

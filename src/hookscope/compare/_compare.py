@@ -99,6 +99,7 @@ class _Job:
             or (rb is not None and (rb.compiled or rb.partial_grads))
         )
         self._owned: dict[str, list[str]] | None = None
+        self._names_cache: dict[tuple[str, str | None], tuple[dict[str, str], str | None]] = {}
         # B's replayed output of the calls whose output holds integers (a router's indices):
         # where those differ in B and in the reference alike, their floating outputs decide
         self._int_out: dict[int, Any] = {}
@@ -310,14 +311,66 @@ class _Job:
             self._owned = {}
             for p, owner in ra.params.items():
                 self._owned.setdefault(owner, []).append(p)
+        to_a, _ = self._own_names(a_name, b_name)
+        to_b = {v: k for k, v in to_a.items()}
         pairs = []
         for p in self._owned.get(a_name, ()):
             local = p[len(a_name) + 1 :] if a_name else p
-            q = f"{b_name}.{local}" if b_name else local
+            if local not in to_b:  # no counterpart in B's module (said in the row's note)
+                continue
+            q = f"{b_name}.{to_b[local]}" if b_name else to_b[local]
             if p in ra.outside or q in rb.outside:  # a loss term on it in one record
                 continue
             pairs.append((ra.param_grads.get(p), rb.param_grads.get(q)))
         return self.norms.rel_pairs(pairs, self.missing) if pairs else None
+
+    def _own_names(self, a_name: str, b_name: str | None) -> tuple[dict[str, str], str | None]:
+        """B's module's own parameters (local names) -> A's module's, and a note where their
+        names differ (a port's ``w``/``b`` for ``weight``/``bias``): paired by position where
+        both have as many of the same shapes in the same order, else only those of the same
+        name (the others' gradients are not compared)."""
+        key = (a_name, b_name)
+        got = self._names_cache.get(key)
+        if got is not None:
+            return got
+        ra, rb = self.ra, self.rb
+        assert rb is not None
+
+        def own(rec: RunRecord, name: str | None) -> list[str]:
+            if name is None:
+                return []
+            return [
+                p[len(name) + 1 :] if name else p
+                for p, owner in rec.params.items()
+                if owner == name
+            ]
+
+        def shape(rec: RunRecord, name: str, local: str) -> Any:
+            g = rec.param_grads.get(f"{name}.{local}" if name else local)
+            if g is None and rec.modules is not None and name in rec.modules:
+                g = rec.modules[name]._parameters.get(local)
+            return None if g is None else tuple(g.shape)
+
+        pa, pb = own(ra, a_name), own(rb, b_name)
+        note = None
+        if set(pa) == set(pb):
+            pairs = {n: n for n in pb}
+        elif len(pa) == len(pb) and all(
+            shape(ra, a_name, x) == shape(rb, b_name or "", y) is not None for x, y in zip(pa, pb)
+        ):
+            pairs = dict(zip(pb, pa))
+            note = "parameters paired by position (their names differ): " + ", ".join(
+                f"{y} (b) with {x} (a)" for x, y in zip(pa, pb) if x != y
+            )
+        else:
+            pairs = {n: n for n in pb if n in pa}
+            left = [n for n in pa if n not in pairs.values()] + [n for n in pb if n not in pairs]
+            note = (
+                f"parameter gradients of {', '.join(left[:4])} not compared: A's module and B's "
+                "have other parameters (names, shapes); pass a B whose module holds the same"
+            )
+        self._names_cache[key] = (pairs, note)
+        return pairs, note
 
     def _run(self, rep: Replay, pos: int, grads: bool, r: CompareRow) -> Result | None:
         try:
@@ -410,9 +463,16 @@ class _Job:
         elif got.param_grads and self.rep_a is not None:
             ref = self._run(self.rep_a, i, True, r)
             if ref is not None and ref.param_grads is not None:
+                to_a, note = self._own_names(ca.name, self.map(ca.name))
+                if note is not None and note not in r.note:
+                    r.note = f"{r.note}; {note}" if r.note else note
                 errs.append(
                     self.norms.rel_pairs(
-                        [(ref.param_grads.get(n), g) for n, g in got.param_grads.items()]
+                        [
+                            (ref.param_grads.get(to_a.get(n, n)), g)
+                            for n, g in got.param_grads.items()
+                            if n in to_a or "." in n
+                        ]
                     )
                 )
         elif got.param_grads and self._used_outside(ca.name, got.param_grads):
@@ -431,6 +491,15 @@ class _Job:
         out those the recorded A also used outside the model's call (a loss term on them: A's
         ``.grad`` holds that use), with a note on the row."""
         out = self.ra.outside
+        a_name = pre[:-1]
+        to_a, note = self._own_names(a_name, self.map(a_name))
+        if note is not None and note not in r.note:
+            r.note = f"{r.note}; {note}" if r.note else note
+        grads = {
+            to_a.get(n, n): g
+            for n, g in grads.items()
+            if n in to_a or "." in n  # (a child's parameter: its own name)
+        }
         skipped = [pre + n for n in grads if pre + n in out]
         if skipped:
             why = (
@@ -477,7 +546,8 @@ class _Job:
                 return
             for n, g in (got_a.param_grads or {}).items():
                 ref[n] = ref[n] + g if n in ref else g
-        pairs = [(ref.get(n), g) for n, g in mine.items()]
+        to_a, _ = self._own_names(r.name, self.map(r.name))
+        pairs = [(ref.get(to_a.get(n, n)), g) for n, g in mine.items() if n in to_a or "." in n]
         r.local_grad_error = _worst([value(e) for e in others] + [rel_pairs(pairs)])
 
     def _verdict(self, i: int, r: CompareRow) -> None:
