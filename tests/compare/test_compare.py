@@ -660,3 +660,39 @@ def test_a_port_s_parameters_of_other_names_are_paired_by_position_and_said():
             assert row.param_grad_error == 0.0 and row.local_grad_error == 0.0
         else:
             assert row.flagged == "backward" and row.local_grad_error > 0.05
+
+
+class _Shift(nn.Module):
+    """Returns a Python int its caller rolls by (no tensor out)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> int:
+        return int(x.shape[-1] // self.k)
+
+
+class _Rolls(nn.Module):
+    def __init__(self, k: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.shift, self.head = nn.Linear(8, 8), _Shift(k), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.head(torch.roll(h, self.shift(h), -1))
+
+
+def test_a_module_returning_a_python_number_is_compared():
+    """A module's Python int output (4 in A, 2 in B) had no errors at all and the culprit went
+    unnamed; numbers are compared (ints exactly, floats relatively)."""
+    x = torch.randn(3, 8)
+    loss = lambda o: o.pow(2).mean()  # noqa: E731
+    r = hs.compare(_Rolls(), _Rolls(), x, loss_fn=loss)
+    assert r.culprit is None and r.row("shift").error == 0.0 == r.row("shift").local_error
+    r = hs.compare(_Rolls(), _Rolls(k=8), x, loss_fn=loss)
+    assert r.culprit == "shift" and r.row("shift").error == math.inf
+    from hookscope.compare._tolerance import rel_error
+
+    assert rel_error((torch.ones(2), 0.5), (torch.ones(2), 0.6)) == pytest.approx(0.2)

@@ -105,6 +105,46 @@ def float_error(ref: Any, got: Any) -> float | None:
     return rel_pairs(pairs) if pairs else None
 
 
+_NUMBERS = (int, float, bool)
+
+
+def _numbers(obj: Any, out: list[Any], depth: int = 8) -> None:
+    """The Python numbers in ``obj`` (through tuples, lists and dicts), in order."""
+    if obj.__class__ in _NUMBERS:
+        out.append(obj)
+    elif depth and isinstance(obj, (tuple, list)):
+        for x in obj:
+            _numbers(x, out, depth - 1)
+    elif depth and isinstance(obj, dict):
+        for x in obj.values():
+            _numbers(x, out, depth - 1)
+
+
+def _number_error(ref: Any, got: Any) -> float | None:
+    """The worst error among the Python numbers of two values (``None``: there are none)."""
+    if ref.__class__ is torch.Tensor:
+        return None
+    a: list[Any] = []
+    b: list[Any] = []
+    _numbers(ref, a)
+    _numbers(got, b)
+    if not a and not b:
+        return None
+    if len(a) != len(b):
+        return math.inf
+    err = 0.0
+    for x, y in zip(a, b):
+        if x == y or (x != x and y != y):  # (a NaN is the same NaN)
+            continue
+        if isinstance(x, float) or isinstance(y, float):
+            if x == 0 or not math.isfinite(x) or not math.isfinite(y):
+                return math.inf
+            err = max(err, abs(y - x) / abs(x))
+        else:
+            return math.inf
+    return err
+
+
 def has_integers(value: Any) -> bool:
     """Whether ``value`` holds a tensor that is not floating (ids, indices, a mask)."""
     return any(not t.is_floating_point() for _, t in iter_tensors(value))
@@ -294,12 +334,21 @@ class Norms:
         return Lazy(fn)
 
     def rel_error(self, ref: Any, got: Any) -> Any:
-        """Like :func:`rel_error`, lazily."""
+        """Like :func:`rel_error`, lazily; Python numbers among the values (a module returning
+        ``int(x.shape[-1] // k)``, a float) are compared too: relatively for floats, exactly
+        for ints and bools (``inf`` where they differ)."""
+        if ref.__class__ is torch.Tensor and got.__class__ is torch.Tensor:
+            return self.rel_pairs([(ref, got)])
         a = [t for _, t in iter_tensors(ref)]
         b = [t for _, t in iter_tensors(got)]
         if len(a) != len(b):
             return math.inf
-        return self.rel_pairs(list(zip(a, b)))
+        nums = _number_error(ref, got)
+        if nums is None:
+            return self.rel_pairs(list(zip(a, b)))
+        if not a:
+            return nums
+        return worst([self.rel_pairs(list(zip(a, b))), nums])
 
     def _add(self, x: torch.Tensor, y: torch.Tensor) -> int:
         self._x.append(x.detach() if x.requires_grad else x)
