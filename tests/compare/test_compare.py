@@ -696,3 +696,35 @@ def test_a_module_returning_a_python_number_is_compared():
     from hookscope.compare._tolerance import rel_error
 
     assert rel_error((torch.ones(2), 0.5), (torch.ones(2), 0.6)) == pytest.approx(0.2)
+
+
+class _Logs(nn.Module):
+    """A child that returns None (a logging or statistics module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> None:
+        self.seen.append(float(x.detach().abs().sum()))
+
+
+def test_a_child_returning_none_is_replayed_from_the_record_without_a_false_note():
+    """A child returning None ran for real in its parent's replay, with the note "children ran
+    for real (inputs changed structure)" on a fault-free pair; it is replayed like any other
+    child (what its parent handed it compared with the record's)."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc, self.log = nn.Linear(8, 8), _Logs()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc(x)
+            self.log(h)
+            return h
+
+    x = torch.randn(2, 8)
+    r = hs.compare(Net(), Net(), x, loss_fn=lambda o: o.pow(2).mean())
+    assert r.culprit is None and r.row("").note == "" and r.row("").local_error == 0.0

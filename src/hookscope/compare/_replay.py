@@ -447,7 +447,6 @@ class Replay:
             pos, child = pending.pop(0) if pending else (-1, None)
             if (
                 child is None
-                or child.output is None
                 or child.inputs is None
                 or len(given) != sum(1 for _ in iter_tensors(child.inputs))
             ):
