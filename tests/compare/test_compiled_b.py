@@ -4,6 +4,8 @@ the hooks; refused naming the modules and the fix, never a report without their 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -182,3 +184,49 @@ def test_a_backward_that_differs_only_when_compiled_is_named():
     assert r.row("act").compile_error == pytest.approx(0.05 / 1.05, rel=1e-3)
     assert "compiled backward" in r.row("act").note
     assert r.row("act").local_error == 0.0 and r.row("act").local_grad_error == 0.0
+
+
+class FaultyBlock(Block):
+    """Off by 1% only inside the compiled program."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc2(torch.relu(self.fc1(x)))
+        if torch.compiler.is_compiling():
+            h = h * 1.01
+        return x + h
+
+
+def _with_faulty_block() -> Net:
+    b = Net()
+    bad = FaultyBlock()
+    bad.load_state_dict(b.blocks[1].state_dict())
+    b.blocks[1] = bad
+    return b
+
+
+@pytest.mark.parametrize("form", ["in_place", "fullgraph"])
+def test_a_compiled_only_fault_in_a_block_compiled_alone_is_named_as_compiled(form):
+    """One block compiled: in place (block.compile()), B's replays ran its compiled code, so the
+    fault read as the block's own forward fault with compile_error 0 (and Dynamo traced the
+    replay's stubs); with fullgraph=True, hooks cannot run inside, the block ran eagerly and
+    the fault was not seen at all (errors 0, no culprit). Replays now run eagerly; a fullgraph
+    region's compiled code is run as a whole on its recorded inputs."""
+    a, b = Net(), _with_faulty_block()
+    if form == "in_place":
+        b.blocks[1].compile(backend="aot_eager")
+    else:
+        b.blocks[1] = torch.compile(b.blocks[1], backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hs.HookscopeWarning)  # (fullgraph: runs eagerly)
+        r = hs.compare(a, b, X)
+    row = r.row("blocks.1")
+    assert r.culprit == "blocks.1" and row.flagged == "compiled"
+    assert row.local_error == 0.0 and row.compile_error > 1e-3
+    clean = Net()
+    clean.blocks[1] = torch.compile(
+        clean.blocks[1], backend="aot_eager", fullgraph=form == "fullgraph"
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", hs.HookscopeWarning)
+        r = hs.compare(a, clean, X)
+    assert r.culprit is None and not any("replay failed" in x.note for x in r.rows)

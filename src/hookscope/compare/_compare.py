@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._compiled import named_modules
+from ..core._compiled import compiled_regions, named_modules
 from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import SCALARS, tensors_of
 from ._checks import check_arguments, check_hooks_ran, check_loss, check_modes, check_names
@@ -22,7 +22,17 @@ from ._forced import Forced, forced_pass
 from ._record import load_record
 from ._replay import CopiesIn, Replay, Result
 from ._report import CompareReport, CompareRow
-from ._run import CompareError, RunRecord, RunSpec, _device, cast_like, preserved, record_run
+from ._run import (
+    CallRec,
+    CompareError,
+    RunRecord,
+    RunSpec,
+    _device,
+    cast_like,
+    preserved,
+    record_run,
+    restore_aliases,
+)
 from ._tolerance import (
     Norms,
     float_error,
@@ -81,6 +91,13 @@ class _Job:
                 self.rep_bc = Replay(
                     rb.modules, rb, rb, lambda n: n, rb.dtype, rb.autocast, norms=norms
                 )
+        # B's regions compiled with fullgraph=True: hooks cannot run inside one, so its calls
+        # ran eagerly while recorded; its compiled code is run as a whole on the same inputs
+        self.fullgraph: dict[str, Any] = {}
+        if b is not None and rb is not None and rb.compiled:
+            for region in compiled_regions(b):
+                if region.fullgraph and region._owner() is not None:
+                    self.fullgraph[region.name] = region._owner()
         if ra.modules is not None and self.grads:
             self.rep_a = Replay(ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast, norms=norms)
         self.forced: Forced | None = None
@@ -248,6 +265,8 @@ class _Job:
                     errs.append(back)
                     self._compiled_back[id(r)] = back
                 r.compile_error = worst(errs)
+        if cb.name in self.fullgraph and cb.inputs is not None:
+            self._whole_region(cb, r)
         return r
 
     def finish(self, i: int, j: int, r: CompareRow) -> CompareRow:
@@ -258,6 +277,36 @@ class _Job:
         self._unjoined(i, j, r)
         self._per_rank_statistics(i, j, r)
         return r
+
+    def _whole_region(self, cb: CallRec, r: CompareRow) -> None:
+        """A region compiled with fullgraph=True, whose calls ran eagerly under the record's
+        hooks: its compiled code (no hook inside) run on the inputs the call got, against the
+        call's eager output, is what compilation adds inside it (its modules' rows are of its
+        eager run)."""
+        rb = self.rb
+        assert rb is not None
+        args, kwargs = restore_aliases(cb.inputs, cb.alias)
+        device = _device(self.fullgraph[cb.name])
+        ctx = (
+            torch.autocast(device_type=device.type, dtype=rb.autocast)
+            if rb.autocast is not None
+            else contextlib.nullcontext()
+        )
+        try:
+            with torch.no_grad(), ctx:
+                out = self.fullgraph[cb.name](*args, **kwargs)
+        except Exception as exc:  # say so in the row, as for a replay
+            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            r.note = f"its compiled code (fullgraph=True) could not run alone: {msg[:160]}"
+            self.failed.append(r.label)
+            return
+        err = self.norms.rel_error(cb.output, out)
+        r.compile_error = worst([r.compile_error, err]) if r.compile_error is not None else err
+        why = (
+            "compiled with fullgraph=True: hooks cannot run inside it, so its modules' rows are "
+            "of its eager run; compile_error compares its compiled code as a whole"
+        )
+        r.note = f"{r.note}; {why}" if r.note else why
 
     def _per_rank_statistics(self, i: int, j: int, r: CompareRow) -> None:
         """A BatchNorm in training mode, in a record of several ranks: each rank normalised its

@@ -119,6 +119,12 @@ class _Stub(torch.autograd.Function):
         return (None, *ctx.grads)
 
 
+def _eager() -> Any:
+    """Compiled code set aside (``torch.compiler.set_stance("force_eager")``, where torch has it)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
+
+
 def _cast(
     value: Any,
     like: Any,
@@ -360,7 +366,9 @@ class Replay:
         )
         handed = [t for _, t in iter_tensors((args, kwargs))]
         before = versions(handed)
-        with torch.set_grad_enabled(grads), self._stubs(c, device, res), ctx:
+        # eagerly: a module compiled in place (module.compile()) would run its compiled code,
+        # and Dynamo would trace the replay's stubs (what compilation adds is compile_error's)
+        with torch.set_grad_enabled(grads), self._stubs(c, device, res), ctx, _eager():
             out = module(*args, **kwargs)  # with the module's own hooks, as in its run
         res.in_place = self.inplace[pos] = changed_in_place(handed, before, out)
         res.output = map_tensors(lambda t: t.detach(), out)
