@@ -728,3 +728,33 @@ def test_a_child_returning_none_is_replayed_from_the_record_without_a_false_note
     x = torch.randn(2, 8)
     r = hs.compare(Net(), Net(), x, loss_fn=lambda o: o.pow(2).mean())
     assert r.culprit is None and r.row("").note == "" and r.row("").local_error == 0.0
+
+
+class _PathAttn(nn.Module):
+    """Attention whose scale is wrong on its low-precision code path only (the same class in A
+    and B: a bug of the path, not a change of B's module)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        low = torch.is_autocast_enabled("cpu") or x.dtype == torch.bfloat16
+        scale = 1.0 if low else (1 / 32**0.5)
+        return self.o((q @ k.transpose(-1, -2) * scale).softmax(-1) @ v)
+
+
+def test_a_code_path_taken_in_the_lower_dtype_is_said_to_be_a_s_own_code_in_that_dtype():
+    """The explanation by A's own module computing in B's dtype covers a path the code takes in
+    that dtype: the row is not flagged (A's code does the same there), and the note no longer
+    calls it only ill-conditioning: it names the code path as a possible cause (a documented
+    limit)."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(32, 32), _PathAttn(), nn.Linear(32, 4))
+    x = torch.randn(2, 16, 32)
+    r = hs.compare(a, copy.deepcopy(a), x, loss_fn=lambda o: o.float().pow(2).mean(),
+                   autocast=torch.bfloat16)  # fmt: skip
+    row = r.row("1")
+    assert row.local_error > row.tol and row.flagged is None
+    assert "a code path the module takes in bfloat16" in row.note

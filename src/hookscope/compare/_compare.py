@@ -756,7 +756,8 @@ class _Job:
         )
         r.note = (
             f"{what} ill-conditioned in {dtype}: {whose} (e.g. batch norm over very few values, "
-            f"cancellation), so its local error {e:.1e} is not a fault"
+            f"cancellation; or a code path the module takes in {dtype}, which A's code takes "
+            f"too), so its local error {e:.1e} is not a change in B's module"
         )
         return None
 
