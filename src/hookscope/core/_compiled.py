@@ -320,8 +320,10 @@ class Region:
         warnings.warn(
             f"hookscope: none of the hooks on layers {names} ran during this call of the compiled "
             f"region {self.name or '<root>'!r}. Either those layers are not called through "
-            "module(...) for this input, or the compiled code skipped them; to get exact values "
-            "anyway run the call under torch.compiler.set_stance('force_eager')",
+            "module(...) for this input, or the compiled code skipped them (code compiled by an "
+            "earlier call, e.g. a loop over a ModuleList: torch._dynamo.reset() before adding "
+            "the hooks recompiles it with them); to get exact values anyway run the call under "
+            "torch.compiler.set_stance('force_eager')",
             HookscopeWarning,
             stacklevel=6,
         )
