@@ -673,7 +673,8 @@ class _Job:
             # integer outputs differ: only the dtype check (A's module in B's dtype, whose
             # integers a fault-free B reproduces exactly) can explain that
             return self._explained_by_dtype(i, r, kind, what)
-        if e_round is None or e is None or e > 2 * e_round + r.tol:
+        # (a non-finite error is never explained: inf > inf would read as explained)
+        if e_round is None or e is None or not math.isfinite(e) or e > 2 * e_round + r.tol:
             return self._explained_by_dtype(i, r, kind, what)
         whose = "a copy of B in A's dtype (A is a record)" if stand else "A's own"
         r.note = (
@@ -748,7 +749,7 @@ class _Job:
                 "dtypes and no reference for its gradient could be computed"
             )
             return None
-        if e_low is None or e is None or e > 2 * e_low + r.tol:
+        if e_low is None or e is None or not math.isfinite(e) or e > 2 * e_low + r.tol:
             return kind
         dtype = str(self.rb.autocast or self.rb.dtype)[6:] if self.rb is not None else "?"
         whose = (

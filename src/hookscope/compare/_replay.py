@@ -39,7 +39,7 @@ from ..core._nested import iter_tensors, map_tensors, tensors_of
 from ._hooks import object_copier
 from ._run import CallRec, RunRecord, restore_aliases
 from ._store import ValueStore
-from ._tolerance import Norms, rel_pairs
+from ._tolerance import Norms, narrowed, rel_pairs
 
 __all__ = ["CopiesIn", "Replay", "Result"]
 
@@ -197,9 +197,9 @@ def _cast_leaf(
             return got[1]
     out = t.detach().to(device)
     if out.is_floating_point():
-        out = out.to(d if d is not None and d.is_floating_point else dtype)
+        out = narrowed(out, d if d is not None and d.is_floating_point else dtype)
         if round_to is not None:
-            out = out.to(round_to).to(out.dtype)
+            out = narrowed(out, round_to).to(out.dtype)
     if out.data_ptr() == t.data_ptr() and out.numel():
         out = out.clone()  # a module that works in place must not change the record
     if key is not None:
@@ -214,9 +214,9 @@ def _cast_one(
     a copy on ``device``, floating ones in ``dtype``."""
     out = t.detach().to(device)
     if out.is_floating_point():
-        out = out.to(dtype)
+        out = narrowed(out, dtype)
         if round_to is not None:
-            out = out.to(round_to).to(out.dtype)
+            out = narrowed(out, round_to).to(out.dtype)
     return out.clone() if out.data_ptr() == t.data_ptr() and out.numel() else out
 
 

@@ -26,6 +26,7 @@ from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model
 from ._hooks import CallHooks, object_copier
 from ._store import ValueStore
+from ._tolerance import narrowed
 
 __all__ = [
     "CallRec",
@@ -162,7 +163,7 @@ def cast_like(
     def one(t: torch.Tensor) -> torch.Tensor:
         if device is not None and t.device != device:
             t = t.to(device)
-        return t.to(dtype) if t.is_floating_point() else t
+        return narrowed(t, dtype) if t.is_floating_point() else t
 
     if objects and any(
         (t.is_floating_point() and t.dtype != dtype) or (device is not None and t.device != device)

@@ -105,6 +105,27 @@ def float_error(ref: Any, got: Any) -> float | None:
     return rel_pairs(pairs) if pairs else None
 
 
+def narrowed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` for a floating ``t``, finite values beyond ``dtype``'s range saturated at
+    its largest (a plain cast overflows them to infinity: Transformers' attention mask, filled
+    with float32's minimum, became -inf in bfloat16, and fully masked rows softmaxed to NaN);
+    infinities and NaNs stay as they are.
+
+    >>> narrowed(torch.tensor([torch.finfo(torch.float32).min, -1.0]), torch.bfloat16).isinf().any()
+    tensor(False)
+    """
+    if t.dtype == dtype or not dtype.is_floating_point or not t.is_floating_point():
+        return t.to(dtype)
+    top = torch.finfo(dtype).max
+    if torch.finfo(t.dtype).max <= top or not t.numel():
+        return t.to(dtype)
+    big = t.detach().abs().amax()
+    if not bool(big > top):
+        return t.to(dtype)
+    clamped = t.clamp(-top, top)
+    return torch.where(torch.isfinite(t), clamped, t).to(dtype)
+
+
 _NUMBERS = (int, float, bool)
 
 

@@ -121,7 +121,9 @@ class Attributes:
     hold (:class:`Containers`), to put back with :meth:`restore`.
 
     Modules of PyTorch's own classes are left out (a wrapper's bookkeeping, FSDP's or DDP's, is
-    not the model's state). A tensor attribute is kept by value too (a forward may change it in
+    not the model's state). A configuration object the modules hold (a class named ``*Config``,
+    such as Transformers' ``PretrainedConfig``, whose forward sets ``problem_type`` from the first
+    labels it sees) has its plain values put back too. A tensor attribute is kept by value too (a forward may change it in
     place). A plain attribute
     the forward added is removed on restore, unless its name starts with ``_``: a class's own
     bookkeeping that records state the restore does not undo (Transformers'
@@ -130,7 +132,9 @@ class Attributes:
 
     Example:
         >>> import torch.nn as nn
-        >>> m = nn.Linear(2, 2)
+        >>> class Mine(nn.Linear):  # (PyTorch's own classes are left alone)
+        ...     pass
+        >>> m = Mine(2, 2)
         >>> m.calls, m.maps = 0, []
         >>> kept = Attributes(m)
         >>> m.calls += 1; m.maps.append(1); m.extra = 1.0
@@ -146,6 +150,18 @@ class Attributes:
         modules = [m for m in model.modules() if not type(m).__module__.startswith("torch.")]
         self.attrs = [(m, plain_attributes(m.__dict__)) for m in modules]
         self.containers = Containers(modules)
+        # a configuration object the modules hold (Transformers' PretrainedConfig: its forward
+        # sets config.problem_type from the first labels it sees): its plain values, once each
+        self.configs: dict[int, tuple[Any, dict[str, Any]]] = {}
+        for m in modules:
+            for k, v in m.__dict__.items():
+                if (
+                    k not in INTERNALS
+                    and id(v) not in self.configs
+                    and any(c.__name__.endswith("Config") for c in type(v).__mro__)
+                    and isinstance(getattr(v, "__dict__", None), dict)
+                ):
+                    self.configs[id(v)] = (v, plain_attributes(v.__dict__))
         # tensor attributes (not buffers) a forward may change in place: their values, put back
         self.values = [
             (v, v._version, v.detach().clone())
@@ -164,6 +180,11 @@ class Attributes:
                 if d.get(k, _ABSENT) is not v:
                     d[k] = v
         self.containers.restore()
+        for obj, before in self.configs.values():
+            d = obj.__dict__
+            for k, v in before.items():
+                if d.get(k, _ABSENT) is not v:
+                    d[k] = v
         for v, version, value in self.values:
             if v._version != version:
                 with torch.no_grad():
