@@ -758,3 +758,49 @@ def test_a_code_path_taken_in_the_lower_dtype_is_said_to_be_a_s_own_code_in_that
     row = r.row("1")
     assert row.local_error > row.tol and row.flagged is None
     assert "a code path the module takes in bfloat16" in row.note
+
+
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def test_a_bf16_copy_with_a_padded_float_mask_names_an_attention_fault_and_no_false_inf():
+    """Transformers' eager attention mask is float32 filled with float32's minimum: cast to
+    bf16 for B's replays it overflowed to -inf, fully masked rows softmaxed to NaN, every
+    attention row read local_error inf (noted as "not stable across dtypes") and a planted
+    scaling fault in one attention went unnamed. Casts saturate at the dtype's range."""
+    a = _tiny_gpt2()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    loss = lambda o: o.logits.float().pow(2).mean()  # noqa: E731
+    clean = hs.compare(a, copy.deepcopy(a).to(torch.bfloat16), ids, attention_mask=mask,
+                       loss_fn=loss)  # fmt: skip
+    assert clean.culprit is None
+    assert all(r.local_error is None or math.isfinite(r.local_error) for r in clean.rows)
+    b = copy.deepcopy(a).to(torch.bfloat16)
+    b.transformer.h[1].attn.scaling *= 40
+    r = hs.compare(a, b, ids, attention_mask=mask, loss_fn=loss)
+    assert r.culprit == "transformer.h.1.attn"
+
+
+def test_compare_leaves_a_transformers_config_as_found():
+    """A sequence classifier sets config.problem_type from the first labels it sees; compare's
+    runs left it set, so the user's next call with labels of another kind failed."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    a = transformers.BertForSequenceClassification(cfg).eval()
+    ids = torch.randint(0, 64, (2, 6))
+    hs.compare(a, copy.deepcopy(a), ids, labels=torch.tensor([0, 2]), loss_fn=lambda o: o.loss)
+    assert a.config.problem_type is None

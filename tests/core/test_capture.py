@@ -199,3 +199,32 @@ def test_no_input_gradient_where_no_input_needs_one_says_why():
         m(torch.randn(3, 4)).sum().backward()
     with pytest.raises(hs.NoGradientError, match="none of its inputs requires grad"):
         cap.calls("0")[0].input_grad
+
+
+def test_an_early_stop_is_not_caught_by_the_model_s_own_except_exception():
+    """A forward with a fallback (``try: fast path / except Exception: slow path``) caught the
+    early stop as an error and ran its slow path on: the capture then held the fallback's value
+    (2 calls) and FeatureExtractor returned it, silently. The stop is a BaseException now: the
+    value is a plain hook's, the fallback never runs."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.fallbacks = nn.Linear(4, 4), nn.Linear(4, 4), 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            try:
+                h = self.a(x)
+            except Exception:
+                self.fallbacks += 1
+                h = self.a(x * 0)
+            return self.b(h)
+
+    m, x = Net().eval(), torch.randn(2, 4)
+    ref = m.a(x)
+    with hs.capture(m, "a", stop=True) as cap:
+        m(x)
+    assert len(cap.calls("a")) == 1 and torch.equal(cap["a"], ref)
+    assert torch.equal(hs.FeatureExtractor(m, ["a"])(x)["a"], ref)
+    assert m.fallbacks == 0

@@ -87,7 +87,10 @@ def test_feature_extractor_resnet34_equals_fx_and_zero_copy_warns(resnet34):
 
 
 class Swallows(nn.Module):
-    """A model that catches every exception around an in-place layer, then changes its output."""
+    """A model that catches everything around an in-place layer (``except BaseException``: the
+    early stop too), then changes its output."""
+
+    broad: type[BaseException] = BaseException
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,7 +100,7 @@ class Swallows(nn.Module):
         h = self.lin(x)
         try:
             self.act(h)  # in place: its output is h itself
-        except Exception:
+        except self.broad:
             pass
         h += 100.0
         return self.b(h)
@@ -122,3 +125,8 @@ def test_stop_layer_is_kept_without_a_copy_and_a_swallowed_stop_is_reported():
     with torch.no_grad(), pytest.warns(hs.InPlaceModifiedWarning, match="'act' \\(call 0\\)"):
         got = hs.FeatureExtractor(m, ["act"])(x)
     assert torch.equal(got["act"], m.lin(x).clamp(min=0) + 100.0)
+    # a model's own `except Exception:` does not catch the stop (a BaseException): exact value
+    m.broad = Exception
+    with torch.no_grad():
+        got = hs.FeatureExtractor(m, ["act"])(x)
+    assert torch.equal(got["act"], m.lin(x).clamp(min=0))

@@ -344,8 +344,10 @@ def note_exception(layer: str, module: nn.Module, args: Any, kwargs: Any = None)
         pass
 
 
-class _StopSignal(Exception):
-    """Raised from a hook to end a forward pass early; caught by the scope that raised it."""
+class _StopSignal(BaseException):
+    """Raised from a hook to end a forward pass early; caught by the scope that raised it. A
+    ``BaseException``: a model's own ``except Exception:`` (a fallback path) must not catch it
+    and run on, handing later hooks the fallback's values."""
 
     def __init__(self, scope_id: int) -> None:
         super().__init__(f"hookscope early stop (scope {scope_id})")
