@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 from test_extract import Interrupting, Paced, TokenNet, reference
 from torch.utils.data import Dataset, TensorDataset
 
@@ -386,3 +387,66 @@ def test_the_fingerprint_of_code_is_the_same_in_every_process():
         for seed in (1, 2, 3)
     }
     assert len(got) == 1, got
+
+
+class _Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.temperature, self.table = nn.Linear(64, 32), 1.0, None
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.table is None:  # built lazily on the first call
+            self.table = torch.linspace(1.0, 2.0, x.shape[-1])
+        return self.fc(x * self.table) / self.temperature
+
+
+def _loader(x: torch.Tensor) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+
+
+def test_a_model_changed_anywhere_is_not_another_run_s_features(tmp_path):
+    """One unit ablated (a row of weights zeroed) after a finished extraction: the fingerprint
+    sampled ~64 values per tensor, so the same folder returned the old features; a changed plain
+    attribute the forward reads (a temperature) too. Both are refused now, naming what differs."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    m = _Tempered().eval()
+    hs.extract(m, _loader(x), ["fc"], tmp_path / "a", progress=False)
+    with torch.no_grad():
+        m.fc.weight[3].zero_()
+    with pytest.raises(hs.ExtractError, match="model weights differ"):
+        hs.extract(m, _loader(x), ["fc"], tmp_path / "a", progress=False)
+    m2 = _Tempered().eval()
+    hs.extract(m2, _loader(x), ["fc"], tmp_path / "b", progress=False)
+    m2.temperature = 2.0
+    with pytest.raises(hs.ExtractError, match="model attributes"):
+        hs.extract(m2, _loader(x), ["fc"], tmp_path / "b", progress=False)
+
+
+def test_extraction_calls_the_model_as_a_hand_loop_does_and_leaves_normal_tensors(tmp_path):
+    """A probe forward on one sample ran before the batches (4 calls for 2 batches: a counter
+    the forward reads made every feature differ from a hand loop's), under inference_mode: a
+    table the model builds lazily was an inference tensor, failing the next training step."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    m, ref_m = _Tempered().eval(), _Tempered().eval()
+    feats = hs.extract(m, _loader(x), ["fc"], tmp_path, progress=False)
+    with torch.no_grad():
+        ref = torch.cat([ref_m.fc(b * torch.linspace(1.0, 2.0, 64)) for (b,) in _loader(x)])
+    np.testing.assert_array_equal(np.asarray(feats["fc"]), ref.numpy())
+    assert m.calls == 2  # one call per batch, as a hand loop (no probe call left counted)
+    assert not m.table.is_inference()
+    m.train()
+    m(torch.randn(2, 64, requires_grad=True)).sum().backward()  # a training step runs
+
+
+def test_starting_over_removes_the_earlier_run_s_layer_files(tmp_path):
+    """resume=False with other layers: the earlier run's file of a layer this run does not
+    extract stayed, holding the earlier data's features beside the new manifest."""
+    net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(8, 8)
+    hs.extract(net, _loader(x), ["0", "2"], tmp_path, progress=False)
+    assert (tmp_path / "0.npy").exists()
+    hs.extract(net, _loader(x + 1), ["2"], tmp_path, progress=False, resume=False)
+    assert not (tmp_path / "0.npy").exists() and (tmp_path / "2.npy").exists()

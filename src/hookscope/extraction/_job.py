@@ -22,6 +22,7 @@ import platform
 import shutil
 import sys
 import warnings
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
+from ..core._buffers import plain_attributes, state_kept
 from ..core._errors import HookscopeWarning
 from ..core._progress import progress_bar
 from ..core._random import random_draws, training_modules
@@ -99,16 +101,39 @@ def _model_name(model: nn.Module) -> str:
 
 
 def _weights(model: nn.Module) -> str:
-    """~64 exact values per tensor: tells different weights apart, device-independent, cheap."""
+    """Every value of every parameter and buffer (their bytes' CRC-32: about 4 GB/s here, so a
+    changed value anywhere, one unit ablated, changes the fingerprint; ~64 sampled values per
+    tensor missed such changes and a resume mixed two models' features), device-independent."""
     h = hashlib.sha256()
     for k, v in model.state_dict().items():
         h.update(f"{k}:{tuple(v.shape)}:{v.dtype}:".encode())
-        if not v.numel():
+        if not v.numel() or v.is_meta:
             continue
-        sample = v.detach().reshape(-1)[:: max(1, v.numel() // 64)]
-        if v.dtype == torch.bfloat16:
-            sample = sample.float()
-        h.update(sample.cpu().contiguous().numpy().tobytes())
+        t = v.detach().cpu().contiguous()
+        try:
+            data = t.reshape(-1).view(torch.uint8).numpy()
+        except (RuntimeError, TypeError):  # a tensor of another kind (quantized, sparse)
+            data = np.frombuffer(repr(t).encode(), dtype=np.uint8)
+        h.update(zlib.crc32(data).to_bytes(4, "little"))
+    return h.hexdigest()
+
+
+def _attributes(model: nn.Module) -> str:
+    """The float and string attributes of the model's own module classes, which a forward may
+    read (a temperature, a scale, a mode): changing one changes the features. Ints and bools are
+    left out: a forward changes those itself (a call counter, a flag set once), and a resume
+    must not read that as another run."""
+    h = hashlib.sha256()
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("torch."):
+            continue
+        plain = {
+            k: v
+            for k, v in plain_attributes(m.__dict__).items()
+            if v.__class__ in (float, str) and k != "training"
+        }
+        if plain:
+            h.update(f"{name}:{sorted(plain.items(), key=lambda kv: kv[0])!r};".encode())
     return h.hexdigest()
 
 
@@ -129,6 +154,7 @@ def _code_of(model: nn.Module) -> str:
 _FIELDS = {
     "model": "model class",
     "weights": "model weights",
+    "attributes": "model attributes (floats and strings its modules hold)",
     "code": "model code (a forward changed)",
     "layers": "layers",
     "pool": "pool",
@@ -270,6 +296,7 @@ class Job:
         desc = {
             "model": _model_name(self.model),
             "weights": _weights(self.model),
+            "attributes": _attributes(self.model),
             "code": _code_of(self.model),
             "layers": self.names,
             "pool": self.pool_name,
@@ -409,8 +436,15 @@ class Job:
                 )
             consolidate(out, self.fingerprint)
             return
+        # starting over: the files an earlier run here wrote (its manifest's, its run.json's)
+        # go, or a layer this run does not extract would keep the earlier run's features
+        earlier: set[str] = set()
+        for old in (read_json(out / MANIFEST), read_run(out)):
+            if isinstance(old, dict) and isinstance(old.get("files"), dict):
+                earlier.update(str(f) for f in old["files"].values())
         (out / MANIFEST).unlink(missing_ok=True)
-        with torch.inference_mode():
+        # the probe's forward leaves no trace on the model (a counter, a table it builds lazily)
+        with torch.no_grad(), state_kept(self.model):
             probed, ref = self._probe(runner)
         want = self.options.dtype
         dtypes = {
@@ -439,6 +473,10 @@ class Job:
             create_arrays(out, run)
         except OSError as e:
             raise ExtractError(f"cannot create the feature files in {out}: {e}") from None
+        for fname in earlier - set(run["files"].values()):
+            path = out / fname
+            if path.parent == out and path.suffix == ".npy":  # (only a file name of ours)
+                path.unlink(missing_ok=True)
 
     def _probe(self, runner: Runner) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], str]:
         """Shapes and dtypes of every layer's rows, and the structure of a sample, from the first
@@ -501,7 +539,9 @@ class Job:
         total, rows_done = src.rows_of(mine), src.rows_of(mine[:done])
         bar = progress_bar(total, initial=rows_done, enabled=show, desc="extract", unit="samples")
         try:
-            with torch.inference_mode():
+            # no_grad, not inference_mode: a tensor the model keeps (a table it builds lazily)
+            # must not be an inference tensor, which fails the user's next training step
+            with torch.no_grad():
                 for k, batch in zip(ks, loader):
                     if k in finished:
                         self._check(k, batch.digest, finished[k])
