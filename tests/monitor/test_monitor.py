@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
@@ -416,3 +417,30 @@ def test_old_style_weight_norm_is_not_taken_for_fsdp1():
     assert math.isclose(
         rec.params["0.weight_v"]["grad_norm"], float(net[0].weight_v.grad.norm()), rel_tol=1e-6
     )
+
+
+def test_statistics_of_large_finite_values_are_exact_not_inf():
+    """Activations near 1e20 (finite in fp32): each block's fp32 dot overflowed, so the std read
+    inf beside nonfinite 0 and a parameter gradient's norm (1e39) inf, with NumPy's overflow
+    warning leaking out. Blocks that overflow are summed in float64, as the guide says."""
+    import warnings
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.Identity(), nn.Linear(64, 1))
+    with torch.no_grad():
+        net[0].weight.mul_(1e20)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        ref_std = net[0](x).double().std().item()
+    net2 = copy.deepcopy(net)
+    (net2(x).sum() * 1e18).backward()
+    ref_norm = net2[2].weight.grad.double().norm().item()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with hs.Monitor(net, every=1, alerts="off") as mon:
+            (net(x).sum() * 1e18).backward()
+            mon.step()
+    rec = mon.records[-1]
+    assert rec.layers["0"]["std"] == pytest.approx(ref_std, rel=1e-5)
+    assert rec.layers["0"]["nonfinite"] == 0.0
+    assert rec.params["2.weight"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)

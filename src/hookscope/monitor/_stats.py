@@ -95,10 +95,21 @@ def _sumsq(a: np.ndarray) -> float:
     fp32 dot over millions of elements, or torch's fp32 2-norm, loses 1e-5 to 1e-3). NaN and
     infinities propagate."""
     dot, q = np.dot, 0.0
-    for i in _blocks(a.shape[0]):
-        c = a[i : i + _BLOCK]
-        q += float(dot(c, c))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i in _blocks(a.shape[0]):
+            c = a[i : i + _BLOCK]
+            v = float(dot(c, c))
+            if not math.isfinite(v) and bool(np.isfinite(c).all()):
+                v = _wide_sumsq(c)  # finite values whose fp32 square sum overflows
+            q += v
     return q
+
+
+def _wide_sumsq(c: np.ndarray) -> float:
+    """``sum(c * c)`` of finite values in float64 (where the fp32 dot overflowed: values near
+    1e19 and beyond; float64 holds their squares)."""
+    w = c.astype(np.float64)
+    return float(np.dot(w, w))
 
 
 _ONES = np.ones(_BLOCK, dtype=np.float32)
@@ -216,8 +227,19 @@ def _fused_stats(a: np.ndarray, scratch: Scratch) -> tuple[float, float, float, 
         m = ab.shape[0]
         lo, hi = float(_MIN(ab)), float(_MAX(ab))
         mn, mx = _lower(mn, lo), _upper(mx, hi)
-        s += float(dot(ab, ones if m == _BLOCK else ones[:m]))  # BLAS: faster than a sum here
-        q += float(dot(ab, ab))
+        with np.errstate(over="ignore", invalid="ignore"):
+            bs = float(dot(ab, ones if m == _BLOCK else ones[:m]))  # BLAS: faster than a sum
+            bq = float(dot(ab, ab))
+        if (
+            not (math.isfinite(bs) and math.isfinite(bq))
+            and math.isfinite(lo)
+            and math.isfinite(hi)
+        ):
+            # finite values whose fp32 sums overflow (near 1e19 and beyond): in float64
+            w = ab.astype(np.float64)
+            bs, bq = float(w.sum()), float(np.dot(w, w))
+        s += bs
+        q += bq
         if lo > 0 or hi < 0:
             nonzero += m  # no value can be 0
         else:
