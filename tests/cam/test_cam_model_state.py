@@ -131,3 +131,23 @@ def test_cam_leaves_a_layer_s_python_state_as_found_and_each_map_starts_from_it(
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     torch.testing.assert_close(fresh, first, rtol=0, atol=0)
     assert net[3].state() == (False, 0, [], 0.0)
+
+
+@pytest.mark.parametrize("method", ["gradcam", "gradcam++"])
+def test_a_layer_that_runs_twice_in_one_forward_is_refused_naming_it(method):
+    """A convolution whose weights are shared (called twice): the map silently came from its
+    last call; refused, naming the layer and what to pick instead."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.sh = nn.Conv2d(3, 3, 3, padding=1)
+            self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, 2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.sh(torch.relu(self.sh(x))))
+
+    m = Shared().eval()
+    with pytest.raises(hs.CAMError, match="'sh' ran more than once"):
+        hs.cam_methods()[method](m, "sh")(torch.randn(2, 3, 8, 8), target=[0, 1])

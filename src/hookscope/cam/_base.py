@@ -339,6 +339,13 @@ class CAM:
             def hook(module: nn.Module, args: Any, output: Any) -> Any:
                 if in_backward():
                     return None
+                if name in acts:  # a module reused (weights shared): which call's map?
+                    raise CAMError(
+                        f"layer {name!r} ran more than once in one forward pass (the same module "
+                        "called again, e.g. shared weights); a CAM needs one activation of the "
+                        "layer: pick a layer that runs once (a wrapper around the call you "
+                        "want, or that call's own submodule)"
+                    )
                 t = first_tensor(output)
                 if t is None:
                     raise CAMError(
