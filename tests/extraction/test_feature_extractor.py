@@ -130,3 +130,21 @@ def test_stop_layer_is_kept_without_a_copy_and_a_swallowed_stop_is_reported():
     with torch.no_grad():
         got = hs.FeatureExtractor(m, ["act"])(x)
     assert torch.equal(got["act"], m.lin(x).clamp(min=0))
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_a_layer_that_runs_twice_is_refused_not_one_call_by_chance(stop):
+    """A module called twice before the forward ends: stop=True returned one call and
+    stop=False the other, neither said so; refused naming the layer and hs.capture."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.sh, self.out = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.out(self.sh(self.sh(x)))
+
+    with pytest.raises(hs.HookscopeError, match="'sh' of Twice ran more than once"):
+        hs.FeatureExtractor(Twice(), ["sh", "out"], stop=stop)(torch.randn(2, 4))

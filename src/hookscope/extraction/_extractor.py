@@ -7,7 +7,7 @@ from typing import Any
 import torch.nn as nn
 
 from ..core._capture import Capture, _Recorder
-from ..core._errors import LayerNotRunError
+from ..core._errors import HookscopeError, LayerNotRunError
 from ..core._scope import check_model
 from ..core._select import resolve
 
@@ -66,8 +66,17 @@ class FeatureExtractor(nn.Module):
                 f"FeatureExtractor: layer(s) {', '.join(map(repr, missing))} of {type(self.model).__name__} "
                 "never ran during this forward pass (called via .forward() directly, or not on this input's path)"
             )
+        calls = {name: rec.materialize(name)[-1] for name in self.layers}
+        again = [name for name, c in calls.items() if c.index > 0]
+        if again:  # one output per layer: which call's? (stop=True and False gave different ones)
+            raise HookscopeError(
+                f"FeatureExtractor: layer(s) {', '.join(map(repr, again))} of "
+                f"{type(self.model).__name__} ran more than once in this forward pass (a module "
+                "called again, e.g. shared weights), and the extractor returns one output per "
+                "layer; use hs.capture(model, layer) for every call (cap.calls(layer))"
+            )
         # .output: a value kept without a copy that the model changed in place is reported
-        return {name: rec.materialize(name)[-1].output for name in self.layers}
+        return {name: c.output for name, c in calls.items()}
 
     def extra_repr(self) -> str:
         return f"layers={self.layers}, stop={self.stop}, clone={self.clone}"
