@@ -366,3 +366,28 @@ def test_a_record_of_another_model_is_said_to_pair_only_the_root(tmp_path):
     msg = str(info[0].message)
     assert "Sequential" in msg and "Other" in msg and "'body'" in msg and "'0'" in msg
     assert any("look like two different models" in n for n in report.notes)
+
+
+def test_a_check_that_cannot_replay_is_said_as_such_not_as_a_row_without_local_error(tmp_path):
+    """B's module patched with an instance forward that calls the original (bf16) module: the
+    check of dtypes replays a copy in A's dtype, which fails. The row's own replay worked (it is
+    flagged, with its local error), yet the warning said its row had no local error and listed
+    it twice. Now only the check is said to have failed, in the row's note."""
+    import warnings
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    loss = lambda o: o.float().pow(2).mean()  # noqa: E731
+    with hs.record(a, tmp_path):
+        loss(a(x)).backward()
+    b = copy.deepcopy(a).to(torch.bfloat16)
+    with torch.no_grad():
+        b[2].weight.mul_(1.5)
+    lin = b[2]
+    b[2].forward = lambda h: torch.nn.functional.linear(h, lin.weight, lin.bias)  # type: ignore[method-assign]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        r = hs.compare(tmp_path, b, x, loss_fn=loss)
+    assert r.culprit == "2" and r.row("2").local_error is not None
+    assert not any("could not replay" in str(w.message) for w in seen)

@@ -421,13 +421,24 @@ class _Job:
         self._names_cache[key] = (pairs, note)
         return pairs, note
 
-    def _run(self, rep: Replay, pos: int, grads: bool, r: CompareRow) -> Result | None:
+    def _run(
+        self, rep: Replay, pos: int, grads: bool, r: CompareRow, check: bool = False
+    ) -> Result | None:
+        """``rep.run``; a failure is said in the row. ``check``: the replay of a check (of
+        conditioning, against A's own module), not the row's own: its failure says the check
+        could not run, and the row keeps its errors (no warning that it has none)."""
         try:
             return rep.run(pos, grads)
         except Exception as exc:  # a module that cannot run on its own: say so in the row
             msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if check:
+                why = f"a check of its dtypes could not replay it: {msg[:160]}"
+                if why not in r.note:
+                    r.note = f"{r.note}; {why}" if r.note else why
+                return None
             r.note = f"replay failed: {msg[:160]}"
-            self.failed.append(r.label)
+            if r.label not in self.failed:
+                self.failed.append(r.label)
             return None
 
     def _local(self, i: int, r: CompareRow) -> None:
@@ -590,7 +601,7 @@ class _Job:
         others, calls, mine = whole
         ref: dict[str, torch.Tensor] = {}
         for k in calls:
-            got_a = self._run(self.rep_a, k, True, r)
+            got_a = self._run(self.rep_a, k, True, r, check=True)
             if got_a is None:
                 return
             for n, g in (got_a.param_grads or {}).items():
@@ -641,7 +652,7 @@ class _Job:
         ca = self.ra.calls[i]
         if self.rep_stand is None:
             return ca.output, ca.in_grad, False
-        got = self._run(self.rep_stand, i, grads, r)
+        got = self._run(self.rep_stand, i, grads, r, check=True)
         if got is None:
             return None, None, True
         return got.output, got.in_grads, True
@@ -652,7 +663,7 @@ class _Job:
         assert self.rep_round is not None
         grads = kind == "backward"
         out, in_grad, stand = self._reference(i, r, grads)
-        got = self._run(self.rep_round, i, grads, r)
+        got = self._run(self.rep_round, i, grads, r, check=True)
         if got is None or (stand and out is None):
             return kind
         # against a stand-in the children's values are A's, not the stand-in's: its own output
@@ -696,7 +707,7 @@ class _Job:
         if low is None:
             return kind
         ca = self.ra.calls[i]
-        got = self._run(low, i, kind == "backward", r)
+        got = self._run(low, i, kind == "backward", r, check=True)
         if got is None:
             return kind
         if kind == "forward":
@@ -766,8 +777,8 @@ class _Job:
         assert self.rep_b is not None
         grads = kind == "backward"
         assert self.rep_stand is not None
-        ref = self._run(self.rep_stand, i, grads, r)
-        got = self._run(self.rep_b, i, grads, r)
+        ref = self._run(self.rep_stand, i, grads, r, check=True)
+        got = self._run(self.rep_b, i, grads, r, check=True)
         if got is None or ref is None or ref.output is None:
             return kind
         out = ref.output
