@@ -255,15 +255,25 @@ class _Job:
                 got = self._run(self.rep_bc, j, False, r)
             if got is not None:
                 errs = [norms.rel_error(got.output, cb.output), *got.child_errors]
-                if got.in_grads is not None and cb.in_grad is not None:
-                    back = worst(
-                        [
-                            norms.rel_pairs(list(zip(cb.in_grad, got.in_grads)), False),
-                            *got.child_grad_errors,
-                        ]
-                    )
-                    errs.append(back)
-                    self._compiled_back[id(r)] = back
+                if (
+                    got.in_grads is not None
+                    and cb.in_grad is not None
+                    and not got.in_place
+                    and not cb.children
+                ):
+                    # a leaf call's own input gradients only, where the compiled run gave one
+                    # that is not all zeros: around in-place ops (an in-place ReLU, a block's
+                    # `out += identity`) the compiled run's recorded input gradients of a call
+                    # are not the call's (zeros; a fault-free compiled resnet18's blocks read 60%)
+                    pairs = [
+                        (g, e)
+                        for g, e in zip(cb.in_grad, got.in_grads)
+                        if g is not None and e is not None and bool(g.detach().abs().amax() > 0)
+                    ]
+                    if pairs:
+                        back = norms.rel_pairs(pairs, False)
+                        errs.append(back)
+                        self._compiled_back[id(r)] = back
                 r.compile_error = worst(errs)
         if cb.name in self.fullgraph and cb.inputs is not None:
             self._whole_region(cb, r)
