@@ -804,3 +804,30 @@ def test_compare_leaves_a_transformers_config_as_found():
     ids = torch.randint(0, 64, (2, 6))
     hs.compare(a, copy.deepcopy(a), ids, labels=torch.tensor([0, 2]), loss_fn=lambda o: o.loss)
     assert a.config.problem_type is None
+
+
+class _IntRouter(nn.Module):
+    """Returns its output and a Python int computed from it (the index of its largest mean)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        h = self.lin(x)
+        return h, int(h.mean(0).argmax())
+
+
+def test_a_python_int_that_bf16_rounding_flips_is_explained_like_an_integer_tensor():
+    """A fault-free bf16 copy whose module's int (an argmax of floats) flips by rounding: read
+    as an infinite local error and named; it goes through the integer outputs' check (the
+    floating output decides, the int is checked against A's module computing in bf16)."""
+    torch.manual_seed(0)
+    a = nn.Sequential(_IntRouter())
+    b = copy.deepcopy(a).to(torch.bfloat16)
+    torch.manual_seed(27)
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        assert a[0](x)[1] != b[0](x.bfloat16())[1]  # the int flips here
+    r = hs.compare(a, b, x, loss_fn=lambda o: o[0].float().pow(2).mean())
+    assert r.culprit is None and r.row("0").flagged is None

@@ -167,8 +167,20 @@ def _number_error(ref: Any, got: Any) -> float | None:
 
 
 def has_integers(value: Any) -> bool:
-    """Whether ``value`` holds a tensor that is not floating (ids, indices, a mask)."""
-    return any(not t.is_floating_point() for _, t in iter_tensors(value))
+    """Whether ``value`` holds a tensor that is not floating (ids, indices, a mask), or a Python
+    int or bool (``int(x.argmax())``)."""
+    if any(not t.is_floating_point() for _, t in iter_tensors(value)):
+        return True
+    nums: list[Any] = []
+    _numbers(value, nums)
+    return any(not isinstance(n, float) for n in nums)
+
+
+def int_numbers(value: Any) -> list[Any]:
+    """The Python ints and bools in ``value``, in order."""
+    nums: list[Any] = []
+    _numbers(value, nums)
+    return [n for n in nums if not isinstance(n, float)]
 
 
 _PROMOTE = (torch.float32, torch.bfloat16, torch.float16)
