@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+import hookscope as hs
 from hookscope.core._buffers import buffers_kept
 
 
@@ -59,3 +60,49 @@ def test_plain_attributes_are_put_back_and_a_private_mark_added_is_kept():
     assert m.state() == (False, 0, [], 0.0)
     assert m.total is total and m.seen is seen  # the same objects, their values put back
     assert m._installed is True
+
+
+def test_a_class_pytorch_made_from_the_model_s_own_is_kept_too():
+    """weight_norm turns a user's Block into torch.nn.utils.parametrize's ParametrizedBlock
+    (FSDP2 into FSDPBlock): its counter was left changed (compare then named an exact copy's
+    layer). Classes with the user's class in their MRO are the model's own."""
+    from hookscope.core._buffers import state_kept
+
+    class Block(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().forward(x) * self.calls
+
+    m = nn.utils.parametrizations.weight_norm(Block(3, 3))
+    assert type(m).__module__.startswith("torch.")
+    with state_kept(m):
+        m(torch.ones(1, 3))
+    assert "calls" not in m.__dict__
+
+
+def test_a_module_its_forward_built_is_left_built_whole():
+    """A forward that registers a parameter (``self.weight = nn.Parameter(...)`` over a None
+    attribute) or materializes a lazy one built the module: putting back its plain attributes
+    (weight None, in_features 0) left it half built (a new random weight on the next call, an
+    optimizer holding a stale one). Such a module is left as built."""
+    from hookscope.core._buffers import state_kept
+
+    class LazyProj(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.weight is None:
+                self.weight = nn.Parameter(torch.randn(4, x.shape[-1]))
+            return x @ self.weight.t()
+
+    class MyLazy(nn.LazyLinear):
+        pass
+
+    m = nn.Sequential(LazyProj(), MyLazy(2))
+    with state_kept(m):
+        m(torch.randn(3, 5))
+    assert isinstance(m[0].weight, nn.Parameter) and m[0].weight is m[0]._parameters["weight"]
+    assert m[1].in_features == 4 and m[1].weight.shape == (2, 4)
+    assert hs.summary(nn.Sequential(MyLazy(2)), torch.randn(3, 5)).totals.trainable == 12

@@ -147,8 +147,12 @@ class Attributes:
         # PyTorch's own classes are left alone: their forward keeps no plain state of the
         # model's (their state is buffers), and a wrapper's bookkeeping (FSDP's handles and
         # streams, DDP's sync flags) must not be rolled back under it (a crash, not a restore)
-        modules = [m for m in model.modules() if not type(m).__module__.startswith("torch.")]
+        modules = [m for m in model.modules() if _own_class(type(m))]
         self.attrs = [(m, plain_attributes(m.__dict__)) for m in modules]
+        # what each module holds besides: a forward that registers a parameter, a buffer or a
+        # submodule, or materializes a lazy parameter, built the module; its plain attributes
+        # then describe the built module (in_features), and putting them back would undo half
+        self.built = [(m, _held(m)) for m in modules]
         self.containers = Containers(modules)
         # a configuration object the modules hold (Transformers' PretrainedConfig: its forward
         # sets config.problem_type from the first labels it sees): its plain values, once each
@@ -171,7 +175,10 @@ class Attributes:
         ]
 
     def restore(self) -> None:
+        built = {id(m) for m, held in self.built if _held(m) != held}
         for m, before in self.attrs:
+            if id(m) in built:
+                continue
             d = m.__dict__
             for k in plain_attributes(d).keys() - before.keys():
                 if not k.startswith("_"):
@@ -192,6 +199,26 @@ class Attributes:
 
 
 _ABSENT = object()
+
+
+def _own_class(cls: type) -> bool:
+    """Whether a module class is not entirely PyTorch's own: a class of the model's, or one
+    PyTorch made from it (``torch.nn.utils.parametrize``'s ``Parametrized<Class>``, FSDP2's
+    ``FSDP<Class>`` keep the user's class in their MRO)."""
+    return any(
+        c is not object and not c.__module__.startswith(("torch.", "torch"))
+        for c in cls.__mro__
+        if c.__module__ != "builtins"
+    )
+
+
+def _held(m: nn.Module) -> tuple[Any, ...]:
+    """The identities (and kinds) of the parameters, buffers and submodules ``m`` holds."""
+    return (
+        tuple((k, id(v), type(v)) for k, v in m._parameters.items()),
+        tuple((k, id(v)) for k, v in m._buffers.items()),
+        tuple((k, id(v)) for k, v in m._modules.items()),
+    )
 
 
 @contextmanager

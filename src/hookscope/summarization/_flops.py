@@ -237,6 +237,8 @@ def warm_up() -> None:
 
 
 def _storage(t: torch.Tensor) -> Any:
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # a lazy module's, unbuilt
+        return None
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):  # sparse, nested, meta wrappers...
