@@ -86,7 +86,8 @@ def extract(
 
     Args:
         model: any ``nn.Module``; run in eval mode under ``torch.no_grad()`` (its modes,
-            device and hooks are left as found; a tensor it builds and keeps is a normal one).
+            device, hooks, buffers and plain attributes are left as found; a tensor it builds
+            and keeps is a normal one).
         data: a map-style ``Dataset`` whose samples are a tensor, an ``(input, ...)`` tuple (e.g.
             ``(image, label)``) or a dict of model keyword arguments; a ``DataLoader`` (its
             dataset, batch size, workers, ``collate_fn`` and sampler are used: the samples its

@@ -540,8 +540,11 @@ class Job:
         bar = progress_bar(total, initial=rows_done, enabled=show, desc="extract", unit="samples")
         try:
             # no_grad, not inference_mode: a tensor the model keeps (a table it builds lazily)
-            # must not be an inference tensor, which fails the user's next training step
-            with torch.no_grad():
+            # must not be an inference tensor, which fails the user's next training step. The
+            # model's plain state (a counter, a float it tracks) evolves over the batches as in
+            # a hand loop and is put back at the end: the model is left as found, and a resume's
+            # fingerprint (its float attributes) is not changed by the run it resumes
+            with torch.no_grad(), state_kept(self.model):
                 for k, batch in zip(ks, loader):
                     if k in finished:
                         self._check(k, batch.digest, finished[k])
