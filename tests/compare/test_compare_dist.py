@@ -52,6 +52,7 @@ def _record_all(rank: int, root: str) -> None:
         _record_bn(rank, f"{root}/bn-{train}", train)
     _record_fsdp2(rank, f"{root}/fsdp2")
     _record_pos(rank, f"{root}/pos")
+    _record_nosync(rank, f"{root}/nosync")
 
 
 @pytest.fixture(scope="module")
@@ -375,7 +376,7 @@ def test_rank_folders_of_two_runs_are_refused_not_joined(records, tmp_path):
     mix is refused naming the parameter. Rank 0's folder copied as rank 1's (its index says rank
     0) is refused too."""
     mixed = _mixed(records, tmp_path, "sum/rank1")
-    with pytest.raises(hs.CompareError, match="not of one run: the gradient of '0.weight'"):
+    with pytest.raises(hs.CompareError, match="cannot be one run.*the gradient of .0.weight."):
         hs.compare(mixed, make_cnn(), batch(), loss_fn=mean_loss)
     twice = _mixed(records, tmp_path / "twice", "cnn/rank0")
     with pytest.raises(hs.CompareError, match="rank1 holds rank 0 of 2"):
@@ -488,3 +489,18 @@ def test_the_gradient_of_a_value_every_rank_shares_is_the_sum_of_the_ranks_own(r
         faulty = PosNet()
         faulty.pos.weight[2] += 0.1
     assert hs.compare(str(records / "pos"), faulty, pos_batch(), loss_fn=mean_loss).culprit == "pos"
+
+
+def _record_nosync(rank: int, folder: str) -> None:
+    ddp = nn.parallel.DistributedDataParallel(make_cnn())
+    x = batch()[rank * SHARE : (rank + 1) * SHARE]
+    with ddp.no_sync(), hs.record(ddp, folder):
+        mean_loss(ddp(x)).backward()
+
+
+@pytest.mark.distributed
+def test_a_record_whose_backward_did_not_sync_is_refused_naming_no_sync(records):
+    """Recorded under DDP's no_sync(): each rank holds its own share's gradients, which joined
+    as DDP's averaged ones named a false culprit; refused, naming no_sync as a cause."""
+    with pytest.raises(hs.CompareError, match=r"no_sync\(\)"):
+        hs.compare(str(records / "nosync"), make_cnn(), batch(), loss_fn=mean_loss)

@@ -635,9 +635,12 @@ def _check_one_run(path: Path, recs: list[RunRecord]) -> None:
                 continue
             if g.shape != h.shape or not torch.equal(g, h):
                 raise CompareError(
-                    f"hs.compare: the rank records in {str(path)!r} are not of one run: the "
-                    f"gradient of {name!r} differs between rank0 and rank{r} (DDP and FSDP2 give "
-                    "every rank the same); record every rank of one run into an empty folder"
+                    f"hs.compare: the rank records in {str(path)!r} cannot be one run on the "
+                    f"combined batch: the gradient of {name!r} differs between rank0 and rank{r} "
+                    "(DDP and FSDP2 give every rank the same, reduced one). Either the backward "
+                    "did not reduce them (DDP's no_sync(), gradient accumulation: record a step "
+                    "whose backward syncs), or the rank folders come from different runs (record "
+                    "every rank of one run into an empty folder)"
                 )
 
 
