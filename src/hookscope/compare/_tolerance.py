@@ -119,8 +119,8 @@ def narrowed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     top = torch.finfo(dtype).max
     if torch.finfo(t.dtype).max <= top or not t.numel():
         return t.to(dtype)
-    big = t.detach().abs().amax()
-    if not bool(big > top):
+    lo, hi = torch.aminmax(t.detach())  # (one pass; a NaN compares False: kept as it is)
+    if not (lo.item() < -top or hi.item() > top):
         return t.to(dtype)
     clamped = t.clamp(-top, top)
     return torch.where(torch.isfinite(t), clamped, t).to(dtype)

@@ -159,13 +159,9 @@ class Attributes:
         self.configs: dict[int, tuple[Any, dict[str, Any]]] = {}
         for m in modules:
             for k, v in m.__dict__.items():
-                if (
-                    k not in INTERNALS
-                    and id(v) not in self.configs
-                    and any(c.__name__.endswith("Config") for c in type(v).__mro__)
-                    and isinstance(getattr(v, "__dict__", None), dict)
-                ):
-                    self.configs[id(v)] = (v, plain_attributes(v.__dict__))
+                if k not in INTERNALS and id(v) not in self.configs and _is_config(type(v)):
+                    d = object.__getattribute__(v, "__dict__")
+                    self.configs[id(v)] = (v, plain_attributes(d))
         # tensor attributes (not buffers) a forward may change in place: their values, put back
         self.values = [
             (v, v._version, v.detach().clone())
@@ -188,7 +184,7 @@ class Attributes:
                     d[k] = v
         self.containers.restore()
         for obj, before in self.configs.values():
-            d = obj.__dict__
+            d = object.__getattribute__(obj, "__dict__")
             for k, v in before.items():
                 if d.get(k, _ABSENT) is not v:
                     d[k] = v
@@ -199,6 +195,23 @@ class Attributes:
 
 
 _ABSENT = object()
+
+
+_CONFIG_TYPES: dict[type, bool] = {}
+
+
+def _is_config(cls: type) -> bool:
+    """Whether instances of ``cls`` are configuration objects (a class named ``*Config`` in
+    its MRO, with a ``__dict__``), cached per class."""
+    got = _CONFIG_TYPES.get(cls)
+    if got is None:
+        got = _CONFIG_TYPES[cls] = (
+            cls not in (int, float, str, bool, type(None), list, dict, tuple)
+            and not issubclass(cls, (torch.Tensor, nn.Module))
+            and any(c.__name__.endswith("Config") for c in cls.__mro__)
+            and "__dict__" in dir(cls)
+        )
+    return got
 
 
 def _own_class(cls: type) -> bool:
