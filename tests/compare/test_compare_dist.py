@@ -36,10 +36,14 @@ def mean_loss(out: torch.Tensor) -> torch.Tensor:
     return out.pow(2).mean()
 
 
-def _record_ddp(rank: int, folder: str, make: object) -> None:
+def _record_ddp(rank: int, folder: str, make: object, data=None, sync: bool = True) -> None:
+    """The record of one DDP rank: ``make()``'s model on its share of ``data()`` (``batch``);
+    ``sync=False``: the backward under ``no_sync()`` (gradients not reduced)."""
+    import contextlib
+
     ddp = nn.parallel.DistributedDataParallel(make())  # type: ignore[operator]
-    x = batch()[rank * SHARE : (rank + 1) * SHARE]
-    with hs.record(ddp, folder):
+    x = (data or batch)()[rank * SHARE : (rank + 1) * SHARE]
+    with contextlib.nullcontext() if sync else ddp.no_sync(), hs.record(ddp, folder):
         mean_loss(ddp(x)).backward()
 
 
@@ -47,12 +51,12 @@ def _record_all(rank: int, root: str) -> None:
     """Every record of this file, in one launch of the ranks (each launch costs seconds)."""
     _record_ddp(rank, f"{root}/cnn", make_cnn)
     _record_sum(rank, f"{root}/sum")
-    _record_uneven(rank, f"{root}/uneven")
+    _record_ddp(rank, f"{root}/uneven", Uneven, uneven_batch)
     for train in (False, True):
         _record_bn(rank, f"{root}/bn-{train}", train)
     _record_fsdp2(rank, f"{root}/fsdp2")
-    _record_pos(rank, f"{root}/pos")
-    _record_nosync(rank, f"{root}/nosync")
+    _record_ddp(rank, f"{root}/pos", PosNet, pos_batch)
+    _record_ddp(rank, f"{root}/nosync", make_cnn, sync=False)
 
 
 @pytest.fixture(scope="module")
@@ -237,13 +241,6 @@ def uneven_batch() -> torch.Tensor:
     x[:SHARE, 0] = x[:SHARE, 0].abs()  # rank 0: extra runs
     x[SHARE:, 0] = -x[SHARE:, 0].abs()  # rank 1: it does not
     return x
-
-
-def _record_uneven(rank: int, folder: str) -> None:
-    ddp = nn.parallel.DistributedDataParallel(Uneven())
-    x = uneven_batch()[rank * SHARE : (rank + 1) * SHARE]
-    with hs.record(ddp, folder):
-        mean_loss(ddp(x)).backward()
 
 
 @pytest.mark.distributed
@@ -467,13 +464,6 @@ def pos_batch() -> torch.Tensor:
     return torch.randn(WORLD * SHARE, 6, 4, generator=torch.Generator().manual_seed(2))
 
 
-def _record_pos(rank: int, folder: str) -> None:
-    ddp = nn.parallel.DistributedDataParallel(PosNet())
-    x = pos_batch()[rank * SHARE : (rank + 1) * SHARE]
-    with hs.record(ddp, folder):
-        mean_loss(ddp(x)).backward()
-
-
 @pytest.mark.distributed
 def test_the_gradient_of_a_value_every_rank_shares_is_the_sum_of_the_ranks_own(records):
     """A position embedding's output is equal on every rank; its gradient (every share used it)
@@ -489,13 +479,6 @@ def test_the_gradient_of_a_value_every_rank_shares_is_the_sum_of_the_ranks_own(r
         faulty = PosNet()
         faulty.pos.weight[2] += 0.1
     assert hs.compare(str(records / "pos"), faulty, pos_batch(), loss_fn=mean_loss).culprit == "pos"
-
-
-def _record_nosync(rank: int, folder: str) -> None:
-    ddp = nn.parallel.DistributedDataParallel(make_cnn())
-    x = batch()[rank * SHARE : (rank + 1) * SHARE]
-    with ddp.no_sync(), hs.record(ddp, folder):
-        mean_loss(ddp(x)).backward()
 
 
 @pytest.mark.distributed

@@ -27,6 +27,7 @@ from ._run import (
     CompareError,
     RunRecord,
     RunSpec,
+    _autocast,
     _device,
     cast_like,
     preserved,
@@ -298,13 +299,8 @@ class _Job:
         assert rb is not None
         args, kwargs = restore_aliases(cb.inputs, cb.alias)
         device = _device(self.fullgraph[cb.name])
-        ctx = (
-            torch.autocast(device_type=device.type, dtype=rb.autocast)
-            if rb.autocast is not None
-            else contextlib.nullcontext()
-        )
         try:
-            with torch.no_grad(), ctx:
+            with torch.no_grad(), _autocast(device, rb.autocast):
                 out = self.fullgraph[cb.name](*args, **kwargs)
         except Exception as exc:  # say so in the row, as for a replay
             msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -88,6 +88,11 @@ def join_ranks(recs: list[RunRecord], loss_reduction: str = "mean") -> RunRecord
     )
 
 
+def _equal(ts: tuple[torch.Tensor, ...]) -> bool:
+    """Whether leaves ``ts`` (one per rank) are the same tensor value on every rank."""
+    return len({t.shape for t in ts}) == 1 and all(torch.equal(ts[0], t) for t in ts)
+
+
 def _share(rec: RunRecord) -> int:
     if rec.calls:
         for _, t in iter_tensors(rec.calls[0].inputs):
@@ -190,14 +195,13 @@ class _Joined:
             shared = (
                 all(f is not None for f in fs)
                 and not self._split(fs)  # type: ignore[arg-type]
-                and len({f.shape for f in fs}) == 1  # type: ignore[union-attr]
-                and all(torch.equal(fs[0], f) for f in fs)  # type: ignore[arg-type]
+                and _equal(fs)  # type: ignore[arg-type]
             )
             if shared and len({t.shape for t in ts}) == 1:
                 out.append(torch.stack(ts).sum(0))
             elif self._split(ts):
                 out.append(torch.cat(ts))
-            elif len({t.shape for t in ts}) == 1 and all(torch.equal(ts[0], t) for t in ts):
+            elif _equal(ts):
                 out.append(ts[0])
             else:
                 why = why or (
@@ -219,11 +223,9 @@ class _Joined:
         for k, ts in enumerate(zip(*leaves)):
             if grad:
                 ts = tuple(t * s if t.is_floating_point() else t for t, s in zip(ts, self.scale))
-            if all(t.dim() >= 1 and t.shape[0] == n for t, n in zip(ts, self.shares)) and (
-                len({t.shape[1:] for t in ts}) == 1
-            ):
+            if self._split(ts):
                 out.append(torch.cat(ts))
-            elif len({t.shape for t in ts}) == 1 and all(torch.equal(ts[0], t) for t in ts):
+            elif _equal(ts):
                 out.append(ts[0])
             else:
                 why = why or (
