@@ -41,12 +41,36 @@ _SCALARS = (bool, int, float, str)
 def plain_attributes(d: dict[str, Any]) -> dict[str, Any]:
     """A module's plain attributes: numbers, strings, None and tensors (not its parameters,
     buffers, submodules, hooks or any other object)."""
+    kinds = _KINDS
     return {
         k: v
         for k, v in d.items()
-        if (v is None or v.__class__ in _SCALARS or isinstance(v, torch.Tensor))
-        and k not in INTERNALS
+        if (kinds.get(type(v)) or _kind(type(v))) <= _TENSOR and k not in INTERNALS
     }
+
+
+# what a value is to the state kept, by its type (cached per class: isinstance on an object whose
+# class overrides __getattribute__, a Transformers config, calls it for __class__ each time)
+_PLAIN, _TENSOR, _DICT, _SEQ, _TUPLE, _CONFIG, _OTHER = range(1, 8)
+_KINDS: dict[type, int] = {type(None): _PLAIN, bool: _PLAIN, int: _PLAIN, float: _PLAIN, str: _PLAIN}
+
+
+def _kind(cls: type) -> int:
+    """The kind of values of class ``cls`` (see ``_KINDS``), computed once per class."""
+    if issubclass(cls, torch.Tensor):
+        kind = _TENSOR
+    elif issubclass(cls, dict):
+        kind = _DICT
+    elif issubclass(cls, (list, collections.deque, set)):
+        kind = _SEQ
+    elif issubclass(cls, tuple):
+        kind = _TUPLE
+    elif _is_config(cls):
+        kind = _CONFIG
+    else:
+        kind = _OTHER
+    _KINDS[cls] = kind
+    return kind
 
 
 class Containers:
@@ -76,17 +100,17 @@ class Containers:
                     self._walk(v, seen, 0)
 
     def _walk(self, obj: Any, seen: set[int], depth: int) -> None:
-        if depth > self._DEPTH or id(obj) in seen:
+        cls = type(obj)
+        kind = _KINDS.get(cls) or _kind(cls)
+        if kind < _DICT or kind > _TUPLE or depth > self._DEPTH or id(obj) in seen:
             return
-        if isinstance(obj, dict):
+        if kind == _DICT:
             items: Any = list(dict.items(obj))
             inner: Any = [v for _, v in items]
-        elif isinstance(obj, (list, collections.deque, set)):
+        elif kind == _SEQ:
             items = inner = list(obj)
-        elif isinstance(obj, tuple):
-            items, inner = None, obj  # immutable: only what it holds may change
         else:
-            return
+            items, inner = None, obj  # a tuple, immutable: only what it holds may change
         seen.add(id(obj))
         if items is not None:
             self.saved.append((obj, items))
@@ -147,21 +171,35 @@ class Attributes:
         # PyTorch's own classes are left alone: their forward keeps no plain state of the
         # model's (their state is buffers), and a wrapper's bookkeeping (FSDP's handles and
         # streams, DDP's sync flags) must not be rolled back under it (a crash, not a restore)
-        modules = [m for m in model.modules() if _own_class(type(m))]
-        self.attrs = [(m, plain_attributes(m.__dict__)) for m in modules]
+        modules = [m for m in model.modules() if _own(type(m))]
+        # one pass over each module's attributes: its plain ones, the containers they hold (a
+        # list of maps it appends to), and a configuration object it holds (Transformers'
+        # PretrainedConfig: its forward sets config.problem_type from the first labels it
+        # sees): the config's plain values, once each
+        self.attrs: list[tuple[nn.Module, dict[str, Any]]] = []
+        self.containers = containers = Containers(())
+        self.configs: dict[int, tuple[Any, dict[str, Any]]] = {}
+        seen: set[int] = set()
+        kinds = _KINDS
+        for m in modules:
+            plain = {}
+            for k, v in m.__dict__.items():
+                kind = kinds.get(type(v)) or _kind(type(v))
+                if kind == _OTHER or k in INTERNALS:
+                    continue
+                if kind <= _TENSOR:
+                    plain[k] = v
+                elif kind == _CONFIG:
+                    if id(v) not in self.configs:
+                        d = object.__getattribute__(v, "__dict__")
+                        self.configs[id(v)] = (v, plain_attributes(d))
+                else:
+                    containers._walk(v, seen, 0)
+            self.attrs.append((m, plain))
         # what each module holds besides: a forward that registers a parameter, a buffer or a
         # submodule, or materializes a lazy parameter, built the module; its plain attributes
         # then describe the built module (in_features), and putting them back would undo half
         self.built = [(m, _held(m)) for m in modules]
-        self.containers = Containers(modules)
-        # a configuration object the modules hold (Transformers' PretrainedConfig: its forward
-        # sets config.problem_type from the first labels it sees): its plain values, once each
-        self.configs: dict[int, tuple[Any, dict[str, Any]]] = {}
-        for m in modules:
-            for k, v in m.__dict__.items():
-                if k not in INTERNALS and id(v) not in self.configs and _is_config(type(v)):
-                    d = object.__getattribute__(v, "__dict__")
-                    self.configs[id(v)] = (v, plain_attributes(d))
         # tensor attributes (not buffers) a forward may change in place: their values, put back
         self.values = [
             (v, v._version, v.detach().clone())
@@ -214,15 +252,25 @@ def _is_config(cls: type) -> bool:
     return got
 
 
+_OWN: dict[type, bool] = {}
+
+
+def _own(cls: type) -> bool:
+    """:func:`_own_class`, cached."""
+    got = _OWN.get(cls)
+    return _own_class(cls) if got is None else got
+
+
 def _own_class(cls: type) -> bool:
     """Whether a module class is not entirely PyTorch's own: a class of the model's, or one
     PyTorch made from it (``torch.nn.utils.parametrize``'s ``Parametrized<Class>``, FSDP2's
-    ``FSDP<Class>`` keep the user's class in their MRO)."""
-    return any(
+    ``FSDP<Class>`` keep the user's class in their MRO); cached per class (``_OWN``)."""
+    own = _OWN[cls] = any(
         c is not object and not c.__module__.startswith(("torch.", "torch"))
         for c in cls.__mro__
         if c.__module__ != "builtins"
     )
+    return own
 
 
 def _held(m: nn.Module) -> tuple[Any, ...]:
