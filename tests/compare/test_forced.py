@@ -273,9 +273,9 @@ def test_a_gradient_the_record_lacks_does_not_cut_the_pass(monkeypatch):
 
 
 class _Scale(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 4) -> None:
         super().__init__()
-        self.bias = nn.Parameter(torch.ones(4))
+        self.bias = nn.Parameter(torch.ones(width))
         self.k = 2.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -283,9 +283,9 @@ class _Scale(nn.Module):
 
 
 class _InPlaceResidual(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int = 4) -> None:
         super().__init__()
-        self.scale, self.f = _Scale(), nn.Linear(4, 4)
+        self.scale, self.f = _Scale(width), nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x * 1.0
@@ -294,30 +294,35 @@ class _InPlaceResidual(nn.Module):
         return h
 
 
-def _residual_pair(k: float) -> tuple[nn.Module, nn.Module]:
+def _residual_pair(k: float, width: int = 4) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
-    a = nn.Sequential(nn.Linear(4, 4), _InPlaceResidual(), nn.Linear(4, 2))
+    a = nn.Sequential(nn.Linear(width, width), _InPlaceResidual(width), nn.Linear(width, 2))
     b = copy.deepcopy(a)
     b[1].scale.k = k
     return a, b
 
 
+# 3x4: what was handed is stacked with the pairs of its size when the norms are computed; 80x64
+# (more than _tolerance._GROUP values): computed by itself
+@pytest.mark.parametrize("shape", [(3, 4), (80, 64)])
 @pytest.mark.parametrize("k", [2.0, 2.02])
-def test_a_caller_that_changes_what_it_handed_in_place(monkeypatch, k):
+def test_a_caller_that_changes_what_it_handed_in_place(monkeypatch, k, shape):
     """The caller's ``h += f(scale(h))`` changes ``h`` after handing it to ``scale``: the error of
     what it handed was computed later on the changed ``h`` (the block flagged on a fault-free
     pair). The one pass keeps a copy of what was handed; the fault, if any, is ``scale``'s."""
-    a, b = _residual_pair(k)
-    fast, forced, _slow = _both(monkeypatch, a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    a, b = _residual_pair(k, shape[1])
+    x = torch.randn(*shape)
+    fast, forced, _slow = _both(monkeypatch, a, b, x, loss_fn=lambda o: o.sum())
     assert not forced.void and not forced.dirty
     assert fast.row("1").local_error == 0.0 and fast.row("1").flagged is None
     assert fast.culprit == (None if k == 2.0 else "1.scale")
 
 
-def test_the_per_call_replay_copies_what_the_caller_handed(monkeypatch):
-    a, b = _residual_pair(2.0)
+@pytest.mark.parametrize("shape", [(3, 4), (80, 64)])
+def test_the_per_call_replay_reads_what_the_caller_handed_as_it_was(monkeypatch, shape):
+    a, b = _residual_pair(2.0, shape[1])
     monkeypatch.setattr(_compare._Job, "force", lambda job: None)
-    report = hs.compare(a, b, torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    report = hs.compare(a, b, torch.randn(*shape), loss_fn=lambda o: o.sum())
     assert report.row("1").local_error == 0.0 and report.culprit is None
 
 
