@@ -4,9 +4,11 @@ model left as found, cost of the replay."""
 from __future__ import annotations
 
 import copy
+import gc
 import importlib
 import json
 import math
+import weakref
 
 import pytest
 import torch
@@ -226,6 +228,54 @@ def test_both_models_are_left_as_found():
     assert torch.equal(a.fc.weight.grad, torch.ones_like(a.fc.weight))
     assert b.fc.weight.grad is None and a.training and b.training
     assert "forward" not in a.bn1.__dict__ and not hs.hooks_on(a) and not hs.hooks_on(b)
+
+
+class _Cycle:
+    """An object that refers to itself (freed only by the cycle collector), holding a tensor."""
+
+    def __init__(self) -> None:
+        self.me, self.t = self, torch.zeros(1000)
+
+
+_LEFT: list[weakref.ref] = []  # the cycles the runs of _LeavesCycles left, by weak reference
+_SEEN: list[list[bool]] = []  # at each run's start: which of the earlier runs' are alive
+
+
+class _LeavesCycles(nn.Linear):
+    """A forward that leaves a reference cycle behind (as a Transformers cache can)."""
+
+    def forward(self, x):
+        if not _SEEN or len(_SEEN[-1]) != len(_LEFT):
+            _SEEN.append([r() is not None for r in _LEFT])
+        _LEFT.append(weakref.ref(_Cycle()))
+        return super().forward(x)
+
+
+def test_collection_is_as_found_after_compare_and_each_run_s_cycles_are_freed_at_its_end():
+    """hs.compare pauses automatic garbage collection (its records would be promoted to the
+    oldest generation, and full collections of the whole process follow), collects the young
+    generation at each run's end and resumes collection on exit, an error's too; collection that
+    the caller disabled stays disabled."""
+    torch.manual_seed(0)
+    a = nn.Sequential(_LeavesCycles(4, 4), nn.Tanh())
+    x = torch.randn(2, 4)
+    _LEFT.clear()
+    _SEEN.clear()
+    assert gc.isenabled()
+    hs.compare(a, copy.deepcopy(a), x, loss_fn=lambda o: o.sum())
+    assert gc.isenabled()
+    # each run (A's, B's, B's replay) found the cycles of the runs before it freed
+    assert len(_SEEN) >= 3 and all(not any(alive) for alive in _SEEN)
+    drops = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+    with pytest.raises(hs.CompareError):
+        hs.compare(drops, copy.deepcopy(drops), x)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        hs.compare(a, copy.deepcopy(a), x)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_each_module_runs_once_in_the_replay_whatever_the_depth():
