@@ -96,3 +96,19 @@ def test_the_pending_pairs_resolve_by_themselves_past_the_budget():
     x = torch.randn(200)
     first = norms.rel_pairs([(x, x * 1.5)])  # 1600 bytes: over the budget, resolved at once
     assert norms._x == [] and first.get() == pytest.approx(0.5, rel=1e-6)
+
+
+def test_large_pairs_sharing_their_reference_each_read_their_own_values():
+    """The norm of a reference read by several large pairs (a call's output: its row's, its
+    replay's and the next call's input) is taken once per memory it reads: the same object, a
+    view of it, and another tensor of the same shape each give their own exact ratio."""
+    g = torch.Generator().manual_seed(4)
+    n = tol._GROUP + 3
+    x, other = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    pairs = [(x, x + 1e-2 * torch.randn(n, generator=g)) for _ in range(2)]
+    pairs += [(x.view_as(x), x * 1.5), (other, other * 0.5), (x[1:], x[1:] * 2.0)]
+    norms = tol.Norms()
+    errs = [norms.rel_pairs([p]) for p in pairs]
+    norms.resolve()
+    for e, p in zip(errs, pairs):
+        assert e.get() == pytest.approx(_ref([p]), rel=1e-5)

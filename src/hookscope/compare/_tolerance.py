@@ -186,9 +186,14 @@ def int_numbers(value: Any) -> list[Any]:
 _PROMOTE = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fast(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float] | None:
+def _fast(
+    x: torch.Tensor, y: torch.Tensor, seen: dict[Any, float] | None = None
+) -> tuple[float, float] | None:
     """Squared norms of ``y - x`` and ``x`` in float32, when both are finite (the common case;
-    equal tensors still give exactly 0); ``None`` sends the pair down the careful path."""
+    equal tensors still give exactly 0); ``None`` sends the pair down the careful path.
+    ``seen``: the norms of the ``x`` already computed, by the memory they read (one recorded
+    value is the reference of several pairs: a call's output, its replay's and its caller's
+    input), for pairs whose tensors all stay alive and unchanged meanwhile (:meth:`Norms.resolve`)."""
     if x.dtype == torch.float64 or y.dtype == torch.float64:
         return None
     xf = x.detach()
@@ -201,7 +206,13 @@ def _fast(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float] | None:
         yd = yd.float()
     # bf16/fp16 minus float32 computes in float32 (type promotion): no float32 copy of y first
     d = float(torch.linalg.vector_norm(yd - xf))
-    n = float(torch.linalg.vector_norm(xf))
+    if seen is None:
+        n = float(torch.linalg.vector_norm(xf))
+    else:
+        key = (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+        n = seen.get(key)  # type: ignore[assignment]
+        if n is None:
+            n = seen[key] = float(torch.linalg.vector_norm(xf))
     if math.isfinite(d) and math.isfinite(n):
         return d * d, n * n
     return None
@@ -398,12 +409,13 @@ class Norms:
         self._base += len(xs)
         parts: list[tuple[float, float] | None] = [None] * len(xs)
         groups: dict[tuple[Any, ...], list[int]] = {}
+        seen: dict[Any, float] = {}  # (every pending tensor is alive until this ends)
         for i, (x, y) in enumerate(zip(xs, ys)):
             n = x.numel()
             if n <= _GROUP and x.dtype != torch.float64 and y.dtype != torch.float64:
                 groups.setdefault((n, x.dtype, y.dtype, x.device, y.device), []).append(i)
             else:
-                parts[i] = _fast(x, y) or _careful(x, y)
+                parts[i] = _fast(x, y, seen) or _careful(x, y)
         for idx in groups.values():
             if len(idx) == 1:
                 i = idx[0]
