@@ -686,3 +686,65 @@ def test_a_gradient_lost_through_views_of_views_leaves_no_false_culprit_and_says
     b = copy.deepcopy(a)
     b[1].block[1][0].__class__ = _BadBackward
     assert hs.compare(a, b, x, loss_fn=loss).culprit == "1.block.1.0"
+
+
+class _Fan(nn.Module):
+    """Recorded tensors read by several calls: ``h`` (``a``'s output, the input of ``b`` and of
+    ``c``), ``u`` (``b``'s output, the input of ``relu``, which works on it in place) and the
+    model's input (its own call's and ``a``'s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        u, w = self.b(h), self.c(h)
+        return self.relu(u) * w + h
+
+
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "fault"])
+def test_a_value_many_calls_read_is_handed_to_each_as_its_own(monkeypatch, variant):
+    """The one pass casts each recorded value once and hands it to the calls that read it; the
+    last of them takes the cast itself, the others copies (a call working in place on what it
+    got must not change what the next one gets): every row as the per-call replay gives it."""
+    torch.manual_seed(0)
+    a = _Fan()
+    b = copy.deepcopy(a)
+    if variant == "fault":
+        with torch.no_grad():
+            b.c.weight.mul_(1.01)
+    if variant == "bf16":
+        b = b.to(torch.bfloat16)
+    fast, forced, slow = _both(monkeypatch, a, b, torch.randn(5, 8), loss_fn=lambda o: o.sum())
+    assert not forced.void
+    _rows_agree(fast, slow)
+    assert fast.culprit == ("c" if variant == "fault" else None)
+    if variant == "fp32":
+        assert all(r.local_error == 0.0 for r in fast.rows)
+
+
+def test_the_cast_cache_hands_a_cast_over_at_its_tensor_s_last_read_only():
+    """_Casts counts each recorded tensor's reads (one per call whose inputs or output hold
+    it): before the last, the cast stays cached (copied by whoever takes it); at the last it
+    leaves the cache for ``last``; a read past the count finds nothing and is cast afresh."""
+    from types import SimpleNamespace
+
+    _forced = importlib.import_module("hookscope.compare._forced")
+    t, once = torch.randn(3), torch.randn(2)
+    calls = [
+        SimpleNamespace(inputs=((t, t), {}), output=t),  # its inputs read once, its output once
+        SimpleNamespace(inputs=((t, once), {}), output=None),
+    ]
+    casts = _forced._Casts(calls)
+    assert casts.left == {id(t): 3, id(once): 1}
+    key, c = (id(t), torch.float32), t.clone()
+    assert casts.get(key) is None
+    casts[key] = (t, c)  # first read: cached
+    assert dict.get(casts, key) is not None and not casts.last
+    assert casts.get(key) == (t, c) and not casts.last  # second read: still cached
+    assert casts.get(key) == (t, c) and casts.last == {id(c): c}  # last read: handed over
+    assert dict.get(casts, key) is None and casts.get(key) is None  # past the count: afresh
+    casts[(id(once), torch.float32)] = (once, once.clone())  # its only read: never cached
+    assert dict.get(casts, (id(once), torch.float32)) is None and len(casts.last) == 2

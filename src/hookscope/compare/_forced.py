@@ -64,10 +64,10 @@ class _Enter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, box: Any, anchor: torch.Tensor) -> Any:
-        forced, wanted, keep = box
+        forced, wanted, keep, owned = box
         ctx.keep = keep
         ctx.set_materialize_grads(False)
-        outs = tuple(t.clone() for t in forced)
+        outs = tuple(t if own else t.clone() for t, own in zip(forced, owned))
         nondiff = [o for o, w in zip(outs, wanted) if not w]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -90,10 +90,10 @@ class _Exit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, box: Any, *tensors: torch.Tensor) -> Any:
-        values, seeds, to_caller, on_grads = box
+        values, seeds, to_caller, on_grads, owned = box
         ctx.seeds, ctx.to_caller, ctx.on_grads = seeds, to_caller, on_grads
         ctx.set_materialize_grads(False)
-        outs = tuple(v.clone() for v in values)
+        outs = tuple(v if own else v.clone() for v, own in zip(values, owned))
         nondiff = [o for o in outs if not o.is_floating_point()]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
@@ -140,6 +140,45 @@ class _Frame:
         # what the module got instead (the recorded inputs) and their versions then
         self.handed: list[torch.Tensor] = []
         self.versions: list[int | None] = []
+
+
+class _Casts(dict):  # type: ignore[type-arg]
+    """The pass's cache of casts (:func:`~._replay._cast`'s ``cache``: ``(id(tensor), dtype) ->
+    (tensor, cast)``), counting the reads left of each recorded tensor (one per call whose inputs
+    hold it, one per call whose output does). A cast is a fresh tensor: at its tensor's last
+    read it leaves the cache and goes to ``last`` (held there, so that no other tensor takes its
+    id, until the next :meth:`_Pass._owned`), so that the call it is handed to takes it without
+    a copy; a read the count did not foresee finds no entry and casts afresh (a copy more,
+    never one shared)."""
+
+    def __init__(self, calls: list[CallRec]) -> None:
+        super().__init__()
+        self.left: dict[int, int] = {}
+        for c in calls:
+            for value in (c.inputs, c.output):
+                if value is not None:
+                    for i in {id(t) for t in tensors_of(value)}:
+                        self.left[i] = self.left.get(i, 0) + 1
+        self.last: dict[int, torch.Tensor] = {}
+
+    def _read(self, key: Any) -> bool:
+        """One read of ``key``'s tensor: whether it was the last."""
+        n = self.left.get(key[0], 0) - 1
+        self.left[key[0]] = n
+        return n <= 0
+
+    def get(self, key: Any, default: Any = None) -> Any:  # type: ignore[override]
+        got = dict.get(self, key)
+        if got is not None and self._read(key):
+            del self[key]
+            self.last[id(got[1])] = got[1]
+        return default if got is None else got
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self._read(key):
+            self.last[id(value[1])] = value[1]
+        else:
+            dict.__setitem__(self, key, value)
 
 
 class _Swap:
@@ -215,8 +254,8 @@ class _Pass:
                     f"{cn}.{n}" for n, p in child.named_parameters(recurse=False) if p.requires_grad
                 )
         # each recorded value cast once (an output handed to the next call is one object in a
-        # record kept in memory): see _cast
-        self.casts: dict[Any, Any] | None = {} if rep.ref_in_memory() else None
+        # record kept in memory): see _cast and _Casts
+        self.casts: _Casts | None = _Casts(ref.calls) if rep.ref_in_memory() else None
         # (module, local name) -> (module's name, the leaf standing for that parameter)
         self.leaves: dict[tuple[int, str], tuple[str, torch.Tensor]] = {}
 
@@ -395,14 +434,16 @@ class _Pass:
         self.stack.append(frame)
         frame.given = given
         if not self.grads and self.casts is not None:
-            # the module gets the cast values themselves: copies, so that one working in place
-            # leaves the cast of the record (shared with other calls) as it was
+            # the module gets the cast values themselves: copies where the cast is still in the
+            # cache (shared with other calls), so that one working in place leaves it as it was
             copies: dict[int, torch.Tensor] = {}
+            owned = self._owned(tensors_of(value))
+            mine = {id(t) for t, own in zip(tensors_of(value), owned) if own}
 
             def copy(t: torch.Tensor) -> torch.Tensor:
                 c = copies.get(id(t))
                 if c is None:
-                    c = copies[id(t)] = t.clone()
+                    c = copies[id(t)] = t if id(t) in mine else t.clone()
                 return c
 
             value = map_tensors(copy, value)
@@ -448,7 +489,7 @@ class _Pass:
 
         res.in_grads = [None] * n
         frame.to_caller = to_caller
-        *made, handle = _Enter.apply((forced, wanted, keep), self.anchor)
+        *made, handle = _Enter.apply((forced, wanted, keep, self._owned(forced)), self.anchor)
         self.handles.append(handle)
         frame.handed = [made[j] for j in slots]
         frame.versions = versions(frame.handed)
@@ -505,17 +546,33 @@ class _Pass:
         if self.grads and (
             any(o.requires_grad for o in real) or any(g is not None for g in to_caller)
         ):
-            box = (values, seeds, to_caller, on_grads)
+            box = (values, seeds, to_caller, on_grads, self._owned(values))
             *made, handle = _Exit.apply(box, *real, *frame.given)
             self.handles.append(handle)
         else:
-            made = [v.clone() for v in values]
+            made = [v if own else v.clone() for v, own in zip(values, self._owned(values))]
         if in_place:
             made = write_back(frame.given, made, in_place)
         if value.__class__ is torch.Tensor:
             return made[0]
         it = iter(made)
         return map_tensors(lambda _t: next(it), value)
+
+    def _owned(self, casts: list[torch.Tensor]) -> list[bool]:
+        """Which of a call's cast values it may take without a copy: each one's first
+        occurrence, where it is no longer in the cache (its last read, or a record not held in
+        memory: no cache, every cast its own), and not empty."""
+        last = self.casts.last if self.casts is not None else None
+        seen: set[int] = set()
+        out = []
+        for t in casts:
+            i = id(t)
+            own = i not in seen and (last is None or last.get(i) is t) and t.numel() > 0
+            seen.add(i)
+            out.append(own)
+        if last:
+            last.clear()  # (what a call read and did not take, dropped: cast afresh if read again)
+        return out
 
     def _dirty(self, frame: _Frame) -> None:
         self.out.dirty.add(frame.pos)
