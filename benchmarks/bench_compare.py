@@ -12,7 +12,11 @@ dominates); a wide Llama (4x512, 256 tokens) and the models ``bench_memory.py`` 
 Cost: one plain forward+backward of A plus one of B (a bf16 copy) against ``hs.compare(a, b,
 loss_fn=...)`` (goal: <= 3x), and one plain step against the same step inside ``hs.record``
 (goal: <= 1.5x plus the writing; the writing, timed apart: each value appended to
-``values.bin`` and the exit's parameter gradients and index, median over the rounds). The
+``values.bin`` and the exit's parameter gradients and index, median over the rounds). Writing
+a record also slows what runs beside and after it (its bytes pass through the caches: the
+wide Llama writes about 200 MB a step), which no timing of the writes sees: the last column
+is the same record with nothing written (``Spool.write`` skipped, the exit not counted), the
+hooks' own cost. The
 records go to a memory-backed folder (``/dev/shm`` where there is one; ``--record-dir``): on
 this machine's disk the kernel's write-back of a record (83 MB a step for resnet18) runs on the
 same two cores during the next contenders' steps, a cost of the disk no timing of the writes
@@ -82,19 +86,24 @@ def _shared_models() -> list[tuple[str, object]]:
 
 class _Writing:
     """Seconds spent writing during ``hs.record``: each value appended to ``values.bin``
-    (``Spool.write``) and the exit (parameter gradients, ``index.json``)."""
+    (``Spool.write``: pickled, its bytes copied to the file) and the exit (parameter gradients,
+    ``index.json``). With ``skip`` set, ``Spool.write`` writes nothing (the record that measures
+    the hooks alone)."""
 
     def __init__(self) -> None:
         import importlib
 
         self.seconds = 0.0
+        self.skip = False
         store = importlib.import_module("hookscope.compare._store")
         record = importlib.import_module("hookscope.compare._record")
         for owner, attr in ((store.Spool, "write"), (record.Record, "__exit__")):
-            setattr(owner, attr, self._timed(getattr(owner, attr)))
+            setattr(owner, attr, self._timed(getattr(owner, attr), attr == "write"))
 
-    def _timed(self, fn):
+    def _timed(self, fn, skippable):
         def timed(*args, **kwargs):
+            if skippable and self.skip:
+                return None
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -138,21 +147,30 @@ def _cost_row(name: str, build, rounds: int) -> list[str]:
     folders = tempfile.TemporaryDirectory(dir=_RECORD_DIR)
     made = iter(range(1 << 30))
 
-    def record():  # into a new folder each time (made, and removed at the end, untimed)
+    def record(skip: bool = False) -> None:  # into a new folder each time (made, removed untimed)
         a.zero_grad(set_to_none=True)
         before = _WRITING.seconds
-        with hs.record(a, Path(folders.name) / str(next(made))):
-            loss(a(*inputs, **kwargs)).backward()
-        writes.append(_WRITING.seconds - before)
+        _WRITING.skip = skip
+        try:
+            with hs.record(a, Path(folders.name) / str(next(made))):
+                loss(a(*inputs, **kwargs)).backward()
+        finally:
+            _WRITING.skip = False
+        (exits if skip else writes).append(_WRITING.seconds - before)
         a.zero_grad(set_to_none=True)
 
-    t = interleaved({"ab": plain_ab, "compare": compare, "a": plain_a, "record": record}, rounds)
+    exits: list[float] = []
+    t = interleaved(
+        {"ab": plain_ab, "compare": compare, "a": plain_a, "record": record,
+         "hooks": lambda: record(skip=True)},
+        rounds,
+    )  # fmt: skip
     folders.cleanup()
-    w = statistics.median(writes)
+    w, e = statistics.median(writes), statistics.median(exits)
     return [
         name, f"{t['ab'] * 1e3:.1f}", f"{t['compare'] * 1e3:.1f}", f"{t['compare'] / t['ab']:.1f}x",
         f"{t['a'] * 1e3:.1f}", f"{t['record'] * 1e3:.1f}", f"{w * 1e3:.1f}",
-        f"{(t['record'] - w) / t['a']:.2f}x",
+        f"{(t['record'] - w) / t['a']:.2f}x", f"{(t['hooks'] - e) / t['a']:.2f}x",
     ]  # fmt: skip
 
 
@@ -168,7 +186,8 @@ def cost(rounds: int, only: str = "", record_dir: str = "") -> None:
     rows = [_cost_row(name, build, rounds) for name, build in models]
     print(table(
         ["model", "A+B fwd+bwd ms", "compare ms", "compare / A+B", "A fwd+bwd ms", "record ms",
-         "of which writing ms", "(record - writing) / A"], rows))  # fmt: skip
+         "of which writing ms", "(record - writing) / A", "record, nothing written / A"],
+        rows))  # fmt: skip
 
 
 def _diff_verdict(report, threshold: float) -> str | None:
