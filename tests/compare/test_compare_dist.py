@@ -3,6 +3,7 @@ running the same weights on the combined batch: the ranks' values joined along t
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -55,6 +56,8 @@ def _record_all(rank: int, root: str) -> None:
     for train in (False, True):
         _record_bn(rank, f"{root}/bn-{train}", train)
     _record_fsdp2(rank, f"{root}/fsdp2")
+    _record_fsdp2(rank, f"{root}/fsdp2-wd", decay=True)
+    _record_fsdp2(rank, f"{root}/fsdp2-wd-kept", decay=True, reshard=False)
     _record_ddp(rank, f"{root}/pos", PosNet, pos_batch)
     _record_ddp(rank, f"{root}/nosync", make_cnn, sync=False)
 
@@ -260,15 +263,19 @@ def test_calls_that_differ_across_ranks_are_listed_never_paired(records):
     assert report.culprit is None and report.first_divergent == "<root>"
 
 
-def _record_fsdp2(rank: int, folder: str) -> None:
+def _record_fsdp2(rank: int, folder: str, decay: bool = False, reshard: bool = True) -> None:
+    """``decay``: the loss also holds a term on the weights, outside the model's call: each
+    gathered whole from its shards (``p.full_tensor()``), or, with ``reshard=False`` (FSDP2
+    keeps the unsharded parameters from the forward to the backward), the unsharded one the
+    model holds then."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
     model = make_cnn()
     for sub in (model[0], model[2], model[5]):
-        fully_shard(sub, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(sub, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     x = batch()[rank * SHARE : (rank + 1) * SHARE]
     # the record hands each output on as an identity view (gradients are then what the callers
     # send back); FSDP2 warns that an in-place op on a view a sharded module returns would skip
@@ -276,12 +283,46 @@ def _record_fsdp2(rank: int, folder: str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "FSDP2-wrapped module")
         with hs.record(model, folder):
-            mean_loss(model(x)).backward()
+            loss = mean_loss(model(x))
+            if decay:
+                weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+                whole = [getattr(p, "full_tensor", lambda p=p: p)() for p in weights]
+                loss = loss + 1e-2 * sum(w.pow(2).sum() for w in whole)
+            loss.backward()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kept", [False, True])
+def test_fsdp2_weights_gathered_whole_in_the_loss_are_noted_as_used_outside(records, kept):
+    """FSDP2's parameters are sharded: a term on the weights in the loss reads each one whole
+    through ``p.full_tensor()`` (or, where FSDP2 keeps them unsharded until the backward, the
+    unsharded one the model holds then). The records note those parameters as used outside the
+    model's call, and the comparison leaves their gradients out (they hold the term's share),
+    saying so; the rest compares as one process on the combined batch, and a fault is still
+    named."""
+    folder = records / ("fsdp2-wd-kept" if kept else "fsdp2-wd")
+    weights = sorted(n for n, _ in make_cnn().named_parameters() if n.endswith("weight"))
+    for rank in range(WORLD):
+        index = json.loads((folder / f"rank{rank}" / "index.json").read_text())
+        assert index["outside"] == weights
+    report = hs.compare(str(folder), make_cnn(), batch(), loss_fn=mean_loss)
+    assert report.culprit is None
+    assert _worst(report, "grad_error") < 1e-6
+    assert "not compared" in report.row("5").note
+    b = make_cnn()
+    with torch.no_grad():
+        b[5].weight[0] *= 1.01
+    assert hs.compare(str(folder), b, batch(), loss_fn=mean_loss).culprit == "5"
 
 
 @pytest.mark.distributed
 def test_fsdp2_ranks_match_one_process_and_a_fault_is_named(records):
     folder = str(records / "fsdp2")
+    for rank in range(WORLD):  # (FSDP2 sets the gradients itself: no use outside is seen)
+        assert (
+            json.loads((records / "fsdp2" / f"rank{rank}" / "index.json").read_text())["outside"]
+            == []
+        )
     report = hs.compare(folder, make_cnn(), batch(), loss_fn=mean_loss)
     assert report.culprit is None and report.unmatched == []
     assert _worst(report, "error") < 1e-6

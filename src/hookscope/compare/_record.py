@@ -270,6 +270,13 @@ class _Outside(TorchFunctionMode):
         self.params = params
         self.used: set[str] = set()
 
+    def watch(self, params: Any) -> None:
+        """Also note uses of these ``(name, parameter)`` (the ones the model holds after its
+        call, where a wrapper swapped them)."""
+        for name, p in params:
+            if p.requires_grad:
+                self.params.setdefault(id(p), (name, p))
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if torch.is_grad_enabled():
@@ -300,12 +307,21 @@ class _Watch:
         self.generators: list[torch.Generator] = []  # the model's own (a module's self.gen)
         self.outside: _Outside | None = None  # on the torch function mode stack, but in calls
         self.popped = False
+        self.model: nn.Module | None = None
 
     def place(self, scope: HookScope, model: nn.Module, world: int) -> None:
+        self.model = model
         self.generators = generators_of(model)
         # first and last of the model's hooks: a wrapper's own hooks (FSDP's unshard) are inside
         scope.add_forward_pre(model, _RootPre(self), layer="", with_kwargs=True, prepend=True)
         scope.add_forward(model, _RootPost(self), layer="", always_call=True)
+        # FSDP2's sharded parameters: the model's calls use the unsharded ones (their gradients
+        # reduce-scattered and set as .grad by FSDP2, not through autograd), so a gradient that
+        # autograd brings to a sharded parameter itself comes from a use outside its module's
+        # calls (``p.full_tensor()`` in a loss term: torch functions see no parameter there,
+        # the gather reads it inside an autograd Function, with gradients off)
+        for name, p in _fsdp_sharded(model):
+            scope.add_tensor_hook(p, _UsedOutside(self, name), layer=name)
         if world > 1:  # DDP and FSDP2 rewrite the gradients after accumulating them: as meant
             return
         for name, p in named_parameters(model):
@@ -327,6 +343,10 @@ class _Watch:
 
     def end(self) -> None:
         self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and self.outside is not None and self.model is not None:
+            # the parameters the model holds now: FSDP2 without resharding after forward
+            # leaves its unsharded ones in place until the backward, and a loss term reads those
+            self.outside.watch(named_parameters(self.model))
         if self.depth == 0 and self.popped:
             torch._C._push_on_torch_function_stack(self.outside)
             self.popped = False
@@ -380,6 +400,36 @@ class _RootPost(_Hook):
             return
         if graph_task_id() == -1:
             self.watch.end()
+
+
+class _UsedOutside:
+    """A gradient autograd brought to an FSDP2 sharded parameter: a use outside its module's
+    calls (see :meth:`_Watch.place`)."""
+
+    __slots__ = ("name", "watch")
+
+    def __init__(self, watch: _Watch, name: str) -> None:
+        self.watch, self.name = watch, name
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.watch.outside is not None:
+            self.watch.outside.used.add(self.name)
+
+
+def _fsdp_sharded(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The parameters of ``model`` that FSDP2 (``fully_shard``) holds sharded, by name."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (torch without FSDP2)
+        return []
+    sharded: set[int] = set()
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", None) or ():
+            sharded.add(id(fp.sharded_param))
+    return [(n, p) for n, p in named_parameters(model) if id(p) in sharded and p.requires_grad]
 
 
 class _Accumulated:
