@@ -247,3 +247,38 @@ def test_a_fault_free_compiled_residual_block_with_in_place_ops_names_nothing():
     b = torch.compile(copy.deepcopy(a), backend="aot_eager")
     r = hs.compare(a, b, x, loss_fn=lambda o: o.pow(2).mean())
     assert r.culprit is None and not any(row.flagged for row in r.rows)
+
+
+def test_a_compiled_b_whose_backward_fails_on_an_in_place_module_names_it_and_the_fix():
+    """An aot_eager B with ``nn.SiLU(inplace=True)`` runs plainly, but its backward fails under
+    the record's hooks on a value changed in place (PyTorch's error names no module): refused
+    naming the module that works in place and the fix, which then compares exactly."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.SiLU(inplace=True), nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    torch._dynamo.reset()
+    b = torch.compile(copy.deepcopy(a), backend="aot_eager")
+    loss(b(x)).backward()  # (fine without hooks)
+    b.zero_grad(set_to_none=True)
+    with pytest.raises(hs.CompareError, match=r"model 'b' is compiled.*in place: '1'; set"):
+        hs.compare(a, b, x, loss_fn=loss)
+    assert not hs.hooks_on(b)
+    torch._dynamo.reset()
+    fixed = copy.deepcopy(a)
+    fixed[1].inplace = False
+    report = hs.compare(a, torch.compile(fixed, backend="aot_eager"), x, loss_fn=loss)
+    assert report.culprit is None and all(r.local_error == 0.0 for r in report.rows)
+    torch._dynamo.reset()
+
+
+def test_a_record_of_such_a_model_is_refused_the_same_way_and_leaves_nothing(tmp_path):
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 8), nn.SiLU(inplace=True), nn.Linear(8, 4))
+    torch._dynamo.reset()
+    b = torch.compile(a, backend="aot_eager")
+    with pytest.raises(hs.CompareError, match=r"^hs.record: model 'Sequential' is compiled.*'1'"):
+        with hs.record(b, tmp_path / "r"):
+            b(torch.randn(3, 8)).pow(2).sum().backward()
+    assert list((tmp_path / "r").iterdir()) == [] and not hs.hooks_on(b)
+    torch._dynamo.reset()

@@ -25,7 +25,13 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from ..core._compiled import named_modules, named_parameters, strip_compiled
+from ..core._compiled import (
+    compiled_regions,
+    is_optimized,
+    named_modules,
+    named_parameters,
+    strip_compiled,
+)
 from ..core._errors import enter_once, some_names
 from ..core._random import GeneratorStates, generators_of, training_modules
 from ..core._scope import (
@@ -40,7 +46,7 @@ from ..core._scope import (
 from ..core._select import resolve
 from ._hooks import CallHooks
 from ._ranks import REDUCTIONS, join_ranks
-from ._run import CompareError, RunRecord, calls_of, model_dtype, modes_of
+from ._run import CompareError, RunRecord, calls_of, in_place_compiled, model_dtype, modes_of
 from ._store import SPOOL, Spool, SpoolReader, ValueStore, _describe, cpu_copy
 
 __all__ = ["Record", "load_record", "of_ranks", "record"]
@@ -149,6 +155,16 @@ class Record:
         spool.close()
         if exc is not None:  # no record: leave no half-written values behind
             spool.path.unlink(missing_ok=True)
+            if (
+                isinstance(exc, RuntimeError)
+                and "modified by an inplace operation" in str(exc)
+                and (is_optimized(self._model) or compiled_regions(self._model))
+            ):  # (PyTorch's message names no module)
+                raise CompareError(
+                    in_place_compiled(
+                        self._model, type(strip_compiled(self._model)).__name__, "hs.record"
+                    )
+                ) from exc
             return
         hooks.checked(None)
         why = self._refused(hooks, spool)

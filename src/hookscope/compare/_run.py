@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from ..core._buffers import state_kept
 from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
-from ..core._errors import HookscopeError
+from ..core._errors import HookscopeError, some_names
 from ..core._nested import map_tensors, tensors_of
 from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model
@@ -36,6 +36,7 @@ __all__ = [
     "at_path",
     "calls_of",
     "cast_like",
+    "in_place_compiled",
     "model_dtype",
     "modes_of",
     "preserved",
@@ -329,7 +330,12 @@ def record_run(spec: RunSpec) -> RunRecord:
                     "so each run gets another loss and their gradients differ by chance; make "
                     "loss_fn deterministic (a fixed target, or a generator seeded inside it)"
                 )
-            loss_t.backward()
+            try:
+                loss_t.backward()
+            except RuntimeError as exc:
+                if compiled and "modified by an inplace operation" in str(exc):
+                    raise CompareError(in_place_compiled(model, spec.what)) from exc
+                raise
             loss = float(loss_t.detach())
         # the run's own .grad tensors (no copy): preserved() puts the earlier ones back on exit
         param_grads = {
@@ -390,6 +396,24 @@ def _draws_message(spec: RunSpec, args: Any, kwargs: Any, device: torch.device) 
     return (
         f"hs.compare: model {spec.what!r} ({type(model).__name__}) draws random numbers{where}, "
         f"so two runs cannot be compared value by value; {draw_fix(model)}"
+    )
+
+
+def in_place_compiled(model: nn.Module, what: str, who: str = "hs.compare") -> str:
+    """Why a compiled model's backward failed under the record's hooks on a tensor changed in
+    place (PyTorch's message names no module): the modules that work in place, and the fix."""
+    names = [n or "<root>" for n, m in named_modules(model) if getattr(m, "inplace", False) is True]
+    where = (
+        f"modules working in place: {some_names(names)}; set their inplace=False for the "
+        "comparison (for m in model.modules(): m.inplace = False where it has one)"
+        if names
+        else "its code changes a tensor in place (out += x, x.relu_()); write that out of place "
+        "for the comparison"
+    )
+    return (
+        f"{who}: model {what!r} is compiled and its backward failed under the record's "
+        "hooks (PyTorch: a value needed for the gradient was modified by an inplace "
+        f"operation); {where}, or compare its eager copy"
     )
 
 
