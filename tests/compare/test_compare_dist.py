@@ -60,6 +60,14 @@ def _record_all(rank: int, root: str) -> None:
     _record_fsdp2(rank, f"{root}/fsdp2-wd-kept", decay=True, reshard=False)
     _record_ddp(rank, f"{root}/pos", PosNet, pos_batch)
     _record_ddp(rank, f"{root}/nosync", make_cnn, sync=False)
+    for k in (1, 2):  # two forward-only records of the same model on the same data
+        _record_forward(rank, f"{root}/fwd{k}")
+
+
+def _record_forward(rank: int, folder: str) -> None:
+    ddp = nn.parallel.DistributedDataParallel(make_cnn())
+    with torch.no_grad(), hs.record(ddp, folder):
+        ddp(batch()[rank * SHARE : (rank + 1) * SHARE])
 
 
 @pytest.fixture(scope="module")
@@ -414,11 +422,49 @@ def test_rank_folders_of_two_runs_are_refused_not_joined(records, tmp_path):
     mix is refused naming the parameter. Rank 0's folder copied as rank 1's (its index says rank
     0) is refused too."""
     mixed = _mixed(records, tmp_path, "sum/rank1")
+    with pytest.raises(hs.CompareError, match="come from different runs"):
+        hs.compare(mixed, make_cnn(), batch(), loss_fn=mean_loss)
+    # records without a run id (made before it was kept): the gradients still tell
+    for rank in ("rank0", "rank1"):
+        _without_run_id(tmp_path / "mixed" / rank / "index.json")
     with pytest.raises(hs.CompareError, match="cannot be one run.*the gradient of .0.weight."):
         hs.compare(mixed, make_cnn(), batch(), loss_fn=mean_loss)
     twice = _mixed(records, tmp_path / "twice", "cnn/rank0")
     with pytest.raises(hs.CompareError, match="rank1 holds rank 0 of 2"):
         hs.compare(twice, make_cnn(), batch(), loss_fn=mean_loss)
+
+
+def _without_run_id(path) -> None:
+    """The index as a record made before run ids were kept (its own checksum made again)."""
+    import importlib
+
+    _record = importlib.import_module("hookscope.compare._record")
+    index = json.loads(path.read_text())
+    del index["run"]
+    index["checksums"]["index.json"] = _record._index_crc(index)
+    path.write_text(json.dumps(index))
+
+
+@pytest.mark.distributed
+def test_forward_only_rank_records_of_two_runs_are_refused_by_their_run_ids(records, tmp_path):
+    """Two forward-only records of one model on the same data: no gradients to tell them apart,
+    so a folder holding rank 0 of one and rank 1 of the other joined into one run silently. Each
+    record keeps an id its ranks share (set in the process group's store by the first rank to
+    start it): the mix is refused, each record alone compares."""
+    import shutil
+
+    for k in (1, 2):
+        assert hs.compare(str(records / f"fwd{k}"), make_cnn(), batch()).culprit is None
+    runs = {
+        json.loads((records / f"fwd{k}" / f"rank{r}" / "index.json").read_text())["run"]
+        for k in (1, 2)
+        for r in range(WORLD)
+    }
+    assert len(runs) == 2  # one id per record, shared by its ranks
+    shutil.copytree(records / "fwd1" / "rank0", tmp_path / "mix" / "rank0")
+    shutil.copytree(records / "fwd2" / "rank1", tmp_path / "mix" / "rank1")
+    with pytest.raises(hs.CompareError, match=r"come from different runs \(rank0's and rank1's"):
+        hs.compare(str(tmp_path / "mix"), make_cnn(), batch())
 
 
 @pytest.mark.distributed

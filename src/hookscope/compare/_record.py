@@ -13,9 +13,11 @@ file per value, written before this format) are still read.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import threading
+import uuid
 import weakref
 import zlib
 from pathlib import Path
@@ -109,6 +111,7 @@ class Record:
                     "model.zero_grad(set_to_none=True) first, so the record holds this run's"
                 )
         self._dir.mkdir(parents=True, exist_ok=True)
+        self._run = _run_id() if self.world > 1 else None
         self._owners = {
             (f"{n}.{p}" if n else p): n
             for n, m in named_modules(model)
@@ -186,6 +189,7 @@ class Record:
             "model_calls": hooks.model_calls,
             "rank": self.rank,
             "world": self.world,
+            "run": self._run,
             "values": spool.index,
             "lost": hooks.lost,
             "elsewhere": hooks.elsewhere,
@@ -490,6 +494,23 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+_RECORDS = itertools.count()  # the records this process made under torch.distributed
+
+
+def _run_id() -> str | None:
+    """An id every rank's record of one run shares, and no other run's: the first rank to
+    start its ``k``-th record sets a new one in the process group's store (set-if-absent), the
+    others read it (no collective: a rank that records alone does not wait for the others).
+    ``None`` where the store cannot be reached."""
+    k = next(_RECORDS)
+    try:
+        store = torch.distributed.distributed_c10d._get_default_store()
+        got = store.compare_set(f"hookscope/record/{k}", "", uuid.uuid4().hex)
+    except Exception:  # (a backend without a store of this kind)
+        return None
+    return got.decode() if isinstance(got, bytes) else str(got)
+
+
 def _full(g: torch.Tensor | None) -> torch.Tensor | None:
     """A parameter gradient on the CPU, whole: a sharded one (FSDP2 ``DTensor``) is gathered
     (a collective: every rank calls this for the same parameters in the same order)."""
@@ -672,6 +693,7 @@ def _load_ranks(path: Path, loss_reduction: str) -> RunRecord:
         )
     extra = [p.parent.name for p in indexes if int(p.parent.name[4:]) >= world]
     recs = []
+    runs: list[str | None] = []  # the run id of each rank's record (None: an older record)
     for r in range(world):
         folder = path / f"rank{r}"
         index = json.loads((folder / "index.json").read_text())
@@ -684,7 +706,15 @@ def _load_ranks(path: Path, loss_reduction: str) -> RunRecord:
                 + "; record every rank of one run into an empty folder (rank folders copied "
                 "from several runs are not one run)"
             )
+        runs.append(index.get("run"))
         recs.append(_load_one(folder))
+    other = next((r for r, run in enumerate(runs) if run != runs[0]), None)
+    if other is not None and runs[0] is not None and runs[other] is not None:
+        raise CompareError(
+            f"hs.compare: the rank records in {str(path)!r} come from different runs (rank0's "
+            f"and rank{other}'s were made in other runs of the ranks); record every rank of one "
+            "run into an empty folder"
+        )
     _check_one_run(path, recs)
     return join_ranks(recs, loss_reduction)
 
