@@ -322,6 +322,41 @@ def test_a_loss_term_on_the_weights_is_noted_by_the_record_and_left_out_of_the_c
     assert torch._C._len_torch_function_stack() == 0  # the record's mode is gone
 
 
+class _SquaredSum(torch.autograd.Function):
+    """``(w * w).sum()`` as a custom autograd Function (a fused weight-decay kernel): its forward
+    runs with gradients off, so no torch function shows the parameter being used."""
+
+    @staticmethod
+    def forward(ctx, w):
+        ctx.save_for_backward(w)
+        return (w * w).sum()
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return 2 * w * g
+
+
+def test_a_loss_term_through_a_custom_autograd_function_is_noted_too(tmp_path):
+    """The term on a weight computed by a custom autograd Function: the record walks the loss's
+    graph when its backward starts, up to the model's output, and notes every parameter reached
+    on the way (it named the fault-free owner as the culprit: its gradient held the term)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    with hs.record(net, tmp_path / "fn"):
+        (loss(net(x)) + 0.1 * _SquaredSum.apply(net[0].weight)).backward()
+    net.zero_grad(set_to_none=True)
+    assert json.loads((tmp_path / "fn" / "index.json").read_text())["outside"] == ["0.weight"]
+    same = hs.compare(tmp_path / "fn", copy.deepcopy(net), x, loss_fn=loss)
+    assert same.culprit is None and "not compared" in same.row("0").note
+    b = copy.deepcopy(net)
+    with torch.no_grad():
+        b[2].weight.mul_(1.01)
+    assert hs.compare(tmp_path / "fn", b, x, loss_fn=loss).culprit == "2"
+
+
 def test_no_parameter_gradient_error_where_a_run_has_no_backward(tmp_path):
     """A record made without backward compared with one made with it (or with a live model and
     no loss_fn): there are no gradients to compare, so param_grad_error is None, as grad_error

@@ -35,6 +35,7 @@ from ..core._compiled import (
     strip_compiled,
 )
 from ..core._errors import enter_once, some_names
+from ..core._nested import tensors_of
 from ..core._random import GeneratorStates, generators_of, training_modules
 from ..core._scope import (
     HookScope,
@@ -278,6 +279,10 @@ class Record:
         return None
 
 
+# the calls that start a backward: the loss's graph is walked first (see _Outside._walk)
+_BACKWARDS = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+
+
 class _Outside(TorchFunctionMode):
     """Inside the record's block but outside the model's call (the watch pops it while the model
     runs): notes the model's parameters that torch functions use with gradients on, such as a
@@ -289,6 +294,7 @@ class _Outside(TorchFunctionMode):
         super().__init__()
         self.params = params
         self.used: set[str] = set()
+        self.ends: set[Any] = set()  # the autograd nodes of the model's outputs
 
     def watch(self, params: Any) -> None:
         """Also note uses of these ``(name, parameter)`` (the ones the model holds after its
@@ -297,8 +303,35 @@ class _Outside(TorchFunctionMode):
             if p.requires_grad:
                 self.params.setdefault(id(p), (name, p))
 
+    def model_output(self, output: Any) -> None:
+        """The autograd nodes of what the model's call returned: where the walk of
+        :meth:`_walk` stops (the model's own graph is behind them)."""
+        for t in tensors_of(output):
+            if t.grad_fn is not None:
+                self.ends.add(t.grad_fn)
+
+    def _walk(self, roots: Any) -> None:
+        """The parameters a backward from ``roots`` reaches without passing through the model's
+        output: used outside the model's call, in ways no torch function shows (a custom
+        autograd Function, FSDP2's ``full_tensor()``, whose forward runs with gradients off)."""
+        stack = [t.grad_fn for t in tensors_of(roots) if t.grad_fn is not None]
+        seen: set[Any] = set()
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node in self.ends:
+                continue
+            seen.add(node)
+            var = getattr(node, "variable", None)  # an AccumulateGrad: its leaf
+            if var is not None:
+                hit = self.params.get(id(var))
+                if hit is not None and hit[1] is var:
+                    self.used.add(hit[0])
+            stack.extend(n for n, _ in node.next_functions)
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func in _BACKWARDS:
+            self._walk((args, kwargs))
         if torch.is_grad_enabled():
             for a in (*args, *kwargs.values()):
                 for x in a if a.__class__ in (list, tuple) else (a,):
@@ -361,12 +394,13 @@ class _Watch:
                 self.autocast = torch.get_autocast_dtype(dev)
         self.depth += 1
 
-    def end(self) -> None:
+    def end(self, output: Any = None) -> None:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0 and self.outside is not None and self.model is not None:
             # the parameters the model holds now: FSDP2 without resharding after forward
             # leaves its unsharded ones in place until the backward, and a loss term reads those
             self.outside.watch(named_parameters(self.model))
+            self.outside.model_output(output)
         if self.depth == 0 and self.popped:
             torch._C._push_on_torch_function_stack(self.outside)
             self.popped = False
@@ -419,7 +453,7 @@ class _RootPost(_Hook):
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return
         if graph_task_id() == -1:
-            self.watch.end()
+            self.watch.end(output)
 
 
 class _UsedOutside:
