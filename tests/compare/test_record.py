@@ -357,6 +357,42 @@ def test_a_loss_term_through_a_custom_autograd_function_is_noted_too(tmp_path):
     assert hs.compare(tmp_path / "fn", b, x, loss_fn=loss).culprit == "2"
 
 
+class _Keeps(nn.Sequential):
+    """Keeps its first layer's output (a value a module call handed on) for the loss."""
+
+    def forward(self, x):
+        self.kept = self[0](x)
+        return self[2](self[1](self.kept))
+
+
+def test_a_loss_on_an_activation_the_model_kept_is_said_not_blamed(tmp_path):
+    """A loss term on an activation the model kept (an auxiliary loss): the loss's graph walk
+    stops at values module calls handed on, so ``0.weight`` is not a use outside (``0``'s
+    recorded output gradient holds the term, and its replay counts it), but the model's own
+    call cannot give that path back from its output gradient: its row has no local gradient
+    error and says why (it was named as the culprit of a fault-free copy); a fault elsewhere is
+    still named."""
+    torch.manual_seed(0)
+    net = _Keeps(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    with hs.record(net, tmp_path / "kept"):
+        out = net(x)
+        (loss(out) + net.kept.pow(2).sum()).backward()
+    net.zero_grad(set_to_none=True)
+    del net.kept  # (a non-leaf tensor: deepcopy refuses it)
+    index = json.loads((tmp_path / "kept" / "index.json").read_text())
+    assert index["outside"] == [] and index["loss_inside"] == [1]  # call 1: "0"
+    report = hs.compare(tmp_path / "kept", copy.deepcopy(net), x, loss_fn=loss)
+    assert report.culprit is None and report.row("0").local_grad_error == 0.0
+    root = report.row("")
+    assert root.local_grad_error is None and "auxiliary term" in root.note
+    b = copy.deepcopy(net)
+    with torch.no_grad():
+        b[2].weight.mul_(1.01)
+    assert hs.compare(tmp_path / "kept", b, x, loss_fn=loss).culprit == "2"
+
+
 def test_no_parameter_gradient_error_where_a_run_has_no_backward(tmp_path):
     """A record made without backward compared with one made with it (or with a live model and
     no loss_fn): there are no gradients to compare, so param_grad_error is None, as grad_error

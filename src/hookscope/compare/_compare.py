@@ -88,6 +88,13 @@ class _Job:
         # those whose input gradient (what their caller's local backward gets back) was
         self.lost_seed = _lost_calls(ra, "grad")
         self.lost_in = _lost_calls(ra, "ingrad")
+        # A's calls enclosing a value the recorded loss used directly -> that call
+        self.aux: dict[int, int] = {}
+        for pos in sorted(ra.loss_inside):
+            p = ra.calls[pos].parent if pos < len(ra.calls) else None
+            while p is not None:
+                self.aux.setdefault(p, pos)
+                p = ra.calls[p].parent
         self.rep_b = self.rep_a = self.rep_bc = self.rep_round = None
         self.rep_stand: Replay | None = None
         if rb is not None and rb.modules is not None:
@@ -496,6 +503,16 @@ class _Job:
                 f"no local gradient error: A's record lacks {what} (a value changed in place "
                 "after it was handed on through views of views, whose gradient PyTorch does not "
                 "hand over), so B's replay would miss that path"
+            )
+            r.note = f"{r.note}; {why}" if r.note else why
+            return
+        if i in self.aux:
+            used = self.ra.calls[self.aux[i]]
+            why = (
+                "no local gradient error: the recorded loss also used a value handed on inside "
+                f"this call ({used.name}#{used.index}'s output: an auxiliary term on an "
+                "activation), so A's gradients here hold more than its output gradient gives "
+                "and B's replay would miss that path"
             )
             r.note = f"{r.note}; {why}" if r.note else why
             return

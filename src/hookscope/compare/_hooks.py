@@ -197,6 +197,9 @@ class CallHooks:
         # a call that works in place on its input (its output gradient taken as A's is)
         self.in_watch: dict[int, list[tuple[torch.Tensor, int, Any]]] = {}
         self.recomputes = Recomputes()
+        # set by hs.record: the autograd node of each value a call handed on -> the call's
+        # position (see _record._Outside)
+        self.nodes: dict[Any, int] | None = None
         # a call is what ``module(...)`` does, its own hooks included: its inputs are what the
         # caller handed (before the module's pre-hooks), its output what the caller gets (after
         # its forward hooks), so a hook that changes them counts as the module's own computation
@@ -343,7 +346,12 @@ class CallHooks:
             self.recomputes.note(name, output, pos)
             return None
         caller = self.stack[-1] if self.stack else None
-        return self._views(output, None, f"grad{pos}_", name, check=caller)[0]
+        handed = self._views(output, None, f"grad{pos}_", name, check=caller)[0]
+        if self.nodes is not None:
+            for t in tensors_of(handed):
+                if t.grad_fn is not None:
+                    self.nodes[t.grad_fn] = pos
+        return handed
 
     def recompute(self, name: str, value: Any, pre: bool) -> Any:
         """In backward: a reentrant checkpoint's recompute of a call noted in its forward gets

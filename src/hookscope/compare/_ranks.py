@@ -85,6 +85,7 @@ def join_ranks(recs: list[RunRecord], loss_reduction: str = "mean") -> RunRecord
         elsewhere={k: v for r in recs for k, v in r.elsewhere.items()},
         modes=base.modes,
         outside={n for r in recs for n in r.outside},
+        loss_inside={n for r in recs for n in r.loss_inside},
     )
 
 

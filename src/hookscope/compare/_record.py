@@ -148,6 +148,9 @@ class Record:
             raise
         params = {id(p): (n, p) for n, p in named_parameters(model) if p.requires_grad}
         self._watch.outside = _Outside(params)
+        # the walk of a loss's graph stops at any value a module call handed on, too (a loss on
+        # an activation a module kept reaches the parameters through the calls' own gradients)
+        self._hooks.nodes = self._watch.outside.handed
         self._watch.outside.__enter__()
         return self
 
@@ -197,6 +200,9 @@ class Record:
             "modes": modes_of(self._model),
             # parameters used outside the model's call with gradients on (a loss term on them)
             "outside": sorted(self._watch.outside.used) if self._watch.outside else [],
+            # calls whose handed-on values the loss used besides the model's output (an
+            # auxiliary term on an activation): their callers' local backward lacks that path
+            "loss_inside": sorted(self._watch.outside.inside) if self._watch.outside else [],
             # what the other two files hold, checked when read: a file changed after the record,
             # or one of another record put beside this index, is refused
             "checksums": {
@@ -295,6 +301,8 @@ class _Outside(TorchFunctionMode):
         self.params = params
         self.used: set[str] = set()
         self.ends: set[Any] = set()  # the autograd nodes of the model's outputs
+        self.handed: dict[Any, int] = {}  # those of the values calls handed on -> the call
+        self.inside: set[int] = set()  # the calls whose values the loss used, not the model's
 
     def watch(self, params: Any) -> None:
         """Also note uses of these ``(name, parameter)`` (the ones the model holds after its
@@ -312,8 +320,10 @@ class _Outside(TorchFunctionMode):
 
     def _walk(self, roots: Any) -> None:
         """The parameters a backward from ``roots`` reaches without passing through the model's
-        output: used outside the model's call, in ways no torch function shows (a custom
-        autograd Function, FSDP2's ``full_tensor()``, whose forward runs with gradients off)."""
+        output or a value a module call handed on (whose gradients the record takes, so the
+        replays count that use): used outside the model's calls, in ways no torch function shows
+        (a custom autograd Function, FSDP2's ``full_tensor()``, whose forward runs with
+        gradients off)."""
         stack = [t.grad_fn for t in tensors_of(roots) if t.grad_fn is not None]
         seen: set[Any] = set()
         while stack:
@@ -321,6 +331,10 @@ class _Outside(TorchFunctionMode):
             if node is None or node in seen or node in self.ends:
                 continue
             seen.add(node)
+            pos = self.handed.get(node)
+            if pos is not None:  # a value a call handed on inside the model, used by the loss
+                self.inside.add(pos)
+                continue
             var = getattr(node, "variable", None)  # an AccumulateGrad: its leaf
             if var is not None:
                 hit = self.params.get(id(var))
@@ -851,4 +865,5 @@ def _load_one(path: Path) -> RunRecord:
         elsewhere=dict(index.get("elsewhere") or {}),
         modes=index.get("modes"),
         outside=set(index.get("outside") or ()),
+        loss_inside=set(index.get("loss_inside") or ()),
     )

@@ -138,6 +138,9 @@ class RunRecord:
     # parameters the recorded run also used outside the model's call (a loss term on them):
     # their .grad holds that use
     outside: set[str] = dataclasses.field(default_factory=set)
+    # calls whose values the recorded loss used besides the model's output (an auxiliary term
+    # on an activation): what reached them is more than their callers' output gradients give
+    loss_inside: set[int] = dataclasses.field(default_factory=set)
     model: str = ""  # the model's class name
 
     @property
