@@ -337,6 +337,24 @@ class _SquaredSum(torch.autograd.Function):
         return 2 * w * g
 
 
+@pytest.mark.parametrize("start", ["Tensor.backward", "autograd.backward", "autograd.grad"])
+def test_the_loss_is_walked_however_its_backward_starts(tmp_path, start):
+    """The walk runs for ``loss.backward()``, ``torch.autograd.backward`` and
+    ``torch.autograd.grad``, whose arguments (the parameters asked for) are not uses: only the
+    weight the term reaches is noted (every parameter was, under torch.autograd.grad)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    with hs.record(net, tmp_path / "r"):
+        loss = net(torch.randn(3, 4)).sum() + 0.1 * _SquaredSum.apply(net[0].weight)
+        if start == "Tensor.backward":
+            loss.backward()
+        elif start == "autograd.backward":
+            torch.autograd.backward(loss)
+        else:
+            torch.autograd.grad(loss, list(net.parameters()))
+    assert json.loads((tmp_path / "r" / "index.json").read_text())["outside"] == ["0.weight"]
+
+
 def test_a_loss_term_through_a_custom_autograd_function_is_noted_too(tmp_path):
     """The term on a weight computed by a custom autograd Function: the record walks the loss's
     graph when its backward starts, up to the model's output, and notes every parameter reached

@@ -344,8 +344,9 @@ class _Outside(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in _BACKWARDS:
+        if func in _BACKWARDS:  # (its arguments are roots and inputs, not uses)
             self._walk((args, kwargs))
+            return func(*args, **kwargs)
         if torch.is_grad_enabled():
             for a in (*args, *kwargs.values()):
                 for x in a if a.__class__ in (list, tuple) else (a,):
