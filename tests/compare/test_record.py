@@ -480,3 +480,22 @@ def test_a_check_that_cannot_replay_is_said_as_such_not_as_a_row_without_local_e
         r = hs.compare(tmp_path, b, x, loss_fn=loss)
     assert r.culprit == "2" and r.row("2").local_error is not None
     assert not any("could not replay" in str(w.message) for w in seen)
+
+
+def test_the_record_holds_no_autograd_graph_after_its_block(tmp_path):
+    """A forward-only record (no backward frees the graph): the nodes the loss's walk stops at
+    are dropped when the block ends, so the run's saved activations are not held as long as
+    the record object is."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 64), nn.Tanh(), nn.Linear(64, 2))
+    x = torch.randn(3, 4)
+    saved = weakref.ref(x)  # the first layer saves its input for the weight's gradient
+    rec = hs.record(net, tmp_path / "r")
+    with rec:
+        out = net(x)
+    del out, x
+    gc.collect()
+    assert saved() is None

@@ -159,6 +159,12 @@ class Record:
         self._leave_mode()
         spool, hooks = self._spool, self._hooks
         assert spool is not None and hooks is not None
+        # the autograd nodes the loss's walk stops at: not held past the block (a forward-only
+        # run's graph, its saved activations, would live as long as this object)
+        hooks.nodes = None
+        if self._watch.outside is not None:
+            self._watch.outside.ends.clear()
+            self._watch.outside.handed.clear()
         spool.close()
         if exc is not None:  # no record: leave no half-written values behind
             spool.path.unlink(missing_ok=True)
