@@ -52,7 +52,13 @@ def plain_attributes(d: dict[str, Any]) -> dict[str, Any]:
 # what a value is to the state kept, by its type (cached per class: isinstance on an object whose
 # class overrides __getattribute__, a Transformers config, calls it for __class__ each time)
 _PLAIN, _TENSOR, _DICT, _SEQ, _TUPLE, _CONFIG, _OTHER = range(1, 8)
-_KINDS: dict[type, int] = {type(None): _PLAIN, bool: _PLAIN, int: _PLAIN, float: _PLAIN, str: _PLAIN}
+_KINDS: dict[type, int] = {
+    type(None): _PLAIN,
+    bool: _PLAIN,
+    int: _PLAIN,
+    float: _PLAIN,
+    str: _PLAIN,
+}
 
 
 def _kind(cls: type) -> int:
