@@ -499,3 +499,31 @@ def test_the_record_holds_no_autograd_graph_after_its_block(tmp_path):
     del out, x
     gc.collect()
     assert saved() is None
+
+
+def test_a_record_whose_block_stepped_the_optimizer_refuses_the_stepped_model(tmp_path):
+    """``optimizer.step()`` inside the with block: the record holds the run of the weights
+    before the step, the model after the block holds new ones. Compared with that model every
+    layer differed and the first was named, silently; the record keeps a checksum of the
+    stepped parameters and the comparison refuses the model holding them, naming the fix. A
+    copy made before the step compares exactly; a record made without a step notes nothing."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    before = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    loss = lambda o: o.pow(2).sum()  # noqa: E731
+    with hs.record(net, tmp_path / "step"):
+        loss(net(x)).backward()
+        opt.step()
+    net.zero_grad(set_to_none=True)
+    index = json.loads((tmp_path / "step" / "index.json").read_text())
+    assert sorted(index["moved"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    with pytest.raises(hs.CompareError, match=r"changed inside its with block.*copy made before"):
+        hs.compare(tmp_path / "step", net, x, loss_fn=loss)
+    report = hs.compare(tmp_path / "step", before, x, loss_fn=loss)
+    assert report.culprit is None and all(r.error == 0.0 for r in report.rows)
+    with hs.record(before, tmp_path / "plain"):
+        loss(before(x)).backward()
+    assert json.loads((tmp_path / "plain" / "index.json").read_text())["moved"] == {}
+    assert hs.compare(tmp_path / "step", tmp_path / "plain").first_divergent is None

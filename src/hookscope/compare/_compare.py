@@ -15,12 +15,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._compiled import compiled_regions, named_modules
+from ..core._compiled import compiled_regions, named_modules, named_parameters
 from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import SCALARS, tensors_of
 from ._checks import check_arguments, check_hooks_ran, check_loss, check_modes, check_names
 from ._forced import Forced, forced_pass
-from ._record import load_record
+from ._record import load_record, weights_crc
 from ._replay import CopiesIn, Replay, Result
 from ._report import CompareReport, CompareRow
 from ._run import (
@@ -1128,6 +1128,9 @@ def compare(
         rb = _side(b, "b", sb, reduction)
         collections.phase()
         _check_records(ra, rb, given)
+        _check_moved(ra, b, _name_map(names))
+        if isinstance(a, nn.Module):
+            _check_moved(rb, a, lambda n: n)
         _check_reduction(ra, rb, reduction)
         if loss_fn is not None:
             live = a if isinstance(a, nn.Module) else b if isinstance(b, nn.Module) else None
@@ -1224,6 +1227,30 @@ def _side(m: Any, what: str, spec: RunSpec, loss_reduction: str) -> RunRecord:
     raise TypeError(
         f"hs.compare: {what} must be an nn.Module or a folder written by hs.record, "
         f"got {type(m).__name__}"
+    )
+
+
+def _check_moved(rec: RunRecord, live: Any, to_live: Callable[[str], str | None]) -> None:
+    """A record whose block changed parameters after the model's call (an optimizer step) is
+    refused against a live model that holds those new values: it is the model after the step,
+    not the one the record ran (every layer would differ, the first named)."""
+    if not rec.moved or not isinstance(live, nn.Module):
+        return
+    params = dict(named_parameters(live))
+    same = []
+    for name, crc in rec.moved.items():
+        mod, _, local = name.rpartition(".")
+        theirs = to_live(mod) if mod else to_live("")
+        p = params.get(f"{theirs}.{local}" if theirs else local) if theirs is not None else None
+        if p is None or weights_crc(p) != crc:
+            return  # (a copy from before the step, or another model: compared as it is)
+        same.append(name)
+    raise CompareError(
+        f"hs.compare: the record was made with parameters changed inside its with block after "
+        f"the model's call ({some_names(same)}: an optimizer step), and the live model holds "
+        "those new values: it is the model after the step, not the one the record ran; give a "
+        "copy made before the step (copy.deepcopy before optimizer.step()), or record with the "
+        "step after the with block"
     )
 
 

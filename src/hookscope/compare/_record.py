@@ -52,7 +52,7 @@ from ._ranks import REDUCTIONS, join_ranks
 from ._run import CompareError, RunRecord, calls_of, in_place_compiled, model_dtype, modes_of
 from ._store import SPOOL, Spool, SpoolReader, ValueStore, _describe, cpu_copy
 
-__all__ = ["Record", "load_record", "of_ranks", "record"]
+__all__ = ["Record", "load_record", "of_ranks", "record", "weights_crc"]
 
 _VERSION = 2
 
@@ -209,6 +209,9 @@ class Record:
             # calls whose handed-on values the loss used besides the model's output (an
             # auxiliary term on an activation): their callers' local backward lacks that path
             "loss_inside": sorted(self._watch.outside.inside) if self._watch.outside else [],
+            # parameters changed in the block after the model's call (an optimizer step): a
+            # checksum of their new values, so that a live model holding those is refused
+            "moved": self._watch.moved_sums(),
             # what the other two files hold, checked when read: a file changed after the record,
             # or one of another record put beside this index, is refused
             "checksums": {
@@ -382,9 +385,13 @@ class _Watch:
         self.outside: _Outside | None = None  # on the torch function mode stack, but in calls
         self.popped = False
         self.model: nn.Module | None = None
+        self.params0: list[tuple[str, torch.Tensor]] = []  # the model's when the block began
+        # each of those parameters' _version when the model's call ended (its values then)
+        self.versions: list[tuple[str, torch.Tensor, int]] | None = None
 
     def place(self, scope: HookScope, model: nn.Module, world: int) -> None:
         self.model = model
+        self.params0 = list(named_parameters(model))
         self.generators = generators_of(model)
         # first and last of the model's hooks: a wrapper's own hooks (FSDP's unshard) are inside
         scope.add_forward_pre(model, _RootPre(self), layer="", with_kwargs=True, prepend=True)
@@ -422,6 +429,8 @@ class _Watch:
             # leaves its unsharded ones in place until the backward, and a loss term reads those
             self.outside.watch(named_parameters(self.model))
             self.outside.model_output(output)
+        if self.depth == 0 and self.versions is None:
+            self.versions = [(n, p, v) for n, p in self.params0 if (v := _version(p)) is not None]
         if self.depth == 0 and self.popped:
             torch._C._push_on_torch_function_stack(self.outside)
             self.popped = False
@@ -429,6 +438,17 @@ class _Watch:
             states, self.states = self.states, None
             if states.moved():
                 self.drew = True
+
+    def moved_sums(self) -> dict[str, int]:
+        """The parameters changed in place since the model's call ended (an optimizer step),
+        each with the CRC-32 of its values now (:func:`weights_crc`)."""
+        out = {}
+        for n, p, v in self.versions or ():
+            if _version(p) != v:
+                crc = weights_crc(p)
+                if crc is not None:
+                    out[n] = crc
+        return out
 
     def changed(self) -> list[str]:
         """Parameters whose ``.grad`` is no longer the tensor backward left (or was changed in
@@ -519,6 +539,23 @@ class _Accumulated:
         g = p.grad
         if g is not None:
             self.watch.grads[self.name] = (p, weakref.ref(g), g._version)
+
+
+def weights_crc(t: torch.Tensor) -> int | None:
+    """CRC-32 of a plain tensor's values with its dtype and shape (``None`` for a tensor of
+    another kind: a sharded DTensor)."""
+    if t.__class__ not in (torch.Tensor, nn.Parameter) or t.layout is not torch.strided:
+        return None
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return zlib.crc32(data, zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode()))
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t._version`` (``None`` for a tensor without one: an inference tensor)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _device_type(model: nn.Module) -> str:
@@ -873,4 +910,5 @@ def _load_one(path: Path) -> RunRecord:
         modes=index.get("modes"),
         outside=set(index.get("outside") or ()),
         loss_inside=set(index.get("loss_inside") or ()),
+        moved=dict(index.get("moved") or {}),
     )

@@ -141,6 +141,9 @@ class RunRecord:
     # calls whose values the recorded loss used besides the model's output (an auxiliary term
     # on an activation): what reached them is more than their callers' output gradients give
     loss_inside: set[int] = dataclasses.field(default_factory=set)
+    # parameters the record's block changed after the model's call (an optimizer step): the
+    # CRC-32 of their new values (a live model holding those is not the recorded run's)
+    moved: dict[str, int] = dataclasses.field(default_factory=dict)
     model: str = ""  # the model's class name
 
     @property
