@@ -521,7 +521,8 @@ def _fsdp_sharded(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     for m in model.modules():
         if not isinstance(m, FSDPModule):
             continue
-        group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+        state = getattr(m, "_get_fsdp_state", None)  # (FSDP2's internals: as in torch 2.4+)
+        group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
         for fp in getattr(group, "fsdp_params", None) or ():
             sharded.add(id(fp.sharded_param))
     return [(n, p) for n, p in named_parameters(model) if id(p) in sharded and p.requires_grad]
