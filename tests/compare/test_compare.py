@@ -278,6 +278,27 @@ def test_collection_is_as_found_after_compare_and_each_run_s_cycles_are_freed_at
         gc.enable()
 
 
+class _ClipsItself(nn.Linear):
+    """Weight clipping inside the forward: the module changes its own weight in place."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-0.1, 0.1).mul_(1.5)
+        return super().forward(x)
+
+
+def test_a_model_that_changes_its_own_weights_in_its_forward_is_refused_by_name():
+    """Each run and replay starts from the weights the last one left: an exact copy had its
+    clipping layer named as the culprit. Refused naming the parameter."""
+    torch.manual_seed(0)
+    a = nn.Sequential(_ClipsItself(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(
+        hs.CompareError, match=r"model 'a' .*changes its own parameters.*'0\.weight'"
+    ):
+        hs.compare(a, copy.deepcopy(a), torch.randn(3, 4), loss_fn=lambda o: o.sum())
+    assert not hs.hooks_on(a)
+
+
 def test_each_module_runs_once_in_the_replay_whatever_the_depth():
     calls = {"n": 0}
 

@@ -49,7 +49,15 @@ from ..core._scope import (
 from ..core._select import resolve
 from ._hooks import CallHooks
 from ._ranks import REDUCTIONS, join_ranks
-from ._run import CompareError, RunRecord, calls_of, in_place_compiled, model_dtype, modes_of
+from ._run import (
+    CompareError,
+    RunRecord,
+    calls_of,
+    in_place_compiled,
+    model_dtype,
+    modes_of,
+    version_of,
+)
 from ._store import SPOOL, Spool, SpoolReader, ValueStore, _describe, cpu_copy
 
 __all__ = ["Record", "load_record", "of_ranks", "record", "weights_crc"]
@@ -430,7 +438,7 @@ class _Watch:
             self.outside.watch(named_parameters(self.model))
             self.outside.model_output(output)
         if self.depth == 0 and self.versions is None:
-            self.versions = [(n, p, v) for n, p in self.params0 if (v := _version(p)) is not None]
+            self.versions = [(n, p, v) for n, p in self.params0 if (v := version_of(p)) is not None]
         if self.depth == 0 and self.popped:
             torch._C._push_on_torch_function_stack(self.outside)
             self.popped = False
@@ -444,7 +452,7 @@ class _Watch:
         each with the CRC-32 of its values now (:func:`weights_crc`)."""
         out = {}
         for n, p, v in self.versions or ():
-            if _version(p) != v:
+            if version_of(p) != v:
                 crc = weights_crc(p)
                 if crc is not None:
                     out[n] = crc
@@ -549,14 +557,6 @@ def weights_crc(t: torch.Tensor) -> int | None:
         return None
     data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return zlib.crc32(data, zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode()))
-
-
-def _version(t: torch.Tensor) -> int | None:
-    """``t._version`` (``None`` for a tensor without one: an inference tensor)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def _device_type(model: nn.Module) -> str:

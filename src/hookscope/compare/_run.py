@@ -42,6 +42,7 @@ __all__ = [
     "preserved",
     "record_run",
     "restore_aliases",
+    "version_of",
 ]
 
 
@@ -313,6 +314,13 @@ def record_run(spec: RunSpec) -> RunRecord:
     check_model(model)  # index compiled regions first: hooks inside them are routed
     store = ValueStore(spec.max_bytes)
     compiled = is_optimized(model) or bool(compiled_regions(model))
+    # each parameter's version: a forward that changes its own weights in place (a clamp_ for
+    # weight clipping) would start every later run and replay from other weights
+    versions = [
+        (n, p, version_of(p))
+        for n, p in named_parameters(model)
+        if not isinstance(p, nn.parameter.UninitializedParameter)  # (built by the forward)
+    ]
     hooks = CallHooks(
         modules, HookScope("compare"), store, _clone, inputs=spec.inputs or compiled, share=True
     )
@@ -349,6 +357,16 @@ def record_run(spec: RunSpec) -> RunRecord:
         }
     if draws.drew:
         raise CompareError(_draws_message(spec, args, kwargs, device))
+    moved = [n for n, p, v in versions if version_of(p) != v]
+    if moved:
+        raise CompareError(
+            f"hs.compare: model {spec.what!r} ({type(model).__name__}) changes its own "
+            f"parameters in place during its forward or backward ({some_names(moved)}: a "
+            "clamp_ for weight clipping, a normalisation written back under no_grad), so each "
+            "run and replay would start from other weights (the model is left so changed, as "
+            "any of its forwards leaves it); compare copies whose forward leaves the "
+            "parameters as they are (move that update out of forward, after the step)"
+        )
     hooks.checked(None)
     calls = calls_of(hooks.entries, store)
     owners = {}
@@ -421,6 +439,14 @@ def in_place_compiled(model: nn.Module, what: str, who: str = "hs.compare") -> s
         "hooks (PyTorch: a value needed for the gradient was modified by an inplace "
         f"operation); {where}, or compare its eager copy"
     )
+
+
+def version_of(t: torch.Tensor) -> int | None:
+    """``t._version`` (``None`` for a tensor without one: an inference tensor)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
