@@ -3,11 +3,14 @@ trace, against a copy of its state taken by hand before the forward."""
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 import torch.nn as nn
 
 import hookscope as hs
-from hookscope.core._buffers import buffers_kept
+from hookscope.core._buffers import buffers_kept, state_kept
 
 
 class _Changes(nn.Module):
@@ -106,3 +109,29 @@ def test_a_module_its_forward_built_is_left_built_whole():
     assert isinstance(m[0].weight, nn.Parameter) and m[0].weight is m[0]._parameters["weight"]
     assert m[1].in_features == 4 and m[1].weight.shape == (2, 4)
     assert hs.summary(nn.Sequential(MyLazy(2)), torch.randn(3, 5)).totals.trainable == 12
+
+
+class _ClipsItself(nn.Linear):
+    """Weight clipping inside the forward: the module changes its own weight in place."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-0.1, 0.1)
+        return super().forward(x)
+
+
+def test_state_kept_says_which_parameters_the_forward_changed_in_place():
+    """Parameters are not copied (a second copy of the weights): one the forward changes in
+    place stays changed, and state_kept says so by name (products that run the model, such as
+    hs.summary, left it changed silently); a forward that changes none says nothing."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_ClipsItself(4, 4), nn.Tanh())
+    with pytest.warns(
+        hs.HookscopeWarning, match=r"changed its own parameters in place \('0\.weight'"
+    ):
+        hs.summary(net, torch.randn(2, 4))
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with state_kept(plain):
+            plain(torch.randn(2, 4)).sum().backward()

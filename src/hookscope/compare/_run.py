@@ -355,18 +355,19 @@ def record_run(spec: RunSpec) -> RunRecord:
         param_grads = {
             n: (None if p.grad is None else p.grad.detach()) for n, p in named_parameters(model)
         }
+        # (inside the block: raised before state_kept's exit, which would warn as well)
+        moved = [n for n, p, v in versions if version_of(p) != v]
+        if moved:
+            raise CompareError(
+                f"hs.compare: model {spec.what!r} ({type(model).__name__}) changes its own "
+                f"parameters in place during its forward or backward ({some_names(moved)}: a "
+                "clamp_ for weight clipping, a normalisation written back under no_grad), so each "
+                "run and replay would start from other weights (the model is left so changed, as "
+                "any of its forwards leaves it); compare copies whose forward leaves the "
+                "parameters as they are (move that update out of forward, after the step)"
+            )
     if draws.drew:
         raise CompareError(_draws_message(spec, args, kwargs, device))
-    moved = [n for n, p, v in versions if version_of(p) != v]
-    if moved:
-        raise CompareError(
-            f"hs.compare: model {spec.what!r} ({type(model).__name__}) changes its own "
-            f"parameters in place during its forward or backward ({some_names(moved)}: a "
-            "clamp_ for weight clipping, a normalisation written back under no_grad), so each "
-            "run and replay would start from other weights (the model is left so changed, as "
-            "any of its forwards leaves it); compare copies whose forward leaves the "
-            "parameters as they are (move that update out of forward, after the step)"
-        )
     hooks.checked(None)
     calls = calls_of(hooks.entries, store)
     owners = {}

@@ -17,12 +17,15 @@ higher: silently other values) and the user's model is left changed.
 from __future__ import annotations
 
 import collections
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn as nn
+
+from ._errors import HookscopeWarning
 
 __all__ = [
     "INTERNALS",
@@ -241,6 +244,13 @@ class Attributes:
 _ABSENT = object()
 
 
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor
+        return None
+
+
 _CONFIG_TYPES: dict[type, bool] = {}
 
 
@@ -307,11 +317,29 @@ def state_kept(model: nn.Module) -> Iterator[None]:
         0
     """
     attributes = Attributes(model)
+    versions = [
+        (n, p, _version(p))
+        for n, p in model.named_parameters()
+        if not isinstance(p, nn.parameter.UninitializedParameter)  # (the forward builds it)
+    ]
     try:
         with buffers_kept(model):
             yield
     finally:
         attributes.restore()
+    # parameters are not copied (a second copy of the weights): one the forward changed in
+    # place (weight clipping under no_grad) stays changed, said here
+    moved = [n for n, p, v in versions if v is not None and _version(p) != v]
+    if moved:
+        shown = ", ".join(repr(n) for n in moved[:4]) + (" ..." if len(moved) > 4 else "")
+        warnings.warn(
+            f"hookscope: the model's forward changed its own parameters in place ({shown}: a "
+            "clamp_ for weight clipping, a normalisation written back under no_grad); buffers "
+            "and attributes are put back as found, parameters are not copied: they are left as "
+            "this run made them (move that update out of forward)",
+            HookscopeWarning,
+            stacklevel=3,
+        )
 
 
 @contextmanager
