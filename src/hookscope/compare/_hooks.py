@@ -348,9 +348,10 @@ class CallHooks:
         caller = self.stack[-1] if self.stack else None
         handed = self._views(output, None, f"grad{pos}_", name, check=caller)[0]
         if self.nodes is not None:
-            for t in tensors_of(handed):
-                if t.grad_fn is not None:
-                    self.nodes[t.grad_fn] = pos
+            for t in (handed,) if handed.__class__ is torch.Tensor else tensors_of(handed):
+                node = t.grad_fn
+                if node is not None:
+                    self.nodes[node] = pos
         return handed
 
     def recompute(self, name: str, value: Any, pre: bool) -> Any:
