@@ -68,6 +68,10 @@ def _record_forward(rank: int, folder: str) -> None:
     ddp = nn.parallel.DistributedDataParallel(make_cnn())
     with torch.no_grad(), hs.record(ddp, folder):
         ddp(batch()[rank * SHARE : (rank + 1) * SHARE])
+    # a forward without backward has no collective: without this, rank 0 can finish the last
+    # record and end the process group (its store) before rank 1 starts it, which then has no
+    # run id (a run carries on with collectives; its last step ends with the group)
+    torch.distributed.barrier()
 
 
 @pytest.fixture(scope="module")

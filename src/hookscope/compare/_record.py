@@ -594,7 +594,8 @@ def _run_id() -> str | None:
     """An id every rank's record of one run shares, and no other run's: the first rank to
     start its ``k``-th record sets a new one in the process group's store (set-if-absent), the
     others read it (no collective: a rank that records alone does not wait for the others).
-    ``None`` where the store cannot be reached."""
+    ``None`` where the store cannot be reached (the rank hosting it has ended the process group:
+    a forward-only last step, no collective after it); the check of run ids then skips it."""
     k = next(_RECORDS)
     try:
         store = torch.distributed.distributed_c10d._get_default_store()
