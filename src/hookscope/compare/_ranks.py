@@ -201,18 +201,26 @@ class _Joined:
             )
             if shared and len({t.shape for t in ts}) == 1:
                 out.append(torch.stack(ts).sum(0))
-            elif self._split(ts):
-                out.append(torch.cat(ts))
-            elif _equal(ts):
-                out.append(ts[0])
-            else:
-                why = why or (
-                    f"leaf {k} (shapes {[tuple(t.shape) for t in ts]}) is neither the ranks' "
-                    f"batch shares {self.shares} along dim 0 nor the gradient of a value equal "
-                    "on every rank"
-                )
-                out.append(ts[0])
+                continue
+            joined, bad = self._leaf(k, ts, "the gradient of a value equal on every rank")
+            out.append(joined)
+            why = why or bad
         return out, why
+
+    def _leaf(
+        self, k: int, ts: tuple[torch.Tensor, ...], equal: str
+    ) -> tuple[torch.Tensor, str | None]:
+        """One leaf of the ranks joined: concatenated where the ranks split it by batch, one
+        rank's where all are equal; else rank 0's, with why it cannot be joined (``equal``: what
+        it would have to be equal as)."""
+        if self._split(ts):
+            return torch.cat(ts), None
+        if _equal(ts):
+            return ts[0], None
+        return ts[0], (
+            f"leaf {k} (shapes {[tuple(t.shape) for t in ts]}) is neither the ranks' batch "
+            f"shares {self.shares} along dim 0 nor {equal}"
+        )
 
     def _join(self, values: list[Any], grad: bool) -> tuple[Any, str | None]:
         if any(v is None for v in values):
@@ -225,15 +233,8 @@ class _Joined:
         for k, ts in enumerate(zip(*leaves)):
             if grad:
                 ts = tuple(t * s if t.is_floating_point() else t for t, s in zip(ts, self.scale))
-            if self._split(ts):
-                out.append(torch.cat(ts))
-            elif _equal(ts):
-                out.append(ts[0])
-            else:
-                why = why or (
-                    f"leaf {k} (shapes {[tuple(t.shape) for t in ts]}) is neither the ranks' "
-                    f"batch shares {self.shares} along dim 0 nor equal on every rank"
-                )
-                out.append(ts[0])
+            joined, bad = self._leaf(k, ts, "equal on every rank")
+            out.append(joined)
+            why = why or bad
         it = iter(out)
         return map_tensors(lambda _t: next(it), values[0]), why
