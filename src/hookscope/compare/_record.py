@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from ..core._buffers import version_of
 from ..core._compiled import (
     compiled_regions,
     is_optimized,
@@ -56,9 +57,8 @@ from ._run import (
     in_place_compiled,
     model_dtype,
     modes_of,
-    version_of,
 )
-from ._store import SPOOL, Spool, SpoolReader, ValueStore, _describe, cpu_copy
+from ._store import SPOOL, Spool, SpoolReader, ValueStore, _describe, _raw, cpu_copy
 
 __all__ = ["Record", "load_record", "of_ranks", "record", "weights_crc"]
 
@@ -553,9 +553,9 @@ class _Accumulated:
 def weights_crc(t: torch.Tensor) -> int | None:
     """CRC-32 of a plain tensor's values with its dtype and shape (``None`` for a tensor of
     another kind: a sharded DTensor)."""
-    if t.__class__ not in (torch.Tensor, nn.Parameter) or t.layout is not torch.strided:
+    data = _raw(t.detach()) if t.__class__ in (torch.Tensor, nn.Parameter) else None
+    if data is None:
         return None
-    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return zlib.crc32(data, zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode()))
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._buffers import state_kept
+from ..core._buffers import ParamVersions, state_kept
 from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
 from ..core._errors import HookscopeError, some_names
 from ..core._nested import map_tensors, tensors_of
@@ -42,7 +42,6 @@ __all__ = [
     "preserved",
     "record_run",
     "restore_aliases",
-    "version_of",
 ]
 
 
@@ -212,7 +211,7 @@ def at_path(obj: Any, path: tuple[Any, ...]) -> Any:
 
 
 @contextlib.contextmanager
-def preserved(model: nn.Module) -> Iterator[None]:
+def preserved(model: nn.Module) -> Iterator[ParamVersions]:
     """Put back parameter ``.grad``, buffers and plain attributes as found, on exit (through
     :func:`~hookscope.core._buffers.state_kept`: the buffers' values, and the buffers themselves
     where the forward replaced, added or resized one; a step counter, a tensor attribute, the
@@ -221,8 +220,8 @@ def preserved(model: nn.Module) -> Iterator[None]:
     for p, _ in grads:
         p.grad = None
     try:
-        with state_kept(model):
-            yield
+        with state_kept(model) as versions:
+            yield versions
     finally:
         for p, g in grads:
             p.grad = g
@@ -314,20 +313,13 @@ def record_run(spec: RunSpec) -> RunRecord:
     check_model(model)  # index compiled regions first: hooks inside them are routed
     store = ValueStore(spec.max_bytes)
     compiled = is_optimized(model) or bool(compiled_regions(model))
-    # each parameter's version: a forward that changes its own weights in place (a clamp_ for
-    # weight clipping) would start every later run and replay from other weights
-    versions = [
-        (n, p, version_of(p))
-        for n, p in named_parameters(model)
-        if not isinstance(p, nn.parameter.UninitializedParameter)  # (built by the forward)
-    ]
     hooks = CallHooks(
         modules, HookScope("compare"), store, _clone, inputs=spec.inputs or compiled, share=True
     )
     loss = None
     # draws are checked apart in the forward, the loss and the backward: each has its own fix
     with (
-        preserved(model),
+        preserved(model) as versions,
         hooks.scope,
         contextlib.closing(store),
         random_draws(model, args, kwargs) as draws,
@@ -355,8 +347,10 @@ def record_run(spec: RunSpec) -> RunRecord:
         param_grads = {
             n: (None if p.grad is None else p.grad.detach()) for n, p in named_parameters(model)
         }
-        # (inside the block: raised before state_kept's exit, which would warn as well)
-        moved = [n for n, p, v in versions if version_of(p) != v]
+        # a forward that changes its own weights in place (a clamp_ for weight clipping) would
+        # start every later run and replay from other weights (raised inside the block: before
+        # state_kept's exit, which would warn as well)
+        moved = versions.moved()
         if moved:
             raise CompareError(
                 f"hs.compare: model {spec.what!r} ({type(model).__name__}) changes its own "
@@ -440,14 +434,6 @@ def in_place_compiled(model: nn.Module, what: str, who: str = "hs.compare") -> s
         "hooks (PyTorch: a value needed for the gradient was modified by an inplace "
         f"operation); {where}, or compare its eager copy"
     )
-
-
-def version_of(t: torch.Tensor) -> int | None:
-    """``t._version`` (``None`` for a tensor without one: an inference tensor)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:

@@ -25,15 +25,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ._compiled import named_parameters
 from ._errors import HookscopeWarning
 
 __all__ = [
     "INTERNALS",
     "Attributes",
     "Containers",
+    "ParamVersions",
     "buffers_kept",
     "plain_attributes",
     "state_kept",
+    "version_of",
 ]
 
 # nn.Module's own bookkeeping (parameters, buffers, hooks...): never put back
@@ -244,10 +247,11 @@ class Attributes:
 _ABSENT = object()
 
 
-def _version(t: torch.Tensor) -> int | None:
+def version_of(t: torch.Tensor) -> int | None:
+    """``t._version`` (``None`` for a tensor without one: an inference tensor)."""
     try:
         return t._version
-    except RuntimeError:  # an inference tensor
+    except RuntimeError:
         return None
 
 
@@ -299,9 +303,10 @@ def _held(m: nn.Module) -> tuple[Any, ...]:
 
 
 @contextmanager
-def state_kept(model: nn.Module) -> Iterator[None]:
+def state_kept(model: nn.Module) -> Iterator[ParamVersions]:
     """Restore every buffer (:func:`buffers_kept`) and plain attribute (:class:`Attributes`) of
-    ``model`` on exit.
+    ``model`` on exit; the parameters changed in place meanwhile (not copied, so not restored)
+    are named in a warning, and by the :class:`ParamVersions` it yields.
 
     Example:
         >>> import torch, torch.nn as nn
@@ -317,19 +322,15 @@ def state_kept(model: nn.Module) -> Iterator[None]:
         0
     """
     attributes = Attributes(model)
-    versions = [
-        (n, p, _version(p))
-        for n, p in model.named_parameters()
-        if not isinstance(p, nn.parameter.UninitializedParameter)  # (the forward builds it)
-    ]
+    versions = ParamVersions(model)
     try:
         with buffers_kept(model):
-            yield
+            yield versions
     finally:
         attributes.restore()
     # parameters are not copied (a second copy of the weights): one the forward changed in
     # place (weight clipping under no_grad) stays changed, said here
-    moved = [n for n, p, v in versions if v is not None and _version(p) != v]
+    moved = versions.moved()
     if moved:
         shown = ", ".join(repr(n) for n in moved[:4]) + (" ..." if len(moved) > 4 else "")
         warnings.warn(
@@ -340,6 +341,22 @@ def state_kept(model: nn.Module) -> Iterator[None]:
             HookscopeWarning,
             stacklevel=3,
         )
+
+
+class ParamVersions:
+    """Each parameter's ``_version`` when made (those a forward builds, lazy ones, left out);
+    :meth:`moved` names the ones changed in place since (:func:`state_kept` yields one)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.versions = [
+            (n, p, v)
+            for n, p in named_parameters(model)
+            if not isinstance(p, nn.parameter.UninitializedParameter)
+            and (v := version_of(p)) is not None
+        ]
+
+    def moved(self) -> list[str]:
+        return [n for n, p, v in self.versions if version_of(p) != v]
 
 
 @contextmanager
