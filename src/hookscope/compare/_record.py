@@ -802,12 +802,13 @@ def _load_ranks(path: Path, loss_reduction: str) -> RunRecord:
             )
         runs.append(index.get("run"))
         recs.append(_load_one(folder))
-    other = next((r for r, run in enumerate(runs) if run != runs[0]), None)
-    if other is not None and runs[0] is not None and runs[other] is not None:
+    known = [(r, run) for r, run in enumerate(runs) if run is not None]
+    other = next((r for r, run in known if run != known[0][1]), None)
+    if other is not None:
         raise CompareError(
-            f"hs.compare: the rank records in {str(path)!r} come from different runs (rank0's "
-            f"and rank{other}'s were made in other runs of the ranks); record every rank of one "
-            "run into an empty folder"
+            f"hs.compare: the rank records in {str(path)!r} come from different runs "
+            f"(rank{known[0][0]}'s and rank{other}'s were made in other runs of the ranks); "
+            "record every rank of one run into an empty folder"
         )
     _check_one_run(path, recs)
     return join_ranks(recs, loss_reduction)
