@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import iter_tensors, map_tensors
 from ..core._select import suggest
@@ -22,7 +23,7 @@ from ..core._signature import forward_parameters
 from ._ranks import REDUCTIONS
 from ._record import of_ranks
 from ._run import CompareError, RunRecord
-from ._tolerance import lower, rel_pairs, tolerance
+from ._tolerance import continuous, lower, rel_pairs, tolerance
 
 __all__ = ["check_arguments", "check_hooks_ran", "check_loss", "check_names", "check_reduction"]
 
@@ -67,6 +68,38 @@ def check_arguments(a: Any, b: Any, spec: Any, names: Any, loss_reduction: Any =
     for what, m in (("a", a), ("b", b)):
         if isinstance(m, nn.Module):
             _check_call(m, what, spec.args, spec.kwargs)
+
+
+def check_kinds(a: nn.Module, b: nn.Module, to_b: Callable[[str], str | None]) -> None:
+    """Warn where a parameter or buffer complex in A is real in B:
+    ``b = copy.deepcopy(a).to(torch.bfloat16)`` casts a complex buffer (a rotary table kept as
+    ``complex64``) to a real one, dropping its imaginary part (PyTorch warns once, without a
+    name); the module holding it is then B's culprit by right, and this says why."""
+    mods_b = dict(named_modules(b))
+    changed = []
+    for name, m in named_modules(a):
+        tensors = [*m._parameters.items(), *m._buffers.items()]
+        if not any(t is not None and t.is_complex() for _, t in tensors):
+            continue
+        bn = to_b(name)
+        mb = mods_b.get(bn) if bn is not None else None
+        if mb is None:
+            continue
+        for local, t in tensors:
+            other = mb._parameters.get(local, mb._buffers.get(local))
+            if t is not None and other is not None and t.is_complex() and not other.is_complex():
+                full = f"{name}.{local}" if name else local
+                changed.append(f"{full!r} ({str(t.dtype)[6:]} in a, {str(other.dtype)[6:]} in b)")
+    if changed:
+        warnings.warn(
+            f"hs.compare: complex tensors became real in b: {', '.join(changed[:3])}"
+            f"{' ...' if len(changed) > 3 else ''}; "
+            "Module.to(torch.bfloat16) casts a complex parameter or buffer to a real one and drops "
+            "its imaginary part, so the module holding it computes something else; cast b's "
+            "floating tensors only: b._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)",
+            HookscopeWarning,
+            stacklevel=3,
+        )
 
 
 def check_modes(ra: RunRecord, rb: RunRecord, names: Any) -> None:
@@ -275,7 +308,7 @@ def check_loss(rec: RunRecord, what: str, loss_fn: Any, device: torch.device) ->
     recorded, output = call.grad, call.output
     if recorded is None or output is None:
         return
-    out = map_tensors(lambda t: t.detach().to(device).requires_grad_(t.is_floating_point()), output)
+    out = map_tensors(lambda t: t.detach().to(device).requires_grad_(continuous(t)), output)
     leaves = [t for _, t in iter_tensors(out)]
     try:
         with torch.enable_grad():

@@ -18,7 +18,14 @@ import torch.nn as nn
 from ..core._compiled import compiled_regions, named_modules, named_parameters
 from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import SCALARS, tensors_of
-from ._checks import check_arguments, check_hooks_ran, check_loss, check_modes, check_names
+from ._checks import (
+    check_arguments,
+    check_hooks_ran,
+    check_kinds,
+    check_loss,
+    check_modes,
+    check_names,
+)
 from ._forced import Forced, forced_pass
 from ._record import load_record, weights_crc
 from ._replay import CopiesIn, Replay, Result
@@ -37,8 +44,10 @@ from ._run import (
 )
 from ._tolerance import (
     Norms,
+    continuous,
     float_error,
     has_integers,
+    hidden_tensors,
     int_numbers,
     lower,
     reduction_size,
@@ -119,6 +128,10 @@ class _Job:
         # row's gradient error is over tolerance
         self._whole: dict[int, tuple[list[Any], list[int], dict[str, Any]]] = {}
         self.notes: list[str] = []  # for the report's notes
+        # rows whose output holds tensors inside objects (hidden_tensors): their error there, and
+        # the objects' classes; the labels of those that differ beyond the row's tolerance
+        self._hidden: dict[int, tuple[Any, list[str]]] = {}
+        self.hidden_calls: list[str] = []
         # a gradient one run has and the other has not counts as a zero one (a module that stops
         # the gradient is named); a compiled run has none for outputs nothing depends on, so
         # there only gradients both runs have are compared
@@ -237,6 +250,8 @@ class _Job:
             b_name=cb.name if cb.name != ca.name else None,
         )
         r.error = norms.rel_error(ca.output, cb.output)
+        if ca.output is not None and ca.output.__class__ is not torch.Tensor:
+            self._hidden_error(r, ca.output, cb.output)
         if self.grads:
             ga, gb = ca.grad, cb.grad
             if ga is not None and gb is not None:
@@ -291,10 +306,43 @@ class _Job:
             self._whole_region(cb, r)
         return r
 
+    def _hidden_error(self, r: CompareRow, a: Any, b: Any) -> None:
+        """The tensors an output holds inside objects (a ``Box(h)`` a module returns, a cache):
+        compared in the row's ``error`` (both runs' own outputs), never handed on by the replays
+        (a module growing a cache its children got would read as an error of its own)."""
+        ha, classes = hidden_tensors(a)
+        if not ha:
+            return
+        hb, _ = hidden_tensors(b)
+        h = math.inf if len(ha) != len(hb) else self.norms.rel_pairs(list(zip(ha, hb)))
+        r.error = worst([r.error, h])
+        self._hidden[id(r)] = (h, classes)
+
+    def _hidden_over(self, r: CompareRow, h: float, classes: list[str]) -> None:
+        """Tensors inside objects of the row's output differ beyond its tolerance: its local
+        errors do not cover them (the replays hand on only the tensors the nested walk sees), so
+        its local error is unknown where the visible part is within tolerance, and the row and
+        the report say so."""
+        what = ", ".join(sorted(set(classes))[:3]) or "an object"
+        why = (
+            f"its output holds tensors inside {what} that differ by {h:.1e}: the replays hand "
+            "on and compare only the tensors of tuples, lists, dicts and dataclasses, so its "
+            "local error does not cover them"
+        )
+        if r.local_error is None or r.local_error <= r.tol:
+            r.local_error = None
+        r.note = f"{r.note}; {why}" if r.note else why
+        self.hidden_calls.append(r.label)
+
     def finish(self, i: int, j: int, r: CompareRow) -> CompareRow:
         """Once the norms are computed: the row's errors as numbers, its verdict."""
         for field in _ERRORS:
             setattr(r, field, value(getattr(r, field)))
+        hidden = self._hidden.pop(id(r), None)
+        if hidden is not None:
+            h = value(hidden[0])
+            if h is not None and h > r.tol:
+                self._hidden_over(r, h, hidden[1])
         self._verdict(i, r)
         self._unjoined(i, j, r)
         self._per_rank_statistics(i, j, r)
@@ -862,8 +910,8 @@ _ERRORS = (
 
 def _same_integers(x: Any, y: Any) -> bool:
     """Whether the integer tensors of two values (same structure) are equal."""
-    a = [t for t in tensors_of(x) if not t.is_floating_point()]
-    b = [t for t in tensors_of(y) if not t.is_floating_point()]
+    a = [t for t in tensors_of(x) if not continuous(t)]
+    b = [t for t in tensors_of(y) if not continuous(t)]
     return (
         len(a) == len(b)
         and all(p.shape == q.shape and torch.equal(p, q.to(p.device)) for p, q in zip(a, b))
@@ -981,6 +1029,16 @@ def build_report(job: _Job) -> CompareReport:
             "no culprit verdict: B is a record, not a live model; the culprit needs B's modules "
             "to replay A's inputs (pass the live model as b)"
         )
+    if job.hidden_calls:
+        why = (
+            f"{some_names(job.hidden_calls)} return tensors inside objects (not tuples, lists, "
+            "dicts or dataclasses) that differ between the runs beyond their tolerance: the "
+            "replays cannot hand those on, so no local error covers them and the culprit may be "
+            "among these modules unnamed; return them in a tuple, dict or dataclass (or "
+            "compare the module that fills the object)"
+        )
+        notes.append(why)
+        warnings.warn(f"hs.compare: {why}", HookscopeWarning, stacklevel=3)
     notes.extend(job.notes)
     per_rank = [r.name for _, r in rows if r.note and "each rank normalised its share" in r.note]
     if per_rank:
@@ -1140,6 +1198,8 @@ def compare(
                     check_loss(rec, what, loss_fn, device)
         check_names(names, ra, rb)
         check_modes(ra, rb, names)
+        if isinstance(a, nn.Module) and isinstance(b, nn.Module):
+            check_kinds(a, b, _name_map(names))
         if isinstance(b, nn.Module):
             check_hooks_ran(ra, rb, b, inputs, kwargs, autocast, _name_map(names), "b")
         if isinstance(a, nn.Module):  # (B's names back to A's)

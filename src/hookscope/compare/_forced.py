@@ -53,6 +53,7 @@ from ..core._nested import map_tensors, tensors_of
 from ..core._scope import HookScope, _Hook, graph_task_id
 from ._replay import Replay, Result, _cast, changed_in_place, versions, write_back
 from ._run import CallRec, restore_aliases
+from ._tolerance import continuous
 
 __all__ = ["Forced", "forced_pass"]
 
@@ -94,7 +95,7 @@ class _Exit(torch.autograd.Function):
         ctx.seeds, ctx.to_caller, ctx.on_grads = seeds, to_caller, on_grads
         ctx.set_materialize_grads(False)
         outs = tuple(v if own else v.clone() for v, own in zip(values, owned))
-        nondiff = [o for o in outs if not o.is_floating_point()]
+        nondiff = [o for o in outs if not continuous(o)]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
         return (*outs, tensors[0].new_zeros((), dtype=torch.float32))
@@ -420,7 +421,7 @@ class _Pass:
         if parent is not None:
             # the errors are computed later (lazily, with the others): a copy of what the caller
             # handed, which its code may change in place after the call (``h += f(ln(h))``)
-            handed = [t.detach().clone() if t.is_floating_point() else t for t in given]
+            handed = [t.detach().clone() if continuous(t) else t for t in given]
             parent.res.child_errors.append(rep._errors(list(zip(recorded, handed))))
         own = rep._own_call(c)
         value = _cast(
@@ -468,7 +469,7 @@ class _Pass:
                 continue
             j = distinct[id(t)] = len(forced)
             slots.append(j)
-            w = k < len(want) and want[k] is not None and t.is_floating_point()
+            w = k < len(want) and want[k] is not None and continuous(t)
             forced.append(t)
             wanted.append(w)
             if w:

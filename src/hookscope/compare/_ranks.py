@@ -23,6 +23,7 @@ import torch
 
 from ..core._nested import iter_tensors, map_tensors
 from ._run import CallRec, CompareError, RunRecord
+from ._tolerance import continuous
 
 __all__ = ["REDUCTIONS", "join_ranks"]
 
@@ -192,7 +193,7 @@ class _Joined:
                 why = why or f"leaf {k} is missing on some ranks"
                 out.append(ts[0])
                 continue
-            ts = tuple(t * s if t.is_floating_point() else t for t, s in zip(ts, self.scale))
+            ts = tuple(t * s if continuous(t) else t for t, s in zip(ts, self.scale))
             fs = tuple(f[k] if k < len(f) else None for f in forward)
             shared = (
                 all(f is not None for f in fs)
@@ -232,7 +233,7 @@ class _Joined:
         why = None
         for k, ts in enumerate(zip(*leaves)):
             if grad:
-                ts = tuple(t * s if t.is_floating_point() else t for t, s in zip(ts, self.scale))
+                ts = tuple(t * s if continuous(t) else t for t, s in zip(ts, self.scale))
             joined, bad = self._leaf(k, ts, "equal on every rank")
             out.append(joined)
             why = why or bad

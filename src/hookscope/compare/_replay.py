@@ -39,7 +39,7 @@ from ..core._nested import iter_tensors, map_tensors, tensors_of
 from ._hooks import object_copier
 from ._run import CallRec, RunRecord, restore_aliases
 from ._store import ValueStore
-from ._tolerance import Norms, narrowed, rel_pairs
+from ._tolerance import Norms, continuous, narrowed, rel_pairs
 
 __all__ = ["CopiesIn", "Replay", "Result"]
 
@@ -64,6 +64,14 @@ class Result:
     ran_in_place: list[str] = dataclasses.field(default_factory=list)
 
 
+def in_dtype(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` with its floating parameters and buffers cast to ``dtype``, in place; complex
+    ones are kept (``Module.to(torch.bfloat16)`` casts a complex buffer to a real one, dropping
+    its imaginary part: a reference made that way would be broken as such a B is)."""
+    dtype_of = dtype
+    return module._apply(lambda t: t.to(dtype_of) if t.is_floating_point() else t)
+
+
 class CopiesIn(dict):  # type: ignore[type-arg]
     """A model's modules in another dtype, for replays: each module copied with its subtree (its
     own children, which a replay stubs) the first time a replay asks for it, not the whole model
@@ -80,7 +88,7 @@ class CopiesIn(dict):  # type: ignore[type-arg]
     def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
         got = dict.get(self, name)
         if got is None and name in self.source:
-            twin = copy.deepcopy(strip_compiled(self.source[name])).to(self.dtype)
+            twin = in_dtype(copy.deepcopy(strip_compiled(self.source[name])), self.dtype)
             pre = f"{name}." if name else ""
             for sub, m in named_modules(twin):
                 self[f"{pre}{sub}" if sub else name] = m
@@ -101,7 +109,7 @@ class _Stub(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         res = tuple(o.clone() for o in outs)
         ctx.like = [(o.shape, o.dtype, o.device) for o in res]
-        nondiff = [o for o in res if not o.is_floating_point()]
+        nondiff = [o for o in res if not continuous(o)]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
         return res
@@ -468,7 +476,7 @@ class Replay:
                 return real(*args, **kwargs)
             # a copy of what was handed: the norms come later, and the caller may change its
             # tensor in place after the call (h += f(ln(h)))
-            handed = [t.detach().clone() if t.is_floating_point() else t for t in given]
+            handed = [t.detach().clone() if continuous(t) else t for t in given]
             res.child_errors.append(
                 self._errors(list(zip([t for _, t in iter_tensors(child.inputs)], handed)))
             )
@@ -515,7 +523,7 @@ def _requiring(
         if hit is not None:
             leaves.append(None)  # the same tensor twice: its gradient is counted on the first
             return hit[1]
-        if g is None or not t.is_floating_point():
+        if g is None or not continuous(t):
             leaves.append(None)
             return t
         leaf = t.detach().requires_grad_(True)

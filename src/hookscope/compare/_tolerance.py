@@ -17,16 +17,21 @@ Figures: fp32 pairs with ``K = 64``: 1.6e-5 (fp32 eager against an fp32 copy dif
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn as nn
 
-from ..core._nested import iter_tensors
+from ..core._nested import SCALARS, iter_tensors
 
 __all__ = [
     "Lazy",
     "Norms",
+    "continuous",
+    "hidden_tensors",
     "float_error",
     "has_integers",
     "lower",
@@ -60,12 +65,91 @@ def tolerance(dtype: torch.dtype, k: int) -> float:
     return 4 * eps + 16 * _EPS32 * math.sqrt(max(1, k))
 
 
+def continuous(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values compared by their relative error and carrying gradients:
+    floating or complex (an FFT layer's output, a rotary table kept as ``complex64``); other
+    dtypes (ids, masks, indices) must agree exactly.
+
+    >>> continuous(torch.zeros(2, dtype=torch.complex64)), continuous(torch.zeros(2, dtype=torch.int64))
+    (True, False)
+    """
+    return t.is_floating_point() or t.is_complex()
+
+
+def hidden_tensors(value: Any, depth: int = 12) -> tuple[list[torch.Tensor], list[str]]:
+    """The tensors held inside the objects among ``value`` (attributes of an instance that is
+    no tuple, list, dict or dataclass: a ``Box(h)`` a module returns, a cache), in attribute
+    order, and the classes of the outermost such objects: what the nested walk
+    (:func:`~hookscope.core._nested.tensors_of`) does not enter. Modules, classes and functions
+    are not entered; an object met twice counts once.
+
+    >>> class Box:
+    ...     def __init__(self, h): self.h = h
+    >>> ts, classes = hidden_tensors((torch.zeros(1), Box(torch.ones(2))))
+    >>> [t.tolist() for t in ts], classes
+    ([[1.0, 1.0]], ['Box'])
+    """
+    found: list[torch.Tensor] = []
+    classes: list[str] = []
+    seen: set[int] = set()
+
+    def walk(obj: Any, left: int, inside: bool) -> None:
+        cls = obj.__class__
+        if cls in SCALARS or left < 0:
+            return
+        if isinstance(obj, torch.Tensor):
+            if inside:
+                found.append(obj)
+            return
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, left - 1, inside)
+        elif isinstance(obj, Mapping):
+            for v in obj.values():
+                walk(v, left - 1, inside)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                walk(getattr(obj, f.name, None), left - 1, inside)
+        elif isinstance(obj, (nn.Module, type)) or callable(obj):
+            return
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            values = list(attrs.values()) if isinstance(attrs, dict) else []
+            for slot in getattr(cls, "__slots__", ()):
+                if isinstance(slot, str) and hasattr(obj, slot):
+                    values.append(getattr(obj, slot))
+            n = len(found)
+            for v in values:
+                walk(v, left - 1, True)
+            if len(found) > n and not inside:
+                classes.append(cls.__name__)
+
+    walk(value, depth, False)
+    return found, classes
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a strided real tensor with the same norm: a complex one as its real and imaginary
+    parts (``view_as_real``: ``||z||^2 = sum(re^2 + im^2)``), a sparse one dense, a quantized one
+    dequantized (its values as the model reads them)."""
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_quantized:
+        t = t.dequantize()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    return t
+
+
 def reduction_size(inputs: Any, params: Any) -> int:
     """The largest reduction a module likely does: last dimension of its floating inputs, fan-in of
     its own parameters."""
     k = 1
     for _, t in iter_tensors(inputs):
-        if t.is_floating_point() and t.ndim:
+        if continuous(t) and t.ndim:
             k = max(k, t.shape[-1])
     for p in params:
         if p.ndim > 1 and p.shape[0]:
@@ -101,7 +185,7 @@ def float_error(ref: Any, got: Any) -> float | None:
     b = [t for _, t in iter_tensors(got)]
     if len(a) != len(b):
         return None
-    pairs = [(x, y) for x, y in zip(a, b) if x.is_floating_point() and y.is_floating_point()]
+    pairs = [(x, y) for x, y in zip(a, b) if continuous(x) and continuous(y)]
     return rel_pairs(pairs) if pairs else None
 
 
@@ -169,7 +253,7 @@ def _number_error(ref: Any, got: Any) -> float | None:
 def has_integers(value: Any) -> bool:
     """Whether ``value`` holds a tensor that is not floating (ids, indices, a mask), or a Python
     int or bool (``int(x.argmax())``)."""
-    if any(not t.is_floating_point() for _, t in iter_tensors(value)):
+    if any(not continuous(t) for _, t in iter_tensors(value)):
         return True
     nums: list[Any] = []
     _numbers(value, nums)
@@ -184,6 +268,12 @@ def int_numbers(value: Any) -> list[Any]:
 
 
 _PROMOTE = (torch.float32, torch.bfloat16, torch.float16)
+# dtypes whose values are compared through :func:`_plain` (complex as real pairs, quantized as
+# their values)
+_OTHER = frozenset(
+    {torch.complex32, torch.complex64, torch.complex128, torch.qint8, torch.quint8, torch.qint32,
+     torch.quint4x2, torch.quint2x4}
+)  # fmt: skip
 
 
 def _fast(
@@ -358,6 +448,13 @@ class Norms:
                 y = torch.zeros_like(x) if y is None else y
             if x is None or y is None:
                 continue
+            if (
+                x.dtype in _OTHER
+                or y.dtype in _OTHER
+                or x.layout != torch.strided
+                or y.layout != torch.strided
+            ):
+                x, y = _plain(x), _plain(y)
             ok = _screen(x, y)
             if ok is None:
                 continue
