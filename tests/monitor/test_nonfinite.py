@@ -262,3 +262,42 @@ def test_find_nonfinite_leaves_a_layer_s_python_state_as_found():
     net = nn.Sequential(nn.Linear(3, 3), Counting(3), Log())
     assert hs.find_nonfinite(net, torch.rand(4, 3) - 2.0).layer is not None
     assert net[1].state() == (False, 0, [], 0.0)
+
+
+class _Spectrum(nn.Module):
+    """An FFT of a linear layer; ``bad``: its output divided by zero where the real part is
+    small (NaN and infinities in the complex values)."""
+
+    def __init__(self, bad: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bad = bad
+
+    def forward(self, x):
+        z = torch.fft.fft(self.lin(x), dim=-1)
+        return z / (z.real.detach() > 100).to(z.dtype) if self.bad else z
+
+
+class _RealPart(nn.Module):
+    def forward(self, z):
+        return z.real + z.imag
+
+
+def test_a_nan_made_in_a_complex_value_is_found_where_it_is_made():
+    """A complex NaN was skipped (only floating tensors were checked): the next module, which
+    made the first real NaN, was named as the origin and the complex input read as absmax 0."""
+    torch.manual_seed(0)
+    net = nn.Sequential(_Spectrum(), _RealPart(), nn.Linear(8, 2))
+    x = torch.randn(4, 8)
+    o = hs.find_nonfinite(net, x)
+    assert (o.layer, o.phase, o.kind, o.module_type) == ("0", "forward", "nan", "_Spectrum")
+    with torch.no_grad():
+        h, z = net[0].lin(x), net[0](x)
+    assert o.stats["output_nan"] == float(z.isnan().sum()) > 0
+    assert o.stats["output_inf"] == float(z.isinf().sum())
+    assert o.stats["input_absmax"] == pytest.approx(x.abs().max().item())
+    assert torch.isfinite(h).all()
+    # a finite complex model: nothing found, forward or backward
+    torch.manual_seed(0)
+    fine = nn.Sequential(_Spectrum(bad=False), _RealPart(), nn.Linear(8, 2))
+    assert hs.find_nonfinite(fine, x) is None

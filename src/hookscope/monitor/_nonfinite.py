@@ -79,15 +79,26 @@ class NonFiniteOrigin:
         return f"{self.kind.upper()} first produced in the {self.phase} pass by {where}: {nums}"
 
 
+def _checked(t: torch.Tensor) -> bool:
+    """Whether ``t`` can hold a NaN or an infinity: floating or complex (an FFT layer's output;
+    a complex NaN skipped here was first seen in the next module, named as its origin)."""
+    return t.is_floating_point() or t.is_complex()
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex ``t`` as its real and imaginary parts (``aminmax`` takes no complex tensor)."""
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+
+
 def _absmax(obj: Any) -> torch.Tensor | None:
     """``[min, max, min, max, ...]`` of every floating tensor in ``obj`` (fp32, on the device), or
     None; the host turns it into ``max |x|`` (NaN if any NaN). ``aminmax`` is one pass and among
     the fastest reductions on CPU (``vector_norm(x, inf)`` is ~20x slower there)."""
     # a DTensor (tensor parallel) is checked on this rank's shard: the rank holding a NaN sees it
     vals = [
-        minmax(local(t) if is_dtensor(t) else t)
+        minmax(_real(local(t) if is_dtensor(t) else t))
         for _, t in iter_tensors(obj)
-        if t.is_floating_point() and t.numel() > 0
+        if _checked(t) and t.numel() > 0
     ]
     if not vals:
         return None
@@ -104,8 +115,8 @@ def _counts(obj: Any) -> torch.Tensor:
     """``[nan count, inf count]`` over every floating tensor in ``obj`` (fp32)."""
     out = torch.zeros(2)
     for _, t in iter_tensors(obj):
-        if t.is_floating_point():
-            t = t.detach()
+        if _checked(t):
+            t = t.detach()  # (a complex value counts once: NaN or inf in either part)
             out = out.to(t.device) + torch.stack([t.isnan().sum(), t.isinf().sum()]).float()
     return out
 
@@ -192,7 +203,7 @@ class _Tracker:
     def _in_absmax(self, args: Any, kwargs: Any) -> torch.Tensor | None:
         vals = []
         for _, t in iter_tensors((args, kwargs)):
-            if not t.is_floating_point() or t.numel() == 0:
+            if not _checked(t) or t.numel() == 0:
                 continue
             v = self._known(t)
             if v is None:
@@ -273,7 +284,7 @@ class _Tracker:
             if not check_grads:
                 return
             for _, o in iter_tensors(output):
-                if not (o.requires_grad and o.is_floating_point()):
+                if not (o.requires_grad and _checked(o)):
                     continue
                 known = tracker._cells.get(id(o))
                 if known is not None and known[0]() is o:  # a parent returning its child's output
@@ -412,11 +423,11 @@ def find_nonfinite(
     try:
         with tracker.scope:
             args = map_tensors(
-                lambda t: t.detach().requires_grad_() if backward and t.is_floating_point() else t,
+                lambda t: t.detach().requires_grad_() if backward and _checked(t) else t,
                 inputs,
             )
             kw = map_tensors(
-                lambda t: t.detach().requires_grad_() if backward and t.is_floating_point() else t,
+                lambda t: t.detach().requires_grad_() if backward and _checked(t) else t,
                 kwargs,
             )
             with torch.enable_grad() if backward else torch.no_grad():
