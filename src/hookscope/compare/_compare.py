@@ -27,7 +27,7 @@ from ._checks import (
     check_names,
 )
 from ._forced import Forced, forced_pass
-from ._record import load_record, weights_crc
+from ._record import load_record, unwrapped, weights_crc
 from ._replay import CopiesIn, Replay, Result
 from ._report import CompareReport, CompareRow
 from ._run import (
@@ -1134,6 +1134,10 @@ def compare(
     for ``loss_reduction``, parameter gradients are the ranks' averaged ones. Give ``b`` the
     combined batch (the ranks' inputs concatenated in rank order).
 
+    A model wrapped in ``DistributedDataParallel`` or ``nn.DataParallel`` is compared as the
+    model it wraps (its names without the ``module.`` prefix, as :func:`hookscope.record` writes
+    them).
+
     Module calls are matched by name and occurrence; calls that ran in only one model (or a
     different number of times on different ranks) are listed in ``unmatched``. Both models are left as found (``.grad``, buffers, train/eval mode); a model
     that draws random numbers (dropout in training mode) raises :class:`CompareError`.
@@ -1170,6 +1174,10 @@ def compare(
         >>> hs.compare(a, copy.deepcopy(a), torch.randn(4, 8)).culprit is None
         True
     """
+    # a model wrapped in DistributedDataParallel or nn.DataParallel is its .module (the eager
+    # names, as hs.record writes them; the wrapper's own forward splits or syncs, it computes
+    # nothing): its "module." names would pair with none of the other model's
+    a, b = unwrapped(a), unwrapped(b)
     with _YoungCollections() as collections:
         # each run gets inputs of its own: a forward that changes what it is given (a cache it
         # grows, a tensor it works on in place) changes neither the other run's nor the caller's

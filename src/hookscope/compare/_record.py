@@ -60,7 +60,7 @@ from ._run import (
 )
 from ._store import SPOOL, Spool, SpoolReader, ValueStore, _describe, _raw, cpu_copy
 
-__all__ = ["Record", "load_record", "of_ranks", "record", "weights_crc"]
+__all__ = ["Record", "load_record", "of_ranks", "record", "unwrapped", "weights_crc"]
 
 _VERSION = 2
 
@@ -72,8 +72,9 @@ class Record:
     def __init__(self, model: nn.Module, folder: Path, layers: Any) -> None:
         self.folder = folder
         self.calls = 0
-        # DistributedDataParallel: hooks on the wrapped model, so names carry no "module." prefix
-        model = getattr(model, "module", model) if _is_ddp(model) else model
+        # DistributedDataParallel, DataParallel: hooks on the wrapped model, so names carry no
+        # "module." prefix
+        model = unwrapped(model)
         self.rank, self.world = _rank_world()
         self._dir = folder / f"rank{self.rank}" if self.world > 1 else folder
         self._model = model
@@ -575,8 +576,12 @@ def _detached(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _is_ddp(model: nn.Module) -> bool:
-    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+def unwrapped(model: Any) -> Any:
+    """The model a ``DistributedDataParallel`` or ``nn.DataParallel`` wraps (its ``.module``:
+    the eager names, without the wrapper's ``module.`` prefix); anything else as it is."""
+    while isinstance(model, (torch.nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
 
 
 def _rank_world() -> tuple[int, int]:
