@@ -45,3 +45,49 @@ def test_a_model_wrapped_in_data_parallel_is_compared_as_the_model_it_wraps(tmp_
     recorded = hs.compare(str(tmp_path / "rec"), b, x, loss_fn=_loss)
     assert recorded.unmatched == [] and recorded.culprit == "2", recorded
     assert hs.compare(a, nn.DataParallel(copy.deepcopy(a)), x, loss_fn=_loss).culprit is None
+
+
+class _Mixed(nn.Module):
+    """An embedding kept in fp32 (the model's first parameter) and the rest cast to the
+    layers' dtype: a mixed-precision model once ``l1``, ``n`` and ``l2`` are bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 32)
+        self.l1, self.n, self.l2 = nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids).to(self.l1.weight.dtype)
+        return self.l2(torch.relu(self.n(self.l1(h))))
+
+
+def test_a_mixed_precision_copy_is_judged_in_the_dtype_each_module_computes_in():
+    """B's first parameter (the embedding) is fp32 and its other modules bf16: B read as an
+    fp32 model, every bf16 module was judged against fp32's tolerance and a fault-free copy had
+    ``l1`` as its culprit. Each row's tolerance is now that of the lowest dtype its call
+    computed in; a fault in a bf16 module is still named, and the report says which modules."""
+    torch.manual_seed(0)
+    a, ids = _Mixed(), torch.randint(0, 30, (2, 6))
+    b = copy.deepcopy(a)
+    for m in (b.l1, b.n, b.l2):
+        m.to(torch.bfloat16)
+    report = hs.compare(a, b, ids, loss_fn=_loss)
+    assert report.culprit is None, report
+    assert report.dtypes == ("float32", "float32")
+    assert report.row("emb").tol < 1e-4 < 1e-2 < report.row("l1").tol
+    with torch.no_grad():  # what bf16 rounding does to l1 on A's own inputs: within its tolerance
+        h = a.emb(ids)
+        want = float((b.l1(h.bfloat16()).float() - a.l1(h)).norm() / a.l1(h).norm())
+    assert report.row("l1").local_error == pytest.approx(want, rel=1e-3)
+    assert 1e-4 < want < report.row("l1").tol
+    assert any("'l1'" in n and "bfloat16" in n for n in report.notes), report.notes
+    for fault in ("weight", "eps"):
+        bad = copy.deepcopy(b)
+        if fault == "weight":
+            with torch.no_grad():
+                bad.l1.weight.mul_(1.1)
+        else:
+            bad.n.eps = 0.5
+        assert hs.compare(a, bad, ids, loss_fn=_loss).culprit == (
+            "l1" if fault == "weight" else "n"
+        )

@@ -128,6 +128,9 @@ class _Job:
         # row's gradient error is over tolerance
         self._whole: dict[int, tuple[list[Any], list[int], dict[str, Any]]] = {}
         self.notes: list[str] = []  # for the report's notes
+        # rows whose calls computed in a lower dtype than the models' (a mixed-precision model:
+        # an embedding kept in fp32, the rest in bf16): that dtype (see _call_low)
+        self._lows: dict[int, torch.dtype] = {}
         # rows whose output holds tensors inside objects (hidden_tensors): their error there, and
         # the objects' classes; the labels of those that differ beyond the row's tolerance
         self._hidden: dict[int, tuple[Any, list[str]]] = {}
@@ -246,9 +249,13 @@ class _Job:
             kind=type(module).__name__ if module is not None else "?",
             depth=_depth(ra, i),
             end=ca.end,
-            tol=tolerance(self.low, reduction_size(ca.inputs, params)),
+            tol=0.0,
             b_name=cb.name if cb.name != ca.name else None,
         )
+        low = self._call_low(ca, cb, params, (rb.modules or {}).get(cb.name))
+        r.tol = tolerance(low, reduction_size(ca.inputs, params))
+        if low != self.low:
+            self._lows[id(r)] = low
         r.error = norms.rel_error(ca.output, cb.output)
         if ca.output is not None and ca.output.__class__ is not torch.Tensor:
             self._hidden_error(r, ca.output, cb.output)
@@ -305,6 +312,33 @@ class _Job:
         if cb.name in self.fullgraph and cb.inputs is not None:
             self._whole_region(cb, r)
         return r
+
+    def _call_low(
+        self, ca: CallRec, cb: CallRec, params: list[torch.Tensor], module_b: nn.Module | None
+    ) -> torch.dtype:
+        """The least precise floating dtype a call computed in, in either run: the models' run
+        dtypes (the dtype of each one's first floating parameter, or autocast's), and those of
+        the call's own parameters, inputs and outputs. A model whose first parameter is kept in
+        fp32 and whose other modules are bf16 reads as fp32; its bf16 modules' rounding was
+        judged against fp32's tolerance (a fault-free mixed-precision copy had a culprit)."""
+        low = self.low
+        dts: set[torch.dtype] = set()
+        for c, own in ((ca, params), (cb, module_b._parameters.values() if module_b else ())):
+            ins = c.input_dtypes
+            if ins.__class__ is list and (not ins or ins[0].__class__ is torch.dtype):
+                dts.update(ins)
+            elif ins is not None:
+                dts.update(t.dtype for t in tensors_of(ins))
+            out = c.output
+            if out.__class__ is torch.Tensor:
+                dts.add(out.dtype)
+            elif out is not None:
+                dts.update(t.dtype for t in tensors_of(out))
+            dts.update(p.dtype for p in own if p is not None)
+        for d in dts:
+            if d is not low and d.is_floating_point and d != torch.float64:
+                low = lower(low, d)
+        return low
 
     def _hidden_error(self, r: CompareRow, a: Any, b: Any) -> None:
         """The tensors an output holds inside objects (a ``Box(h)`` a module returns, a cache):
@@ -708,7 +742,8 @@ class _Job:
                     r.note = f"{said}; {r.note}" if r.note else said
         if kind is None and r.compile_error is not None:
             assert self.rb is not None
-            limit = tolerance(self.rb.run_dtype, 1) + r.tol - tolerance(self.low, 1)
+            low = self._lows.get(id(r), self.low)
+            limit = tolerance(lower(self.rb.run_dtype, low), 1) + r.tol - tolerance(low, 1)
             if r.compile_error > limit:
                 kind = "compiled"
                 back = value(self._compiled_back.get(id(r)))
@@ -1028,6 +1063,17 @@ def build_report(job: _Job) -> CompareReport:
         notes.append(
             "no culprit verdict: B is a record, not a live model; the culprit needs B's modules "
             "to replay A's inputs (pass the live model as b)"
+        )
+    lowered: dict[torch.dtype, list[str]] = {}
+    for _, r in rows:
+        d = job._lows.get(id(r))
+        if d is not None:
+            lowered.setdefault(d, []).append(r.label)
+    for d, labels in lowered.items():
+        notes.append(
+            f"{some_names(labels)} computed in {str(d)[6:]} (their parameters, inputs or "
+            f"outputs), below the models' {str(job.low)[6:]}: their tolerances are "
+            f"{str(d)[6:]}'s (a mixed-precision model)"
         )
     if job.hidden_calls:
         why = (
