@@ -287,3 +287,32 @@ def test_a_fault_free_bf16_transformer_with_its_cache_in_the_output_names_nothin
                                   use_cache=True)  # fmt: skip
     assert report.culprit is None and not said, (report, said)
     assert 0 < report.row("").error < report.row("").tol
+
+
+def test_a_cache_a_fault_inside_the_model_changes_is_said_on_its_rows_without_a_warning():
+    """A prefilled ``DynamicCache`` returned by the model: a fault in ``v_proj`` changes the
+    cache's values too. The culprit is named; the rows of the calls returning the cache say so,
+    and no warning claims that the culprit may be unnamed (the fault inside explains it)."""
+    import transformers
+    from helpers.faults import _reinit
+    from helpers.lm import tiny_llama
+
+    m = _reinit(tiny_llama(), 0).eval()
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def loss(o):
+        return o.logits.float().logsumexp(-1).mean()
+
+    cache = transformers.DynamicCache(config=m.config)
+    with torch.no_grad():
+        m(ids[:, :8], past_key_values=cache, use_cache=True)
+    b = copy.deepcopy(m)
+    with torch.no_grad():
+        b.model.layers[1].self_attn.v_proj.weight.mul_(1.2)
+    report, said = _quiet_compare(m, b, ids[:, 8:], loss_fn=loss, past_key_values=cache,
+                                  use_cache=True)  # fmt: skip
+    assert report.culprit == "model.layers.1.self_attn.v_proj", report
+    assert not said, said
+    assert "DynamicCache" in report.row("model").note
+    # its error covers its hidden states and its cache (both changed by the fault)
+    assert report.row("model").error > report.row("model").tol

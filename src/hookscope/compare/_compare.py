@@ -134,7 +134,7 @@ class _Job:
         # rows whose output holds tensors inside objects (hidden_tensors): their error there, and
         # the objects' classes; the labels of those that differ beyond the row's tolerance
         self._hidden: dict[int, tuple[Any, list[str]]] = {}
-        self.hidden_calls: list[str] = []
+        self.hidden_calls: list[tuple[int, str]] = []  # (A's call, its label)
         # a gradient one run has and the other has not counts as a zero one (a module that stops
         # the gradient is named); a compiled run has none for outputs nothing depends on, so
         # there only gradients both runs have are compared
@@ -352,7 +352,7 @@ class _Job:
         r.error = worst([r.error, h])
         self._hidden[id(r)] = (h, classes)
 
-    def _hidden_over(self, r: CompareRow, h: float, classes: list[str]) -> None:
+    def _hidden_over(self, i: int, r: CompareRow, h: float, classes: list[str]) -> None:
         """Tensors inside objects of the row's output differ beyond its tolerance: its local
         errors do not cover them (the replays hand on only the tensors the nested walk sees), so
         its local error is unknown where the visible part is within tolerance, and the row and
@@ -366,7 +366,7 @@ class _Job:
         if r.local_error is None or r.local_error <= r.tol:
             r.local_error = None
         r.note = f"{r.note}; {why}" if r.note else why
-        self.hidden_calls.append(r.label)
+        self.hidden_calls.append((i, r.label))
 
     def finish(self, i: int, j: int, r: CompareRow) -> CompareRow:
         """Once the norms are computed: the row's errors as numbers, its verdict."""
@@ -376,7 +376,7 @@ class _Job:
         if hidden is not None:
             h = value(hidden[0])
             if h is not None and h > r.tol:
-                self._hidden_over(r, h, hidden[1])
+                self._hidden_over(i, r, h, hidden[1])
         self._verdict(i, r)
         self._unjoined(i, j, r)
         self._per_rank_statistics(i, j, r)
@@ -998,6 +998,16 @@ def _depth(rec: RunRecord, pos: int) -> int:
     return d
 
 
+def _ancestors(rec: RunRecord, i: int) -> list[int]:
+    """The calls enclosing A's call ``i``, innermost first."""
+    out = []
+    p = rec.calls[i].parent
+    while p is not None:
+        out.append(p)
+        p = rec.calls[p].parent
+    return out
+
+
 def _verdicts(rec: RunRecord, rows: list[tuple[int, CompareRow]]) -> tuple[list[str], str | None]:
     flagged = {i for i, r in rows if r.flagged}
     ancestors: set[int] = set()
@@ -1075,9 +1085,13 @@ def build_report(job: _Job) -> CompareReport:
             f"outputs), below the models' {str(job.low)[6:]}: their tolerances are "
             f"{str(d)[6:]}'s (a mixed-precision model)"
         )
-    if job.hidden_calls:
+    # a difference inside such an object that a culprit within the call explains (a cache its
+    # attention modules fill) is said on its row only
+    inside = {p for i, r in rows if r.flagged for p in _ancestors(ra, i)}
+    unexplained = [label for i, label in job.hidden_calls if i not in inside]
+    if unexplained:
         why = (
-            f"{some_names(job.hidden_calls)} return tensors inside objects (not tuples, lists, "
+            f"{some_names(unexplained)} return tensors inside objects (not tuples, lists, "
             "dicts or dataclasses) that differ between the runs beyond their tolerance: the "
             "replays cannot hand those on, so no local error covers them and the culprit may be "
             "among these modules unnamed; return them in a tuple, dict or dataclass (or "
