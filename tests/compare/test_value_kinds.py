@@ -294,6 +294,7 @@ def test_a_cache_a_fault_inside_the_model_changes_is_said_on_its_rows_without_a_
     cache's values too. The culprit is named; the rows of the calls returning the cache say so,
     and no warning claims that the culprit may be unnamed (the fault inside explains it)."""
     import transformers
+
     from helpers.faults import _reinit
     from helpers.lm import tiny_llama
 
