@@ -91,3 +91,39 @@ def test_a_mixed_precision_copy_is_judged_in_the_dtype_each_module_computes_in()
         assert hs.compare(a, bad, ids, loss_fn=_loss).culprit == (
             "l1" if fault == "weight" else "n"
         )
+
+
+class _MixedNorm(nn.Module):
+    """A BatchNorm over two values in training mode, on values far from zero: ill-conditioned in
+    bf16 (A's own module shows the same error when its inputs are rounded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(30, 32)
+        self.l1, self.bn, self.l2 = nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Linear(32, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids).to(self.l1.weight.dtype).mean(1)
+        return self.l2(torch.relu(self.bn(self.l1(h) + 20.0)))
+
+
+def test_an_ill_conditioned_module_of_a_mixed_precision_copy_is_explained_as_in_an_all_bf16_one():
+    """The conditioning check ran only where the models' dtypes differ: the same BatchNorm, no
+    culprit in an all-bf16 copy, was the culprit of a mixed copy (fp32 embedding first). It now
+    runs for each call computed in a lower dtype, with that dtype; a real fault is still named."""
+    torch.manual_seed(0)
+    a, ids = _MixedNorm().train(), torch.randint(0, 30, (2, 6))
+    b = copy.deepcopy(a)
+    for m in (b.l1, b.bn, b.l2):
+        m.to(torch.bfloat16)
+    everything = hs.compare(a, copy.deepcopy(a).bfloat16(), ids, loss_fn=_loss)
+    assert everything.culprit is None and "not stable" in everything.row("bn").note
+    report = hs.compare(a, b, ids, loss_fn=_loss)
+    assert report.culprit is None, report
+    row = report.row("bn")
+    assert row.local_error > row.tol and "rounding its inputs to bfloat16" in row.note, row
+    assert row.local_error == pytest.approx(everything.row("bn").local_error, rel=1e-6)
+    bad = copy.deepcopy(b)
+    with torch.no_grad():
+        bad.l2.weight.mul_(1.1)
+    assert hs.compare(a, bad, ids, loss_fn=_loss).culprit == "l2"

@@ -317,3 +317,33 @@ def test_a_cache_a_fault_inside_the_model_changes_is_said_on_its_rows_without_a_
     assert "DynamicCache" in report.row("model").note
     # its error covers its hidden states and its cache (both changed by the fault)
     assert report.row("model").error > report.row("model").tol
+
+
+class _Clears(nn.Module):
+    """Reads ``enc``'s box, then empties it (``box.h = zeros``) after the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.out = _Enc(), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        box = self.enc(x)
+        y = self.out(box.h)
+        box.h = torch.zeros_like(box.h)
+        return y
+
+
+def test_an_object_a_call_returned_is_kept_as_it_was_when_the_call_ended():
+    """The record kept ``enc``'s returned object itself, which its caller emptied afterwards:
+    both runs' rows read zeros, ``enc``'s error was 0.0 and the fault was blamed on the root.
+    Objects among an output are copied when the call ends (as among the inputs)."""
+    torch.manual_seed(0)
+    a, x = _Clears(), torch.randn(4, 8)
+    b = copy.deepcopy(a)
+    b.enc.k = 1.05
+    report, said = _quiet_compare(a, b, x, loss_fn=_loss)
+    with torch.no_grad():
+        want = _rel(a.enc(x).h, b.enc(x).h)
+    assert report.row("enc").error == pytest.approx(want, rel=1e-5) and want > 0.01
+    assert report.culprit != "" and report.first_divergent == "enc", report
+    assert any("'enc'" in s for s in said), said

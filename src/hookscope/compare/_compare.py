@@ -152,6 +152,10 @@ class _Job:
         # reference cannot be computed then leaves the row unflagged, with a note
         self._strict = True
         self._low: Replay | None = None
+        # the conditioning checks of calls computed in a lower dtype than the models' (a
+        # mixed-precision model), by that dtype: rounding A's values, A's modules in it
+        self._rounds: dict[torch.dtype, Replay] = {}
+        self._lows_replays: dict[torch.dtype, Replay] = {}
         # id(row) -> the backward part of its compile_error (lazy until the norms resolve)
         self._compiled_back: dict[int, Any] = {}
         if self.mixed and (ra.modules is not None or b is not None):
@@ -568,7 +572,7 @@ class _Job:
             r.note = f"{r.note}; {why}" if r.note else why
             self.notes.append(f"{r.label}: its local error includes its {why}")
         r.local_error = worst([self.norms.rel_error(ca.output, got.output), *got.child_errors])
-        if self.mixed and has_integers(ca.output):
+        if (self.mixed or id(r) in self._lows) and has_integers(ca.output):
             self._int_out[i] = got.output
         if not self.grads or got.in_grads is None or ca.in_grad is None:
             return
@@ -725,24 +729,25 @@ class _Job:
         if whole is not None and over(r.local_grad_error):
             self._confirm(r, whole)
         kind, explained = None, False
+        low = self._lows.get(id(r), self.low)
+        rounding = self._round_replay(low)
         if over(r.local_error):
             kind = "forward"
-            if self.rep_round is not None:
-                kind = self._explained(i, r, kind)
+            if rounding is not None:
+                kind = self._explained(i, r, kind, rounding, low)
                 explained = kind is None
         if kind is None and over(r.local_grad_error):
             # also where the forward's error was explained: a backward fault is a fault (there,
             # only where a reference was computed that does not explain it)
             kind, said = "backward", r.note
-            if self.rep_round is not None:
+            if rounding is not None:
                 self._strict = not explained
-                kind = self._explained(i, r, kind)
+                kind = self._explained(i, r, kind, rounding, low)
                 self._strict = True
                 if said and r.note != said:
                     r.note = f"{said}; {r.note}" if r.note else said
         if kind is None and r.compile_error is not None:
             assert self.rb is not None
-            low = self._lows.get(id(r), self.low)
             limit = tolerance(lower(self.rb.run_dtype, low), 1) + r.tol - tolerance(low, 1)
             if r.compile_error > limit:
                 kind = "compiled"
@@ -767,13 +772,29 @@ class _Job:
             return None, None, True
         return got.output, got.in_grads, True
 
-    def _explained(self, i: int, r: CompareRow, kind: str) -> str | None:
+    def _round_replay(self, low: torch.dtype) -> Replay | None:
+        """The replay of A's modules on A's values rounded to ``low`` (the conditioning check):
+        the models' lower dtype's (``rep_round``), or, for a call that computed in a lower
+        dtype still (a mixed-precision model), one for that dtype, made once (a live A only)."""
+        if low == self.low:
+            return self.rep_round
+        got = self._rounds.get(low)
+        if got is None and self.ra.modules is not None and self.rb is not None:
+            ra = self.ra
+            got = self._rounds[low] = Replay(
+                ra.modules, ra, ra, lambda n: n, ra.dtype, ra.autocast, round_to=low
+            )
+        return got
+
+    def _explained(
+        self, i: int, r: CompareRow, kind: str, rounding: Replay, low: torch.dtype
+    ) -> str | None:
         """A local error the reference shows too when its inputs are rounded to the lower dtype
-        comes from the module's conditioning (max-pooling ties, cancellation), not from B."""
-        assert self.rep_round is not None
+        (``low``, by ``rounding``) comes from the module's conditioning (max-pooling ties,
+        cancellation), not from B."""
         grads = kind == "backward"
         out, in_grad, stand = self._reference(i, r, grads)
-        got = self._run(self.rep_round, i, grads, r, check=True)
+        got = self._run(rounding, i, grads, r, check=True)
         if got is None or (stand and out is None):
             return kind
         # against a stand-in the children's values are A's, not the stand-in's: its own output
@@ -793,19 +814,21 @@ class _Job:
         if not grads and e == math.inf and i in self._int_out:
             # integer outputs differ: only the dtype check (A's module in B's dtype, whose
             # integers a fault-free B reproduces exactly) can explain that
-            return self._explained_by_dtype(i, r, kind, what)
+            return self._explained_by_dtype(i, r, kind, what, low)
         # (a non-finite error is never explained: inf > inf would read as explained)
         if e_round is None or e is None or not math.isfinite(e) or e > 2 * e_round + r.tol:
-            return self._explained_by_dtype(i, r, kind, what)
+            return self._explained_by_dtype(i, r, kind, what, low)
         whose = "a copy of B in A's dtype (A is a record)" if stand else "A's own"
         r.note = (
-            f"{what} not stable across dtypes here: rounding its inputs to {str(self.low)[6:]} "
+            f"{what} not stable across dtypes here: rounding its inputs to {str(low)[6:]} "
             f"moves {whose} {what} by {e_round:.1e} (e.g. max-pooling ties, cancellation), so "
             f"its local error {e:.1e} is not a fault"
         )
         return None
 
-    def _explained_by_dtype(self, i: int, r: CompareRow, kind: str, what: str) -> str | None:
+    def _explained_by_dtype(
+        self, i: int, r: CompareRow, kind: str, what: str, dtype: torch.dtype
+    ) -> str | None:
         """A local error that A's own module shows too when it computes in B's dtype (a copy of
         A in that dtype, or under B's autocast, replayed on A's values the same way) comes from
         the dtype (an ill-conditioned computation: batch norm over two values, cancellation),
@@ -813,7 +836,7 @@ class _Job:
         module (in B's dtype) against that copy, both on A's values."""
         if self.rep_stand is not None and self.rep_b is not None:
             return self._explained_by_stand_in(i, r, kind, what)
-        low = self._low_replay()
+        low = self._low_replay(dtype)
         if low is None:
             return kind
         ca = self.ra.calls[i]
@@ -914,23 +937,37 @@ class _Job:
         )
         return self._ill_conditioned(r, kind, what, e_low, e, stand)
 
-    def _low_replay(self) -> Replay | None:
+    def _low_replay(self, dtype: torch.dtype) -> Replay | None:
         """A's modules computing in B's dtype (each copied when first replayed, :class:`CopiesIn`;
-        or A's own under B's autocast), made once."""
-        if self._low is not None or self.ra.modules is None or self.rb is None:
-            return self._low
+        or A's own under B's autocast), made once; for a call that computed in a lower dtype
+        than B's model (``dtype``: a mixed-precision B), A's modules copied in that dtype."""
+        if self.ra.modules is None or self.rb is None:
+            return None
         ra, rb = self.ra, self.rb
-        if rb.autocast is not None:
-            mods = ra.modules
+        own = dtype in (self.low, rb.run_dtype)
+        if own and self._low is not None:
+            return self._low
+        if not own and dtype in self._lows_replays:
+            return self._lows_replays[dtype]
+        if rb.autocast is not None and own:
+            mods: Any = ra.modules
         else:
-            root = ra.modules.get("")
-            if root is None:
+            if ra.modules.get("") is None:
                 return None
-            mods = CopiesIn(ra.modules, rb.dtype)
-        self._low = Replay(
-            mods, ra, rb, lambda n: n, rb.dtype if rb.autocast is None else ra.dtype, rb.autocast
+            mods = CopiesIn(ra.modules, rb.dtype if own else dtype)
+        made = Replay(
+            mods,
+            ra,
+            rb,
+            lambda n: n,
+            (rb.dtype if own else dtype) if rb.autocast is None or not own else ra.dtype,
+            rb.autocast if own else None,
         )
-        return self._low
+        if own:
+            self._low = made
+        else:
+            self._lows_replays[dtype] = made
+        return made
 
 
 _ERRORS = (

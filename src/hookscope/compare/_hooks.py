@@ -338,7 +338,11 @@ class CallHooks:
                 n[0] += 1
                 return copy(t)
 
-            self.sink.put(f"out{pos}", map_tensors(keep, output))
+            # kept in memory: the objects among the output (a ``Box(h)``, a cache) copied as
+            # they are now, as the inputs' are (a caller changing them after the call, e.g.
+            # ``box.h = ...``, changed the recorded output)
+            other = object_copier(copy, where=name) if self.objects else None
+            self.sink.put(f"out{pos}", map_tensors(keep, output, other))
             e.n_out = n[0]
         if output is None or not e.n_out:
             return None
