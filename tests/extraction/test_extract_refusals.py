@@ -4,6 +4,7 @@ holding another run (naming the setting that changed)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,3 +82,43 @@ def test_a_folder_holding_another_run_is_refused_naming_what_changed(tmp_path):
         net[0].weight.add_(1.0)
     with pytest.raises(hs.ExtractError, match=r"its model weights differ"):
         hs.extract(net, data, ["0"], tmp_path / "out", batch_size=4, progress=False)
+
+
+class _Spectrum(nn.Module):
+    """A layer giving complex values (an FFT of a linear layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.fft.fft(self.lin(x), dim=-1)
+
+
+class _SpectralNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f, self.o = _Spectrum(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.o(self.f(x).real)
+
+
+def test_complex_features_keep_their_imaginary_part_or_are_refused_by_name(tmp_path):
+    """dtype=torch.float32 on a complex layer saved its real part only (silently), float16 with a
+    PyTorch warning: float32 now saves complex64, float16 (no complex float16 in numpy) is refused
+    naming the layer and the choices, and writes no feature file."""
+    torch.manual_seed(0)
+    model = _SpectralNet()
+    data = [torch.randn(8) for _ in range(6)]
+    with torch.no_grad():
+        want = model.f(torch.stack(data)).numpy()
+    for dtype in (None, torch.float32):
+        feats = hs.extract(model, data, ["f"], tmp_path / str(dtype), dtype=dtype, batch_size=4,
+                           progress=False)  # fmt: skip
+        got = np.asarray(feats["f"])
+        assert got.dtype == np.complex64
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(hs.ExtractError, match=r"layer 'f' gives complex64 .*dtype=torch\.float32"):
+        hs.extract(model, data, ["f"], tmp_path / "half", dtype=torch.float16, progress=False)
+    assert not any(p.is_file() for p in (tmp_path / "half").rglob("*"))

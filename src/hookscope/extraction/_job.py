@@ -168,6 +168,26 @@ _FIELDS = {
 _SHOWN = ("model", "layers", "pool", "dtype", "count", "batch_size")
 
 
+def _saved_as(layer: str, got: torch.dtype, want: torch.dtype) -> torch.dtype:
+    """The dtype a layer's features are saved in for ``dtype=want``: ``want``, or, for a layer
+    whose values are complex (an FFT), the complex dtype of ``want``'s precision (a cast to a
+    real dtype drops the imaginary part: float32 asked, complex64 saved); numpy has no complex
+    float16, so ``want=torch.float16`` is refused there, naming the layer and the choices."""
+    if not got.is_complex:
+        return want
+    if want == torch.float64:
+        return torch.complex128
+    if want == torch.float32:
+        return torch.complex64
+    raise ExtractError(
+        f"extract: layer {layer!r} gives {str(got).removeprefix('torch.')} values, and "
+        f"dtype={want} would drop their imaginary part (numpy has no complex "
+        f"{str(want).removeprefix('torch.')}); pass "
+        "dtype=torch.float32 (saved as complex64) or dtype=None, or a pool that makes them real "
+        "(pool=lambda t, name: t.abs())"
+    )
+
+
 def fingerprint_changes(before: Any, now: dict[str, Any]) -> str:
     """What differs between an earlier run's fingerprint fields and this run's, for a message:
     ``"dtype (float16 there, float32 here) and batch size (64 there, 32 here)"``.
@@ -448,7 +468,11 @@ class Job:
             probed, ref = self._probe(runner)
         want = self.options.dtype
         dtypes = {
-            k: (want if want is not None else (torch.float32 if d == torch.bfloat16 else d))
+            k: (
+                _saved_as(k, d, want)
+                if want is not None
+                else (torch.float32 if d == torch.bfloat16 else d)
+            )
             for k, (_, d) in probed.items()
         }
         names = self.names
