@@ -444,3 +444,35 @@ def test_statistics_of_large_finite_values_are_exact_not_inf():
     assert rec.layers["0"]["std"] == pytest.approx(ref_std, rel=1e-5)
     assert rec.layers["0"]["nonfinite"] == 0.0
     assert rec.params["2.weight"]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+
+
+class _Spectrum(nn.Module):
+    def forward(self, x):
+        return torch.fft.fft(x, dim=-1)
+
+
+class _Parts(nn.Module):
+    def forward(self, z):
+        return z.real + z.imag
+
+
+def test_a_layer_giving_complex_values_has_the_statistics_of_their_parts():
+    """An FFT layer's output (complex) had no row at all, silently: its statistics are now those
+    of its real and imaginary parts (``view_as_real``), activations and gradient, as computed by
+    hand."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), _Spectrum(), _Parts(), nn.Linear(8, 2))
+    x = torch.randn(16, 4)
+    with hs.Monitor(net, alerts="off") as mon:
+        net(x).pow(2).mean().backward()
+        rec = mon.step()
+    assert list(rec.layers) == ["0", "1", "2", "3"]
+    h = net[0](x).detach()
+    z = torch.fft.fft(h, dim=-1).requires_grad_()
+    net[3](net[2](z)).pow(2).mean().backward()
+    parts, gparts = torch.view_as_real(z.detach()), torch.view_as_real(z.grad)
+    got = rec.layers["1"]
+    for k, v in act_expect(parts).items():
+        assert close(got[k], v), (k, got[k], v)
+    assert close(got["grad_norm"], gparts.norm().item())
+    assert close(got["grad_absmax"], gparts.abs().max().item())

@@ -47,6 +47,20 @@ def _first_float(output: Any) -> torch.Tensor | None:
     return next((t for _, t in iter_tensors(output) if t.is_floating_point()), None)
 
 
+def _first_value(output: Any) -> torch.Tensor | None:
+    """The first floating or complex tensor of a layer's output: the one its statistics describe
+    (a layer giving complex values, an FFT, had none, silently)."""
+    return next(
+        (t for _, t in iter_tensors(output) if t.is_floating_point() or t.is_complex()), None
+    )
+
+
+def _parts(x: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts (``view_as_real``): its statistics are
+    those of the parts, each a value; a real one as it is."""
+    return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
+
+
 @dataclass(slots=True)
 class StepHooks:
     """What every hook of one logged step shares: the settings, the state it writes, the scope
@@ -84,7 +98,7 @@ class _GradStats:
 
     def __call__(self, g: torch.Tensor) -> None:
         self.hooks.note_scale()
-        stats = grad_stats(g if type(g) is torch.Tensor else local(g))
+        stats = grad_stats(_parts(g if type(g) is torch.Tensor else local(g)))
         self.hooks.state.grads.setdefault(self.key, []).append(stats)
 
 
@@ -109,7 +123,7 @@ class LayerHook(_Hook):
         if in_backward():  # activation checkpointing re-running forward
             self._recompute(output)
             return
-        t = _first_float(output)
+        t = _first_value(output)
         if t is None:
             return
         state, name = h.state, self.name
@@ -119,7 +133,7 @@ class LayerHook(_Hook):
         if h.layouts is not None:  # tensor parallel: sharded or replicated output
             state.kinds[key] = h.layouts.kind(name, module, args, t)
         if h.acts:
-            x = t if type(t) is torch.Tensor else local(t)  # DTensor: this rank's shard
+            x = _parts(t if type(t) is torch.Tensor else local(t))  # DTensor: this rank's shard
             v, hist = act_stats(x, self.bounds, h.margin, h.bins, h.scratch)
             state.acts.setdefault(key, []).append((x.numel(), v, hist))
         if h.grads and t.requires_grad:
@@ -135,7 +149,7 @@ class LayerHook(_Hook):
             return
         key = h.recomputes.claim(self.name, output)
         if key is not None:
-            t = _first_float(output)
+            t = _first_value(output)
             if t is not None and t.requires_grad:
                 h.scope.add_activation_grad_hook(t, _GradStats(h, key), layer=self.name)
 
