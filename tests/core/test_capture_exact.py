@@ -147,3 +147,53 @@ def test_multi_layer_cam_reads_activations_as_returned():
     torch.testing.assert_close(got, ref)
     single = hs.EigenCAM(b, ["bn"])(x)
     assert not torch.allclose(single, ref)  # both layers count: the test is not vacuous
+
+
+class _Box:
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
+class _Boxing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> _Box:
+        return _Box(self.lin(x))
+
+
+class _Emptying(nn.Module):
+    """Reads ``enc``'s box, then empties it (``box.h = zeros``) and scales the tensor it held
+    in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.out = _Boxing(), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        box = self.enc(x)
+        h = box.h
+        y = self.out(h)
+        box.h = torch.zeros_like(h)
+        with torch.no_grad():
+            h.mul_(2)
+        return y
+
+
+def test_an_object_a_layer_returns_is_captured_as_it_was_when_the_layer_returned():
+    """A layer returning ``Box(h)``: the capture kept the model's own object, which the model
+    emptied afterwards, and read zeros. Objects among a value are copied (their tensors kept as
+    the others: cloned, or in zero-copy mode the model's own, version-checked)."""
+    torch.manual_seed(0)
+    m, x = _Emptying(), torch.randn(2, 4)
+    with torch.no_grad():
+        want = m.enc.lin(x)
+    with hs.capture(m, ["enc"]) as cap:
+        m(x)
+    assert torch.equal(cap["enc"].h, want)
+    with hs.capture(m, ["enc"], clone=False) as cap:
+        m(x)
+    with pytest.warns(hs.InPlaceModifiedWarning):
+        got = cap["enc"].h  # the model's own tensor, changed in place since: said
+    assert torch.equal(got, want * 2)

@@ -20,9 +20,7 @@ module call is what ``benchmarks/bench_compare.py`` measures (``hs.record`` agai
 
 from __future__ import annotations
 
-import copy as _copy
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,82 +28,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._errors import HookscopeWarning
-from ..core._nested import SCALARS, map_tensors, tensors_of
+from ..core._nested import map_tensors, object_copier, tensors_of
 from ..core._recompute import Recomputes
 from ..core._scope import HookScope, _Hook, acts_here, get_ident, graph_task_id, thread_checked
 
-__all__ = ["CallHooks", "Entry", "object_copier"]
-
-
-class _Uncopyable(Exception):
-    pass
-
-
-def object_copier(
-    tensor: Callable[[torch.Tensor], torch.Tensor] | None = None, where: str = ""
-) -> Callable[[Any], Any]:
-    """``other`` for :func:`~hookscope.core._nested.map_tensors`: each object among a value that
-    is no tensor, number or string (a cache passed to a call) copied, so that a forward growing
-    it changes neither the value kept of it nor the kept value a replay hands a module. Objects
-    are copied through their attributes, containers item by item, each tensor inside by
-    ``tensor`` (default: a detached clone; autograd's non-leaf tensors cannot be deep-copied);
-    the same object twice in one value stays one copy. Modules, classes and functions are kept
-    as they are; an object that cannot be copied is kept too, with a warning naming ``where``."""
-    memo: dict[int, Any] = {}
-    fn = tensor or (lambda t: t.detach().clone())
-
-    def walk(obj: Any, depth: int) -> Any:
-        cls = obj.__class__
-        if cls in SCALARS:
-            return obj
-        got = memo.get(id(obj))
-        if got is not None:
-            return got
-        if isinstance(obj, torch.Tensor):
-            new: Any = fn(obj)
-        elif isinstance(obj, (nn.Module, type)) or callable(obj):
-            return obj
-        elif depth == 0:
-            raise _Uncopyable(cls.__name__)
-        elif cls in (list, tuple):
-            new = cls(walk(v, depth - 1) for v in obj)
-        elif cls is dict:
-            new = {k: walk(v, depth - 1) for k, v in obj.items()}
-        elif isinstance(getattr(obj, "__dict__", None), dict):
-            try:
-                new = _copy.copy(obj)
-            except Exception:
-                raise _Uncopyable(cls.__name__) from None
-            if new is obj:  # immutable by its own account (an enum member)
-                return obj
-            memo[id(obj)] = new
-            for k, v in obj.__dict__.items():
-                new.__dict__[k] = walk(v, depth - 1)
-        else:
-            try:
-                new = _copy.deepcopy(obj)
-            except Exception:
-                raise _Uncopyable(cls.__name__) from None
-        memo[id(obj)] = new
-        return new
-
-    def copy_object(obj: Any) -> Any:
-        if obj.__class__ in SCALARS:
-            return obj
-        try:
-            return walk(obj, 12)
-        except _Uncopyable as exc:
-            warnings.warn(
-                f"hs.compare: cannot copy a {type(obj).__name__} among the values of "
-                f"{where or 'a module call'} (it holds a {exc}); it is kept as it is, so a "
-                "forward that changes it changes the recorded value too",
-                HookscopeWarning,
-                stacklevel=2,
-            )
-            return obj
-
-    return copy_object
+__all__ = ["CallHooks", "Entry"]
 
 
 class Entry:

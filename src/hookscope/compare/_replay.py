@@ -35,8 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..core._compiled import named_modules, strip_compiled
-from ..core._nested import iter_tensors, map_tensors, tensors_of
-from ._hooks import object_copier
+from ..core._nested import iter_tensors, map_tensors, object_copier, tensors_of
 from ._run import CallRec, RunRecord, restore_aliases
 from ._store import ValueStore
 from ._tolerance import Norms, continuous, narrowed, rel_pairs

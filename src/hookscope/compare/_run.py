@@ -21,10 +21,10 @@ import torch.nn as nn
 from ..core._buffers import ParamVersions, state_kept
 from ..core._compiled import compiled_regions, is_optimized, named_modules, named_parameters
 from ..core._errors import HookscopeError, some_names
-from ..core._nested import map_tensors, tensors_of
+from ..core._nested import map_tensors, object_copier, tensors_of
 from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model
-from ._hooks import CallHooks, object_copier
+from ._hooks import CallHooks
 from ._store import ValueStore
 from ._tolerance import narrowed
 

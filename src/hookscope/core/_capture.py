@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from ._call import Call, Inputs, _GradSlots, _nograd_reason
 from ._errors import LayerNotFoundError, LayerNotRunError
-from ._nested import iter_tensors, map_tensors
+from ._nested import iter_tensors, map_tensors, object_copier
 from ._recompute import REENTRANT_HINT, Recomputes
 from ._scope import (
     HookScope,
@@ -118,7 +118,10 @@ class _Recorder:
 
         if value.__class__ is torch.Tensor:
             return one(value)
-        return map_tensors(one, value)
+        # the objects among the value (a ``Box(h)`` a module returns) copied, their tensors kept
+        # as the others: the model changing such an object after the call (``box.h = ...``)
+        # changed the captured value
+        return map_tensors(one, value, object_copier(one, who="hookscope"))
 
     def new_call(self, name: str) -> Call:
         counter = self.counts.get(name)

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+import torch.nn as nn
+
+from ._errors import HookscopeWarning
 
 __all__ = [
     "SCALARS",
@@ -25,6 +29,7 @@ __all__ = [
     "format_shapes",
     "iter_tensors",
     "map_tensors",
+    "object_copier",
     "replace_first",
     "shapes",
     "tensors_of",
@@ -262,3 +267,85 @@ def format_shapes(s: Shapes) -> str:
     if isinstance(s, list):
         return "[" + ", ".join(map(str, s)) + "]"
     return ", ".join(f"{k}:[{', '.join(map(str, v))}]" for k, v in s.items()) or "-"
+
+
+class _Uncopyable(Exception):
+    pass
+
+
+def object_copier(
+    tensor: Callable[[torch.Tensor], Any] | None = None,
+    where: str = "",
+    who: str = "hs.compare",
+) -> Callable[[Any], Any]:
+    """``other`` for :func:`~hookscope.core._nested.map_tensors`: each object among a value that
+    is no tensor, number or string (a cache passed to a call) copied, so that a forward growing
+    it changes neither the value kept of it nor the kept value a replay hands a module. Objects
+    are copied through their attributes, containers item by item, each tensor inside by
+    ``tensor`` (default: a detached clone; autograd's non-leaf tensors cannot be deep-copied);
+    the same object twice in one value stays one copy. Modules, classes and functions are kept
+    as they are; an object that cannot be copied is kept too, with a warning naming ``where``
+    (``who``: the product saying it).
+
+    >>> class Box:
+    ...     def __init__(self, h): self.h = h
+    >>> box = Box(torch.zeros(1))
+    >>> kept = map_tensors(lambda t: t.clone(), (box,), object_copier())
+    >>> box.h = torch.ones(1)
+    >>> kept[0].h.tolist(), kept[0] is box
+    ([0.0], False)
+    """
+    memo: dict[int, Any] = {}
+    fn = tensor or (lambda t: t.detach().clone())
+
+    def walk(obj: Any, depth: int) -> Any:
+        cls = obj.__class__
+        if cls in SCALARS:
+            return obj
+        got = memo.get(id(obj))
+        if got is not None:
+            return got
+        if isinstance(obj, torch.Tensor):
+            new: Any = fn(obj)
+        elif isinstance(obj, (nn.Module, type)) or callable(obj):
+            return obj
+        elif depth == 0:
+            raise _Uncopyable(cls.__name__)
+        elif cls in (list, tuple):
+            new = cls(walk(v, depth - 1) for v in obj)
+        elif cls is dict:
+            new = {k: walk(v, depth - 1) for k, v in obj.items()}
+        elif isinstance(getattr(obj, "__dict__", None), dict):
+            try:
+                new = copy.copy(obj)
+            except Exception:
+                raise _Uncopyable(cls.__name__) from None
+            if new is obj:  # immutable by its own account (an enum member)
+                return obj
+            memo[id(obj)] = new
+            for k, v in obj.__dict__.items():
+                new.__dict__[k] = walk(v, depth - 1)
+        else:
+            try:
+                new = copy.deepcopy(obj)
+            except Exception:
+                raise _Uncopyable(cls.__name__) from None
+        memo[id(obj)] = new
+        return new
+
+    def copy_object(obj: Any) -> Any:
+        if obj.__class__ in SCALARS:
+            return obj
+        try:
+            return walk(obj, 12)
+        except _Uncopyable as exc:
+            warnings.warn(
+                f"{who}: cannot copy a {type(obj).__name__} among the values of "
+                f"{where or 'a module call'} (it holds a {exc}); it is kept as it is, so a "
+                "forward that changes it changes the recorded value too",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+            return obj
+
+    return copy_object
