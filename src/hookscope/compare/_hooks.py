@@ -30,7 +30,15 @@ import torch.nn as nn
 
 from ..core._nested import map_tensors, object_copier, tensors_of
 from ..core._recompute import Recomputes
-from ..core._scope import HookScope, _Hook, acts_here, get_ident, graph_task_id, thread_checked
+from ..core._scope import (
+    HookScope,
+    _Hook,
+    acts_here,
+    get_ident,
+    graph_task_id,
+    quiet,
+    thread_checked,
+)
 
 __all__ = ["CallHooks", "Entry"]
 
@@ -450,6 +458,8 @@ class _Pre(_Hook):
             if hooks.stack and self.name not in hooks.elsewhere:
                 hooks.elsewhere[self.name] = threading.current_thread().name
             return None
+        if quiet(self.scope_id):  # a product's own run of the model
+            return None
         if graph_task_id() != -1:  # activation checkpointing re-running forward in backward
             return self.hooks.recompute(self.name, (args, kwargs), True)
         return self.hooks.start(self.name, module, args, kwargs)
@@ -465,6 +475,8 @@ class _Post(_Hook):
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            return None
+        if quiet(self.scope_id):  # a product's own run of the model
             return None
         if graph_task_id() != -1:
             return self.hooks.recompute(self.name, output, False)
@@ -484,6 +496,8 @@ class _Count(_Hook):
     def __call__(self, module: nn.Module, args: Any) -> None:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return
+        if quiet(self.scope_id):  # a product's own run of the model
+            return None
         if graph_task_id() == -1:
             self.hooks.model_calls += 1
 

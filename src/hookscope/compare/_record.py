@@ -45,6 +45,7 @@ from ..core._scope import (
     check_model,
     get_ident,
     graph_task_id,
+    quiet,
     thread_checked,
 )
 from ..core._select import resolve
@@ -156,7 +157,7 @@ class Record:
             self._spool.path.unlink(missing_ok=True)
             raise
         params = {id(p): (n, p) for n, p in named_parameters(model) if p.requires_grad}
-        self._watch.outside = _Outside(params)
+        self._watch.outside = _Outside(params, self._scope.id)
         # the walk of a loss's graph stops at any value a module call handed on, too (a loss on
         # an activation a module kept reaches the parameters through the calls' own gradients)
         self._hooks.nodes = self._watch.outside.handed
@@ -314,9 +315,10 @@ class _Outside(TorchFunctionMode):
     holds that use besides the model's: compared with a live model's, it would read as a
     fault of each module owning one."""
 
-    def __init__(self, params: dict[int, tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, params: dict[int, tuple[str, torch.Tensor]], scope_id: int) -> None:
         super().__init__()
         self.params = params
+        self.scope_id = scope_id  # the record's scope (see quiet)
         self.used: set[str] = set()
         self.ends: set[Any] = set()  # the autograd nodes of the model's outputs
         self.handed: dict[Any, int] = {}  # those of the values calls handed on -> the call
@@ -362,6 +364,8 @@ class _Outside(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if quiet(self.scope_id):  # a product's own run of the model inside the block
+            return func(*args, **kwargs)
         if func in _BACKWARDS:  # (its arguments are roots and inputs, not uses)
             self._walk((args, kwargs))
             return func(*args, **kwargs)
@@ -487,6 +491,8 @@ class _RootPre(_Hook):
             self.watch.foreign.add(threading.current_thread().name)
             self.watch.foreign_grad |= torch.is_grad_enabled()
             return
+        if quiet(self.scope_id):  # a product's own run of the model
+            return None
         if graph_task_id() == -1:  # not a checkpoint's recompute in backward
             self.watch.start((args, kwargs))
 
@@ -502,6 +508,8 @@ class _RootPost(_Hook):
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return
+        if quiet(self.scope_id):  # a product's own run of the model
+            return None
         if graph_task_id() == -1:
             self.watch.end(output)
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ._compiled import named_parameters
 from ._errors import HookscopeWarning
+from ._scope import internal_run
 
 __all__ = [
     "INTERNALS",
@@ -324,7 +325,9 @@ def state_kept(model: nn.Module) -> Iterator[ParamVersions]:
     attributes = Attributes(model)
     versions = ParamVersions(model)
     try:
-        with buffers_kept(model):
+        # a run that leaves no trace on the model leaves none in the scopes watching it either
+        # (a capture or a monitor open around it: see internal_run)
+        with buffers_kept(model), internal_run():
             yield versions
     finally:
         attributes.restore()

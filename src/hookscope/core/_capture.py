@@ -22,6 +22,7 @@ from ._scope import (
     graph_task_id,
     identity_views,
     in_backward,
+    quiet,
     thread_checked,
     warn_once,
 )
@@ -196,6 +197,8 @@ class _OutputHook(_Hook):
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return None  # another thread's call (see acts_here)
+        if quiet(self.scope_id):  # a product's own run of the model
+            return None
         if (
             graph_task_id() != -1
         ):  # activation checkpointing re-running forward (docs/pitfalls.md §27)

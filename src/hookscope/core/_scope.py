@@ -21,12 +21,14 @@ attached by its own thread's forward, and a parameter is shared by every thread 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import threading
 import warnings
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -52,8 +54,10 @@ __all__ = [
     "get_ident",
     "graph_task_id",
     "in_backward",
+    "internal_run",
     "locate_errors",
     "note_exception",
+    "quiet",
     "thread_checked",
 ]
 
@@ -62,6 +66,60 @@ get_ident: Callable[[], int] = threading.get_ident
 """The calling thread's id (a C function: what a hot hook compares with its ``thread``)."""
 
 _verdicts = threading.local()  # per thread: {opening thread id: whether this thread acts for it}
+
+# owners of the scopes that watch a model's runs (they keep or count what runs through it):
+# a product's own runs of the model (internal_run) are not theirs
+WATCHING = frozenset(
+    {
+        "capture",
+        "monitor",
+        "monitor.sentinel",
+        "record",
+        "observe",
+        "tensor_grads",
+        "memory_profile",
+        "trace",
+    }
+)
+_LIVE: weakref.WeakSet[HookScope] = weakref.WeakSet()  # every scope made (those active: watched)
+
+
+class _Quiet(threading.local):
+    ids: frozenset[int] = frozenset()  # this thread's: the watching scopes sitting its run out
+
+
+_QUIET = _Quiet()
+_RUNS = [0]  # internal runs under way, in any thread (the hooks' fast check)
+_RUNS_LOCK = threading.Lock()
+
+
+def quiet(scope_id: int) -> bool:
+    """Whether a hook of scope ``scope_id`` sits this call out: the scope watches the model (a
+    capture, a monitor, a record) and this thread is in a product's own run of it
+    (:func:`internal_run`). One list read when no such run is under way."""
+    return bool(_RUNS[0]) and scope_id in _QUIET.ids
+
+
+@contextlib.contextmanager
+def internal_run() -> Iterator[None]:
+    """A product running the model for its own work (``hs.compare``'s runs and replays, a
+    summary's forward, a CAM's, ``find_nonfinite``'s: those that leave no trace on it,
+    :func:`~._buffers.state_kept`): the watching scopes active now (:data:`WATCHING`) do not
+    see it, in this thread, until it ends. A capture or a monitor open around
+    ``hs.compare(model, ...)`` kept compare's runs as the model's own (a monitor's step
+    statistics were those of compare's inputs; ``cap[name]`` its last run's output)."""
+    before = _QUIET.ids
+    with _RUNS_LOCK:
+        mine = {s.id for s in list(_LIVE) if s.active and s.owner in WATCHING}
+    _QUIET.ids = before | frozenset(mine)
+    with _RUNS_LOCK:
+        _RUNS[0] += 1
+    try:
+        yield
+    finally:
+        with _RUNS_LOCK:
+            _RUNS[0] -= 1
+        _QUIET.ids = before
 
 
 def _parallel_apply_frame(frame: Any) -> Any:
@@ -155,6 +213,8 @@ class _Hook:
     def __call__(self, *args: Any) -> Any:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return None
+        if _RUNS[0] and self.scope_id in _QUIET.ids:
+            return None
         return self.fn(*args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
@@ -172,6 +232,8 @@ def _thread_checked(call: Callable[..., Any]) -> Callable[..., Any]:
 
     def checked(self: _Hook, *args: Any) -> Any:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            return None
+        if _RUNS[0] and self.scope_id in _QUIET.ids:
             return None
         return call(self, *args)
 
@@ -199,6 +261,8 @@ class _GradHook(_Hook):
     @thread_checked
     def __call__(self, *args: Any) -> Any:
         if args[0] is None:
+            return None
+        if _RUNS[0] and self.scope_id in _QUIET.ids:  # a product's own run of the model
             return None
         return self.fn(*args)
 
@@ -377,6 +441,8 @@ class HookScope:
         self.owner = owner
         self.id = next(_scope_ids)
         self.active = True
+        with _RUNS_LOCK:
+            _LIVE.add(self)
         self.thread = get_ident()  # the thread whose calls the hooks act on (see acts_here)
         self.failed = False  # its `with` block is ending by an exception
         self._handles: list[RemovableHandle] = []

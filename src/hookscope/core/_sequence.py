@@ -46,7 +46,7 @@ import torch.nn as nn
 from ._compiled import strip_compiled
 from ._errors import HookscopeError
 from ._nested import first_tensor
-from ._scope import HookScope, _Hook, acts_here, get_ident, in_backward, thread_checked
+from ._scope import HookScope, _Hook, acts_here, get_ident, in_backward, quiet, thread_checked
 
 __all__ = ["SequenceError", "TokenSequence", "TokenTracker", "assemble"]
 
@@ -402,6 +402,8 @@ class _TrackerHook(_Hook):
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             if self.tracker.elsewhere is None:
                 self.tracker.elsewhere = threading.current_thread().name
+            return None
+        if quiet(self.scope_id):  # a product's own run of the model
             return None
         return self.tracker._pre(module, args, kwargs)
 

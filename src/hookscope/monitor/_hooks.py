@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from ..core._nested import iter_tensors
 from ..core._recompute import Recomputes
-from ..core._scope import HookScope, _Hook, acts_here, get_ident, in_backward, thread_checked
+from ..core._scope import HookScope, _Hook, acts_here, get_ident, in_backward, quiet, thread_checked
 from ..core._sharded import local
 from ._sharded import TPLayouts
 from ._stats import Scratch, Vec, act_stats, grad_stats
@@ -117,6 +117,8 @@ class LayerHook(_Hook):
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return None  # another thread's call (see acts_here)
+        if quiet(self.scope_id):  # a product's own run of the model
+            return None
         h = self.hooks
         if not h.gate[0]:  # paused
             return
@@ -187,6 +189,8 @@ class PassHook(_Hook):
     def __call__(self, module: nn.Module, args: Any) -> None:
         if get_ident() != self.thread and not acts_here(self.thread, self.kind):
             return None  # another thread's call (see acts_here)
+        if quiet(self.scope_id):  # a product's own run of the model
+            return None
         h = self.hooks
         if h.gate[0] and not in_backward():
             h.state.new_pass()

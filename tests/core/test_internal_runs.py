@@ -1,0 +1,104 @@
+"""A product's own runs of a model (hs.compare's runs and replays, a summary's forward, a CAM's,
+find_nonfinite's: those that leave no trace on it) are not seen by the scopes watching that model
+(a capture, a monitor, a record open around the call). Each of them kept those runs as the
+model's own: a monitor's step statistics were those of compare's inputs, ``cap[name]`` the
+output of compare's last run. A plain hook written by hand still sees every run (the reference
+of what ran)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+from hookscope.core._scope import internal_run, quiet
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _loss(o: torch.Tensor) -> torch.Tensor:
+    return o.float().pow(2).sum()
+
+
+def test_a_monitor_s_step_is_the_user_s_run_not_compare_s():
+    net, x, other = _net(), torch.randn(16, 4), 10 * torch.randn(16, 4)
+    seen: list[float] = []
+    handle = net[0].register_forward_hook(
+        lambda m, i, o: seen.append(float(o.detach().abs().max()))
+    )
+    try:
+        with hs.Monitor(net, alerts="off") as mon:
+            net(x).pow(2).mean().backward()
+            grads = {n: p.grad.clone() for n, p in net.named_parameters()}
+            hs.compare(net, copy.deepcopy(net).bfloat16(), other, loss_fn=_loss)
+            rec = mon.step()
+    finally:
+        handle.remove()
+    assert len(seen) > 1  # compare did run the model: the hand-written hook saw it
+    with torch.no_grad():
+        want = float(net[0](x).abs().max())
+    assert rec.layers["0"]["absmax"] == pytest.approx(want, rel=1e-6) and seen[0] == want
+    for n, p in net.named_parameters():
+        assert torch.equal(p.grad, grads[n])  # compare left .grad as found
+        assert rec.params[n]["grad_norm"] == pytest.approx(float(grads[n].norm()), rel=1e-6)
+
+
+def test_a_capture_holds_the_user_s_calls_only_around_a_summary_and_a_compare():
+    net, x = _net(), torch.randn(3, 4)
+    with hs.capture(net, ["0", "2"]) as cap:
+        out = net(x)
+        hs.summary(net, torch.randn(5, 4))
+        hs.compare(net, copy.deepcopy(net), torch.randn(7, 4), loss_fn=_loss)
+    assert [len(cap.calls(n)) for n in ("0", "2")] == [1, 1]
+    assert torch.equal(cap["2"], out.detach())
+    with torch.no_grad():
+        assert torch.equal(cap["0"], net[0](x))
+
+
+def test_a_record_around_a_summary_holds_the_user_s_run(tmp_path):
+    """A summary inside the record's block: its forward was a second model call (refused, the
+    record lost); the record now holds the user's run and compares exactly."""
+    net, x = _net(), torch.randn(3, 4)
+    with hs.record(net, tmp_path / "rec"):
+        _loss(net(x)).backward()
+        hs.summary(net, torch.randn(5, 4))
+    net.zero_grad(set_to_none=True)
+    report = hs.compare(str(tmp_path / "rec"), copy.deepcopy(net), x, loss_fn=_loss)
+    assert report.culprit is None
+    assert all(r.error == 0.0 and r.grad_error == 0.0 for r in report.rows), report
+
+
+def test_quiet_is_per_thread_and_only_for_watching_scopes_open_before():
+    """Another thread's capture keeps its calls during this thread's internal run; an editing
+    scope (hs.edit) still acts inside one."""
+    net, x = _net(), torch.randn(2, 4)
+    with hs.capture(net, ["0"]) as cap:
+        got: list[bool] = []
+        with internal_run():
+            scope_id = cap._scope.id
+            assert quiet(scope_id)
+            t = threading.Thread(target=lambda: got.append(quiet(scope_id)))
+            t.start()
+            t.join()
+            net(x)
+        assert got == [False] and not quiet(scope_id)
+        net(x)
+    assert len(cap.calls("0")) == 1
+    with hs.edit(net, {"2": lambda out: out * 0}), internal_run():
+        assert torch.equal(net(x), torch.zeros(2, 2))
+
+
+def test_a_trace_around_a_summary_holds_the_user_s_calls():
+    net, x = _net(), torch.randn(3, 4)
+    with hs.trace(net) as tr:
+        net(x)
+        hs.summary(net, torch.randn(5, 4))
+    plain = [e for e in tr.events if e.layer == "0"]
+    assert len(plain) == 1 and plain[0].output_shapes == [3, 8]
