@@ -102,3 +102,41 @@ def test_a_trace_around_a_summary_holds_the_user_s_calls():
         hs.summary(net, torch.randn(5, 4))
     plain = [e for e in tr.events if e.layer == "0"]
     assert len(plain) == 1 and plain[0].output_shapes == [3, 8]
+
+
+def test_a_capture_around_a_patching_sweep_a_steering_vector_or_an_extraction_keeps_the_user_s(
+    tmp_path,
+):
+    """patch_sweep, steering_vector and extract run the model many times for their own work: a
+    capture open around them kept every one of those runs (``cap[name]`` the last sweep row's)."""
+    from helpers.lm import tiny_gpt2, word_tokenizer
+
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.tensor([[3, 7, 20, 8, 11], [3, 9, 20, 10, 11]])
+    corrupt = torch.tensor([[3, 8, 20, 8, 11], [3, 10, 20, 10, 11]])
+
+    def metric(out):
+        return out.logits[:, -1, 7].mean()
+
+    seen: list[torch.Tensor] = []  # the reference: a plain hook on a plain run
+
+    def keep(m, i, o):
+        seen.append((o[0] if isinstance(o, tuple) else o).detach().clone())
+
+    handle = model.transformer.h[0].register_forward_hook(keep)
+    try:
+        model(ids)
+    finally:
+        handle.remove()
+    want = seen[0]
+    with hs.capture(model, ["transformer.h.0"]) as cap:
+        model(ids)
+        hs.patch_sweep(model, ids, corrupt, metric, ["transformer.h.0"])
+        hs.steering_vector(model, ["i love the cat"], ["i hate the cat"], "transformer.h.1",
+                           tokenizer=word_tokenizer("right"))  # fmt: skip
+        data = [torch.randn(4) for _ in range(3)]
+        hs.extract(_net(), data, ["0"], tmp_path / "feats", progress=False)
+    assert len(cap.calls("transformer.h.0")) == 1
+    got = cap["transformer.h.0"]
+    got = got[0] if isinstance(got, tuple) else got
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from ..core._scope import check_model
+from ..core._scope import check_model, runs_internally
 from ..core._select import resolve
 from ._featstore import ExtractError, Features, load_features
 from ._forward import Pool, np_dtype
@@ -29,6 +29,7 @@ from ._job import Job, Options, Source
 __all__ = ["extract"]
 
 
+@runs_internally
 def extract(
     model: nn.Module,
     data: Any,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from ..core._scope import HookScope
+from ..core._scope import HookScope, runs_internally
 from ._inputs import PatchingError, check_common, check_count
 from ._job import PatchMetric, SweepJob, check_calls, prepare, score
 from ._layer_sweep import LayerSweep
@@ -33,6 +33,7 @@ from ._sites import (
 __all__ = ["attribution_patch"]
 
 
+@runs_internally
 def attribution_patch(
     model: nn.Module,
     clean: Any,

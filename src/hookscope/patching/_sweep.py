@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..core._errors import HookscopeWarning
+from ..core._scope import runs_internally
 from ._cached_prefix import CausalPrefix, drop_cache, wants_cache
 from ._inputs import PatchingError, check_common, check_count
 from ._job import PatchMetric, SweepJob, prepare
@@ -27,6 +28,7 @@ from ._sites import (
 __all__ = ["PatchMetric", "patch_sweep"]
 
 
+@runs_internally
 def patch_sweep(
     model: nn.Module,
     clean: Any,

@@ -13,7 +13,7 @@ from ..core._compiled import named_modules, strip_compiled
 from ..core._errors import HookscopeError, LayerNotRunError
 from ..core._nested import first_tensor
 from ..core._random import draw_fix, draw_place, random_draws
-from ..core._scope import check_model, model_device
+from ..core._scope import check_model, model_device, runs_internally
 from ..core._select import resolve
 from ..core._signature import accepts
 
@@ -46,6 +46,7 @@ def _ids(prompts: Any, tokenizer: Any, what: str) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
+@runs_internally
 def steering_vector(
     model: nn.Module,
     positive: Prompts,
