@@ -328,11 +328,11 @@ class _Job:
         low = self.low
         dts: set[torch.dtype] = set()
         for c, own in ((ca, params), (cb, module_b._parameters.values() if module_b else ())):
-            ins = c.input_dtypes
-            if ins.__class__ is list and (not ins or ins[0].__class__ is torch.dtype):
+            # the dtypes of the inputs where only those are kept (B's); A's inputs, kept whole,
+            # are the outputs of the calls before (their rows see those dtypes)
+            ins = c.in_dtypes
+            if ins:
                 dts.update(ins)
-            elif ins is not None:
-                dts.update(t.dtype for t in tensors_of(ins))
             out = c.output
             if out.__class__ is torch.Tensor:
                 dts.add(out.dtype)
