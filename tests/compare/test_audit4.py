@@ -127,3 +127,31 @@ def test_an_ill_conditioned_module_of_a_mixed_precision_copy_is_explained_as_in_
     with torch.no_grad():
         bad.l2.weight.mul_(1.1)
     assert hs.compare(a, bad, ids, loss_fn=_loss).culprit == "l2"
+
+
+def test_an_exact_copy_of_a_decoder_differs_by_exactly_zero_in_its_gradients_too(tmp_path):
+    """The fault suite's Llama (RMSNorm inside a residual stream): A's run handed each call
+    identity views of its inputs (for their gradients) and B's did not, so a tensor used inside
+    a call and outside it had its gradient summed in another order: 20 rows of an exact copy
+    differed by ~1e-7. B's run now gets the same views (no hooks): every error is exactly 0,
+    live or against a record."""
+    from helpers.faults import MODELS
+
+    a, inputs, kwargs, loss = MODELS["llama"]()
+    report = hs.compare(a, copy.deepcopy(a), *inputs, loss_fn=loss, **kwargs)
+    fields = ("error", "local_error", "grad_error", "local_grad_error", "param_grad_error")
+    for r in report.rows:
+        assert all(getattr(r, f) in (0.0, None) for f in fields), r
+    assert any(r.grad_error == 0.0 for r in report.rows)
+    with hs.record(a, tmp_path / "rec"):
+        loss(a(*inputs, **kwargs)).backward()
+    recorded = {n: p.grad.clone() for n, p in a.named_parameters()}
+    a.zero_grad(set_to_none=True)
+    again = hs.compare(str(tmp_path / "rec"), copy.deepcopy(a), *inputs, loss_fn=loss, **kwargs)
+    for r in again.rows:
+        assert all(getattr(r, f) in (0.0, None) for f in fields), r
+    # the record's own step: its gradients are a plain step's up to their summation order
+    loss(a(*inputs, **kwargs)).backward()
+    for n, p in a.named_parameters():
+        torch.testing.assert_close(recorded[n], p.grad, rtol=1e-5, atol=1e-7)
+    a.zero_grad(set_to_none=True)
