@@ -197,3 +197,48 @@ def test_an_object_a_layer_returns_is_captured_as_it_was_when_the_layer_returned
     with pytest.warns(hs.InPlaceModifiedWarning):
         got = cap["enc"].h  # the model's own tensor, changed in place since: said
     assert torch.equal(got, want * 2)
+
+
+def test_output_gradients_leave_the_step_bit_for_bit_and_input_gradients_as_pytorch_s_hooks_do():
+    """Output gradients (grads=True) leave the model's .grad bit for bit a plain step's; input
+    gradients (inputs=True too) come through identity views, as PyTorch's own
+    register_full_backward_hook does, and both leave a .grad equal to a plain step's up to its
+    last bits (a norm reading the residual stream twice: its gradient summed in another order)."""
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.fc = nn.RMSNorm(16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + self.fc(self.norm(x))
+
+    net = nn.Sequential(nn.Linear(8, 16), Block(), Block(), nn.Linear(16, 3))
+    x = torch.randn(4, 5, 8)
+    names = [n for n, _ in net.named_modules() if n]
+
+    def step() -> dict[str, torch.Tensor]:
+        net(x).logsumexp(-1).mean().backward()
+        out = {n: p.grad.clone() for n, p in net.named_parameters()}
+        net.zero_grad(set_to_none=True)
+        return out
+
+    plain = step()
+    with hs.capture(net, names, grads=True):
+        outputs_only = step()
+    assert all(torch.equal(outputs_only[n], plain[n]) for n in plain)
+    handles = [net.get_submodule(n).register_full_backward_hook(lambda *a: None) for n in names]
+    try:
+        with warnings.catch_warnings():  # (the first layer's input needs no gradient)
+            warnings.simplefilter("ignore", UserWarning)
+            pytorch_hooks = step()
+    finally:
+        for h in handles:
+            h.remove()
+    with hs.capture(net, names, grads=True, inputs=True):
+        with_inputs = step()
+    for n in plain:
+        torch.testing.assert_close(with_inputs[n], plain[n], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(pytorch_hooks[n], plain[n], rtol=1e-5, atol=1e-7)
+    assert sum(not torch.equal(pytorch_hooks[n], plain[n]) for n in plain) > 0
