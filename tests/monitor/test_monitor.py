@@ -476,3 +476,43 @@ def test_a_layer_giving_complex_values_has_the_statistics_of_their_parts():
         assert close(got[k], v), (k, got[k], v)
     assert close(got["grad_norm"], gparts.norm().item())
     assert close(got["grad_absmax"], gparts.abs().max().item())
+
+
+class _Box:
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
+class _Boxing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+
+    def forward(self, x):
+        return _Box(self.lin(x))
+
+
+class _Unbox(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.out = _Boxing(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.enc(x).h))
+
+
+def test_a_layer_returning_its_tensor_inside_an_object_has_its_statistics():
+    """``enc`` returns ``Box(h)``: it had no row (its output holds no tensor in a tuple, list,
+    dict or dataclass), silently; its statistics are now those of ``h``, activation and
+    gradient, as computed by hand."""
+    torch.manual_seed(0)
+    net, x = _Unbox(), torch.randn(16, 4)
+    with hs.Monitor(net, layers=["enc", "out"], alerts="off") as mon:
+        net(x).pow(2).mean().backward()
+        rec = mon.step()
+    assert "enc" in rec.layers
+    h = net.enc.lin(x).detach().requires_grad_()
+    net.out(torch.tanh(h)).pow(2).mean().backward()
+    for k, v in act_expect(h.detach()).items():
+        assert close(rec.layers["enc"][k], v), (k, rec.layers["enc"][k], v)
+    assert close(rec.layers["enc"]["grad_norm"], h.grad.norm().item())

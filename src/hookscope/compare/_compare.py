@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..core._compiled import compiled_regions, named_modules, named_parameters
 from ..core._errors import HookscopeWarning, some_names
-from ..core._nested import SCALARS, tensors_of
+from ..core._nested import SCALARS, hidden_tensors, tensors_of
 from ._checks import (
     check_arguments,
     check_hooks_ran,
@@ -47,7 +47,6 @@ from ._tolerance import (
     continuous,
     float_error,
     has_integers,
-    hidden_tensors,
     int_numbers,
     lower,
     reduction_size,

@@ -17,21 +17,17 @@ Figures: fp32 pairs with ``K = 64``: 1.6e-5 (fp32 eager against an fp32 copy dif
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn as nn
 
-from ..core._nested import SCALARS, iter_tensors
+from ..core._nested import iter_tensors
 
 __all__ = [
     "Lazy",
     "Norms",
     "continuous",
-    "hidden_tensors",
     "float_error",
     "has_integers",
     "lower",
@@ -74,61 +70,6 @@ def continuous(t: torch.Tensor) -> bool:
     (True, False)
     """
     return t.is_floating_point() or t.is_complex()
-
-
-def hidden_tensors(value: Any, depth: int = 12) -> tuple[list[torch.Tensor], list[str]]:
-    """The tensors held inside the objects among ``value`` (attributes of an instance that is
-    no tuple, list, dict or dataclass: a ``Box(h)`` a module returns, a cache), in attribute
-    order, and the classes of the outermost such objects: what the nested walk
-    (:func:`~hookscope.core._nested.tensors_of`) does not enter. Modules, classes and functions
-    are not entered; an object met twice counts once.
-
-    >>> class Box:
-    ...     def __init__(self, h): self.h = h
-    >>> ts, classes = hidden_tensors((torch.zeros(1), Box(torch.ones(2))))
-    >>> [t.tolist() for t in ts], classes
-    ([[1.0, 1.0]], ['Box'])
-    """
-    found: list[torch.Tensor] = []
-    classes: list[str] = []
-    seen: set[int] = set()
-
-    def walk(obj: Any, left: int, inside: bool) -> None:
-        cls = obj.__class__
-        if cls in SCALARS or left < 0:
-            return
-        if isinstance(obj, torch.Tensor):
-            if inside:
-                found.append(obj)
-            return
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v, left - 1, inside)
-        elif isinstance(obj, Mapping):
-            for v in obj.values():
-                walk(v, left - 1, inside)
-        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for f in dataclasses.fields(obj):
-                walk(getattr(obj, f.name, None), left - 1, inside)
-        elif isinstance(obj, (nn.Module, type)) or callable(obj):
-            return
-        else:
-            attrs = getattr(obj, "__dict__", None)
-            values = list(attrs.values()) if isinstance(attrs, dict) else []
-            for slot in getattr(cls, "__slots__", ()):
-                if isinstance(slot, str) and hasattr(obj, slot):
-                    values.append(getattr(obj, slot))
-            n = len(found)
-            for v in values:
-                walk(v, left - 1, True)
-            if len(found) > n and not inside:
-                classes.append(cls.__name__)
-
-    walk(value, depth, False)
-    return found, classes
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._nested import iter_tensors
+from ..core._nested import hidden_tensors, iter_tensors
 from ..core._recompute import Recomputes
 from ..core._scope import HookScope, _Hook, acts_here, get_ident, in_backward, quiet, thread_checked
 from ..core._sharded import local
@@ -49,10 +49,16 @@ def _first_float(output: Any) -> torch.Tensor | None:
 
 def _first_value(output: Any) -> torch.Tensor | None:
     """The first floating or complex tensor of a layer's output: the one its statistics describe
-    (a layer giving complex values, an FFT, had none, silently)."""
-    return next(
+    (a layer giving complex values, an FFT, had none, silently); where the output holds none in
+    tuples, lists, dicts or dataclasses, the first one inside an object it returns (a
+    ``Box(h)``: no row at all, silently, before)."""
+    got = next(
         (t for _, t in iter_tensors(output) if t.is_floating_point() or t.is_complex()), None
     )
+    if got is None and output is not None and output.__class__ is not torch.Tensor:
+        inside, _ = hidden_tensors(output)
+        got = next((t for t in inside if t.is_floating_point() or t.is_complex()), None)
+    return got
 
 
 def _parts(x: torch.Tensor) -> torch.Tensor:
