@@ -155,3 +155,40 @@ def test_an_exact_copy_of_a_decoder_differs_by_exactly_zero_in_its_gradients_too
     for n, p in a.named_parameters():
         torch.testing.assert_close(recorded[n], p.grad, rtol=1e-5, atol=1e-7)
     a.zero_grad(set_to_none=True)
+
+
+def test_outputs_of_another_structure_say_where_and_what_both_have():
+    """Eager attention returns its weights, SDPA ``None`` in their place: the attention's error
+    was ``inf`` with no word of why. The row now says which output one run has and the other
+    has not, and the error of the tensors both have (here the attention output, by hand)."""
+    import re
+
+    from helpers.lm import _build
+
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(1))
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)  # fmt: skip
+    a = _build("LlamaConfig", "LlamaForCausalLM", 0, attn="eager", **sizes)
+    b = _build("LlamaConfig", "LlamaForCausalLM", 0, attn="sdpa", **sizes)
+    b.load_state_dict(a.state_dict())
+
+    def loss(o):
+        return o.logits.float().logsumexp(-1).mean()
+
+    report = hs.compare(a, b, ids, loss_fn=loss, use_cache=False)
+    name = "model.layers.0.self_attn"
+    row = report.row(name)
+    assert row.error == float("inf") and "a returns tensors at [1] (None in the other)" in row.note
+    outs = []
+    for m in (a, b):
+        h = m.get_submodule(name).register_forward_hook(
+            lambda mod, i, o: outs.append(o[0].detach())
+        )
+        try:
+            with torch.no_grad():
+                m(ids, use_cache=False)
+        finally:
+            h.remove()
+    want = float((outs[1] - outs[0]).double().norm() / outs[0].double().norm())
+    said = float(re.search(r"both return differ by ([0-9.e+-]+)", row.note).group(1))
+    assert said == pytest.approx(want, rel=0.06, abs=1e-9)  # (the note shows 2 digits)

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..core._compiled import compiled_regions, named_modules, named_parameters
 from ..core._errors import HookscopeWarning, some_names
-from ..core._nested import SCALARS, hidden_tensors, tensors_of
+from ..core._nested import SCALARS, hidden_tensors, iter_tensors, tensors_of
 from ._checks import (
     check_arguments,
     check_hooks_ran,
@@ -37,6 +37,7 @@ from ._run import (
     RunSpec,
     _autocast,
     _device,
+    at_path,
     cast_like,
     preserved,
     record_run,
@@ -262,6 +263,9 @@ class _Job:
         r.error = norms.rel_error(ca.output, cb.output)
         if ca.output is not None and ca.output.__class__ is not torch.Tensor:
             self._hidden_error(r, ca.output, cb.output)
+            said = _other_structure(ca.output, cb.output)
+            if said:
+                r.note = f"{r.note}; {said}" if r.note else said
         if self.grads:
             ga, gb = ca.grad, cb.grad
             if ga is not None and gb is not None:
@@ -1032,6 +1036,41 @@ def _depth(rec: RunRecord, pos: int) -> int:
     while p is not None:
         d, p = d + 1, rec.calls[p].parent
     return d
+
+
+def _other_structure(a: Any, b: Any) -> str | None:
+    """Why two outputs of one call cannot be compared tensor by tensor (their error is
+    ``inf``), where the tensors of one sit where the other has none: which paths, what the
+    other has there, and the error of the tensors both have (an attention returning its weights
+    in one run and ``None`` in the other: eager against SDPA attention)."""
+    pa = dict(iter_tensors(a))
+    pb = dict(iter_tensors(b))
+    only_a = [p for p in pa if p not in pb]
+    only_b = [p for p in pb if p not in pa]
+    if not only_a and not only_b:
+        return None
+
+    def where(paths: list[Any], other: Any) -> str:
+        shown = []
+        for p in paths[:3]:
+            there = at_path(other, p)
+            what = "None" if there is None else type(there).__name__
+            shown.append(f"[{']['.join(map(str, p))}] ({what} in the other)")
+        return ", ".join(shown) + (" ..." if len(paths) > 3 else "")
+
+    parts = []
+    if only_a:
+        parts.append(f"a returns tensors at {where(only_a, b)}")
+    if only_b:
+        parts.append(f"b returns tensors at {where(only_b, a)}")
+    common = [(pa[p], pb[p]) for p in pa if p in pb]
+    err = rel_pairs(common) if common else None
+    both = f"; the tensors both return differ by {err:.1e}" if err is not None else ""
+    return (
+        f"its outputs differ in structure ({'; '.join(parts)}), so its errors are inf{both} "
+        "(an optional output one run gives and the other does not, such as attention weights "
+        "from eager attention and not from SDPA: make both return the same)"
+    )
 
 
 def _ancestors(rec: RunRecord, i: int) -> list[int]:
