@@ -140,3 +140,27 @@ def test_a_capture_around_a_patching_sweep_a_steering_vector_or_an_extraction_ke
     got = cap["transformer.h.0"]
     got = got[0] if isinstance(got, tuple) else got
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_products_called_inside_a_record_s_block_leave_its_parameter_uses_alone(tmp_path):
+    """A summary, a Grad-CAM, find_nonfinite or a compare inside a record's block read the
+    model's parameters with gradients on (counting them, running the model): the record noted
+    every parameter as used by the loss outside the model, and left their gradients out of the
+    comparison. Each product's whole call is now an internal run."""
+    import json
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    x = torch.randn(2, 3, 8, 8)
+    twin = copy.deepcopy(net)
+    with hs.record(net, tmp_path / "rec"):
+        _loss(net(x)).backward()
+        hs.summary(net, x)
+        hs.GradCAM(net, "0")(x, target=0)
+        hs.find_nonfinite(net, x)
+        hs.compare(net, twin, x, loss_fn=_loss)
+    assert json.loads((tmp_path / "rec" / "index.json").read_text()).get("outside") == []
+    net.zero_grad(set_to_none=True)
+    report = hs.compare(str(tmp_path / "rec"), twin, x, loss_fn=_loss)
+    assert report.culprit is None
+    assert [r.param_grad_error for r in report.rows if r.name in ("0", "3")] == [0.0, 0.0]

@@ -28,7 +28,7 @@ from ..core._compiled import named_modules
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import describe, first_tensor, replace_first
 from ..core._random import draw_fix, draw_place, random_draws
-from ..core._scope import HookScope, check_model, in_backward
+from ..core._scope import HookScope, check_model, in_backward, runs_internally
 from ..core._select import resolve
 from ._tokens import Reshape, to_grid
 
@@ -273,6 +273,7 @@ class CAM:
         return (w.view(*w.shape, *([1] * (a.ndim - 2))) * a).sum(dim=1)
 
     # -- the template -----------------------------------------------------------------------
+    @runs_internally
     def __call__(self, x: torch.Tensor, target: Target = None) -> torch.Tensor:
         """The maps of ``x`` for ``target`` (see :data:`Target`); the model is left as found."""
         batch_stats = _BatchStats(self.model)

@@ -18,6 +18,7 @@ import torch.nn as nn
 from ..core._compiled import compiled_regions, named_modules, named_parameters
 from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import SCALARS, hidden_tensors, iter_tensors, tensors_of
+from ..core._scope import runs_internally
 from ._checks import (
     check_arguments,
     check_hooks_ran,
@@ -1221,6 +1222,7 @@ def build_report(job: _Job) -> CompareReport:
     )
 
 
+@runs_internally
 def compare(
     a: Any,
     b: Any,

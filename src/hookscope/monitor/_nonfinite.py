@@ -30,7 +30,7 @@ from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning
 from ..core._nested import first_tensor, iter_tensors, map_tensors
 from ..core._recompute import in_reentrant_checkpoint
-from ..core._scope import HookScope, check_model, identity_views, in_backward
+from ..core._scope import HookScope, check_model, identity_views, in_backward, runs_internally
 from ..core._select import find
 from ..core._sharded import is_dtensor, local
 from ._stats import minmax
@@ -379,6 +379,7 @@ class _Tracker:
         return None, extra_vals
 
 
+@runs_internally
 def find_nonfinite(
     model: nn.Module,
     *inputs: Any,

@@ -26,6 +26,7 @@ from ..core._scope import (
     in_backward,
     model_device,
     note_exception,
+    runs_internally,
     thread_checked,
 )
 from ..core._sharded import fsdp1_found
@@ -217,6 +218,7 @@ def _eager(model: nn.Module) -> Any:
     return stance("force_eager")
 
 
+@runs_internally
 def summary(
     model: nn.Module,
     *inputs: Any,
