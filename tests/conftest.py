@@ -21,12 +21,22 @@ _LIVE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _orig_init = nn.Module.__init__
 
 
-def _tracking_init(self: nn.Module, *args, **kwargs) -> None:
-    _orig_init(self, *args, **kwargs)
+@torch._dynamo.disable
+def _track(module: nn.Module) -> None:
+    """Note a module (never compiled: a module a compiled forward builds, ``self.layers[:n]``,
+    ran this under Dynamo, which traced the set's insertion and, depending on what the set held,
+    failed with "already tracked for mutation")."""
     try:
-        _LIVE.add(self)
+        _LIVE.add(module)
     except TypeError:
         pass
+
+
+def _tracking_init(self: nn.Module, *args, **kwargs) -> None:
+    _orig_init(self, *args, **kwargs)
+    if torch.compiler.is_compiling():
+        return  # (a temporary module of a compiled forward: it holds no hook)
+    _track(self)
 
 
 nn.Module.__init__ = _tracking_init  # test-only instrumentation; the library never patches torch

@@ -28,7 +28,7 @@ from ..core._compiled import named_modules
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import describe, first_tensor, replace_first
 from ..core._random import draw_fix, draw_place, random_draws
-from ..core._scope import HookScope, check_model, in_backward, runs_internally
+from ..core._scope import HookScope, check_model, in_backward, internal_run
 from ..core._select import resolve
 from ._tokens import Reshape, to_grid
 
@@ -273,28 +273,28 @@ class CAM:
         return (w.view(*w.shape, *([1] * (a.ndim - 2))) * a).sum(dim=1)
 
     # -- the template -----------------------------------------------------------------------
-    @runs_internally
     def __call__(self, x: torch.Tensor, target: Target = None) -> torch.Tensor:
         """The maps of ``x`` for ``target`` (see :data:`Target`); the model is left as found."""
-        batch_stats = _BatchStats(self.model)
-        with state_kept(self.model), random_draws(self.model) as draws, batch_stats:
-            maps = self._maps(x, target)
-        if draws.drew:
-            where = draw_place(self.model, lambda: self.model(x), x)
-            raise CAMError(
-                f"{type(self).__name__}: the model draws random numbers{where}, so every call "
-                f"gives another map; {draw_fix(self.model)}"
-            )
-        if batch_stats.ran:
-            warnings.warn(
-                f"{type(self).__name__}: computed batch statistics in batch-norm layer(s) "
-                f"{some_names(batch_stats.ran)} (training mode), so each map depends on the other "
-                "samples of the batch (the running statistics were left as found); call "
-                "model.eval() first",
-                HookscopeWarning,
-                stacklevel=2,
-            )
-        return maps
+        with internal_run():  # a product's own run (see core._scope.internal_run)
+            batch_stats = _BatchStats(self.model)
+            with state_kept(self.model), random_draws(self.model) as draws, batch_stats:
+                maps = self._maps(x, target)
+            if draws.drew:
+                where = draw_place(self.model, lambda: self.model(x), x)
+                raise CAMError(
+                    f"{type(self).__name__}: the model draws random numbers{where}, so every call "
+                    f"gives another map; {draw_fix(self.model)}"
+                )
+            if batch_stats.ran:
+                warnings.warn(
+                    f"{type(self).__name__}: computed batch statistics in batch-norm layer(s) "
+                    f"{some_names(batch_stats.ran)} (training mode), so each map depends on the other "
+                    "samples of the batch (the running statistics were left as found); call "
+                    "model.eval() first",
+                    HookscopeWarning,
+                    stacklevel=2,
+                )
+            return maps
 
     def _maps(self, x: torch.Tensor, target: Target) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

@@ -18,7 +18,7 @@ import torch.nn as nn
 from ..core._compiled import compiled_regions, named_modules, named_parameters
 from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import SCALARS, hidden_tensors, iter_tensors, tensors_of
-from ..core._scope import runs_internally
+from ..core._scope import internal_run
 from ._checks import (
     check_arguments,
     check_hooks_ran,
@@ -1222,7 +1222,6 @@ def build_report(job: _Job) -> CompareReport:
     )
 
 
-@runs_internally
 def compare(
     a: Any,
     b: Any,
@@ -1311,64 +1310,67 @@ def compare(
         >>> hs.compare(a, copy.deepcopy(a), torch.randn(4, 8)).culprit is None
         True
     """
-    # a model wrapped in DistributedDataParallel or nn.DataParallel is its .module (the eager
-    # names, as hs.record writes them; the wrapper's own forward splits or syncs, it computes
-    # nothing): its "module." names would pair with none of the other model's
-    a, b = unwrapped(a), unwrapped(b)
-    with _YoungCollections() as collections:
-        # each run gets inputs of its own: a forward that changes what it is given (a cache it
-        # grows, a tensor it works on in place) changes neither the other run's nor the caller's
-        ia, ka = _own_inputs(inputs, kwargs)
-        ib, kb = _own_inputs(inputs, kwargs)
-        sa = RunSpec(a, ia, ka, loss_fn, None, "a", max_bytes)
-        # B's replays read A's inputs: of B's own, only their dtypes are kept
-        sb = RunSpec(b, ib, kb, loss_fn, autocast, "b", max_bytes, inputs=False)
-        given = dataclasses.replace(sb, args=inputs, kwargs=kwargs)  # the caller's own, to check
-        check_arguments(a, b, given, names, loss_reduction)
-        reduction = loss_reduction or "mean"
-        ra = _side(a, "a", sa, reduction)
-        collections.phase()
-        rb = _side(b, "b", sb, reduction)
-        collections.phase()
-        _check_records(ra, rb, given)
-        _check_moved(ra, b, _name_map(names))
-        if isinstance(a, nn.Module):
-            _check_moved(rb, a, lambda n: n)
-        _check_reduction(ra, rb, reduction)
-        if loss_fn is not None:
-            live = a if isinstance(a, nn.Module) else b if isinstance(b, nn.Module) else None
-            device = _device(live) if live is not None else torch.device("cpu")
-            for rec, what in ((ra, "a"), (rb, "b")):
-                if rec.modules is None:
-                    check_loss(rec, what, loss_fn, device)
-        check_names(names, ra, rb)
-        check_modes(ra, rb, names)
-        if isinstance(a, nn.Module) and isinstance(b, nn.Module):
-            check_kinds(a, b, _name_map(names))
-        if isinstance(b, nn.Module):
-            check_hooks_ran(ra, rb, b, inputs, kwargs, autocast, _name_map(names), "b")
-        if isinstance(a, nn.Module):  # (B's names back to A's)
-            to_b = _name_map(names)
-            table = {to_b(n): n for n in ra.modules or {}}
-            check_hooks_ran(rb, ra, a, inputs, kwargs, None, lambda n: table.get(n, n), "a")
-        if (
-            isinstance(a, (str, os.PathLike))
-            and isinstance(b, (str, os.PathLike))
-            and os.path.realpath(a) == os.path.realpath(b)
-        ):
-            warnings.warn(
-                f"hs.compare: a and b are the same record ({os.fspath(a)!r}): every error is 0 by "
-                "construction; give the record of the other run as b",
-                HookscopeWarning,
-                stacklevel=2,
-            )
-        job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
-        job.phase = collections.phase
-        with contextlib.ExitStack() as stack:
-            for m in (a, b):
-                if isinstance(m, nn.Module):
-                    stack.enter_context(preserved(m))
-            return build_report(job)
+    with internal_run():  # a product's own run (see core._scope.internal_run)
+        # a model wrapped in DistributedDataParallel or nn.DataParallel is its .module (the eager
+        # names, as hs.record writes them; the wrapper's own forward splits or syncs, it computes
+        # nothing): its "module." names would pair with none of the other model's
+        a, b = unwrapped(a), unwrapped(b)
+        with _YoungCollections() as collections:
+            # each run gets inputs of its own: a forward that changes what it is given (a cache it
+            # grows, a tensor it works on in place) changes neither the other run's nor the caller's
+            ia, ka = _own_inputs(inputs, kwargs)
+            ib, kb = _own_inputs(inputs, kwargs)
+            sa = RunSpec(a, ia, ka, loss_fn, None, "a", max_bytes)
+            # B's replays read A's inputs: of B's own, only their dtypes are kept
+            sb = RunSpec(b, ib, kb, loss_fn, autocast, "b", max_bytes, inputs=False)
+            given = dataclasses.replace(
+                sb, args=inputs, kwargs=kwargs
+            )  # the caller's own, to check
+            check_arguments(a, b, given, names, loss_reduction)
+            reduction = loss_reduction or "mean"
+            ra = _side(a, "a", sa, reduction)
+            collections.phase()
+            rb = _side(b, "b", sb, reduction)
+            collections.phase()
+            _check_records(ra, rb, given)
+            _check_moved(ra, b, _name_map(names))
+            if isinstance(a, nn.Module):
+                _check_moved(rb, a, lambda n: n)
+            _check_reduction(ra, rb, reduction)
+            if loss_fn is not None:
+                live = a if isinstance(a, nn.Module) else b if isinstance(b, nn.Module) else None
+                device = _device(live) if live is not None else torch.device("cpu")
+                for rec, what in ((ra, "a"), (rb, "b")):
+                    if rec.modules is None:
+                        check_loss(rec, what, loss_fn, device)
+            check_names(names, ra, rb)
+            check_modes(ra, rb, names)
+            if isinstance(a, nn.Module) and isinstance(b, nn.Module):
+                check_kinds(a, b, _name_map(names))
+            if isinstance(b, nn.Module):
+                check_hooks_ran(ra, rb, b, inputs, kwargs, autocast, _name_map(names), "b")
+            if isinstance(a, nn.Module):  # (B's names back to A's)
+                to_b = _name_map(names)
+                table = {to_b(n): n for n in ra.modules or {}}
+                check_hooks_ran(rb, ra, a, inputs, kwargs, None, lambda n: table.get(n, n), "a")
+            if (
+                isinstance(a, (str, os.PathLike))
+                and isinstance(b, (str, os.PathLike))
+                and os.path.realpath(a) == os.path.realpath(b)
+            ):
+                warnings.warn(
+                    f"hs.compare: a and b are the same record ({os.fspath(a)!r}): every error is 0 by "
+                    "construction; give the record of the other run as b",
+                    HookscopeWarning,
+                    stacklevel=2,
+                )
+            job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
+            job.phase = collections.phase
+            with contextlib.ExitStack() as stack:
+                for m in (a, b):
+                    if isinstance(m, nn.Module):
+                        stack.enter_context(preserved(m))
+                return build_report(job)
 
 
 def _nothing() -> None:

@@ -22,7 +22,6 @@ attached by its own thread's forward, and a parameter is shared by every thread 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import sys
 import threading
@@ -59,7 +58,6 @@ __all__ = [
     "locate_errors",
     "note_exception",
     "quiet",
-    "runs_internally",
     "thread_checked",
 ]
 
@@ -93,19 +91,6 @@ class _Quiet(threading.local):
 _QUIET = _Quiet()
 _RUNS = [0]  # internal runs under way, in any thread (the hooks' fast check)
 _RUNS_LOCK = threading.Lock()
-
-
-def runs_internally(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a product's entry point that runs the model for its own work: a patching sweep,
-    a steering vector's prompts, an extraction over a dataset) runs as an :func:`internal_run`:
-    the watching scopes open around it do not see its runs."""
-
-    @functools.wraps(fn)
-    def inner(*args: Any, **kwargs: Any) -> Any:
-        with internal_run():
-            return fn(*args, **kwargs)
-
-    return inner
 
 
 def quiet(scope_id: int) -> bool:

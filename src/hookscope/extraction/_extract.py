@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from ..core._scope import check_model, runs_internally
+from ..core._scope import check_model, internal_run
 from ..core._select import resolve
 from ._featstore import ExtractError, Features, load_features
 from ._forward import Pool, np_dtype
@@ -29,7 +29,6 @@ from ._job import Job, Options, Source
 __all__ = ["extract"]
 
 
-@runs_internally
 def extract(
     model: nn.Module,
     data: Any,
@@ -141,35 +140,36 @@ def extract(
         >>> np.allclose(feats["1"], ref.detach().numpy(), atol=1e-6)
         True
     """
-    if on_error not in ("raise", "skip"):
-        raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
-    if verify not in ("all", "sample"):
-        raise ValueError(f"verify must be 'all' or 'sample', got {verify!r}")
-    if dtype is not None:
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(
-                f"extract: dtype= must be a floating dtype to store features in (torch.float16 or "
-                f"torch.float32; torch.bfloat16 layers are saved as float32), got {dtype!r}: an "
-                "integer or bool dtype would truncate them (0 for values in (-1, 1), bool: True)"
-            )
-        np_dtype(dtype)
-    check_model(model)
-    named = resolve(model, layers)
-    source = Source.of(data, batch_size, num_workers)
-    opts = Options(
-        dtype=dtype,
-        device=torch.device(device) if device is not None else None,
-        resume=resume,
-        progress=progress,
-        on_error=on_error,
-        verify=verify,
-    )
-    job = Job(Path(out), model, named, pool, source, opts)
-    if job.world == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ExtractError(
-            f"this process runs under torchrun (WORLD_SIZE={os.environ['WORLD_SIZE']}) but torch.distributed is "
-            "not initialized, so every process would extract everything into the same files: call "
-            "torch.distributed.init_process_group('gloo') first (the hookscope CLI does)"
+    with internal_run():  # a product's own run (see core._scope.internal_run)
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
+        if verify not in ("all", "sample"):
+            raise ValueError(f"verify must be 'all' or 'sample', got {verify!r}")
+        if dtype is not None:
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+                raise TypeError(
+                    f"extract: dtype= must be a floating dtype to store features in (torch.float16 or "
+                    f"torch.float32; torch.bfloat16 layers are saved as float32), got {dtype!r}: an "
+                    "integer or bool dtype would truncate them (0 for values in (-1, 1), bool: True)"
+                )
+            np_dtype(dtype)
+        check_model(model)
+        named = resolve(model, layers)
+        source = Source.of(data, batch_size, num_workers)
+        opts = Options(
+            dtype=dtype,
+            device=torch.device(device) if device is not None else None,
+            resume=resume,
+            progress=progress,
+            on_error=on_error,
+            verify=verify,
         )
-    job.run()
-    return load_features(out)
+        job = Job(Path(out), model, named, pool, source, opts)
+        if job.world == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ExtractError(
+                f"this process runs under torchrun (WORLD_SIZE={os.environ['WORLD_SIZE']}) but torch.distributed is "
+                "not initialized, so every process would extract everything into the same files: call "
+                "torch.distributed.init_process_group('gloo') first (the hookscope CLI does)"
+            )
+        job.run()
+        return load_features(out)

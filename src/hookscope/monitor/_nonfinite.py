@@ -30,7 +30,7 @@ from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning
 from ..core._nested import first_tensor, iter_tensors, map_tensors
 from ..core._recompute import in_reentrant_checkpoint
-from ..core._scope import HookScope, check_model, identity_views, in_backward, runs_internally
+from ..core._scope import HookScope, check_model, identity_views, in_backward, internal_run
 from ..core._select import find
 from ..core._sharded import is_dtensor, local
 from ._stats import minmax
@@ -379,7 +379,6 @@ class _Tracker:
         return None, extra_vals
 
 
-@runs_internally
 def find_nonfinite(
     model: nn.Module,
     *inputs: Any,
@@ -417,48 +416,49 @@ def find_nonfinite(
         >>> origin.layer, origin.phase, origin.kind
         ('1', 'forward', 'nan')
     """
-    check_model(model)
-    saved = contextlib.ExitStack()  # buffers and plain attributes put back as found
-    saved.enter_context(state_kept(model))
-    tracker = _Tracker(model, allow, detail=True, owner="find_nonfinite")
-    try:
-        with tracker.scope:
-            args = map_tensors(
-                lambda t: t.detach().requires_grad_() if backward and _checked(t) else t,
-                inputs,
-            )
-            kw = map_tensors(
-                lambda t: t.detach().requires_grad_() if backward and _checked(t) else t,
-                kwargs,
-            )
-            with torch.enable_grad() if backward else torch.no_grad():
-                out = model(*args, **kw)
-                loss = loss_fn(out) if loss_fn is not None else None
-            origin, _ = tracker.locate()
-            if origin is not None or not backward:
+    with internal_run():  # a product's own run (see core._scope.internal_run)
+        check_model(model)
+        saved = contextlib.ExitStack()  # buffers and plain attributes put back as found
+        saved.enter_context(state_kept(model))
+        tracker = _Tracker(model, allow, detail=True, owner="find_nonfinite")
+        try:
+            with tracker.scope:
+                args = map_tensors(
+                    lambda t: t.detach().requires_grad_() if backward and _checked(t) else t,
+                    inputs,
+                )
+                kw = map_tensors(
+                    lambda t: t.detach().requires_grad_() if backward and _checked(t) else t,
+                    kwargs,
+                )
+                with torch.enable_grad() if backward else torch.no_grad():
+                    out = model(*args, **kw)
+                    loss = loss_fn(out) if loss_fn is not None else None
+                origin, _ = tracker.locate()
+                if origin is not None or not backward:
+                    return origin
+                if loss is None:
+                    t = first_tensor(out)
+                    loss = t.sum() if t is not None else None
+                else:
+                    lt = _absmax(loss)
+                    lv = _absmax_host(lt.tolist()) if lt is not None else 0.0
+                    if not math.isfinite(lv):
+                        return NonFiniteOrigin(
+                            LOSS,
+                            "forward",
+                            0,
+                            "nan" if math.isnan(lv) else "inf",
+                            "",
+                            {"loss_absmax": lv},
+                        )
+                if loss is None or not loss.requires_grad:
+                    return None
+                leaves = [p for p in model.parameters() if p.requires_grad]
+                leaves += [t for _, t in iter_tensors((args, kw)) if t.requires_grad]
+                torch.autograd.grad(loss, leaves, allow_unused=True)
+                origin, _ = tracker.locate()
                 return origin
-            if loss is None:
-                t = first_tensor(out)
-                loss = t.sum() if t is not None else None
-            else:
-                lt = _absmax(loss)
-                lv = _absmax_host(lt.tolist()) if lt is not None else 0.0
-                if not math.isfinite(lv):
-                    return NonFiniteOrigin(
-                        LOSS,
-                        "forward",
-                        0,
-                        "nan" if math.isnan(lv) else "inf",
-                        "",
-                        {"loss_absmax": lv},
-                    )
-            if loss is None or not loss.requires_grad:
-                return None
-            leaves = [p for p in model.parameters() if p.requires_grad]
-            leaves += [t for _, t in iter_tensors((args, kw)) if t.requires_grad]
-            torch.autograd.grad(loss, leaves, allow_unused=True)
-            origin, _ = tracker.locate()
-            return origin
-    finally:
-        tracker.scope.remove()
-        saved.close()
+        finally:
+            tracker.scope.remove()
+            saved.close()

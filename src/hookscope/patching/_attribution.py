@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 
-from ..core._scope import HookScope, runs_internally
+from ..core._scope import HookScope, internal_run
 from ._inputs import PatchingError, check_common, check_count
 from ._job import PatchMetric, SweepJob, check_calls, prepare, score
 from ._layer_sweep import LayerSweep
@@ -33,7 +33,6 @@ from ._sites import (
 __all__ = ["attribution_patch"]
 
 
-@runs_internally
 def attribution_patch(
     model: nn.Module,
     clean: Any,
@@ -87,34 +86,37 @@ def attribution_patch(
         >>> torch.allclose(s, e, atol=1e-5)  # a linear model: the estimate is exact
         True
     """
-    if torch.is_inference_mode_enabled():
-        raise PatchingError(
-            "attribution_patch needs autograd, but it was called under torch.inference_mode(); "
-            "call it outside that block (it turns gradients on itself: torch.no_grad() around it "
-            "is fine)"
+    with internal_run():  # a product's own run (see core._scope.internal_run)
+        if torch.is_inference_mode_enabled():
+            raise PatchingError(
+                "attribution_patch needs autograd, but it was called under torch.inference_mode(); "
+                "call it outside that block (it turns gradients on itself: torch.no_grad() around it "
+                "is fine)"
+            )
+        check_common("attribution_patch", metric, at, arg, reverse, head_proj)
+        check_count(top_k, "top_k", "the sites to patch exactly")
+        src, dst = prepare(model, clean, corrupt, reverse)
+        chosen, over_t, names = resolve_layers(
+            model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
         )
-    check_common("attribution_patch", metric, at, arg, reverse, head_proj)
-    check_count(top_k, "top_k", "the sites to patch exactly")
-    src, dst = prepare(model, clean, corrupt, reverse)
-    chosen, over_t, names = resolve_layers(
-        model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
-    )
-    job = SweepJob.create(model, dst, metric, over_t, what="attribution_patch", block_names=names)
-    with torch.no_grad():
-        clean_acts, _, job.per_row = job.record(src, chosen, what="attribution_patch")
-    acts, grads, value = _gradients(job, chosen)
-    scores = []
-    for layer in chosen:
-        g = grads.get(layer.point)
-        delta = clean_acts[layer.point] - acts[layer.point]
-        if g is None:
-            g = torch.zeros_like(delta)
-        prod = view(layer, delta.to(torch.float32) * g.to(torch.float32))
-        scores.append(per_site(layer, over_t, prod, torch.sum))
-    out = stack_layers(scores, chosen).detach()
-    if top_k is None:
-        return out
-    return out, _exact_top(job, chosen, clean_acts, out, top_k, value)
+        job = SweepJob.create(
+            model, dst, metric, over_t, what="attribution_patch", block_names=names
+        )
+        with torch.no_grad():
+            clean_acts, _, job.per_row = job.record(src, chosen, what="attribution_patch")
+        acts, grads, value = _gradients(job, chosen)
+        scores = []
+        for layer in chosen:
+            g = grads.get(layer.point)
+            delta = clean_acts[layer.point] - acts[layer.point]
+            if g is None:
+                g = torch.zeros_like(delta)
+            prod = view(layer, delta.to(torch.float32) * g.to(torch.float32))
+            scores.append(per_site(layer, over_t, prod, torch.sum))
+        out = stack_layers(scores, chosen).detach()
+        if top_k is None:
+            return out
+        return out, _exact_top(job, chosen, clean_acts, out, top_k, value)
 
 
 def _gradients(

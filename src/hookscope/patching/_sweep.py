@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..core._errors import HookscopeWarning
-from ..core._scope import runs_internally
+from ..core._scope import internal_run
 from ._cached_prefix import CausalPrefix, drop_cache, wants_cache
 from ._inputs import PatchingError, check_common, check_count
 from ._job import PatchMetric, SweepJob, prepare
@@ -28,7 +28,6 @@ from ._sites import (
 __all__ = ["PatchMetric", "patch_sweep"]
 
 
-@runs_internally
 def patch_sweep(
     model: nn.Module,
     clean: Any,
@@ -117,37 +116,42 @@ def patch_sweep(
         >>> hs.patch_sweep(net, clean, corrupt, lambda y: y[:, -1].sum(), ["0", "1"]).shape
         torch.Size([2, 3])
     """
-    check_common("patch_sweep", metric, at, arg, reverse, head_proj)
-    check_count(rows, "rows", "rows per pass")
-    check_count(max_bytes, "max_bytes", "the bytes a pass may use")
-    src, dst = prepare(model, clean, corrupt, reverse)
-    chosen, over_t, names = resolve_layers(
-        model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
-    )
-    job = SweepJob.create(
-        model, dst, metric, over_t, rows=rows, max_bytes=max_bytes, block_names=names
-    )
-    with torch.no_grad():
-        acts, _, job.per_row = job.record(src, chosen, what="patch_sweep")
-        if max_bytes is not None and rows is None and job.per_row * job.batch > max_bytes:
-            warnings.warn(
-                f"patch_sweep: max_bytes={max_bytes} is less than one site's pass over the whole "
-                f"sequence needs (about {job.per_row * job.batch} bytes for {job.batch} rows); "
-                "sites run one per pass, and a pass may go over max_bytes. Raise max_bytes or use "
-                "a smaller batch",
-                HookscopeWarning,
-                stacklevel=2,
+    with internal_run():  # a product's own run (see core._scope.internal_run)
+        check_common("patch_sweep", metric, at, arg, reverse, head_proj)
+        check_count(rows, "rows", "rows per pass")
+        check_count(max_bytes, "max_bytes", "the bytes a pass may use")
+        src, dst = prepare(model, clean, corrupt, reverse)
+        chosen, over_t, names = resolve_layers(
+            model, layers, at=at, over=over, arg=arg, n_heads=n_heads, head_proj=head_proj
+        )
+        job = SweepJob.create(
+            model, dst, metric, over_t, rows=rows, max_bytes=max_bytes, block_names=names
+        )
+        with torch.no_grad():
+            acts, _, job.per_row = job.record(src, chosen, what="patch_sweep")
+            if max_bytes is not None and rows is None and job.per_row * job.batch > max_bytes:
+                warnings.warn(
+                    f"patch_sweep: max_bytes={max_bytes} is less than one site's pass over the whole "
+                    f"sequence needs (about {job.per_row * job.batch} bytes for {job.batch} rows); "
+                    "sites run one per pass, and a pass may go over max_bytes. Raise max_bytes or use "
+                    "a smaller batch",
+                    HookscopeWarning,
+                    stacklevel=2,
+                )
+            cached = wants_cache(model, dst)
+            base_acts, base_out, _ = job.record(
+                {**dst, "use_cache": True} if cached else dst, chosen
             )
-        cached = wants_cache(model, dst)
-        base_acts, base_out, _ = job.record({**dst, "use_cache": True} if cached else dst, chosen)
-        prefix = CausalPrefix.from_run(dst, base_out) if cached else None
-        baseline = job.score(drop_cache(base_out), chosen[0])
-        del base_out
-        results = [
-            _layer_values(job, layer, (acts[layer.point], base_acts[layer.point]), baseline, prefix)
-            for layer in chosen
-        ]
-    return stack_layers(results, chosen)
+            prefix = CausalPrefix.from_run(dst, base_out) if cached else None
+            baseline = job.score(drop_cache(base_out), chosen[0])
+            del base_out
+            results = [
+                _layer_values(
+                    job, layer, (acts[layer.point], base_acts[layer.point]), baseline, prefix
+                )
+                for layer in chosen
+            ]
+        return stack_layers(results, chosen)
 
 
 def _layer_values(

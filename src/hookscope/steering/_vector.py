@@ -13,7 +13,7 @@ from ..core._compiled import named_modules, strip_compiled
 from ..core._errors import HookscopeError, LayerNotRunError
 from ..core._nested import first_tensor
 from ..core._random import draw_fix, draw_place, random_draws
-from ..core._scope import check_model, model_device, runs_internally
+from ..core._scope import check_model, internal_run, model_device
 from ..core._select import resolve
 from ..core._signature import accepts
 
@@ -46,7 +46,6 @@ def _ids(prompts: Any, tokenizer: Any, what: str) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-@runs_internally
 def steering_vector(
     model: nn.Module,
     positive: Prompts,
@@ -82,54 +81,58 @@ def steering_vector(
         >>> torch.equal(v, net[0].weight[2] - net[0].weight[3])
         True
     """
-    check_model(model)
-    if len(positive) != len(negative):
-        raise HookscopeError(
-            f"steering_vector: {len(positive)} positive and {len(negative)} negative prompts; "
-            "give one negative per positive (pairs)"
-        )
-    if not len(positive):
-        raise HookscopeError("steering_vector: no prompt pairs given")
-    if batch_size < 1:
-        raise ValueError(f"steering_vector: batch_size must be >= 1, got {batch_size}")
-    named = resolve(model, layers)
-    _check_runnable(model, named)
-    pos_ids, neg_ids = _ids(positive, tokenizer, "positive"), _ids(negative, tokenizer, "negative")
-    pad = getattr(tokenizer, "pad_token_id", None) or 0
-    device = model_device(model)
-    with_mask = accepts(model, "attention_mask", through_kwargs=True)
-    diffs: dict[str, list[torch.Tensor]] = {n: [] for n in named}
-    for lo in range(0, len(pos_ids), batch_size):
-        rows = pos_ids[lo : lo + batch_size] + neg_ids[lo : lo + batch_size]
-        half = len(rows) // 2
-        lengths = torch.tensor([len(r) for r in rows])
-        index = torch.where(torch.tensor(read) < 0, lengths + read, torch.tensor(read))
-        bad = ((index < 0) | (index >= lengths)).nonzero().flatten().tolist()
-        if bad:
-            r = bad[0]
-            which = "positive" if r < half else "negative"
+    with internal_run():  # a product's own run (see core._scope.internal_run)
+        check_model(model)
+        if len(positive) != len(negative):
             raise HookscopeError(
-                f"steering_vector: read={read} is outside {which}[{lo + r % half}], which has "
-                f"{int(lengths[r])} tokens; read must be in [-{int(lengths[r])}, {int(lengths[r]) - 1}]"
+                f"steering_vector: {len(positive)} positive and {len(negative)} negative prompts; "
+                "give one negative per positive (pairs)"
             )
-        ids = torch.full((len(rows), int(lengths.max())), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = r
-            mask[i, : len(r)] = 1
-        ids, mask = ids.to(device), mask.to(device)
-        cap = _forward(model, named, ids, mask, with_mask, first=lo == 0)
-        arange = torch.arange(len(rows), device=device)
-        for name in named:
-            h = first_tensor(cap[name])
-            if h is None or h.dim() < 3 or h.shape[:2] != ids.shape:
+        if not len(positive):
+            raise HookscopeError("steering_vector: no prompt pairs given")
+        if batch_size < 1:
+            raise ValueError(f"steering_vector: batch_size must be >= 1, got {batch_size}")
+        named = resolve(model, layers)
+        _check_runnable(model, named)
+        pos_ids, neg_ids = (
+            _ids(positive, tokenizer, "positive"),
+            _ids(negative, tokenizer, "negative"),
+        )
+        pad = getattr(tokenizer, "pad_token_id", None) or 0
+        device = model_device(model)
+        with_mask = accepts(model, "attention_mask", through_kwargs=True)
+        diffs: dict[str, list[torch.Tensor]] = {n: [] for n in named}
+        for lo in range(0, len(pos_ids), batch_size):
+            rows = pos_ids[lo : lo + batch_size] + neg_ids[lo : lo + batch_size]
+            half = len(rows) // 2
+            lengths = torch.tensor([len(r) for r in rows])
+            index = torch.where(torch.tensor(read) < 0, lengths + read, torch.tensor(read))
+            bad = ((index < 0) | (index >= lengths)).nonzero().flatten().tolist()
+            if bad:
+                r = bad[0]
+                which = "positive" if r < half else "negative"
                 raise HookscopeError(
-                    f"steering_vector: layer {name!r} returned {None if h is None else tuple(h.shape)}"
-                    f" for token ids of shape {tuple(ids.shape)}; it needs [batch, tokens, features]"
+                    f"steering_vector: read={read} is outside {which}[{lo + r % half}], which has "
+                    f"{int(lengths[r])} tokens; read must be in [-{int(lengths[r])}, {int(lengths[r]) - 1}]"
                 )
-            acts = h[arange, index.to(device)]
-            diffs[name].append(acts[:half] - acts[half:])
-    return {name: torch.cat(d).mean(dim=0) for name, d in diffs.items()}
+            ids = torch.full((len(rows), int(lengths.max())), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, r in enumerate(rows):
+                ids[i, : len(r)] = r
+                mask[i, : len(r)] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            cap = _forward(model, named, ids, mask, with_mask, first=lo == 0)
+            arange = torch.arange(len(rows), device=device)
+            for name in named:
+                h = first_tensor(cap[name])
+                if h is None or h.dim() < 3 or h.shape[:2] != ids.shape:
+                    raise HookscopeError(
+                        f"steering_vector: layer {name!r} returned {None if h is None else tuple(h.shape)}"
+                        f" for token ids of shape {tuple(ids.shape)}; it needs [batch, tokens, features]"
+                    )
+                acts = h[arange, index.to(device)]
+                diffs[name].append(acts[:half] - acts[half:])
+        return {name: torch.cat(d).mean(dim=0) for name, d in diffs.items()}
 
 
 def _check_runnable(model: nn.Module, named: dict[str, nn.Module]) -> None:

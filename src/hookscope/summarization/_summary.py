@@ -24,9 +24,9 @@ from ..core._scope import (
     check_model,
     get_ident,
     in_backward,
+    internal_run,
     model_device,
     note_exception,
-    runs_internally,
     thread_checked,
 )
 from ..core._sharded import fsdp1_found
@@ -218,7 +218,6 @@ def _eager(model: nn.Module) -> Any:
     return stance("force_eager")
 
 
-@runs_internally
 def summary(
     model: nn.Module,
     *inputs: Any,
@@ -268,90 +267,95 @@ def summary(
         >>> s.totals.flops, s.rows[1].output_shapes
         (128, [2, 4])
     """
-    check_model(model)
-    fsdp1 = fsdp1_found(model)
-    if fsdp1:
-        warnings.warn(
-            f"the model is sharded by FSDP1 FullyShardedDataParallel ({some_names(fsdp1)}): "
-            "its parameters are this rank's flat shards, so the parameter counts are this "
-            "rank's (padded), not the model's. Summarize the model before wrapping it, or shard with FSDP2 "
-            "(fully_shard: DTensor parameters are counted whole)",
-            HookscopeWarning,
-            stacklevel=2,
-        )
-    if depth is not None and (not isinstance(depth, int) or depth < 0):
-        raise ValueError(f"depth must be a non-negative int or None; got {depth!r}")
-    cols = parse_columns(columns)
-    device = model_device(model)
-    if input_size is not None:
-        if inputs:
-            raise ValueError("give the inputs or input_size, not both")
-        inputs = tuple(make_inputs(input_size, dtypes, device))
-    elif dtypes is not None:
-        raise ValueError("dtypes applies to input_size; give input_size too (or pass tensors)")
-    if not inputs and not kwargs:
-        raise ValueError(
-            "summary needs an input: summary(model, x), summary(model, input_ids=ids) or input_size=(1, 3, 224, 224)"
-        )
-
-    warm_up()
-    known = [*model.parameters(), *model.buffers(), *(t for _, t in iter_tensors((inputs, kwargs)))]
-    rec = _CallStack(OpCounter(known), next((t.device for t in known if t.is_cuda), None))
-    dev = rec.cuda or device
-    # leaf layers that may run natively, decided before our own hooks are on them
-    rules = {} if has_global_hooks() else {id(m): native_rule(m) for m in model.modules()}
-    with HookScope("summary") as scope:
-        for name, module in named_modules(model):
-            pre, post = rec.hooks(name, module, rules.get(id(module)))
-            scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
-            scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
-        with _state_kept(model), torch.no_grad():
-            before = 0
-            if rec.cuda:
-                torch.cuda.synchronize(dev)
-                before = torch.cuda.memory_allocated(dev)
-                torch.cuda.reset_peak_memory_stats(dev)
-            t0 = time.perf_counter()
-            try:
-                # a summary describes the eager modules (per-call shapes, FLOPs, times): compiled
-                # parts run eagerly here, every module being hooked anyway
-                with rec.counter, _eager(model):
-                    model(*inputs, **kwargs)
-            finally:
-                rec.guard = None
-            if rec.cuda:
-                torch.cuda.synchronize(dev)
-            wall = (time.perf_counter() - t0) * 1e3
-            peak = (
-                torch.cuda.max_memory_allocated(dev) - before
-                if rec.cuda
-                else rec.counter.peak_bytes
+    with internal_run():  # a product's own run (see core._scope.internal_run)
+        check_model(model)
+        fsdp1 = fsdp1_found(model)
+        if fsdp1:
+            warnings.warn(
+                f"the model is sharded by FSDP1 FullyShardedDataParallel ({some_names(fsdp1)}): "
+                "its parameters are this rank's flat shards, so the parameter counts are this "
+                "rank's (padded), not the model's. Summarize the model before wrapping it, or shard with FSDP2 "
+                "(fully_shard: DTensor parameters are counted whole)",
+                HookscopeWarning,
+                stacklevel=2,
             )
-    calls = rec.finish()
-    rows = build_rows(calls)
-    params = {id(p): p for p in model.parameters()}
-    totals = SummaryTotals(
-        params=sum(p.numel() for p in params.values()),
-        trainable=sum(p.numel() for p in params.values() if p.requires_grad),
-        flops=rec.counter.total_flops,
-        param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-        activation_bytes=sum(r.output_bytes for r in rows if r.leaf),
-        peak_memory_bytes=int(peak),
-        peak_memory_measure=(
-            "CUDA max_memory_allocated above what was allocated before"
-            if rec.cuda
-            else "CPU: tensors the forward created, alive at once"
-        ),
-        time_ms=wall,
-        device=str(dev),
-    )
-    ran = {id(c.module) for c in calls}
-    containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-    never = [
-        n for n, m in named_modules(model) if id(m) not in ran and not isinstance(m, containers)
-    ]
-    if depth is not None:
-        rows = collapse(rows, depth)
-    shown = format_shapes(call_shapes(inputs, kwargs))
-    return Summary(type(model).__name__, shown, rows, totals, cols, never)
+        if depth is not None and (not isinstance(depth, int) or depth < 0):
+            raise ValueError(f"depth must be a non-negative int or None; got {depth!r}")
+        cols = parse_columns(columns)
+        device = model_device(model)
+        if input_size is not None:
+            if inputs:
+                raise ValueError("give the inputs or input_size, not both")
+            inputs = tuple(make_inputs(input_size, dtypes, device))
+        elif dtypes is not None:
+            raise ValueError("dtypes applies to input_size; give input_size too (or pass tensors)")
+        if not inputs and not kwargs:
+            raise ValueError(
+                "summary needs an input: summary(model, x), summary(model, input_ids=ids) or input_size=(1, 3, 224, 224)"
+            )
+
+        warm_up()
+        known = [
+            *model.parameters(),
+            *model.buffers(),
+            *(t for _, t in iter_tensors((inputs, kwargs))),
+        ]
+        rec = _CallStack(OpCounter(known), next((t.device for t in known if t.is_cuda), None))
+        dev = rec.cuda or device
+        # leaf layers that may run natively, decided before our own hooks are on them
+        rules = {} if has_global_hooks() else {id(m): native_rule(m) for m in model.modules()}
+        with HookScope("summary") as scope:
+            for name, module in named_modules(model):
+                pre, post = rec.hooks(name, module, rules.get(id(module)))
+                scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
+                scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
+            with _state_kept(model), torch.no_grad():
+                before = 0
+                if rec.cuda:
+                    torch.cuda.synchronize(dev)
+                    before = torch.cuda.memory_allocated(dev)
+                    torch.cuda.reset_peak_memory_stats(dev)
+                t0 = time.perf_counter()
+                try:
+                    # a summary describes the eager modules (per-call shapes, FLOPs, times): compiled
+                    # parts run eagerly here, every module being hooked anyway
+                    with rec.counter, _eager(model):
+                        model(*inputs, **kwargs)
+                finally:
+                    rec.guard = None
+                if rec.cuda:
+                    torch.cuda.synchronize(dev)
+                wall = (time.perf_counter() - t0) * 1e3
+                peak = (
+                    torch.cuda.max_memory_allocated(dev) - before
+                    if rec.cuda
+                    else rec.counter.peak_bytes
+                )
+        calls = rec.finish()
+        rows = build_rows(calls)
+        params = {id(p): p for p in model.parameters()}
+        totals = SummaryTotals(
+            params=sum(p.numel() for p in params.values()),
+            trainable=sum(p.numel() for p in params.values() if p.requires_grad),
+            flops=rec.counter.total_flops,
+            param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
+            buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+            activation_bytes=sum(r.output_bytes for r in rows if r.leaf),
+            peak_memory_bytes=int(peak),
+            peak_memory_measure=(
+                "CUDA max_memory_allocated above what was allocated before"
+                if rec.cuda
+                else "CPU: tensors the forward created, alive at once"
+            ),
+            time_ms=wall,
+            device=str(dev),
+        )
+        ran = {id(c.module) for c in calls}
+        containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+        never = [
+            n for n, m in named_modules(model) if id(m) not in ran and not isinstance(m, containers)
+        ]
+        if depth is not None:
+            rows = collapse(rows, depth)
+        shown = format_shapes(call_shapes(inputs, kwargs))
+        return Summary(type(model).__name__, shown, rows, totals, cols, never)
