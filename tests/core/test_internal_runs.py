@@ -164,3 +164,14 @@ def test_products_called_inside_a_record_s_block_leave_its_parameter_uses_alone(
     report = hs.compare(str(tmp_path / "rec"), twin, x, loss_fn=_loss)
     assert report.culprit is None
     assert [r.param_grad_error for r in report.rows if r.name in ("0", "3")] == [0.0, 0.0]
+
+
+def test_a_product_s_warning_still_points_at_its_caller():
+    """Entering the internal run must not move a product's warnings off the caller's line (a
+    decorator did: they pointed at core/_scope.py)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(4 * 6 * 6, 2)).train()  # fmt: skip
+    with pytest.warns(hs.HookscopeWarning, match="batch statistics") as caught:
+        hs.GradCAM(net, "0")(torch.randn(2, 3, 8, 8), target=0)
+    assert {w.filename for w in caught if "batch statistics" in str(w.message)} == {__file__}
