@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 import hookscope as hs
-from hookscope.compare._tolerance import Norms, continuous, rel_error
-from hookscope.core._nested import hidden_tensors
+from hookscope.compare._tolerance import Norms, rel_error
+from hookscope.core._nested import continuous, hidden_tensors
 
 
 def _loss(o: torch.Tensor) -> torch.Tensor:

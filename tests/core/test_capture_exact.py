@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import hookscope as hs
 from helpers.common import RESNET34_RESIDUAL_SITES as RESNET_LAYERS
-from helpers.common import resnet34_with_fx_features
+from helpers.common import Boxing, resnet34_with_fx_features
 
 
 @pytest.fixture(scope="module")
@@ -149,27 +149,13 @@ def test_multi_layer_cam_reads_activations_as_returned():
     assert not torch.allclose(single, ref)  # both layers count: the test is not vacuous
 
 
-class _Box:
-    def __init__(self, h: torch.Tensor) -> None:
-        self.h = h
-
-
-class _Boxing(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> _Box:
-        return _Box(self.lin(x))
-
-
 class _Emptying(nn.Module):
     """Reads ``enc``'s box, then empties it (``box.h = zeros``) and scales the tensor it held
     in place."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.enc, self.out = _Boxing(), nn.Linear(4, 2)
+        self.enc, self.out = Boxing(), nn.Linear(4, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         box = self.enc(x)

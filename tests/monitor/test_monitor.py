@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
+from helpers.common import Boxing
 from hookscope.monitor._stats import Scratch, act_stats, grad_stats
 
 REL = 1e-5
@@ -478,24 +479,10 @@ def test_a_layer_giving_complex_values_has_the_statistics_of_their_parts():
     assert close(got["grad_absmax"], gparts.abs().max().item())
 
 
-class _Box:
-    def __init__(self, h: torch.Tensor) -> None:
-        self.h = h
-
-
-class _Boxing(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 8)
-
-    def forward(self, x):
-        return _Box(self.lin(x))
-
-
 class _Unbox(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.enc, self.out = _Boxing(), nn.Linear(8, 2)
+        self.enc, self.out = Boxing(4, 8), nn.Linear(8, 2)
 
     def forward(self, x):
         return self.out(torch.tanh(self.enc(x).h))

@@ -17,13 +17,13 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning, some_names
-from ..core._nested import iter_tensors, map_tensors
+from ..core._nested import continuous, iter_tensors, map_tensors
 from ..core._select import suggest
 from ..core._signature import forward_parameters
 from ._ranks import REDUCTIONS
 from ._record import of_ranks
 from ._run import CompareError, RunRecord
-from ._tolerance import continuous, lower, rel_pairs, tolerance
+from ._tolerance import lower, rel_pairs, tolerance
 
 __all__ = ["check_arguments", "check_hooks_ran", "check_loss", "check_names", "check_reduction"]
 

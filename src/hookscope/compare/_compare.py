@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..core._compiled import compiled_regions, named_modules, named_parameters
 from ..core._errors import HookscopeWarning, some_names
-from ..core._nested import SCALARS, hidden_tensors, iter_tensors, tensors_of
+from ..core._nested import SCALARS, continuous, hidden_tensors, iter_tensors, tensors_of
 from ..core._scope import internal_run
 from ._checks import (
     check_arguments,
@@ -46,7 +46,6 @@ from ._run import (
 )
 from ._tolerance import (
     Norms,
-    continuous,
     float_error,
     has_integers,
     int_numbers,
@@ -152,11 +151,10 @@ class _Job:
         # False while a backward is judged after the forward's error was explained: a check whose
         # reference cannot be computed then leaves the row unflagged, with a note
         self._strict = True
-        self._low: Replay | None = None
         # the conditioning checks of calls computed in a lower dtype than the models' (a
         # mixed-precision model), by that dtype: rounding A's values, A's modules in it
         self._rounds: dict[torch.dtype, Replay] = {}
-        self._lows_replays: dict[torch.dtype, Replay] = {}
+        self._low_replays: dict[torch.dtype | None, Replay] = {}  # (None: B's own dtype)
         # id(row) -> the backward part of its compile_error (lazy until the norms resolve)
         self._compiled_back: dict[int, Any] = {}
         if self.mixed and (ra.modules is not None or b is not None):
@@ -948,29 +946,17 @@ class _Job:
         if self.ra.modules is None or self.rb is None:
             return None
         ra, rb = self.ra, self.rb
-        own = dtype in (self.low, rb.run_dtype)
-        if own and self._low is not None:
-            return self._low
-        if not own and dtype in self._lows_replays:
-            return self._lows_replays[dtype]
-        if rb.autocast is not None and own:
-            mods: Any = ra.modules
-        else:
-            if ra.modules.get("") is None:
-                return None
-            mods = CopiesIn(ra.modules, rb.dtype if own else dtype)
-        made = Replay(
-            mods,
-            ra,
-            rb,
-            lambda n: n,
-            (rb.dtype if own else dtype) if rb.autocast is None or not own else ra.dtype,
-            rb.autocast if own else None,
-        )
-        if own:
-            self._low = made
-        else:
-            self._lows_replays[dtype] = made
+        key = None if dtype in (self.low, rb.run_dtype) else dtype  # None: B's own dtype
+        made = self._low_replays.get(key)
+        if made is not None:
+            return made
+        if key is None and rb.autocast is not None:  # A's own modules under B's autocast
+            made = Replay(ra.modules, ra, rb, lambda n: n, ra.dtype, rb.autocast)
+        elif ra.modules.get("") is not None:
+            d = rb.dtype if key is None else key
+            made = Replay(CopiesIn(ra.modules, d), ra, rb, lambda n: n, d, None)
+        if made is not None:
+            self._low_replays[key] = made
         return made
 
 
@@ -1086,12 +1072,7 @@ def _ancestors(rec: RunRecord, i: int) -> list[int]:
 
 def _verdicts(rec: RunRecord, rows: list[tuple[int, CompareRow]]) -> tuple[list[str], str | None]:
     flagged = {i for i, r in rows if r.flagged}
-    ancestors: set[int] = set()
-    for i in flagged:
-        p = rec.calls[i].parent
-        while p is not None:
-            ancestors.add(p)
-            p = rec.calls[p].parent
+    ancestors = {p for i in flagged for p in _ancestors(rec, i)}
     culprits = sorted(((r.end, r.label) for i, r in rows if i in flagged and i not in ancestors))
     divergent = sorted((r.end, r.label) for _, r in rows if r.error is not None and r.error > r.tol)
     return [c for _, c in culprits], divergent[0][1] if divergent else None

@@ -49,11 +49,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._nested import map_tensors, tensors_of
+from ..core._nested import continuous, map_tensors, tensors_of
 from ..core._scope import HookScope, _Hook, graph_task_id
 from ._replay import Replay, Result, _cast, changed_in_place, versions, write_back
 from ._run import CallRec, restore_aliases
-from ._tolerance import continuous
 
 __all__ = ["Forced", "forced_pass"]
 

@@ -36,6 +36,7 @@ from ..core._scope import (
     acts_here,
     get_ident,
     graph_task_id,
+    identity_views,
     quiet,
     thread_checked,
 )
@@ -219,7 +220,7 @@ class CallHooks:
                     # tensor before the tensor's other uses, so the gradients of both runs are
                     # summed in the same order (an exact copy differs by exactly 0, not by the
                     # last bits of a residual stream's gradient)
-                    return _mirror(args, kwargs)
+                    return identity_views(args, kwargs)
             return None
         if len(leaves) == 1 and not kwargs and args.__class__ is tuple and len(args) == 1:
             kept = ((self.copy(leaves[0]),), {})
@@ -442,26 +443,6 @@ class CallHooks:
                 return True
             at, depth = nxt, depth + 1
         return False
-
-
-def _mirror(args: Any, kwargs: Any) -> tuple[Any, Any]:
-    """A call's inputs with each tensor that requires grad replaced by an identity view (the same
-    tensor by the same view), as :meth:`CallHooks._views` hands them, with no hook."""
-    if not kwargs and args.__class__ is tuple and len(args) == 1:
-        t = args[0]
-        if t.__class__ is torch.Tensor:
-            return (t.view_as(t),), kwargs
-    views: dict[int, torch.Tensor] = {}
-
-    def alias(t: torch.Tensor) -> torch.Tensor:
-        if not t.requires_grad:
-            return t
-        v = views.get(id(t))
-        if v is None:
-            v = views[id(t)] = t.view_as(t)
-        return v
-
-    return map_tensors(alias, args), map_tensors(alias, kwargs)
 
 
 def _node(t: torch.Tensor) -> Any:

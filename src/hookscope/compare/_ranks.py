@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from ..core._nested import iter_tensors, map_tensors
+from ..core._nested import continuous, iter_tensors, map_tensors
 from ._run import CallRec, CompareError, RunRecord
-from ._tolerance import continuous
 
 __all__ = ["REDUCTIONS", "join_ranks"]
 

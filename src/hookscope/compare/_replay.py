@@ -35,10 +35,10 @@ import torch
 import torch.nn as nn
 
 from ..core._compiled import named_modules, strip_compiled
-from ..core._nested import iter_tensors, map_tensors, object_copier, tensors_of
+from ..core._nested import continuous, iter_tensors, map_tensors, object_copier, tensors_of
 from ._run import CallRec, RunRecord, restore_aliases
 from ._store import ValueStore
-from ._tolerance import Norms, continuous, narrowed, rel_pairs
+from ._tolerance import Norms, narrowed, rel_pairs
 
 __all__ = ["CopiesIn", "Replay", "Result"]
 

@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
-from ..core._nested import iter_tensors
+from ..core._nested import continuous, iter_tensors, real_parts
 
 __all__ = [
     "Lazy",
     "Norms",
-    "continuous",
     "float_error",
     "has_integers",
     "lower",
@@ -61,17 +60,6 @@ def tolerance(dtype: torch.dtype, k: int) -> float:
     return 4 * eps + 16 * _EPS32 * math.sqrt(max(1, k))
 
 
-def continuous(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds values compared by their relative error and carrying gradients:
-    floating or complex (an FFT layer's output, a rotary table kept as ``complex64``); other
-    dtypes (ids, masks, indices) must agree exactly.
-
-    >>> continuous(torch.zeros(2, dtype=torch.complex64)), continuous(torch.zeros(2, dtype=torch.int64))
-    (True, False)
-    """
-    return t.is_floating_point() or t.is_complex()
-
-
 def _plain(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a strided real tensor with the same norm: a complex one as its real and imaginary
     parts (``view_as_real``: ``||z||^2 = sum(re^2 + im^2)``), a sparse one dense, a quantized one
@@ -80,9 +68,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
         t = t.to_dense()
     if t.is_quantized:
         t = t.dequantize()
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj())
-    return t
+    return real_parts(t)
 
 
 def reduction_size(inputs: Any, params: Any) -> int:

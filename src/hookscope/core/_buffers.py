@@ -27,7 +27,6 @@ import torch.nn as nn
 
 from ._compiled import named_parameters
 from ._errors import HookscopeWarning
-from ._scope import internal_run
 
 __all__ = [
     "INTERNALS",
@@ -325,9 +324,7 @@ def state_kept(model: nn.Module) -> Iterator[ParamVersions]:
     attributes = Attributes(model)
     versions = ParamVersions(model)
     try:
-        # a run that leaves no trace on the model leaves none in the scopes watching it either
-        # (a capture or a monitor open around it: see internal_run)
-        with buffers_kept(model), internal_run():
+        with buffers_kept(model):
             yield versions
     finally:
         attributes.restore()

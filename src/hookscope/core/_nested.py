@@ -23,6 +23,7 @@ __all__ = [
     "SCALARS",
     "Shapes",
     "call_shapes",
+    "continuous",
     "describe",
     "describe_call",
     "first_tensor",
@@ -31,6 +32,7 @@ __all__ = [
     "iter_tensors",
     "map_tensors",
     "object_copier",
+    "real_parts",
     "replace_first",
     "shapes",
     "tensors_of",
@@ -405,3 +407,25 @@ def hidden_tensors(value: Any, depth: int = 12) -> tuple[list[torch.Tensor], lis
 
     walk(value, depth, False)
     return found, classes
+
+
+def continuous(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds values compared by their size and carrying gradients: floating or
+    complex (an FFT layer's output, a rotary table kept as ``complex64``); other dtypes (ids,
+    masks, indices) are exact.
+
+    >>> continuous(torch.zeros(2, dtype=torch.complex64)), continuous(torch.zeros(2, dtype=torch.int64))
+    (True, False)
+    """
+    return t.is_floating_point() or t.is_complex()
+
+
+def real_parts(t: torch.Tensor) -> torch.Tensor:
+    """A complex ``t`` as its real and imaginary parts (``view_as_real``, a view: its norm and
+    extremes are the complex values'; reductions such as ``aminmax`` take no complex tensor); a
+    real one as it is.
+
+    >>> real_parts(torch.tensor([1 + 2j])).tolist()
+    [[1.0, 2.0]]
+    """
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core._nested import hidden_tensors, iter_tensors
+from ..core._nested import continuous, hidden_tensors, iter_tensors, real_parts
 from ..core._recompute import Recomputes
 from ..core._scope import HookScope, _Hook, acts_here, get_ident, in_backward, quiet, thread_checked
 from ..core._sharded import local
@@ -52,19 +52,11 @@ def _first_value(output: Any) -> torch.Tensor | None:
     (a layer giving complex values, an FFT, had none, silently); where the output holds none in
     tuples, lists, dicts or dataclasses, the first one inside an object it returns (a
     ``Box(h)``: no row at all, silently, before)."""
-    got = next(
-        (t for _, t in iter_tensors(output) if t.is_floating_point() or t.is_complex()), None
-    )
+    got = next((t for _, t in iter_tensors(output) if continuous(t)), None)
     if got is None and output is not None and output.__class__ is not torch.Tensor:
         inside, _ = hidden_tensors(output)
-        got = next((t for t in inside if t.is_floating_point() or t.is_complex()), None)
+        got = next((t for t in inside if continuous(t)), None)
     return got
-
-
-def _parts(x: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as its real and imaginary parts (``view_as_real``): its statistics are
-    those of the parts, each a value; a real one as it is."""
-    return torch.view_as_real(x.resolve_conj()) if x.is_complex() else x
 
 
 @dataclass(slots=True)
@@ -104,7 +96,7 @@ class _GradStats:
 
     def __call__(self, g: torch.Tensor) -> None:
         self.hooks.note_scale()
-        stats = grad_stats(_parts(g if type(g) is torch.Tensor else local(g)))
+        stats = grad_stats(real_parts(g if type(g) is torch.Tensor else local(g)))
         self.hooks.state.grads.setdefault(self.key, []).append(stats)
 
 
@@ -141,7 +133,7 @@ class LayerHook(_Hook):
         if h.layouts is not None:  # tensor parallel: sharded or replicated output
             state.kinds[key] = h.layouts.kind(name, module, args, t)
         if h.acts:
-            x = _parts(t if type(t) is torch.Tensor else local(t))  # DTensor: this rank's shard
+            x = real_parts(t if type(t) is torch.Tensor else local(t))  # DTensor: this rank's shard
             v, hist = act_stats(x, self.bounds, h.margin, h.bins, h.scratch)
             state.acts.setdefault(key, []).append((x.numel(), v, hist))
         if h.grads and t.requires_grad:

@@ -28,7 +28,7 @@ import torch.nn as nn
 from ..core._buffers import state_kept
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeWarning
-from ..core._nested import first_tensor, iter_tensors, map_tensors
+from ..core._nested import continuous, first_tensor, iter_tensors, map_tensors, real_parts
 from ..core._recompute import in_reentrant_checkpoint
 from ..core._scope import HookScope, check_model, identity_views, in_backward, internal_run
 from ..core._select import find
@@ -79,26 +79,15 @@ class NonFiniteOrigin:
         return f"{self.kind.upper()} first produced in the {self.phase} pass by {where}: {nums}"
 
 
-def _checked(t: torch.Tensor) -> bool:
-    """Whether ``t`` can hold a NaN or an infinity: floating or complex (an FFT layer's output;
-    a complex NaN skipped here was first seen in the next module, named as its origin)."""
-    return t.is_floating_point() or t.is_complex()
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """A complex ``t`` as its real and imaginary parts (``aminmax`` takes no complex tensor)."""
-    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
-
-
 def _absmax(obj: Any) -> torch.Tensor | None:
     """``[min, max, min, max, ...]`` of every floating tensor in ``obj`` (fp32, on the device), or
     None; the host turns it into ``max |x|`` (NaN if any NaN). ``aminmax`` is one pass and among
     the fastest reductions on CPU (``vector_norm(x, inf)`` is ~20x slower there)."""
     # a DTensor (tensor parallel) is checked on this rank's shard: the rank holding a NaN sees it
     vals = [
-        minmax(_real(local(t) if is_dtensor(t) else t))
+        minmax(real_parts(local(t) if is_dtensor(t) else t))
         for _, t in iter_tensors(obj)
-        if _checked(t) and t.numel() > 0
+        if continuous(t) and t.numel() > 0
     ]
     if not vals:
         return None
@@ -115,7 +104,7 @@ def _counts(obj: Any) -> torch.Tensor:
     """``[nan count, inf count]`` over every floating tensor in ``obj`` (fp32)."""
     out = torch.zeros(2)
     for _, t in iter_tensors(obj):
-        if _checked(t):
+        if continuous(t):
             t = t.detach()  # (a complex value counts once: NaN or inf in either part)
             out = out.to(t.device) + torch.stack([t.isnan().sum(), t.isinf().sum()]).float()
     return out
@@ -203,7 +192,7 @@ class _Tracker:
     def _in_absmax(self, args: Any, kwargs: Any) -> torch.Tensor | None:
         vals = []
         for _, t in iter_tensors((args, kwargs)):
-            if not _checked(t) or t.numel() == 0:
+            if not continuous(t) or t.numel() == 0:
                 continue
             v = self._known(t)
             if v is None:
@@ -284,7 +273,7 @@ class _Tracker:
             if not check_grads:
                 return
             for _, o in iter_tensors(output):
-                if not (o.requires_grad and _checked(o)):
+                if not (o.requires_grad and continuous(o)):
                     continue
                 known = tracker._cells.get(id(o))
                 if known is not None and known[0]() is o:  # a parent returning its child's output
@@ -424,11 +413,11 @@ def find_nonfinite(
         try:
             with tracker.scope:
                 args = map_tensors(
-                    lambda t: t.detach().requires_grad_() if backward and _checked(t) else t,
+                    lambda t: t.detach().requires_grad_() if backward and continuous(t) else t,
                     inputs,
                 )
                 kw = map_tensors(
-                    lambda t: t.detach().requires_grad_() if backward and _checked(t) else t,
+                    lambda t: t.detach().requires_grad_() if backward and continuous(t) else t,
                     kwargs,
                 )
                 with torch.enable_grad() if backward else torch.no_grad():
