@@ -7,6 +7,10 @@ DEMO   := $(VENV)/.installed-demo
 
 .PHONY: demo test test-fast lint bench docs clean venv
 
+# pip keeps no second copy of the wheels it downloads (torch's CUDA build and its libraries are
+# about 5.5 GB in the venv; a cache would double that on a fresh machine with a small disk)
+export PIP_NO_CACHE_DIR := 1
+
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml requirements-dev.txt requirements-nodeps.txt
