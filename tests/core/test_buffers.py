@@ -135,3 +135,32 @@ def test_state_kept_says_which_parameters_the_forward_changed_in_place():
         warnings.simplefilter("error")
         with state_kept(plain):
             plain(torch.randn(2, 4)).sum().backward()
+
+
+class _Rewrites(nn.Linear):
+    """A forward that deletes a plain attribute, adds a plain one, a tensor one and an object,
+    and replaces an object attribute by a number."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        del self.label
+        self.added_count = 3
+        self.added_tensor = x.sum()
+        self.added_object = object()
+        self.helper = 1.5
+        return super().forward(x)
+
+
+def test_attributes_deleted_added_or_retyped_by_the_forward_are_put_back_by_name():
+    """Checked against the module's ``__dict__`` copied by hand before the forward: a plain
+    attribute deleted comes back, plain ones added (a number, a tensor) are removed, an object
+    added is left (not state the restore knows), an object the forward replaced by a number
+    comes back (the restore deleted the attribute: the module lost it)."""
+    m = _Rewrites(2, 2)
+    m.label, m.helper = "first", object()
+    before = dict(m.__dict__)
+    with state_kept(m):
+        m(torch.ones(1, 2))
+    assert m.label == "first"
+    assert not hasattr(m, "added_count") and not hasattr(m, "added_tensor")
+    assert hasattr(m, "added_object")
+    assert {k: v for k, v in m.__dict__.items() if k != "added_object"} == before

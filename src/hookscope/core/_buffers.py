@@ -160,7 +160,8 @@ class Attributes:
     not the model's state). A configuration object the modules hold (a class named ``*Config``,
     such as Transformers' ``PretrainedConfig``, whose forward sets ``problem_type`` from the first
     labels it sees) has its plain values put back too. A tensor attribute is kept by value too (a forward may change it in
-    place). A plain attribute
+    place). A public attribute holding any other object (a list, a helper) that the forward
+    reassigned gets its object back. A plain attribute
     the forward added is removed on restore, unless its name starts with ``_``: a class's own
     bookkeeping that records state the restore does not undo (Transformers'
     ``_output_capturing_hooks_installed`` marks hooks it installed on the first forward that
@@ -188,26 +189,40 @@ class Attributes:
         # list of maps it appends to), and a configuration object it holds (Transformers'
         # PretrainedConfig: its forward sets config.problem_type from the first labels it
         # sees): the config's plain values, once each
-        self.attrs: list[tuple[nn.Module, dict[str, Any]]] = []
+        # (module, its plain attributes, the names its __dict__ had: a name added since is
+        # looked at on restore, the common case of none added costs one set comparison)
+        self.attrs: list[tuple[nn.Module, dict[str, Any], frozenset[str]]] = []
+        # (module, its public attributes holding other objects): put back by identity where the
+        # forward reassigned them (``self.maps = []``, ``self.helper = 1.5``)
+        self.objects: list[tuple[nn.Module, dict[str, Any]]] = []
         self.containers = containers = Containers(())
         self.configs: dict[int, tuple[Any, dict[str, Any]]] = {}
         seen: set[int] = set()
         kinds = _KINDS
         for m in modules:
             plain = {}
-            for k, v in m.__dict__.items():
-                kind = kinds.get(type(v)) or _kind(type(v))
-                if kind == _OTHER or k in INTERNALS:
+            objects = {}
+            d = m.__dict__
+            for k, v in d.items():
+                if k in INTERNALS:
                     continue
+                kind = kinds.get(type(v)) or _kind(type(v))
                 if kind <= _TENSOR:
                     plain[k] = v
-                elif kind == _CONFIG:
+                    continue
+                if k[:1] != "_":
+                    objects[k] = v
+                if kind == _OTHER:
+                    continue
+                if kind == _CONFIG:
                     if id(v) not in self.configs:
-                        d = object.__getattribute__(v, "__dict__")
-                        self.configs[id(v)] = (v, plain_attributes(d))
+                        cd = object.__getattribute__(v, "__dict__")
+                        self.configs[id(v)] = (v, plain_attributes(cd))
                 else:
                     containers._walk(v, seen, 0)
-            self.attrs.append((m, plain))
+            self.attrs.append((m, plain, frozenset(d)))
+            if objects:
+                self.objects.append((m, objects))
         # what each module holds besides: a forward that registers a parameter, a buffer or a
         # submodule, or materializes a lazy parameter, built the module; its plain attributes
         # then describe the built module (in_features), and putting them back would undo half
@@ -215,21 +230,35 @@ class Attributes:
         # tensor attributes (not buffers) a forward may change in place: their values, put back
         self.values = [
             (v, v._version, v.detach().clone())
-            for _, before in self.attrs
+            for _, before, _ in self.attrs
             for v in before.values()
             if isinstance(v, torch.Tensor) and not v.is_meta
         ]
 
     def restore(self) -> None:
-        built = {id(m) for m, held in self.built if _held(m) != held}
-        for m, before in self.attrs:
-            if id(m) in built:
+        built = {id(m) for m, held in self.built if not _holds(m, held)}
+        kinds = _KINDS
+        for m, before, names in self.attrs:
+            if built and id(m) in built:
                 continue
             d = m.__dict__
-            for k in plain_attributes(d).keys() - before.keys():
-                if not k.startswith("_"):
-                    del d[k]
+            if d.keys() != names:  # names added (or removed) since: the plain ones added go
+                for k in d.keys() - names:
+                    v = d[k]
+                    if (
+                        not k.startswith("_")
+                        and k not in INTERNALS
+                        and (kinds.get(type(v)) or _kind(type(v))) <= _TENSOR
+                    ):
+                        del d[k]
             for k, v in before.items():
+                if d.get(k, _ABSENT) is not v:
+                    d[k] = v
+        for m, objects in self.objects:
+            if built and id(m) in built:
+                continue
+            d = m.__dict__
+            for k, v in objects.items():
                 if d.get(k, _ABSENT) is not v:
                     d[k] = v
         self.containers.restore()
@@ -294,12 +323,29 @@ def _own_class(cls: type) -> bool:
 
 
 def _held(m: nn.Module) -> tuple[Any, ...]:
-    """The identities (and kinds) of the parameters, buffers and submodules ``m`` holds."""
+    """What ``m`` holds: its parameters, buffers and submodules (names and objects), and the
+    class of each parameter (a lazy one materialized changes class in place); compared with
+    :func:`_holds`, by identity."""
+    params = m._parameters
     return (
-        tuple((k, id(v), type(v)) for k, v in m._parameters.items()),
-        tuple((k, id(v)) for k, v in m._buffers.items()),
-        tuple((k, id(v)) for k, v in m._modules.items()),
+        list(params.items()),
+        [v.__class__ for v in params.values()],
+        list(m._buffers.items()),
+        list(m._modules.items()),
     )
+
+
+def _holds(m: nn.Module, held: tuple[Any, ...]) -> bool:
+    """Whether ``m`` still holds what :func:`_held` saw: the same names, the same objects (by
+    identity: a tensor is never compared by value), the same parameter classes."""
+    params, classes, buffers, modules = held
+    for now, then in ((m._parameters, params), (m._buffers, buffers), (m._modules, modules)):
+        if len(now) != len(then):
+            return False
+        for (k, v), (k0, v0) in zip(now.items(), then):
+            if v is not v0 or k != k0:
+                return False
+    return all(v.__class__ is c for v, c in zip(m._parameters.values(), classes))
 
 
 @contextmanager
@@ -348,15 +394,23 @@ class ParamVersions:
     :meth:`moved` names the ones changed in place since (:func:`state_kept` yields one)."""
 
     def __init__(self, model: nn.Module) -> None:
+        # the names are looked up only for a parameter that moved (rare): the model's walk of
+        # named_parameters costs as much as the rest of a state kept
+        self.model = model
+        lazy = nn.parameter.UninitializedParameter
         self.versions = [
-            (n, p, v)
-            for n, p in named_parameters(model)
-            if not isinstance(p, nn.parameter.UninitializedParameter)
-            and (v := version_of(p)) is not None
+            (p, v)
+            for p in model.parameters()
+            if not isinstance(p, lazy) and (v := version_of(p)) is not None
         ]
 
     def moved(self) -> list[str]:
-        return [n for n, p, v in self.versions if version_of(p) != v]
+        moved = {id(p) for p, v in self.versions if version_of(p) != v}
+        if not moved:
+            return []
+        names = {id(p): n for n, p in named_parameters(self.model)}
+        return [names.get(id(p), "<a parameter no longer in the model>") for p, _ in self.versions
+                if id(p) in moved]  # fmt: skip
 
 
 @contextmanager
