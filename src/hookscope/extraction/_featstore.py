@@ -142,15 +142,24 @@ def read_run(out: Path) -> dict[str, Any] | None:
     return read_json(state_dir(out) / RUN)
 
 
+def layer_dtype(run: dict[str, Any], layer: str) -> np.dtype:
+    """The numpy dtype ``layer``'s file holds: its own (``np_dtypes``); ``run["dtype"]``, the one
+    shared by every layer, is ``None`` when the layers differ (``np.dtype(None)`` is float64: a
+    complex layer beside a real one lost its imaginary part, an int64 layer was rounded)."""
+    per_layer = run.get("np_dtypes")
+    return np.dtype(per_layer[layer] if isinstance(per_layer, dict) else run["dtype"])
+
+
 def create_arrays(out: Path, run: dict[str, Any]) -> None:
     """Create (or overwrite) the ``.npy`` files of ``run``, pre-allocated, then write ``run.json``."""
     sdir = state_dir(out)
     if sdir.exists():
         shutil.rmtree(sdir)
     sdir.mkdir(parents=True)
-    count, dtype = run["count"], np.dtype(run["dtype"])
+    count = run["count"]
     for layer, fname in run["files"].items():
         path = out / fname
+        dtype = layer_dtype(run, layer)
         arr = open_memmap(path, mode="w+", dtype=dtype, shape=(count, *run["shapes"][layer]))
         size = arr.offset + arr.nbytes
         del arr
@@ -170,9 +179,9 @@ def create_arrays(out: Path, run: dict[str, Any]) -> None:
 def open_arrays(out: Path, run: dict[str, Any]) -> dict[str, np.memmap]:
     """Open the ``.npy`` files of an existing run for writing (``r+``), checking their headers."""
     arrays: dict[str, np.memmap] = {}
-    dtype = np.dtype(run["dtype"])
     for layer, fname in run["files"].items():
         path = out / fname
+        dtype = layer_dtype(run, layer)
         try:
             arr = open_memmap(path, mode="r+")
         except (OSError, ValueError) as e:
