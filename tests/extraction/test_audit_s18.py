@@ -4,6 +4,8 @@ resume that the fingerprint did not see. Every value is checked against a plain 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -69,3 +71,43 @@ def test_layers_of_different_dtypes_keep_each_its_own(tmp_path, dtype):
         assert got.dtype == kind, layer
         assert feats.manifest["dtypes"][layer] == np.dtype(kind).name
         np.testing.assert_array_equal(got, want[layer].numpy().astype(kind), err_msg=layer)
+
+
+class _Loud(nn.Module):
+    """Rows 0-3 stay within float16's range; rows 4-5 reach about 1e5; the second output holds
+    the model's own inf (float32 overflow in the forward itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.inf = nn.Linear(4, 4), nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        self.inf(y * 1e38 * 1e38)
+        return y
+
+
+def test_float16_overflow_is_refused_naming_the_layer(tmp_path):
+    """dtype=torch.float16 saved a layer's values above 65504 as inf, silently. Now the batch
+    holding them is refused (naming the layer and dtype=torch.float32), no manifest is written,
+    the batches before it are kept; a value that was already inf in the forward is saved as is."""
+    torch.manual_seed(0)
+    model = _Loud()
+    x = torch.randn(6, 4)
+    x[4:] *= 1e5
+    with torch.no_grad():
+        y = model.lin(x)
+    assert y[:4].abs().max() < 100 and y[4:].abs().max() > 65504
+    with pytest.raises(
+        hs.ExtractError, match=r"layer 'lin' has finite values beyond float16.*dtype=torch\.float32"
+    ):
+        hs.extract(model, TensorDataset(x), ["lin"], tmp_path / "h", batch_size=2,
+                   dtype=torch.float16, progress=False)  # fmt: skip
+    assert not (tmp_path / "h" / "manifest.json").exists()
+    state = tmp_path / "h" / ".hookscope-extract"
+    assert json.loads((state / "journal-0.json").read_text())["done"] == 2  # batches 0 and 1 kept
+    ok = hs.extract(model, TensorDataset(x[:4]), ["lin", "inf"], tmp_path / "ok", batch_size=2,
+                    dtype=torch.float16, progress=False)  # fmt: skip
+    np.testing.assert_array_equal(ok["lin"], y[:4].numpy().astype(np.float16))
+    np.testing.assert_array_equal(ok["inf"], (y[:4] * 1e38 * 1e38).numpy().astype(np.float16))
+    assert np.isinf(ok["inf"]).any()

@@ -132,6 +132,17 @@ def write_failed(out: Path, e: OSError) -> ExtractError:
     )
 
 
+def overflow_error(layer: str, dtype: np.dtype) -> ExtractError:
+    """A layer's finite values beyond the range of the ``dtype`` they are saved in (float16:
+    65504), which the cast turns into inf."""
+    return ExtractError(
+        f"extract: layer {layer!r} has finite values beyond {dtype.name}'s range "
+        f"(|x| > {float(np.finfo(dtype).max):g}) that would be saved as inf; pass "
+        "dtype=torch.float32 (or dtype=None: the layer's own dtype), or a pool that scales them; "
+        "the batches before this one are kept"
+    )
+
+
 # -- creating and opening the arrays ----------------------------------------------------------------
 def state_dir(out: Path) -> Path:
     return out / STATE_DIR
@@ -275,7 +286,7 @@ class WriteItem:
     sampler chose them): ``feats`` holds the rows of the samples at ``good`` (positions in the
     batch, ``None`` = all), the others are filled (skipped samples)."""
 
-    __slots__ = ("digest", "feats", "good", "n", "row0", "rows", "skipped")
+    __slots__ = ("digest", "feats", "good", "n", "overflow", "row0", "rows", "skipped")
 
     def __init__(
         self,
@@ -289,6 +300,9 @@ class WriteItem:
     ) -> None:
         self.row0, self.n, self.good, self.feats, self.skipped = row0, n, good, feats, skipped
         self.rows, self.digest = rows, digest
+        # {layer: (bool tensor, numpy storage dtype)}: a finite value became inf in the cast to the
+        # storage dtype; the batch is refused before any of its rows is written
+        self.overflow: dict[str, Any] = {}
 
 
 _STOP = object()
@@ -369,6 +383,10 @@ class Writer:
                     last = time.monotonic()
             except BaseException as e:  # re-raised in the main thread
                 self.error = e
+                try:  # the batches written before this one are kept (the journal says so)
+                    self._sync()
+                except BaseException:
+                    pass
         if self.error is None:
             try:
                 self._sync()
@@ -376,6 +394,9 @@ class Writer:
                 self.error = e
 
     def _write(self, item: WriteItem) -> None:
+        for layer, (flag, dtype) in item.overflow.items():
+            if bool(ready(flag)):
+                raise overflow_error(layer, np.dtype(dtype))
         r0, n = item.row0, item.n
         where: Any = slice(r0, r0 + n) if item.rows is None else np.asarray(item.rows)
         for layer, arr in self.arrays.items():

@@ -601,9 +601,11 @@ class Job:
         feats = self._forward(runner, batch.data) if batch.good else {}
         good = None if not batch.failed else batch.good
         rows = None if self.source.plan is None else batch.indices  # dataset indices
-        return WriteItem(
+        item = WriteItem(
             batch.indices[0], len(batch.indices), good, feats, skipped, rows, batch.digest
         )
+        item.overflow = {k: (v, np_dtype(runner.dtypes[k])) for k, v in runner.overflow.items()}
+        return item
 
     def _forward(self, runner: Runner, data: Any) -> dict[str, Any]:
         """One forward pass; the first of this process is checked for random draws (a stochastic
