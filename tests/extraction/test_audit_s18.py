@@ -111,3 +111,112 @@ def test_float16_overflow_is_refused_naming_the_layer(tmp_path):
     np.testing.assert_array_equal(ok["lin"], y[:4].numpy().astype(np.float16))
     np.testing.assert_array_equal(ok["inf"], (y[:4] * 1e38 * 1e38).numpy().astype(np.float16))
     assert np.isinf(ok["inf"]).any()
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones(4), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.mask
+
+
+_HEAD = nn.Linear(4, 3)
+
+
+def _scaled(t: torch.Tensor) -> torch.Tensor:
+    return t * 2
+
+
+def _bump_head(model: nn.Module) -> None:
+    with torch.no_grad():
+        _HEAD.weight.add_(1.0)
+
+
+def _rescale(model: nn.Module) -> None:
+    global _scaled
+
+    def _scaled(t: torch.Tensor) -> torch.Tensor:  # a new helper under the same name
+        return t * 3
+
+
+def _zero_mask(model: nn.Module) -> None:
+    model.mask.zero_()
+
+
+_CASES = {
+    # what changed between the run and its resume, the model, the layer, the pool, what is named
+    "LeakyReLU slope": (
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.LeakyReLU(0.1)),
+        lambda m: setattr(m[1], "negative_slope", 0.5),
+        "1",
+        None,
+        "model attributes",
+    ),
+    "BatchNorm eps": (
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+        lambda m: setattr(m[1], "eps", 10.0),
+        "1",
+        None,
+        "model attributes",
+    ),
+    "Softmax dim": (
+        lambda: nn.Sequential(nn.Linear(4, 4), nn.Unflatten(1, (2, 2)), nn.Softmax(dim=1)),
+        lambda m: setattr(m[2], "dim", 2),
+        "2",
+        None,
+        "model attributes",
+    ),
+    "non-persistent buffer": (_Masked, _zero_mask, "", None, "model weights"),
+    "global module in pool": (
+        lambda: nn.Sequential(nn.Linear(4, 4)),
+        _bump_head,
+        "0",
+        lambda t: _HEAD(t),
+        "pool function",
+    ),
+    "global function in pool": (
+        lambda: nn.Sequential(nn.Linear(4, 4)),
+        _rescale,
+        "0",
+        lambda t: _scaled(t),
+        "pool function",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_a_resume_after_a_change_the_fingerprint_missed_is_refused(tmp_path, case):
+    """A run interrupted after 2 batches, then resumed after a change that changes the features
+    (a PyTorch module's setting, a non-persistent buffer, a module or function the pool function
+    reads as a global): the resume went on silently, the file mixing the rows of two models.
+    Now it is refused, naming what changed; an unchanged resume equals a plain forward."""
+    make, change, layer, pool, named = _CASES[case]
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    model = make()
+    with pytest.raises(KeyboardInterrupt):
+        hs.extract(model, _Interrupting(TensorDataset(x), 4), [layer], tmp_path / "a",
+                   batch_size=2, pool=pool, progress=False)  # fmt: skip
+    change(model)
+    with pytest.raises(hs.ExtractError, match=f"unfinished extraction of another run.*{named}"):
+        hs.extract(model, TensorDataset(x), [layer], tmp_path / "a", batch_size=2, pool=pool,
+                   progress=False)  # fmt: skip
+    # the same sequence without a change resumes, to the values of a plain forward
+    torch.manual_seed(0)
+    model = make().eval()
+    with pytest.raises(KeyboardInterrupt):
+        hs.extract(model, _Interrupting(TensorDataset(x), 4), [layer], tmp_path / "b",
+                   batch_size=2, pool=pool, progress=False)  # fmt: skip
+    feats = hs.extract(model, TensorDataset(x), [layer], tmp_path / "b", batch_size=2, pool=pool,
+                       progress=False)  # fmt: skip
+    with torch.no_grad():
+        want = model.get_submodule(layer)
+        out = {}
+        h = want.register_forward_hook(lambda m, i, o: out.setdefault("o", o))
+        model(x)
+        h.remove()
+        ref = out["o"] if pool is None else pool(out["o"])
+    np.testing.assert_allclose(feats[layer], ref.numpy(), rtol=1e-6, atol=1e-6)
