@@ -220,3 +220,31 @@ def test_a_resume_after_a_change_the_fingerprint_missed_is_refused(tmp_path, cas
         h.remove()
         ref = out["o"] if pool is None else pool(out["o"])
     np.testing.assert_allclose(feats[layer], ref.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_load_features_refuses_a_file_cut_short_or_replaced(tmp_path):
+    """A feature file cut short (a copy that stopped) raised numpy's bare ValueError; one replaced
+    by an array of another shape or dtype (5 rows for 6 samples) was returned as is, its rows
+    no longer those of index.npy. Both are refused with an ExtractError naming the file; an
+    intact folder loads the values of a plain forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(6, 4)
+    hs.extract(model, TensorDataset(x), ["0", "1"], tmp_path, batch_size=4, progress=False)
+    with torch.no_grad():
+        want = model[0](x).numpy()
+    np.testing.assert_array_equal(hs.load_features(tmp_path)["0"], want)
+    path = tmp_path / "0.npy"
+    good = path.read_bytes()
+    path.write_bytes(good[:-20])
+    with pytest.raises(hs.ExtractError, match=r"0\.npy cannot be read.*cut short"):
+        hs.load_features(tmp_path)["0"]
+    for bad in (np.zeros((5, 4), np.float32), np.zeros((6, 4), np.float16)):
+        np.save(path, bad)
+        with pytest.raises(
+            hs.ExtractError, match=r"0\.npy holds an array of shape .* says \(6, 4\)"
+        ):
+            hs.load_features(tmp_path)["0"]
+    np.save(tmp_path / "index.npy", np.arange(5))
+    with pytest.raises(hs.ExtractError, match=r"index\.npy holds an array of shape \(5,\)"):
+        hs.load_features(tmp_path)

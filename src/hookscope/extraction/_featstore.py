@@ -472,7 +472,7 @@ class Features(Mapping[str, np.ndarray]):
             raise ExtractError(f"{self.path / MANIFEST} is not a hookscope features manifest")
         self.manifest: dict[str, Any] = manifest
         self.layers: list[str] = list(manifest["layers"])
-        self.index: np.ndarray = np.load(self.path / manifest["index"], mmap_mode="r")
+        self.index: np.ndarray = self._open(manifest["index"], (int(manifest["count"]),), None)
         self.skipped: list[dict[str, Any]] = list(manifest["skipped"])
         self._arrays: dict[str, np.ndarray] = {}
 
@@ -483,8 +483,42 @@ class Features(Mapping[str, np.ndarray]):
                 raise KeyError(
                     f"{layer!r} was not extracted; layers in {self.path}: {', '.join(map(repr, self.layers))}"
                 )
-            arr = self._arrays[layer] = np.load(
-                self.path / self.manifest["files"][layer], mmap_mode="r"
+            m = self.manifest
+            dtypes = m.get("dtypes") if isinstance(m.get("dtypes"), dict) else {}
+            arr = self._arrays[layer] = self._open(
+                m["files"][layer], tuple(m["shapes"][layer]), dtypes.get(layer, m.get("dtype"))
+            )
+        return arr
+
+    def _open(self, fname: str, shape: tuple[int, ...], dtype: str | None) -> np.ndarray:
+        """``fname`` memory-mapped, checked against the manifest: a file cut short (a copy that
+        stopped, a full disk) or replaced by another array is refused, naming it."""
+        path = self.path / fname
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise ExtractError(
+                f"{path} cannot be read ({type(e).__name__}: {e}): the file is damaged or cut "
+                "short; extract again (resume=False) or restore the folder"
+            ) from None
+        if (
+            arr.shape == shape
+            and dtype is not None
+            and arr.dtype == np.float64
+            and np.dtype(dtype) != np.float64
+            and self.manifest.get("dtype") is None
+        ):
+            raise ExtractError(
+                f"{path} was written by a hookscope that stored layers of different dtypes all as "
+                f"float64 (this layer's are {dtype}: complex values lost their imaginary part, "
+                "int64 ones were rounded); extract again (resume=False)"
+            )
+        if arr.shape != shape or (dtype is not None and arr.dtype != np.dtype(dtype)):
+            want = f"{shape} {dtype}" if dtype is not None else f"{shape}"
+            raise ExtractError(
+                f"{path} holds an array of shape {arr.shape} {arr.dtype} where {self.path / MANIFEST} "
+                f"says {want}: it was replaced or damaged; extract again (resume=False) or restore "
+                "the folder"
             )
         return arr
 
