@@ -88,6 +88,15 @@ def hash_code(h: Any, code: types.CodeType) -> None:
             h.update(_const(c).encode())
 
 
+def _names(code: types.CodeType) -> list[str]:
+    """The global names ``code`` and the code nested in it (a lambda, a comprehension) read."""
+    names = list(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names += [n for n in _names(c) if n not in names]
+    return names
+
+
 def _const(c: Any) -> str:
     """A constant's text, the same in every process (a frozenset's repr follows string hashing,
     which is randomized per process)."""
@@ -129,10 +138,25 @@ def _callable(h: Any, fn: Any, depth: int) -> None:
                 _update(h, cell.cell_contents, depth + 1)
             except ValueError:  # an empty cell
                 h.update(b"empty")
-        # module-level values it reads (a constant, a tensor), not modules and functions
-        for name in fn.__code__.co_names:
+        # module-level values it reads (a constant, a tensor, an nn.Module with its weights, a
+        # function with its code), not Python modules and classes
+        for name in _names(fn.__code__):
             g = fn.__globals__.get(name)
-            if isinstance(g, (bool, int, float, str, torch.Tensor, np.ndarray, tuple, list, dict)):
+            if isinstance(
+                g,
+                (
+                    bool,
+                    int,
+                    float,
+                    str,
+                    torch.Tensor,
+                    np.ndarray,
+                    tuple,
+                    list,
+                    dict,
+                    torch.nn.Module,
+                ),
+            ) or (isinstance(g, types.FunctionType) and depth < _DEPTH):
                 h.update(name.encode())
                 _update(h, g, depth + 1)
     elif fn is not None:

@@ -69,8 +69,10 @@ def extract(
     it, and a resume re-reads the finished batches (without running the model) and compares. Other
     data, another transform or another sample order make it refuse with an :class:`ExtractError`
     (pass ``resume=False`` to recompute, or use another ``out``): the features are never returned
-    stale or mixed. A change of model weights, layers, pooling (a custom ``pool`` function's code,
-    defaults and closure values included), dtype or batch size is refused the same way, the
+    stale or mixed. A change of model weights (non-persistent buffers included), module settings
+    (``LeakyReLU.negative_slope``, ``BatchNorm.eps``, a float of your own modules), layers,
+    pooling (a custom ``pool`` function's code, defaults, closure values and the globals it reads,
+    an ``nn.Module`` or a function included), dtype or batch size is refused the same way, the
     message naming what changed. A forward that draws random numbers (functional dropout, which
     ``model.eval()`` does not turn off) is refused at its first batch: its features would differ
     at every run, and a resume would mix draws.

@@ -132,6 +132,17 @@ def write_failed(out: Path, e: OSError) -> ExtractError:
     )
 
 
+def overflow_error(layer: str, dtype: np.dtype) -> ExtractError:
+    """A layer's finite values beyond the range of the ``dtype`` they are saved in (float16:
+    65504), which the cast turns into inf."""
+    return ExtractError(
+        f"extract: layer {layer!r} has finite values beyond {dtype.name}'s range "
+        f"(|x| > {float(np.finfo(dtype).max):g}) that would be saved as inf; pass "
+        "dtype=torch.float32 (or dtype=None: the layer's own dtype), or a pool that scales them; "
+        "the batches before this one are kept"
+    )
+
+
 # -- creating and opening the arrays ----------------------------------------------------------------
 def state_dir(out: Path) -> Path:
     return out / STATE_DIR
@@ -142,15 +153,24 @@ def read_run(out: Path) -> dict[str, Any] | None:
     return read_json(state_dir(out) / RUN)
 
 
+def layer_dtype(run: dict[str, Any], layer: str) -> np.dtype:
+    """The numpy dtype ``layer``'s file holds: its own (``np_dtypes``); ``run["dtype"]``, the one
+    shared by every layer, is ``None`` when the layers differ (``np.dtype(None)`` is float64: a
+    complex layer beside a real one lost its imaginary part, an int64 layer was rounded)."""
+    per_layer = run.get("np_dtypes")
+    return np.dtype(per_layer[layer] if isinstance(per_layer, dict) else run["dtype"])
+
+
 def create_arrays(out: Path, run: dict[str, Any]) -> None:
     """Create (or overwrite) the ``.npy`` files of ``run``, pre-allocated, then write ``run.json``."""
     sdir = state_dir(out)
     if sdir.exists():
         shutil.rmtree(sdir)
     sdir.mkdir(parents=True)
-    count, dtype = run["count"], np.dtype(run["dtype"])
+    count = run["count"]
     for layer, fname in run["files"].items():
         path = out / fname
+        dtype = layer_dtype(run, layer)
         arr = open_memmap(path, mode="w+", dtype=dtype, shape=(count, *run["shapes"][layer]))
         size = arr.offset + arr.nbytes
         del arr
@@ -170,9 +190,9 @@ def create_arrays(out: Path, run: dict[str, Any]) -> None:
 def open_arrays(out: Path, run: dict[str, Any]) -> dict[str, np.memmap]:
     """Open the ``.npy`` files of an existing run for writing (``r+``), checking their headers."""
     arrays: dict[str, np.memmap] = {}
-    dtype = np.dtype(run["dtype"])
     for layer, fname in run["files"].items():
         path = out / fname
+        dtype = layer_dtype(run, layer)
         try:
             arr = open_memmap(path, mode="r+")
         except (OSError, ValueError) as e:
@@ -266,7 +286,7 @@ class WriteItem:
     sampler chose them): ``feats`` holds the rows of the samples at ``good`` (positions in the
     batch, ``None`` = all), the others are filled (skipped samples)."""
 
-    __slots__ = ("digest", "feats", "good", "n", "row0", "rows", "skipped")
+    __slots__ = ("digest", "feats", "good", "n", "overflow", "row0", "rows", "skipped")
 
     def __init__(
         self,
@@ -280,6 +300,9 @@ class WriteItem:
     ) -> None:
         self.row0, self.n, self.good, self.feats, self.skipped = row0, n, good, feats, skipped
         self.rows, self.digest = rows, digest
+        # {layer: (bool tensor, numpy storage dtype)}: a finite value became inf in the cast to the
+        # storage dtype; the batch is refused before any of its rows is written
+        self.overflow: dict[str, Any] = {}
 
 
 _STOP = object()
@@ -360,6 +383,10 @@ class Writer:
                     last = time.monotonic()
             except BaseException as e:  # re-raised in the main thread
                 self.error = e
+                try:  # the batches written before this one are kept (the journal says so)
+                    self._sync()
+                except BaseException:
+                    pass
         if self.error is None:
             try:
                 self._sync()
@@ -367,6 +394,9 @@ class Writer:
                 self.error = e
 
     def _write(self, item: WriteItem) -> None:
+        for layer, (flag, dtype) in item.overflow.items():
+            if bool(ready(flag)):
+                raise overflow_error(layer, np.dtype(dtype))
         r0, n = item.row0, item.n
         where: Any = slice(r0, r0 + n) if item.rows is None else np.asarray(item.rows)
         for layer, arr in self.arrays.items():
@@ -442,7 +472,7 @@ class Features(Mapping[str, np.ndarray]):
             raise ExtractError(f"{self.path / MANIFEST} is not a hookscope features manifest")
         self.manifest: dict[str, Any] = manifest
         self.layers: list[str] = list(manifest["layers"])
-        self.index: np.ndarray = np.load(self.path / manifest["index"], mmap_mode="r")
+        self.index: np.ndarray = self._open(manifest["index"], (int(manifest["count"]),), None)
         self.skipped: list[dict[str, Any]] = list(manifest["skipped"])
         self._arrays: dict[str, np.ndarray] = {}
 
@@ -453,8 +483,42 @@ class Features(Mapping[str, np.ndarray]):
                 raise KeyError(
                     f"{layer!r} was not extracted; layers in {self.path}: {', '.join(map(repr, self.layers))}"
                 )
-            arr = self._arrays[layer] = np.load(
-                self.path / self.manifest["files"][layer], mmap_mode="r"
+            m = self.manifest
+            dtypes = m.get("dtypes") if isinstance(m.get("dtypes"), dict) else {}
+            arr = self._arrays[layer] = self._open(
+                m["files"][layer], tuple(m["shapes"][layer]), dtypes.get(layer, m.get("dtype"))
+            )
+        return arr
+
+    def _open(self, fname: str, shape: tuple[int, ...], dtype: str | None) -> np.ndarray:
+        """``fname`` memory-mapped, checked against the manifest: a file cut short (a copy that
+        stopped, a full disk) or replaced by another array is refused, naming it."""
+        path = self.path / fname
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as e:
+            raise ExtractError(
+                f"{path} cannot be read ({type(e).__name__}: {e}): the file is damaged or cut "
+                "short; extract again (resume=False) or restore the folder"
+            ) from None
+        if (
+            arr.shape == shape
+            and dtype is not None
+            and arr.dtype == np.float64
+            and np.dtype(dtype) != np.float64
+            and self.manifest.get("dtype") is None
+        ):
+            raise ExtractError(
+                f"{path} was written by a hookscope that stored layers of different dtypes all as "
+                f"float64 (this layer's are {dtype}: complex values lost their imaginary part, "
+                "int64 ones were rounded); extract again (resume=False)"
+            )
+        if arr.shape != shape or (dtype is not None and arr.dtype != np.dtype(dtype)):
+            want = f"{shape} {dtype}" if dtype is not None else f"{shape}"
+            raise ExtractError(
+                f"{path} holds an array of shape {arr.shape} {arr.dtype} where {self.path / MANIFEST} "
+                f"says {want}: it was replaced or damaged; extract again (resume=False) or restore "
+                "the folder"
             )
         return arr
 

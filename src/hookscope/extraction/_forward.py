@@ -88,6 +88,17 @@ def np_dtype(dtype: torch.dtype) -> np.dtype:
     return np.dtype(torch.empty(0, dtype=dtype).numpy().dtype)
 
 
+def _may_overflow(src: torch.dtype, dst: torch.dtype) -> bool:
+    """A cast from ``src`` to the floating ``dst`` can turn a finite value into inf."""
+    if not dst.is_floating_point or src == torch.bool:
+        return False
+    if src.is_floating_point:
+        return torch.finfo(src).max > torch.finfo(dst).max
+    if src.is_complex:
+        return False  # extract saves complex layers as complex (see _saved_as)
+    return torch.iinfo(src).max > torch.finfo(dst).max
+
+
 class Runner:
     """One forward pass per batch with a hook per layer: pool, cast, copy to host, stop early."""
 
@@ -101,6 +112,9 @@ class Runner:
         self.model, self.named, self.pool, self.device = model, named, pool, device
         self.dtypes: dict[str, torch.dtype] = {}
         self.host = torch.device("cpu")
+        # {layer: bool tensor}: the last call's cast to the storage dtype turned a finite value
+        # into inf (float16 holds at most 65504)
+        self.overflow: dict[str, Any] = {}
 
     def _hook(
         self, name: str, got: dict[str, Any], pending: set[str], scope: HookScope
@@ -116,7 +130,15 @@ class Runner:
             f = self.pool(t, name)
             want = self.dtypes.get(name, torch.float32 if f.dtype == torch.bfloat16 else f.dtype)
             if f.dtype != want:
-                f = f.to(want)
+                cast = f.to(want)
+                if _may_overflow(f.dtype, want):
+                    # a finite value beyond the storage dtype's range becomes inf: flagged on the
+                    # device (no sync here), checked before the batch is written
+                    over = torch.isinf(cast).logical_and_(torch.isfinite(f)).any()
+                    self.overflow[name] = (
+                        move(over, self.host) if over.device != self.host else over
+                    )
+                f = cast
             pending.discard(name)
             if pending and f.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
                 f = f.clone()  # the rest of the forward pass may modify the activation in place
@@ -128,6 +150,7 @@ class Runner:
 
     def __call__(self, data: Any) -> dict[str, Any]:
         got: dict[str, Any] = {}
+        self.overflow = {}
         pending = set(self.named)
         with HookScope("extract") as scope:
             for name, module in self.named.items():

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader
 
-from ..core._buffers import plain_attributes, state_kept
+from ..core._buffers import INTERNALS, plain_attributes, state_kept
 from ..core._errors import HookscopeWarning
 from ..core._progress import progress_bar
 from ..core._random import random_draws, training_modules
@@ -105,7 +105,10 @@ def _weights(model: nn.Module) -> str:
     changed value anywhere, one unit ablated, changes the fingerprint; ~64 sampled values per
     tensor missed such changes and a resume mixed two models' features), device-independent."""
     h = hashlib.sha256()
-    for k, v in model.state_dict().items():
+    state = model.state_dict()
+    # non-persistent buffers too (a mask, a rotary table): the forward reads them as well
+    extra = {f"~{k}": v for k, v in model.named_buffers() if k not in state and v is not None}
+    for k, v in (*state.items(), *extra.items()):
         h.update(f"{k}:{tuple(v.shape)}:{v.dtype}:".encode())
         if not v.numel() or v.is_meta:
             continue
@@ -118,20 +121,37 @@ def _weights(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+_SETTING = (bool, int, float, str, type(None))
+
+
+def _setting(v: Any) -> bool:
+    """A PyTorch module's setting: a number, a string, ``None`` or a tuple of them (a kernel size)."""
+    if v.__class__ is tuple:
+        return all(x.__class__ in _SETTING for x in v)
+    return v.__class__ in _SETTING
+
+
 def _attributes(model: nn.Module) -> str:
-    """The float and string attributes of the model's own module classes, which a forward may
-    read (a temperature, a scale, a mode): changing one changes the features. Ints and bools are
-    left out: a forward changes those itself (a call counter, a flag set once), and a resume
-    must not read that as another run."""
+    """The attributes a forward reads beside the weights, which change the features: the float
+    and string attributes of the model's own module classes (a temperature, a scale, a mode;
+    their ints and bools are left out: a forward changes those itself, a call counter, a flag
+    set once, and a resume must not read that as another run), and every setting of PyTorch's
+    modules (``LeakyReLU.negative_slope``, ``BatchNorm.eps``, ``Softmax.dim``: they never change
+    them in a forward, and a change between a run and its resume mixed two models' features)."""
     h = hashlib.sha256()
     for name, m in model.named_modules():
         if type(m).__module__.startswith("torch."):
-            continue
-        plain = {
-            k: v
-            for k, v in plain_attributes(m.__dict__).items()
-            if v.__class__ in (float, str) and k != "training"
-        }
+            plain = {
+                k: v
+                for k, v in m.__dict__.items()
+                if k not in INTERNALS and k != "training" and _setting(v)
+            }
+        else:
+            plain = {
+                k: v
+                for k, v in plain_attributes(m.__dict__).items()
+                if v.__class__ in (float, str) and k != "training"
+            }
         if plain:
             h.update(f"{name}:{sorted(plain.items(), key=lambda kv: kv[0])!r};".encode())
     return h.hexdigest()
@@ -154,7 +174,7 @@ def _code_of(model: nn.Module) -> str:
 _FIELDS = {
     "model": "model class",
     "weights": "model weights",
-    "attributes": "model attributes (floats and strings its modules hold)",
+    "attributes": "model attributes (settings of its modules: LeakyReLU's slope, a temperature)",
     "code": "model code (a forward changed)",
     "layers": "layers",
     "pool": "pool",
@@ -601,9 +621,11 @@ class Job:
         feats = self._forward(runner, batch.data) if batch.good else {}
         good = None if not batch.failed else batch.good
         rows = None if self.source.plan is None else batch.indices  # dataset indices
-        return WriteItem(
+        item = WriteItem(
             batch.indices[0], len(batch.indices), good, feats, skipped, rows, batch.digest
         )
+        item.overflow = {k: (v, np_dtype(runner.dtypes[k])) for k, v in runner.overflow.items()}
+        return item
 
     def _forward(self, runner: Runner, data: Any) -> dict[str, Any]:
         """One forward pass; the first of this process is checked for random draws (a stochastic

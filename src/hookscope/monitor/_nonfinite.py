@@ -368,6 +368,27 @@ class _Tracker:
         return None, extra_vals
 
 
+def _param_origin(
+    tracker: _Tracker,
+    params: list[tuple[str, nn.Parameter]],
+    order: list[int],
+    values: list[list[float]],
+) -> NonFiniteOrigin | None:
+    """The first parameter gradient (in the order autograd computed them) that is NaN/Inf while
+    every activation gradient was finite: made by the backward of the module holding it (a
+    ``sqrt(w)`` at ``w = 0``), reported on that module with the parameter named in ``stats``."""
+    for j in [*order, *(j for j in range(len(params)) if j not in order)]:
+        v = _absmax_host(values[j])
+        s = _state(v)
+        name, _, pname = params[j][0].rpartition(".")
+        if s and not (s == 1 and name in tracker.allowed):
+            return NonFiniteOrigin(
+                name, "backward", 0, _KIND[s], tracker.types.get(name, ""),
+                {f"grad_{pname}_absmax": v},
+            )  # fmt: skip
+    return None
+
+
 def find_nonfinite(
     model: nn.Module,
     *inputs: Any,
@@ -392,6 +413,11 @@ def find_nonfinite(
         backward: also check the backward pass.
         allow: layers allowed to produce infinities (names, globs, types; :data:`INPUT` for the
             model input), e.g. a layer filling an attention mask with ``-inf``. NaN is never allowed.
+
+    A parameter's gradient that is NaN/Inf while every activation gradient stayed finite (a
+    ``torch.sqrt(self.w)`` at ``w = 0``: its gradient is Inf, the input's is not) is reported on
+    the module holding the parameter (phase ``"backward"``, call 0), ``stats`` naming it:
+    ``{"grad_w_absmax": inf}``.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -443,10 +469,20 @@ def find_nonfinite(
                         )
                 if loss is None or not loss.requires_grad:
                     return None
-                leaves = [p for p in model.parameters() if p.requires_grad]
+                params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+                order: list[int] = []  # the parameters in the order autograd reached them
+                for j, (n, p) in enumerate(params):
+                    tracker.scope.add_tensor_hook(
+                        p, lambda g, j=j: order.append(j), layer=n.rpartition(".")[0]
+                    )
+                leaves = [p for _, p in params]
                 leaves += [t for _, t in iter_tensors((args, kw)) if t.requires_grad]
-                torch.autograd.grad(loss, leaves, allow_unused=True)
-                origin, _ = tracker.locate()
+                grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+                zero = torch.zeros(2)
+                pmax = [(_absmax(g) if g is not None else None) for g in grads[: len(params)]]
+                origin, pvals = tracker.locate([v if v is not None else zero for v in pmax])
+                if origin is None:
+                    origin = _param_origin(tracker, params, order, pvals)
                 return origin
         finally:
             tracker.scope.remove()
