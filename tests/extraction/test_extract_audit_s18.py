@@ -248,3 +248,24 @@ def test_load_features_refuses_a_file_cut_short_or_replaced(tmp_path):
     np.save(tmp_path / "index.npy", np.arange(5))
     with pytest.raises(hs.ExtractError, match=r"index\.npy holds an array of shape \(5,\)"):
         hs.load_features(tmp_path)
+
+
+def test_a_folder_of_an_earlier_fingerprint_scheme_is_named_as_such(tmp_path):
+    """The fingerprint now covers more (PyTorch modules' settings, non-persistent buffers): a
+    finished folder an earlier hookscope wrote (its fields without ``scheme``, another hash) is
+    refused as before, but named as another version's, not as a run whose model weights and
+    attributes changed (which the user did not change)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.LeakyReLU(0.1))
+    data = TensorDataset(torch.randn(6, 4))
+    hs.extract(model, data, ["1"], tmp_path, batch_size=3)
+    path = tmp_path / "manifest.json"
+    manifest = json.loads(path.read_text())
+    fields = manifest["fingerprint_fields"]
+    del fields["scheme"]
+    fields["weights"] = fields["attributes"] = "an earlier hash"
+    manifest["fingerprint"] = "0" * 24
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(hs.ExtractError, match=r"another hookscope version") as got:
+        hs.extract(model, data, ["1"], tmp_path, batch_size=3)
+    assert "weights" not in str(got.value)

@@ -170,6 +170,10 @@ def _code_of(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+# the version of what a run's fingerprint covers (see Job._fields): a folder written under
+# another one is named as such, not as a run whose model changed
+FINGERPRINT_SCHEME = 2
+
 # the fields of a run's fingerprint, as messages name them; those shown with their values
 _FIELDS = {
     "model": "model class",
@@ -219,6 +223,11 @@ def fingerprint_changes(before: Any, now: dict[str, Any]) -> str:
         return (
             "model, its weights, layers, pool, dtype, batch size or data (the folder does not say "
             "which)"
+        )
+    if before.get("scheme") != now.get("scheme"):
+        return (
+            "fingerprint (the folder was written by another hookscope version, whose fingerprint "
+            "covers other settings: its run cannot be checked against this one)"
         )
     parts = []
     for key, what in _FIELDS.items():
@@ -345,6 +354,9 @@ class Job:
             "count": src.n,
             "batch_size": src.batch_size,
             "index": hashlib.sha256(src.index.tobytes()).hexdigest(),
+            # what the fingerprint covers, by hookscope version (2: PyTorch modules' settings,
+            # non-persistent buffers, a pool's globals): a folder of another scheme is named so
+            "scheme": FINGERPRINT_SCHEME,
         }
         if src.plan is not None:  # a sampler chose the rows
             desc["rows"] = hashlib.sha256(src.plan.tobytes()).hexdigest()
