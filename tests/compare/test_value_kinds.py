@@ -348,3 +348,58 @@ def test_an_object_a_call_returned_is_kept_as_it_was_when_the_call_ended():
     assert report.row("enc").error == pytest.approx(want, rel=1e-5) and want > 0.01
     assert report.culprit != "" and report.first_divergent == "enc", report
     assert any("'enc'" in s for s in said), said
+
+
+def _quantized_pair() -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PyTorch's deprecation of torch.ao quantization)
+        b = torch.ao.quantization.quantize_dynamic(copy.deepcopy(a), {nn.Linear}, torch.qint8)
+    return a, b, torch.randn(4, 32)
+
+
+def test_a_dynamically_quantized_b_is_said_and_its_gradients_are_refused():
+    """``quantize_dynamic``'s int8 Linear layers add quantization's error (measured here by hand:
+    the first layer's output against A's, ~1e-2, far above float32's tolerance): compare named
+    them with float32 tolerances and said nothing of why. With ``loss_fn``, PyTorch's quantized
+    kernel has no backward (the gradient of its input is None, checked by hand), so every
+    gradient before it would be missing and compared nowhere, silently: refused by name."""
+    a, b, x = _quantized_pair()
+    with torch.no_grad():
+        by_hand = float((b[0](x) - a[0](x)).norm() / a[0](x).norm())
+    assert by_hand > 1e-3
+    with pytest.warns(hs.HookscopeWarning, match=r"'0', '2' \(torch\.ao\.nn\.quantized\.dynamic"):
+        report = hs.compare(a, b, x)
+    assert report.culprit == "0" and abs(report.row("0").local_error - by_hand) < 1e-6
+    assert any("quantized" in n for n in report.notes)
+    xg = x.clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        b(xg).sum().backward()
+    assert xg.grad is None  # (the gradient stops at the quantized kernel)
+    with pytest.raises(hs.CompareError, match=r"quantized modules '0', '2'.*no backward"):
+        hs.compare(a, b, x, loss_fn=lambda o: o.pow(2).sum())
+
+
+def test_a_record_of_a_backward_through_quantized_modules_is_refused(tmp_path):
+    """hs.record of a quantized model with a backward in the block: no gradient reached the
+    modules before the quantized ones (None, as PyTorch's kernel has no backward), so the record
+    would hold gradients missing where a comparison reads them as not given: refused, nothing
+    written. A forward-only record is made and compares (forward) with the float model."""
+    a, b, x = _quantized_pair()
+    x = x.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PyTorch: no autograd kernel for the quantized op)
+        with (
+            pytest.raises(hs.CompareError, match=r"quantized modules '0', '2'"),
+            hs.record(b, tmp_path / "grads"),
+        ):
+            b(x).pow(2).sum().backward()
+    assert not (tmp_path / "grads" / "index.json").exists()
+    b.zero_grad(set_to_none=True)
+    with hs.record(b, tmp_path / "fwd"):
+        b(x)
+    with pytest.warns(hs.HookscopeWarning, match=r"b's modules '0', '2' \(torch\.ao"):
+        report = hs.compare(a, tmp_path / "fwd", x.detach())
+    assert report.first_divergent == "0" and any("quantized" in n for n in report.notes)

@@ -22,7 +22,7 @@ from ..core._select import suggest
 from ..core._signature import forward_parameters
 from ._ranks import REDUCTIONS
 from ._record import of_ranks
-from ._run import CompareError, RunRecord
+from ._run import CompareError, RunRecord, quantized_shown
 from ._tolerance import lower, rel_pairs, tolerance
 
 __all__ = ["check_arguments", "check_hooks_ran", "check_loss", "check_names", "check_reduction"]
@@ -100,6 +100,35 @@ def check_kinds(a: nn.Module, b: nn.Module, to_b: Callable[[str], str | None]) -
             HookscopeWarning,
             stacklevel=3,
         )
+
+
+def check_quantized(model: Any, what: str, grads: bool) -> str | None:
+    """A model with quantized modules (live, or a record that says so): their kernels have no
+    backward in PyTorch (the gradient stops there, ``None`` upstream, with only PyTorch's
+    generic warning), so with ``loss_fn`` the gradients of every module before them would be
+    missing and compared nowhere: a live one is refused (:class:`~._record.Record` refuses a
+    backward through them). Without it: a warning, and the report's note (returned), that
+    their errors include quantization's, which the tolerances of the float dtypes do not allow
+    for (they are flagged by it)."""
+    shown = model.quantized if isinstance(model, RunRecord) else None
+    if isinstance(model, nn.Module):
+        shown = quantized_shown(model)
+        if shown and grads:
+            raise CompareError(
+                f"hs.compare: model {what!r} has quantized modules {shown}: PyTorch's quantized "
+                "kernels have no backward, so no gradient reaches the modules before them and "
+                "the gradients could not be compared; compare without loss_fn (forward only), "
+                "or compare the float model with loss_fn"
+            )
+    if not shown:
+        return None
+    why = (
+        f"{what}'s modules {shown} are quantized: they compute with quantization's error, which "
+        "the tolerances of the float dtypes do not allow for, so they are flagged by it; to find "
+        "a fault in a quantized model, compare it with a model quantized the same way"
+    )
+    warnings.warn(f"hs.compare: {why}", HookscopeWarning, stacklevel=3)
+    return why
 
 
 def check_modes(ra: RunRecord, rb: RunRecord, names: Any) -> None:

@@ -26,6 +26,7 @@ from ._checks import (
     check_loss,
     check_modes,
     check_names,
+    check_quantized,
 )
 from ._forced import Forced, forced_pass
 from ._record import load_record, unwrapped, weights_crc
@@ -1308,12 +1309,23 @@ def compare(
                 sb, args=inputs, kwargs=kwargs
             )  # the caller's own, to check
             check_arguments(a, b, given, names, loss_reduction)
+            quantized = [
+                why
+                for m, what in ((a, "a"), (b, "b"))
+                if isinstance(m, nn.Module)
+                and (why := check_quantized(m, what, loss_fn is not None)) is not None
+            ]
             reduction = loss_reduction or "mean"
             ra = _side(a, "a", sa, reduction)
             collections.phase()
             rb = _side(b, "b", sb, reduction)
             collections.phase()
             _check_records(ra, rb, given)
+            quantized += [
+                why
+                for rec, what in ((ra, "a"), (rb, "b"))
+                if rec.modules is None and (why := check_quantized(rec, what, False)) is not None
+            ]
             _check_moved(ra, b, _name_map(names))
             if isinstance(a, nn.Module):
                 _check_moved(rb, a, lambda n: n)
@@ -1347,6 +1359,7 @@ def compare(
                 )
             job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
             job.phase = collections.phase
+            job.notes.extend(quantized)
             with contextlib.ExitStack() as stack:
                 for m in (a, b):
                     if isinstance(m, nn.Module):

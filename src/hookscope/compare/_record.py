@@ -58,6 +58,7 @@ from ._run import (
     in_place_compiled,
     model_dtype,
     modes_of,
+    quantized_shown,
 )
 from ._store import SPOOL, Spool, SpoolReader, ValueStore, _describe, _raw, cpu_copy
 
@@ -191,6 +192,8 @@ class Record:
             return
         hooks.checked(None)
         why = self._refused(hooks, spool)
+        if why is None and hooks.grads:
+            why = self._quantized()
         if why is not None:  # no record: a run it cannot hold as one forward and its backward
             spool.path.unlink(missing_ok=True)
             raise CompareError(f"hs.record: {why}; nothing was written to {str(self._dir)!r}")
@@ -214,6 +217,8 @@ class Record:
             "lost": hooks.lost,
             "elsewhere": hooks.elsewhere,
             "modes": modes_of(self._model),
+            # its quantized modules (compare says their errors are quantization's)
+            "quantized": quantized_shown(self._model),
             # parameters used outside the model's call with gradients on (a loss term on them)
             "outside": sorted(self._watch.outside.used) if self._watch.outside else [],
             # calls whose handed-on values the loss used besides the model's output (an
@@ -235,6 +240,18 @@ class Record:
         tmp.write_text(json.dumps(index))
         os.replace(tmp, self._dir / "index.json")
         self.calls = len(hooks.entries)
+
+    def _quantized(self) -> str | None:
+        """A backward through quantized modules: PyTorch's quantized kernels have none, so no
+        gradient reached the modules before them (recorded as missing: compared nowhere)."""
+        shown = quantized_shown(self._model)
+        if not shown:
+            return None
+        return (
+            f"the block ran a backward through quantized modules {shown}: PyTorch's quantized "
+            "kernels have no backward, so no gradient reached the modules before them; record "
+            "the forward only (no backward in the block), or record the float model"
+        )
 
     def _leave_mode(self) -> None:
         """Take the watch's torch function mode off the stack (where it is: the block may have
@@ -927,4 +944,5 @@ def _load_one(path: Path) -> RunRecord:
         outside=set(index.get("outside") or ()),
         loss_inside=set(index.get("loss_inside") or ()),
         moved=dict(index.get("moved") or {}),
+        quantized=str(index.get("quantized") or ""),
     )

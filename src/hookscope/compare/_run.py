@@ -40,6 +40,9 @@ __all__ = [
     "model_dtype",
     "modes_of",
     "preserved",
+    "qualified",
+    "quantized_modules",
+    "quantized_shown",
     "record_run",
     "restore_aliases",
 ]
@@ -145,6 +148,8 @@ class RunRecord:
     # CRC-32 of their new values (a live model holding those is not the recorded run's)
     moved: dict[str, int] = dataclasses.field(default_factory=dict)
     model: str = ""  # the model's class name
+    # the model's quantized modules and their classes, for messages ("": none)
+    quantized: str = ""
 
     @property
     def run_dtype(self) -> torch.dtype:
@@ -208,6 +213,53 @@ def at_path(obj: Any, path: tuple[Any, ...]) -> Any:
                 pass
         obj = getattr(obj, k, None)
     return obj
+
+
+_QUANTIZED_PACKAGES = (
+    "torch.ao.nn.quantized",
+    "torch.nn.quantized",
+    "torch.ao.nn.intrinsic.quantized",
+    "torch.nn.intrinsic.quantized",
+    "torchao.",
+)
+
+
+def quantized_modules(model: nn.Module) -> list[str]:
+    """The modules of ``model`` that compute on quantized weights: PyTorch's quantized modules
+    (``quantize_dynamic``'s ``DynamicQuantizedLinear``, a converted static model), torchao's,
+    and any module holding a quantized parameter or buffer. Names as ``named_modules`` gives
+    them (``"<root>"`` for the root)."""
+    found: list[str] = []
+    for name, m in named_modules(model):
+        if any(name.startswith(f"{f}.") or f == "<root>" for f in found):
+            continue  # inside a quantized module (its packed parameters): the module is named
+        cls = type(m)
+        quantized = cls.__module__.startswith(_QUANTIZED_PACKAGES) or hasattr(m, "_packed_params")
+        if not quantized:
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                if t is not None and (t.is_quantized or "quant" in type(t).__name__.lower()):
+                    quantized = True
+                    break
+        if quantized:
+            found.append(name or "<root>")
+    return found
+
+
+def qualified(cls: type) -> str:
+    """``torch.ao.nn.quantized.dynamic.Linear`` for a class whose own name says too little."""
+    path = cls.__module__.split(".modules.")[0] if ".modules." in cls.__module__ else cls.__module__
+    return f"{path}.{cls.__qualname__}"
+
+
+def quantized_shown(model: nn.Module) -> str:
+    """The quantized modules of ``model`` and their classes, for messages (``""``: none)."""
+    found = quantized_modules(model)
+    if not found:
+        return ""
+    kinds = sorted(
+        {qualified(type(m)) for n, m in named_modules(model) if (n or "<root>") in found}
+    )
+    return f"{some_names(found)} ({', '.join(kinds[:3])})"
 
 
 @contextlib.contextmanager
