@@ -60,3 +60,12 @@ def test_a_nonfinite_parameter_gradient_alone_is_located(masked, kind):
     got = origin.stats["grad_w_absmax"]
     assert (math.isnan(got) and math.isnan(ref)) or got == ref
     assert all(p.grad is None for p in net.parameters())  # no .grad changed
+
+
+def test_a_nonfinite_parameter_gradient_of_a_compiled_model_is_named_by_its_eager_name():
+    """The parameter's module in a ``torch.compile`` wrapper is named as in the eager model
+    (``"1"``, not ``"_orig_mod.1"``), as every other layer hookscope names."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), _SafeSqrt(False), nn.Linear(4, 1))
+    origin = hs.find_nonfinite(torch.compile(net, backend="eager"), torch.randn(3, 4))
+    assert origin is not None and (origin.layer, origin.kind) == ("1", "inf")

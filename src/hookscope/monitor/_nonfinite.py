@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..core._buffers import state_kept
-from ..core._compiled import named_modules
+from ..core._compiled import named_modules, named_parameters
 from ..core._errors import HookscopeWarning
 from ..core._nested import continuous, first_tensor, iter_tensors, map_tensors, real_parts
 from ..core._recompute import in_reentrant_checkpoint
@@ -469,7 +469,7 @@ def find_nonfinite(
                         )
                 if loss is None or not loss.requires_grad:
                     return None
-                params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+                params = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
                 order: list[int] = []  # the parameters in the order autograd reached them
                 for j, (n, p) in enumerate(params):
                     tracker.scope.add_tensor_hook(
