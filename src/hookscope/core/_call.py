@@ -40,9 +40,15 @@ class _GradSlots:
 
     def hook(self, i: int, to: torch.device | None) -> Any:
         def record(grad: torch.Tensor) -> None:
-            g = grad.detach()
-            g = ready(move(g, to)) if to is not None else g
             prev = self.grads[i]
+            g = grad.detach()
+            if to is not None and g.device != to:
+                g = ready(move(g, to))  # a copy
+            elif prev is None:
+                # a copy: the gradient a hook is handed is autograd's buffer, which AccumulateGrad
+                # adopts as a leaf's .grad when it flows there unchanged (the input of a first
+                # layer); a later zero_grad(set_to_none=False) or backward changes it in place
+                g = g.clone()
             self.grads[i] = g if prev is None else prev + g
             return None
 
