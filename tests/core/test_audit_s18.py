@@ -6,6 +6,7 @@ forward, values from the plain computation.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -41,3 +42,38 @@ def test_tensor_grads_do_not_alias_a_leafs_grad():
         (y * 2).sum().backward()
     y.grad.mul_(0)
     assert torch.equal(tg[0], torch.full((3,), 2.0))
+
+
+def test_values_recorded_inside_vmap_are_refused_after_it():
+    """Under ``torch.func.vmap`` (and jacrev, which vmaps) the hooks see vmap's per-sample
+    wrappers: ``cap[name]`` came back as a ``BatchedTensor`` whose shape lacked the batch
+    dimension (and ``cap.grads`` under jacrev likewise), silently. Now reading one raises,
+    naming the layer; inside the vmapped function the wrappers still work (FeatureExtractor)."""
+    net = _net()
+    x = torch.randn(5, 3)
+    with hs.capture(net, "1", inputs=True) as cap:
+        torch.vmap(net)(x)
+    with pytest.raises(hs.HookscopeError, match=r"output of '1' \(call 0\).*vmap"):
+        cap["1"]
+    with pytest.raises(hs.HookscopeError, match=r"inputs of '1'.*vmap"):
+        cap.inputs["1"]
+    with hs.capture(net, "1", grads=True) as cap:
+        torch.func.jacrev(net)(x[0])
+    with pytest.raises(hs.HookscopeError, match=r"output gradient of '1'.*vmap"):
+        cap.grads["1"]
+    # read inside the vmapped function: the batch, exact
+    fx = hs.FeatureExtractor(net, ["1"])
+    out = torch.vmap(fx)(x)
+    assert torch.equal(out["1"], torch.nn.functional.linear(x, net[1].weight, net[1].bias))
+
+
+def test_values_recorded_inside_grad_transform_are_the_layers_values():
+    """``torch.func.grad`` hands hooks gradient-tracking wrappers holding the exact values:
+    read after the transform they come back as plain tensors."""
+    net = _net()
+    x = torch.randn(3)
+    with hs.capture(net, "1") as cap:
+        torch.func.grad(lambda v: net(v).sum())(x)
+    out = cap["1"]
+    assert not torch._C._functorch.is_functorch_wrapped_tensor(out)
+    assert torch.equal(out, torch.nn.functional.linear(x, net[1].weight, net[1].bias))
