@@ -6,6 +6,8 @@ forward, values from the plain computation.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -77,3 +79,76 @@ def test_values_recorded_inside_grad_transform_are_the_layers_values():
     out = cap["1"]
     assert not torch._C._functorch.is_functorch_wrapped_tensor(out)
     assert torch.equal(out, torch.nn.functional.linear(x, net[1].weight, net[1].bias))
+
+
+class _Broken(nn.Module):
+    """A graph break (print) between its first layer and the others."""
+
+    def __init__(self, brk: bool = True) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.brk = brk
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.brk:
+            print("", end="")
+        return self.c(self.b(h))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("form", ["wrapper", "in_place"])
+def test_hooks_after_a_graph_break_of_a_warm_compiled_model_run(fresh_dynamo, form):
+    """A compiled model with a graph break, called once without hooks (the usual order: compile,
+    run, then look): Dynamo's isolated cache of the hooked variant fell back to the code that
+    call compiled for the rest of the forward after the break, which runs no hooks. The layers
+    before the break were captured, those after it silently not, and an edit on ``c`` did not
+    act (only the edit's 'never ran' warning, blaming the model)."""
+    torch.manual_seed(0)
+    model = _Broken()
+    x = torch.randn(5, 3)
+    with torch.no_grad():
+        ha = torch.relu(model.a(x))
+        hb = model.b(ha)
+        ref = {"a": model.a(x), "b": hb, "c": model.c(hb)}
+    if form == "wrapper":
+        cm = torch.compile(model, backend="eager")
+    else:
+        cm = model
+        cm.compile(backend="eager")
+    with torch.no_grad():
+        cm(x)  # warm: compiled without hooks
+    with (
+        pytest.warns(hs.HookscopeWarning, match=r"'a', 'b', 'c'.*graph breaks"),
+        torch.no_grad(),
+        hs.capture(cm, ["a", "b", "c"]) as cap,
+    ):
+        cm(x)
+    for name, value in ref.items():
+        assert torch.equal(cap[name], value), name
+    with torch.no_grad(), hs.edit(cm, {"c": hs.ops.zero()}):
+        assert torch.equal(cm(x), torch.zeros(5, 2))
+
+
+@pytest.mark.parametrize("form", ["wrapper", "in_place"])
+def test_a_warm_compiled_model_without_graph_breaks_stays_compiled(fresh_dynamo, form):
+    model = _Broken(brk=False)
+    if form == "wrapper":
+        cm = torch.compile(model, backend="eager")
+    else:
+        cm = model
+        cm.compile(backend="eager")
+    x = torch.randn(5, 3)
+    with torch.no_grad():
+        cm(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.HookscopeWarning)
+        with torch.no_grad(), hs.capture(cm, ["b"]) as cap:
+            cm(x)
+    assert torch.equal(cap["b"], model.b(torch.relu(model.a(x))).detach())
