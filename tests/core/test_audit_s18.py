@@ -152,3 +152,23 @@ def test_a_warm_compiled_model_without_graph_breaks_stays_compiled(fresh_dynamo,
         with torch.no_grad(), hs.capture(cm, ["b"]) as cap:
             cm(x)
     assert torch.equal(cap["b"], model.b(torch.relu(model.a(x))).detach())
+
+
+def test_capture_and_edit_of_one_layer_act_in_the_order_they_were_opened():
+    """Documented (docs/guide/core.md): opened outside an edit, a capture sees what the layer
+    returned; opened inside it, the edited value the model goes on with; two edits compose in
+    the order opened. References: the plain computation."""
+    net = _net()
+    x = torch.randn(2, 3)
+    own = torch.nn.functional.linear(x, net[1].weight, net[1].bias).detach()
+    with (
+        hs.capture(net, "1") as outside,
+        hs.edit(net, {"1": hs.ops.add(1.0)}),
+        hs.capture(net, "1") as inside,
+        hs.edit(net, {"1": hs.ops.scale(3.0)}),
+    ):
+        out = net(x)
+    assert torch.equal(outside["1"], own)
+    assert torch.equal(inside["1"], own + 1.0)
+    ref = net[3](torch.tanh((own + 1.0) * 3.0))
+    assert torch.equal(out, ref)
