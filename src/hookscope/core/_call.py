@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._errors import InPlaceModifiedWarning, LayerNotRunError, NoGradientError
+from ._errors import HookscopeError, InPlaceModifiedWarning, LayerNotRunError, NoGradientError
 from ._nested import map_tensors
 from ._transfer import move, ready
 
@@ -40,9 +40,15 @@ class _GradSlots:
 
     def hook(self, i: int, to: torch.device | None) -> Any:
         def record(grad: torch.Tensor) -> None:
-            g = grad.detach()
-            g = ready(move(g, to)) if to is not None else g
             prev = self.grads[i]
+            g = grad.detach()
+            if to is not None and g.device != to:
+                g = ready(move(g, to))  # a copy
+            elif prev is None:
+                # a copy: the gradient a hook is handed is autograd's buffer, which AccumulateGrad
+                # adopts as a leaf's .grad when it flows there unchanged (the input of a first
+                # layer); a later zero_grad(set_to_none=False) or backward changes it in place
+                g = g.clone()
             self.grads[i] = g if prev is None else prev + g
             return None
 
@@ -57,6 +63,43 @@ class _GradSlots:
             raise NoGradientError(f"no gradient for {what}: {reason}")
         it = iter(self.grads)
         return map_tensors(lambda _t: next(it), like, other=lambda _x: None)
+
+
+_functorch: Any = getattr(torch._C, "_functorch", None)
+_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
+
+
+def _outside_transform(value: Any, what: str, layer: str, index: int) -> Any:
+    """``value`` as read after the ``torch.func`` transform it was recorded in ended.
+
+    A layer run inside ``torch.func.grad``/``vjp``/``vmap``/``jacrev``/... hands its hooks the
+    transform's wrapper tensors. A gradient-tracking wrapper holds the layer's exact values: it
+    is unwrapped. A ``vmap`` wrapper (``BatchedTensor``) holds one sample's view of a batch (its
+    shape lacks the vmapped dimension) and means nothing once its ``vmap`` ended: reading it
+    raises, naming the layer. Read inside the transformed function, wrappers are left as they
+    are (that is where they mean something: ``hs.FeatureExtractor`` under ``vmap``).
+    """
+    if _wrapped is None:
+        return value
+    if value.__class__ is torch.Tensor and not _wrapped(value):
+        return value  # the common case: one call
+    level = _functorch.maybe_current_level()
+    dead = _functorch.is_dead_tensor_wrapper
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        while _wrapped(t) and (level is None or dead(t)):
+            if _functorch.is_batchedtensor(t) or _functorch.is_legacy_batchedtensor(t):
+                raise HookscopeError(
+                    f"the {what} of {layer!r} (call {index}) was recorded inside torch.func.vmap "
+                    "(also used by jacrev, jacfwd, hessian): it is vmap's per-sample wrapper "
+                    "(its shape lacks the vmapped dimension), which means nothing after vmap "
+                    "ended. Read it inside the vmapped function (hs.FeatureExtractor returns "
+                    "outputs from there), or run the model outside the transform"
+                )
+            t = _functorch.get_unwrapped(t)
+        return t
+
+    return map_tensors(one, value)
 
 
 def _check_versions(
@@ -122,16 +165,19 @@ class Call:
                 f"layer {self.layer!r} call {self.index} raised before returning an output"
             )
         _check_versions(self._versions, "output", self.layer, self.index)
-        return (
+        out = (
             map_tensors(ready, self._output)
             if self._output.__class__ is not torch.Tensor
             else self._output
         )
+        return _outside_transform(out, "output", self.layer, self.index)
 
     @property
     def inputs(self) -> Inputs | None:
         _check_versions(self._in_versions, "inputs", self.layer, self.index)
-        return self._inputs
+        if self._inputs is None:
+            return None
+        return _outside_transform(self._inputs, "inputs", self.layer, self.index)
 
     @inputs.setter
     def inputs(self, value: Inputs | None) -> None:
@@ -144,7 +190,8 @@ class Call:
             raise NoGradientError(
                 f"gradients of {self.layer!r} were not captured; use capture(..., grads=True)"
             )
-        return self._grad.build(self._output, f"the output of {self.layer!r} (call {self.index})")
+        g = self._grad.build(self._output, f"the output of {self.layer!r} (call {self.index})")
+        return _outside_transform(g, "output gradient", self.layer, self.index)
 
     @property
     def input_grad(self) -> Inputs:
@@ -156,6 +203,7 @@ class Call:
         g = self._in_grad.build(
             (self._raw_inputs_structure()), f"the inputs of {self.layer!r} (call {self.index})"
         )
+        g = _outside_transform(g, "input gradient", self.layer, self.index)
         return Inputs(tuple(g[0]), dict(g[1]))
 
     def _raw_inputs_structure(self) -> tuple[Any, Any]:

@@ -170,8 +170,10 @@ def _isolated(ctx: Any) -> Any:
     """A copy of a Dynamo context with its own cache bucket (``isolate_recompiles``).
 
     Every frame Dynamo evaluates under it, shared code such as ``Module._call_impl`` or the model's
-    ``forward`` included, gets its own cache entries: the original compile's entries, which do not
-    guard on hooks, are never run by a hooked call, and the variant's never by an unhooked one.
+    ``forward`` included, gets its own cache entries, and the variant's are never run by an
+    unhooked call. The other way round Dynamo falls back, read-only, to the original compile's
+    entries of the code a variant runs, which do not guard on hooks: where that code is a resume
+    function after a graph break, the region runs eagerly instead (:meth:`Region._stale`).
     """
     counter = getattr(torch._dynamo.eval_frame, "_next_isolate_recompiles_id", None)
     if counter is None or not hasattr(ctx, "_isolate_recompiles_id"):
@@ -226,6 +228,8 @@ class Region:
         self._variants: dict[tuple[frozenset[tuple[int, str]], int], Callable[..., Any]] = {}
         self._saved: Any = None
         self._warned = False
+        self._warned_stale = False
+        self._codes: list[Any] | None = None  # the code of the region's modules (see _stale)
         self.fired = 0  # opaque hooks of this region run so far (checked after each routed call)
 
     @property
@@ -287,6 +291,8 @@ class Region:
                     stacklevel=5,
                 )
             return root._call_impl(*args, **kwargs) if self.in_place else root(*args, **kwargs)
+        if self._stale(root):
+            return self._call_eagerly(root, *args, **kwargs)
         key = (frozenset(self.hooked), len(root) if isinstance(root, nn.Sequential) else -1)
         variant = self._variants.get(key)
         if variant is None:
@@ -311,6 +317,59 @@ class Region:
             self._silent()
         return out
 
+    def _stale(self, root: nn.Module) -> bool:
+        """Whether a hooked variant could run code the original compile made without the hooks.
+
+        An isolated cache (:func:`_isolated`) still falls back, read-only, to the default cache
+        entries of the code it runs, and the original compile's entries do not guard on hook
+        dicts. The variant's own code is fresh, but resuming after a graph break inside a
+        module's ``forward`` (a ``print``, data-dependent control flow, ``.item()``) runs a resume
+        function of that shared ``forward``, the one the original compile made: once the model
+        has been called compiled without hooks, the layers after the break ran without their
+        hooks (a capture missed them, an edit did not act), while those before it fired. The
+        same holds for a module's ``forward`` the original compile ran as a frame of its own.
+        """
+        cache = _resume_cache()
+        lookup = _default_entries()
+        if cache is None or lookup is None:
+            return False
+        if self._codes is None:
+            self._codes = _module_codes(root)
+        # the original compile's top frame (the root's forward; _call_impl when compiled in
+        # place) has default entries by design: only the code resumed or run inside it counts
+        tops = {getattr(type(root).forward, "__code__", None)}
+        if self.in_place:
+            tops.add(nn.Module._call_impl.__code__)
+        todo = list(self._codes)
+        seen: set[Any] = set()
+        while todo:
+            code = todo.pop()
+            if code in seen:
+                continue
+            seen.add(code)
+            if code not in tops and lookup(code, -1):
+                return True
+            if code in cache:
+                todo.extend(cache[code].values())
+        return False
+
+    def _call_eagerly(self, root: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The call without compiled code (exact values, eager speed), warning once per region."""
+        if not self._warned_stale:
+            self._warned_stale = True
+            warnings.warn(
+                f"layers {self._names()} are inside the compiled region "
+                f"{self.name or '<root>'!r}, whose compiled code has graph breaks and already ran "
+                "without these hooks: Dynamo would reuse that code after a graph break and skip "
+                "the hooks there, so hookscope runs the region's calls eagerly while its hooks "
+                "are on (exact values, eager speed). To keep them compiled, add the hooks before "
+                "the first compiled call, or call torch._dynamo.reset() before adding them",
+                HookscopeWarning,
+                stacklevel=6,
+            )
+        with torch.compiler.set_stance("force_eager"):
+            return root._call_impl(*args, **kwargs) if self.in_place else root(*args, **kwargs)
+
     def _names(self) -> str:
         return ", ".join(repr(n) for n in sorted({self.layers[i] for i, _ in self.hooked}))
 
@@ -327,6 +386,33 @@ class Region:
             HookscopeWarning,
             stacklevel=6,
         )
+
+
+def _resume_cache() -> Any:
+    """Dynamo's resume functions, ``{code: {key: resume code}}`` (None where unknown)."""
+    if getattr(torch.compiler, "set_stance", None) is None:
+        return None  # (no eager fallback either: torch < 2.6)
+    try:
+        from torch._dynamo.resume_execution import ContinueExecutionCache
+    except ImportError:
+        return None
+    return getattr(ContinueExecutionCache, "cache", None)
+
+
+def _default_entries() -> Callable[[Any, int], Any] | None:
+    """``(code, -1) -> the default (non-isolated) cache entries of code`` (None where unknown)."""
+    return getattr(torch._C._dynamo.eval_frame, "_get_cache_entries_for_region", None)
+
+
+def _module_codes(root: nn.Module) -> list[Any]:
+    """The code a region's module calls run in: each module class's ``forward`` and
+    ``nn.Module``'s call path."""
+    codes = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
+    for cls in {type(m) for m in root.modules()}:
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        if code is not None:
+            codes.add(code)
+    return list(codes)
 
 
 _regions: weakref.WeakKeyDictionary[nn.Module, Region] = weakref.WeakKeyDictionary()

@@ -106,7 +106,8 @@ class TensorGrads(Sequence[torch.Tensor]):
         def record(grad: torch.Tensor) -> None:
             g = grad.detach()
             prev = self._grads[i]
-            self._grads[i] = g if prev is None else prev + g
+            # a copy: autograd's buffer becomes a leaf's .grad, changed in place later (see _GradSlots)
+            self._grads[i] = g.clone() if prev is None else prev + g
 
         return record
 

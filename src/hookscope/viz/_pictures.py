@@ -50,7 +50,43 @@ def _as_map(cam: Any) -> torch.Tensor:
         raise HookscopeError(
             f"overlay: cam must be one map (H, W), got shape {tuple(t.shape)}; pick a sample: cam[i]"
         )
+    if t.isnan().any():
+        raise HookscopeError("overlay: cam holds NaN values; a map to show must be finite")
+    lo, hi = float(t.min()), float(t.max())
+    if lo < -_SLACK or hi > 1 + _SLACK:
+        # clamped, a raw map would show the hottest colour wherever it passes 1
+        raise HookscopeError(
+            f"overlay: cam values must be in [0, 1], got [{lo:.4g}, {hi:.4g}]; normalise the map "
+            "first: (cam - cam.min()) / (cam.max() - cam.min())"
+        )
     return t
+
+
+_SLACK = 1e-4  # rounding of a map normalised in float32 or resized
+
+
+def _unit_range(img: torch.Tensor, dtype: Any) -> torch.Tensor:
+    """An image as floats in [0, 1]: uint8 divided by 255; other integers refused; floats
+    checked (a float image of 0-255 values, or one normalised by a mean and std, clamped to
+    [0, 1], showed white or black)."""
+    if dtype in (torch.uint8, np.uint8):
+        return img.float() / 255.0
+    if dtype in (torch.bool, np.bool_) or not img.is_floating_point():
+        raise HookscopeError(
+            f"overlay: an integer image must be uint8 (0-255), got {dtype}; convert it to "
+            "uint8, or to floats in [0, 1]"
+        )
+    img = img.float()
+    if not img.numel():
+        return img
+    lo, hi = float(img.min()), float(img.max())
+    if lo < -_SLACK or hi > 1 + _SLACK or img.isnan().any():
+        raise HookscopeError(
+            f"overlay: a float image must hold values in [0, 1], got [{lo:.4g}, {hi:.4g}]; for "
+            "0-255 values divide by 255 (or pass uint8), for a normalised image undo the "
+            "normalisation (x * std + mean)"
+        )
+    return img
 
 
 def overlay(image: Any, cam: Any, alpha: float = 0.5, colormap: str = "jet") -> Any:
@@ -58,9 +94,12 @@ def overlay(image: Any, cam: Any, alpha: float = 0.5, colormap: str = "jet") -> 
 
     Args:
         image: a PIL image, a numpy array ``(H, W, 3)`` (uint8, or float in ``[0, 1]``), or a
-            tensor ``(3, H, W)`` float in ``[0, 1]``. Grayscale is broadcast to RGB.
+            tensor ``(3, H, W)`` (uint8, as ``torchvision.io.read_image`` gives, or float in
+            ``[0, 1]``). Grayscale is broadcast to RGB. A float image outside ``[0, 1]`` (0-255
+            values, a normalised image) or another integer type raises :class:`HookscopeError`.
         cam: one map ``(h, w)`` in ``[0, 1]`` (tensor or array; ``(1, h, w)`` is accepted),
-            resized bilinearly to the image when sizes differ.
+            resized bilinearly to the image when sizes differ. A map outside ``[0, 1]`` or with
+            NaN raises :class:`HookscopeError` (normalise it first).
         alpha: opacity of the heatmap, in ``[0, 1]``.
         colormap: a matplotlib colormap name.
 
@@ -99,10 +138,12 @@ def overlay(image: Any, cam: Any, alpha: float = 0.5, colormap: str = "jet") -> 
         if arr.ndim != 3 or arr.shape[2] not in (1, 3, 4):
             raise HookscopeError(f"overlay: a numpy image must be (H, W, 3), got shape {arr.shape}")
         arr = arr[:, :, :3]
-        scale = 255.0 if arr.dtype == np.uint8 else 1.0
-        img = torch.from_numpy(arr.astype(np.float32) / scale).permute(2, 0, 1)
+        if arr.dtype.kind not in "biuf":
+            raise HookscopeError(f"overlay: a numpy image must hold numbers, got {arr.dtype}")
+        dtype = arr.dtype.type
+        img = _unit_range(torch.from_numpy(np.ascontiguousarray(arr)), dtype).permute(2, 0, 1)
     else:
-        img = image.detach().float()
+        img = _unit_range(image.detach(), image.dtype)
         if img.ndim == 4 and img.shape[0] == 1:
             img = img[0]
         if img.ndim == 2:
