@@ -27,7 +27,7 @@ from ..core._scope import HookScope, check_model, get_ident
 from ..core._select import find, resolve
 from ..core._sharded import FSDP2_INSTEAD, fsdp1_loaded, fsdp1_marked, fsdp1_wrappers, local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
-from ._hooks import LayerHook, MarkHook, PassHook, ScaleHook, StepHooks, StepState
+from ._hooks import EndPassHook, LayerHook, MarkHook, PassHook, ScaleHook, StepHooks, StepState
 from ._nonfinite import NonFiniteOrigin, _Tracker
 from ._pack import Packed, Packer
 from ._record import MonitorRecord
@@ -68,6 +68,9 @@ class Monitor:
     gradients are the accumulated ones. Where the monitored module itself is not called (a
     ``LightningModule`` whose ``training_step`` calls a sub-module), :meth:`micro_batch` marks
     the start of each micro-batch; the trainer callbacks in :mod:`hookscope.integrations` do it.
+    A call of the model under ``torch.no_grad()`` or ``torch.inference_mode()`` (an evaluation
+    inside the step) trains nothing: it is no micro-batch, and its layer calls are not recorded
+    (a ``no_grad`` block inside the model's own forward, a frozen backbone, still is).
 
     Args:
         model: the model (a ``DistributedDataParallel``/``DataParallel`` wrapper is looked through,
@@ -249,6 +252,7 @@ class Monitor:
                 if id(module) not in monitored:
                     scope.add_forward(module, MarkHook(hooks, name), layer=name)
         scope.add_forward_pre(self.model, PassHook(hooks), layer="", prepend=True)
+        scope.add_forward_many([(self.model, EndPassHook(hooks), "")], always_call=True)
 
     def micro_batch(self) -> None:
         """Mark the start of a micro-batch (a forward pass) of the current optimizer step: layer
@@ -322,6 +326,12 @@ class Monitor:
                 "Monitor or called the previous step()) than the one calling step(), and hooks act "
                 "only on their own thread's calls (docs/guide/core.md, Threads): create the "
                 "Monitor in the thread that trains; later steps are recorded"
+            )
+        elif st.evaluations:
+            why = (
+                f"the model ran only under torch.no_grad() or torch.inference_mode() "
+                f"({st.evaluations} call(s)): an evaluation, which trains nothing, is not "
+                "recorded; run the training forward with gradients enabled"
             )
         else:
             why = (

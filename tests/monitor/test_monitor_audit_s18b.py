@@ -1,0 +1,127 @@
+"""Audit s18b of the Monitor: each record equals a reference computed by hand from the training
+forward alone."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import hookscope as hs
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7)
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _reference(net: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> dict[str, dict]:
+    """Each layer's output statistics and output-gradient norm, by a plain hook on a copy."""
+    outs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        def hook(module, args, output) -> None:
+            output.retain_grad()
+            outs[name] = output
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in net.named_children()]
+    try:
+        ((net(x) - y) ** 2).mean().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    net.zero_grad(set_to_none=True)
+    return {
+        n: {
+            "mean": o.mean().item(),
+            "std": o.std().item(),
+            "absmax": o.abs().max().item(),
+            "grad_norm": o.grad.norm().item(),
+        }
+        for n, o in outs.items()
+    }
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_an_evaluation_forward_inside_a_step_is_not_a_micro_batch(mode):
+    """A forward under no_grad/inference_mode inside a logged step (a validation batch) trains
+    nothing; it was counted as a micro-batch, so the layers' activation statistics mixed the
+    evaluation batch into the training one (absmax 163 instead of 1.8), silently."""
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    big = torch.randn(16, 4) * 100
+    net = _net()
+    ref = _reference(net, x, y)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    with hs.Monitor(net, alerts="off") as mon:
+        with ctx():
+            net(big)  # before the training forward
+        ((net(x) - y) ** 2).mean().backward()
+        with ctx():
+            net(big)  # and after it
+        opt.step()
+        rec = mon.step(opt)
+        opt.zero_grad()
+    assert sorted(rec.layers) == ["0", "1", "2"]  # no "0#1": the evaluations are not calls
+    for name, want in ref.items():
+        for stat, v in want.items():
+            assert _close(rec.layers[name][stat], v), (name, stat, rec.layers[name][stat], v)
+
+
+def test_no_grad_inside_the_forward_and_reentrant_checkpointing_are_still_training():
+    """What stays recorded: a frozen part the model's own forward runs under no_grad, and a
+    reentrant checkpoint of the whole model (its first forward runs under no_grad)."""
+
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = _net()
+
+        def forward(self, x):
+            with torch.no_grad():
+                h = self.body[0](x)
+            return self.body[2](self.body[1](h))
+
+    torch.manual_seed(1)
+    x = torch.randn(8, 4)
+    net = Frozen()
+    want = net.body[0](x)
+    with hs.Monitor(net, alerts="off") as mon:
+        net(x).sum().backward()
+        rec = mon.step()
+    assert _close(rec.layers["body.0"]["absmax"], want.abs().max().item())
+
+    net2 = _net()
+    y = torch.zeros(8, 2)
+    ref = _reference(net2, x, y)
+    with hs.Monitor(net2, alerts="off") as mon:
+        out = checkpoint(net2, x.requires_grad_(), use_reentrant=True)
+        ((out - y) ** 2).mean().backward()
+        rec = mon.step()
+    for name, stats in ref.items():
+        for stat, v in stats.items():
+            assert _close(rec.layers[name][stat], v), (name, stat)
+
+
+def test_a_step_with_only_an_evaluation_warns_naming_no_grad():
+    net = _net()
+    with hs.Monitor(net, alerts="off") as mon:
+        with torch.no_grad():
+            net(torch.randn(2, 4))
+        with pytest.warns(hs.MonitorWarning, match="no_grad"):
+            rec = mon.step()
+    assert rec.layers == {}
+    with hs.Monitor(net, alerts="off") as mon, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        net(torch.randn(2, 4)).sum().backward()
+        assert sorted(mon.step().layers) == ["0", "1", "2"]
