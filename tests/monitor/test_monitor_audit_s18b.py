@@ -125,3 +125,24 @@ def test_a_step_with_only_an_evaluation_warns_naming_no_grad():
         warnings.simplefilter("error")
         net(torch.randn(2, 4)).sum().backward()
         assert sorted(mon.step().layers) == ["0", "1", "2"]
+
+
+def test_output_gradients_scaled_by_a_grad_scaler_are_reported_unscaled_not_inf():
+    """A GradScaler's scale (here 2**100) makes output gradients whose fp32 sum of squares
+    overflows although every value is finite: the unscaled norm read inf (the true one 0.44),
+    with NumPy's overflow warning leaking out; those blocks are summed in float64."""
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    net = _net()
+    ref = _reference(net, x, y)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with hs.Monitor(net, scaler=scaler, alerts="off") as mon:
+            scaler.scale(((net(x) - y) ** 2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            rec = mon.step(opt)
+    assert rec.skipped is False  # every gradient finite: the scaler did not skip
+    for name, want in ref.items():
+        assert _close(rec.layers[name]["grad_norm"], want["grad_norm"]), name
