@@ -146,3 +146,35 @@ def test_output_gradients_scaled_by_a_grad_scaler_are_reported_unscaled_not_inf(
     assert rec.skipped is False  # every gradient finite: the scaler did not skip
     for name, want in ref.items():
         assert _close(rec.layers[name]["grad_norm"], want["grad_norm"]), name
+
+
+def test_parameters_unfrozen_or_frozen_during_training_are_recorded_as_they_train():
+    """Parameters were chosen once, when the Monitor was made: a layer frozen then and unfrozen
+    later (fine-tuning) never appeared in any record, and a layer frozen later kept its stale
+    zero .grad (zero_grad(set_to_none=False)), reported as grad_norm 0 with a vanishing alert."""
+    x, y = torch.randn(16, 4), torch.randn(16, 2)
+    net = _net()
+    net[0].requires_grad_(False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    recs, norms = [], []
+    with hs.Monitor(net, alerts="off") as mon:
+        for step in range(4):
+            if step == 1:  # unfrozen at the start of step 1
+                net[0].requires_grad_(True)
+            if step == 3:  # frozen again at the start of step 3
+                net[0].requires_grad_(False)
+            ((net(x) - y) ** 2).mean().backward()
+            norms.append(net[0].weight.grad.norm().item() if step in (1, 2) else None)
+            before = net[0].weight.detach().clone()
+            opt.step()
+            moved = (net[0].weight.detach() - before).norm().item() / before.norm().item()
+            recs.append(mon.step(opt))
+            opt.zero_grad(set_to_none=False)
+    assert "0.weight" not in recs[0].params
+    assert _close(recs[1].params["0.weight"]["grad_norm"], norms[1])
+    assert "update_ratio" not in recs[1].params["0.weight"]  # no snapshot: it was frozen
+    assert _close(recs[2].params["0.weight"]["grad_norm"], norms[2])
+    assert recs[2].params["0.weight"]["weight_norm"] > 0
+    assert "grad_norm" not in recs[3].params["0.weight"]  # a stale zero is no gradient
+    assert recs[3].params["0.weight"]["update_ratio"] == 0.0 == moved
+    assert not any("0.weight" in a.message for r in recs for a in r.alerts)
