@@ -30,9 +30,10 @@ def check_exact(model, *inputs, loss_fn=None, **kwargs):
     buffers = [b.clone() for b in model.buffers()]
     prof = hs.memory_profile(model, *inputs, loss_fn=loss_fn, **kwargs)
     assert prof.total_saved_bytes == expected
-    # the rows add up to it, nothing counted twice; the root's total is the run's
-    assert sum(r.saved_bytes for r in prof.rows) == expected
-    assert prof[""].saved_bytes_total == expected
+    # the rows and what the loss saved add up to it, nothing counted twice; the root's total is
+    # the model's part of the run
+    assert sum(r.saved_bytes for r in prof.rows) + prof.loss_saved_bytes == expected
+    assert prof[""].saved_bytes_total + prof.loss_saved_bytes == expected
     for r in prof.rows:  # a parent's total is its own plus its children's totals
         kids = (
             [

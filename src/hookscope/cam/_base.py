@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..core._buffers import state_kept
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
-from ..core._nested import describe, first_tensor, replace_first
+from ..core._nested import describe, first_tensor, iter_tensors, replace_first
 from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model, in_backward, internal_run
 from ..core._select import resolve
@@ -81,13 +81,33 @@ def get_cam(name: str) -> type[CAM]:
 
 
 def _logits(out: Any) -> torch.Tensor:
+    """The class scores in a model's output: the output itself, the tensor named ``logits`` (a
+    dict or a Hugging Face output) or ``out`` (torchvision's segmentation models), or the one
+    floating tensor of a tuple. Several floating tensors and none of those names are refused:
+    the first of ``(features, logits)`` was taken for the logits, silently."""
     if isinstance(out, torch.Tensor):
         return out
-    if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
-        return out["logits"]
+    if isinstance(out, Mapping):
+        for name in ("logits", "out"):
+            if isinstance(out.get(name), torch.Tensor):
+                return out[name]
     lg = getattr(out, "logits", None)
     if isinstance(lg, torch.Tensor):
         return lg
+    found = [(path, t) for path, t in iter_tensors(out) if t.is_floating_point()]
+    if len(found) > 1:
+        listed = ", ".join(
+            "out" + "".join(f"[{p!r}]" for p in path) + f" {tuple(t.shape)}"
+            for path, t in found[:4]
+        ) + (", ..." if len(found) > 4 else "")
+        raise CAMError(
+            f"the model returned {len(found)} floating tensors ({type(out).__name__}: {listed}) "
+            "and none named 'logits' (or 'out'), so a class index cannot tell which one holds "
+            "the class scores; pass target=fn(output) -> scores, e.g. "
+            "target=lambda out: out[1][:, class_index] for the second"
+        )
+    if found:
+        return found[0][1]
     t = first_tensor(out)
     if t is None:
         raise CAMError(

@@ -73,7 +73,11 @@ class MemoryProfile:
 
     Attributes:
         total_saved_bytes: bytes of the unique storages saved for backward in the step
-            (parameters and buffers excluded); the ``saved_bytes`` of the rows add up to it.
+            (parameters and buffers excluded); the ``saved_bytes`` of the rows and
+            ``loss_saved_bytes`` add up to it.
+        loss_saved_bytes: of those, the bytes first saved after the model returned, by
+            ``loss_fn`` (a cross-entropy keeps its log-probabilities): no module saved them, so
+            no row holds them and no checkpointing frees them.
         param_saved_bytes: bytes of parameter and buffer storages saved for backward (apart).
         param_bytes: bytes of all the model's parameters and buffers.
         live_bytes_end_forward: bytes of the tensors created in the step still alive when the
@@ -111,6 +115,7 @@ class MemoryProfile:
     per_region: bool = False
     device: str = "cpu"
     excluded: dict[str, str] = field(default_factory=dict)
+    loss_saved_bytes: int = 0
     _events: list[SaveEvent] = field(default_factory=list, repr=False)
     _calls: list[CallInputs] = field(default_factory=list, repr=False)
 
@@ -148,6 +153,7 @@ class MemoryProfile:
                 "per_region",
                 "device",
                 "excluded",
+                "loss_saved_bytes",
             )
         }
         d["rows"] = [dataclasses.asdict(r) for r in self.rows]
@@ -331,14 +337,17 @@ def memory_profile(
 
 def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> MemoryProfile:
     """Rows from a recorder: each unique storage charged to the first module that saved it."""
-    first: dict[tuple[torch.device, int], tuple[str, int]] = {}  # storage -> (module, bytes)
+    # storage -> (module, bytes)
+    first: dict[tuple[torch.device, int], tuple[str | None, int]] = {}
     shared: set[tuple[torch.device, int]] = set()
     param_first: dict[tuple[torch.device, int], str] = {}
     param_nbytes: dict[tuple[torch.device, int], int] = {}
+    # owner None: saved outside the model's call (by loss_fn), charged to no module (it was
+    # charged to the root as its own operations' saves, silently)
     for e in rec.events:
-        owner = e.stack[-1] if e.stack else ""
+        owner = e.stack[-1] if e.stack else None
         if e.param:
-            param_first.setdefault(e.key, owner)
+            param_first.setdefault(e.key, owner or "")
             param_nbytes[e.key] = e.nbytes
             continue
         got = first.get(e.key)
@@ -355,7 +364,11 @@ def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> M
             rec.call_counts.get(name, 0),
             flops=rec.flops.get(name, 0),
         )
+    loss_saved = 0
     for key, (owner, n) in first.items():
+        if owner is None:
+            loss_saved += n
+            continue
         row = rows.get(owner)
         if row is None:  # a module that is not a named submodule (e.g. created during forward)
             row = rows[""]
@@ -389,6 +402,7 @@ def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> M
         per_region=per_region,
         device=device,
         excluded={name: why for name, why in rec.unsafe.items() if name},
+        loss_saved_bytes=loss_saved,
         _events=rec.events,
         _calls=rec.calls,
     )

@@ -51,7 +51,12 @@ def _footer(p: MemoryProfile) -> list[str]:
     lines = [
         f"saved for backward: {fmt_bytes(p.total_saved_bytes)} ({p.total_saved_bytes:,} bytes, "
         f"unique storages; parameters/buffers apart: {fmt_bytes(p.param_saved_bytes)} of "
-        f"{fmt_bytes(p.param_bytes)})",
+        f"{fmt_bytes(p.param_bytes)})"
+        + (
+            f"; by the loss, after the model: {fmt_bytes(p.loss_saved_bytes)}"
+            if p.loss_saved_bytes
+            else ""
+        ),
         f"live at end of forward: {fmt_bytes(p.live_bytes_end_forward)}; peak forward "
         f"{fmt_bytes(p.peak_forward_bytes)}, peak backward "
         + (

@@ -14,13 +14,21 @@ import torch
 import torch.nn as nn
 
 from ..core._nested import continuous, hidden_tensors, iter_tensors, real_parts
-from ..core._recompute import Recomputes
+from ..core._recompute import Recomputes, in_reentrant_checkpoint
 from ..core._scope import HookScope, _Hook, acts_here, get_ident, in_backward, quiet, thread_checked
 from ..core._sharded import local
 from ._sharded import TPLayouts
 from ._stats import Scratch, Vec, act_stats, grad_stats
 
-__all__ = ["LayerHook", "MarkHook", "PassHook", "ScaleHook", "StepHooks", "StepState"]
+__all__ = [
+    "EndPassHook",
+    "LayerHook",
+    "MarkHook",
+    "PassHook",
+    "ScaleHook",
+    "StepHooks",
+    "StepState",
+]
 
 
 class StepState:
@@ -34,6 +42,10 @@ class StepState:
         self.grads: dict[str, list[Vec]] = {}
         self.kinds: dict[str, str] = {}  # tensor parallel: "shard" / "replicate" per layer call
         self.passes = 0
+        # per call of the model in progress: is it an evaluation (run under no_grad or
+        # inference_mode, outside a reentrant checkpoint)? Its layer calls are not recorded.
+        self.calls: list[bool] = []
+        self.evaluations = 0  # calls of the model left out as evaluations this step
         self.scale: torch.Tensor | None = None
         self.scaler_states: Any = None
 
@@ -123,10 +135,13 @@ class LayerHook(_Hook):
         if in_backward():  # activation checkpointing re-running forward
             self._recompute(output)
             return
+        state = h.state
+        if state.calls and state.calls[-1]:  # inside an evaluation call of the model
+            return
         t = _first_value(output)
         if t is None:
             return
-        state, name = h.state, self.name
+        name = self.name
         call = state.counts.get(name, 0)
         state.counts[name] = call + 1
         key = name if call == 0 else f"{name}#{call}"
@@ -189,11 +204,46 @@ class PassHook(_Hook):
             return None  # another thread's call (see acts_here)
         if quiet(self.scope_id):  # a product's own run of the model
             return None
-        h = self.hooks
-        if h.gate[0] and not in_backward():
-            h.state.new_pass()
-            if h.layouts is not None:
-                h.layouts.reset()
+        h, state = self.hooks, self.hooks.state
+        if in_backward():
+            state.calls.append(False)
+            return None
+        # A call under no_grad or inference_mode (an evaluation inside the step) trains
+        # nothing: it is no micro-batch, and its layer calls are not recorded (they were added
+        # to the training batch's statistics, silently). The first forward of a reentrant
+        # checkpoint of the whole model also runs under no_grad: that one is training.
+        evaluation = not torch.is_grad_enabled() and not in_reentrant_checkpoint()
+        state.calls.append(evaluation)
+        if not h.gate[0]:
+            return None
+        if evaluation:
+            state.evaluations += 1
+            return None
+        state.new_pass()
+        if h.layouts is not None:
+            h.layouts.reset()
+        return None
+
+
+class EndPassHook(_Hook):
+    """Forward hook (``always_call``) of the model: the call :class:`PassHook` opened ends."""
+
+    __slots__ = ("hooks",)
+
+    def __init__(self, hooks: StepHooks) -> None:
+        self.fn = None  # type: ignore[assignment]
+        self.hooks = hooks
+
+    @thread_checked
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+            return None  # another thread's call (see acts_here)
+        if quiet(self.scope_id):  # a product's own run of the model
+            return None
+        calls = self.hooks.state.calls
+        if calls:
+            calls.pop()
+        return None
 
 
 class ScaleHook(_Hook):

@@ -27,7 +27,7 @@ from ..core._scope import HookScope, check_model, get_ident
 from ..core._select import find, resolve
 from ..core._sharded import FSDP2_INSTEAD, fsdp1_loaded, fsdp1_marked, fsdp1_wrappers, local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
-from ._hooks import LayerHook, MarkHook, PassHook, ScaleHook, StepHooks, StepState
+from ._hooks import EndPassHook, LayerHook, MarkHook, PassHook, ScaleHook, StepHooks, StepState
 from ._nonfinite import NonFiniteOrigin, _Tracker
 from ._pack import Packed, Packer
 from ._record import MonitorRecord
@@ -68,6 +68,9 @@ class Monitor:
     gradients are the accumulated ones. Where the monitored module itself is not called (a
     ``LightningModule`` whose ``training_step`` calls a sub-module), :meth:`micro_batch` marks
     the start of each micro-batch; the trainer callbacks in :mod:`hookscope.integrations` do it.
+    A call of the model under ``torch.no_grad()`` or ``torch.inference_mode()`` (an evaluation
+    inside the step) trains nothing: it is no micro-batch, and its layer calls are not recorded
+    (a ``no_grad`` block inside the model's own forward, a frozen backbone, still is).
 
     Args:
         model: the model (a ``DistributedDataParallel``/``DataParallel`` wrapper is looked through,
@@ -147,10 +150,16 @@ class Monitor:
         self.records: deque[MonitorRecord] = deque(maxlen=keep)
         self.nonfinite: NonFiniteOrigin | None = None
         self._params = []
+        # every parameter of the watched layers; each logged step records those that train
+        # (requires_grad) then: one frozen at creation and unfrozen later (fine-tuning) was
+        # never recorded, and one frozen later kept a stale .grad read as a vanishing gradient
+        self._all_params: list[tuple[str, nn.Parameter]] = []
         if "parameters" in self.stats:
-            self._params = self._select_params()
+            self._all_params = self._select_params()
+            self._params = [(n, p) for n, p in self._all_params if p.requires_grad]
             _refuse_fsdp1(self.model, self.named, self._params)
         check_params(self._params)
+        self._checked = {id(p) for _, p in self._params}
         self._sharded = any_sharded(self._params)  # FSDP2 / tensor parallel: see _sharded
         layer_stats = "activations" in self.stats or "gradients" in self.stats
         # tensor parallel (alone, or with FSDP2 on a 2-D mesh): (data-parallel size, each rank's
@@ -181,7 +190,19 @@ class Monitor:
         ids: set[int] = set()
         for m in self.named.values():
             ids.update(id(p) for p in m.parameters())
-        return [(n, p) for n, p in named_parameters(self.model) if id(p) in ids and p.requires_grad]
+        return [(n, p) for n, p in named_parameters(self.model) if id(p) in ids]
+
+    def _training_params(self) -> None:
+        """The parameters this logged step records: those of the watched layers that require
+        grad now (frozen or unfrozen since the last logged step)."""
+        now = [(n, p) for n, p in self._all_params if p.requires_grad]
+        if [id(p) for _, p in now] == [id(p) for _, p in self._params]:
+            return
+        new = [(n, p) for n, p in now if id(p) not in self._checked]
+        check_params(new)
+        self._checked.update(id(p) for _, p in new)
+        self._params = now
+        self._sharded = any_sharded(now)
 
     @property
     def step_index(self) -> int:
@@ -196,6 +217,7 @@ class Monitor:
         if self._closed or not self._logged(self._step):
             return
         self._state = StepState()
+        self._training_params()
         if self._params and self._want_updates:
             self._snapshot_weights()
         want_acts, want_grads = "activations" in self.stats, "gradients" in self.stats
@@ -228,9 +250,13 @@ class Monitor:
         """Copy the weights before the step, for update-to-weight ratios (a buffer kept between
         logged steps: no per-step allocation)."""
         ws = local_tensors([p for _, p in self._params])
-        if self._buf is None or any(
-            b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
-            for b, w in zip(self._buf, ws)
+        if (
+            self._buf is None
+            or len(self._buf) != len(ws)
+            or any(
+                b.shape != w.shape or b.dtype != w.dtype or b.device != w.device
+                for b, w in zip(self._buf, ws)
+            )
         ):
             self._buf = [torch.empty_like(w) for w in ws]
         torch._foreach_copy_(self._buf, ws)
@@ -249,6 +275,7 @@ class Monitor:
                 if id(module) not in monitored:
                     scope.add_forward(module, MarkHook(hooks, name), layer=name)
         scope.add_forward_pre(self.model, PassHook(hooks), layer="", prepend=True)
+        scope.add_forward_many([(self.model, EndPassHook(hooks), "")], always_call=True)
 
     def micro_batch(self) -> None:
         """Mark the start of a micro-batch (a forward pass) of the current optimizer step: layer
@@ -323,6 +350,12 @@ class Monitor:
                 "only on their own thread's calls (docs/guide/core.md, Threads): create the "
                 "Monitor in the thread that trains; later steps are recorded"
             )
+        elif st.evaluations:
+            why = (
+                f"the model ran only under torch.no_grad() or torch.inference_mode() "
+                f"({st.evaluations} call(s)): an evaluation, which trains nothing, is not "
+                "recorded; run the training forward with gradients enabled"
+            )
         else:
             why = (
                 "was the model called (as model(...), not model.forward(...)) in this thread "
@@ -388,16 +421,20 @@ class Monitor:
         }
         grads = {key: [pack.add(g) for g in gs] for key, gs in st.grads.items()}
         pslot = self._pack_params(pack)
+        late, lslot = self._pack_late_params(pack)
         sslot = pack.add(st.scale.double()) if st.scale is not None else None
         scaling = _enabled(self.scaler)
         mine, rest = self._pack_skip_check(pack, optimizer, pslot) if scaling else ([], None)
-        has = [p.grad is not None for _, p in self._params]
+        # a parameter frozen during the step keeps a stale .grad (zero_grad(set_to_none=False))
+        has = [p.grad is not None and p.requires_grad for _, p in self._params]
         if not len(pack):
             return MonitorRecord(step)
         got = pack.gather()
         scale = (got.read(sslot)[0] or 1.0) if sslot is not None else 1.0
         layers, hists = self._layer_values(got, acts, grads, scale)
         params = self._param_values(got, pslot, has, scale, optimizer)
+        if lslot is not None:
+            params.update(self._late_values(got, lslot, late, scale, optimizer))
         skipped = None
         if scaling:  # a GradScaler skips the step when a gradient is not finite
             norms = [params[n].get("grad_norm", 0.0) for n in mine]
@@ -417,6 +454,36 @@ class Monitor:
             return pack.add(sharded_param_sumsq(self._params, self._before))
         ws = [p for _, p in self._params]
         return pack.add(param_stats(ws, [p.grad for p in ws], self._before))
+
+    def _pack_late_params(self, pack: Packer) -> tuple[list[tuple[str, nn.Parameter]], int | None]:
+        """Parameters unfrozen since this step's hooks were attached (no weight snapshot: no
+        update ratio): their gradient and weight norms, filed; ``(params, slot)``."""
+        ids = {id(p) for _, p in self._params}
+        late = [(n, p) for n, p in self._all_params if p.requires_grad and id(p) not in ids]
+        if not late:
+            return late, None
+        check_params([(n, p) for n, p in late if id(p) not in self._checked])
+        self._checked.update(id(p) for _, p in late)
+        if any_sharded(late):
+            return late, pack.add(sharded_param_sumsq(late, None))
+        return late, pack.add(param_stats([p for _, p in late], [p.grad for _, p in late], None))
+
+    def _late_values(
+        self,
+        got: Packed,
+        slot: int,
+        late: list[tuple[str, nn.Parameter]],
+        scale: float,
+        optimizer: Any,
+    ) -> dict[str, dict[str, float]]:
+        pscale = scale if self._scaled(optimizer) else 1.0
+        row = sum_ranks_sqrt(got.each(slot)) if any_sharded(late) else got.read(slot)
+        out: dict[str, dict[str, float]] = {}
+        for j, (pname, p) in enumerate(late):
+            d = {"grad_norm": row[4 * j] / pscale} if p.grad is not None else {}
+            d["weight_norm"] = row[4 * j + 1]
+            out[pname] = d
+        return out
 
     def _pack_skip_check(
         self, pack: Packer, optimizer: Any, pslot: int | None

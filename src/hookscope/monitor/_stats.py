@@ -295,8 +295,15 @@ def grad_stats(g: torch.Tensor) -> Vec:
         q, mn, mx, dot = 0.0, math.inf, -math.inf, np.dot
         for i in _blocks(a.shape[0]):  # blocks: as in _fused_stats
             ab = a[i : i + _BLOCK]
-            q += float(dot(ab, ab))
-            mn, mx = _lower(mn, float(_MIN(ab))), _upper(mx, float(_MAX(ab)))
+            lo, hi = float(_MIN(ab)), float(_MAX(ab))
+            with np.errstate(over="ignore", invalid="ignore"):
+                v = float(dot(ab, ab))
+            if not math.isfinite(v) and math.isfinite(lo) and math.isfinite(hi):
+                # finite values whose fp32 square sum overflows (near 1e19 and beyond: the
+                # output gradient of a step scaled by a GradScaler): in float64
+                v = _wide_sumsq(ab)
+            q += v
+            mn, mx = _lower(mn, lo), _upper(mx, hi)
         return [math.sqrt(q), mn, mx]
     mn, mx = torch.aminmax(g)
     return torch.stack(
