@@ -75,7 +75,8 @@ def patch_sweep(
     activation, its first position that differs). Each layer's first such pass is checked
     against a full run of one site (every output tensor); where it differs, that layer runs at
     full length with a warning. Encoders (BERT), encoder-decoder models, models without a cache,
-    compiled models (each new length would recompile) and inputs other than ``input_ids``/
+    compiled models (each new length would recompile), outputs holding a tensor without a
+    position axis (a classifier pooled at each row's last token) and inputs other than ``input_ids``/
     ``inputs_embeds``/``token_type_ids``/``position_ids``/a 2-D ``attention_mask`` run at full
     length. One difference from a full run, by design: the output at a padding position before
     ``p0`` that precedes a row's first real token (left padding) is the corrupted run's, where a
