@@ -141,3 +141,85 @@ def test_an_output_indexed_by_the_inputs_batch_size_in_a_cached_pass_is_checked(
     assert len(said) == 2 and all(
         "rows); that layer ran with the model's inputs" in m for m in said
     )
+
+
+@pytest.mark.parametrize("fn", ["patch_sweep", "attribution_patch"])
+def test_rows_follow_the_order_of_the_layers_given(fn):
+    # The rows came back in the model's order whatever the order of the list given, so
+    # layers=["transformer.h.2", "transformer.h.0"] gave h.0's values in row 0, silently.
+    from helpers.lm import tiny_gpt2
+
+    model = tiny_gpt2(n_layer=3)
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(3, len(WORDS), (1, 6), generator=g)
+    corrupt = torch.randint(3, len(WORDS), (1, 6), generator=g)
+
+    def metric(out):
+        return out.logits[0, -1, 7]
+
+    sweep = getattr(hs, fn)
+    got = sweep(model, clean, corrupt, metric, ["transformer.h.2", "transformer.h.0"])
+    for row, name in enumerate(["transformer.h.2", "transformer.h.0"]):
+        mod = model.get_submodule(name)
+        if fn == "patch_sweep":
+            ref = hand_sweep(
+                model,
+                mod,
+                "output",
+                {"input_ids": clean},
+                {"input_ids": corrupt},
+                metric,
+                by_position,
+            )
+        else:
+            ref = _attribution_by_hand(model, mod, clean, corrupt, metric)
+        assert torch.allclose(got[row], ref, atol=1e-5), (name, got[row], ref)
+    # a glob or a type inside the list: its layers in the model's order, at its place
+    got = sweep(model, clean, corrupt, metric, ["transformer.h.2", "transformer.h.[01]"])
+    alone = sweep(model, clean, corrupt, metric, hs.blocks(model))
+    assert torch.allclose(got, alone[[2, 0, 1]], atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", ["patch_sweep", "attribution_patch"])
+def test_a_layer_selected_twice_is_refused_not_merged(fn):
+    # ["transformer.h.0", "transformer.h.0"] gave one row, not two.
+    from helpers.lm import tiny_gpt2
+
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(hs.PatchingError, match=r"'transformer.h.0' twice"):
+        getattr(hs, fn)(model, ids, ids + 1, lambda o: o.logits[0, -1, 0], ["transformer.h.0"] * 2)
+    with pytest.raises(hs.PatchingError, match=r"'transformer.h.1' twice"):
+        getattr(hs, fn)(
+            model,
+            ids,
+            ids + 1,
+            lambda o: o.logits[0, -1, 0],
+            ["transformer.h.1", "transformer.h.*[0-9]"],
+        )
+
+
+def _attribution_by_hand(model, module, clean, corrupt, metric):
+    """(clean - corrupt) . d metric / d output of ``module`` at the corrupted run, per position."""
+    store = {}
+    def first(o):
+        return o[0] if isinstance(o, tuple) else o
+
+    h = module.register_forward_hook(lambda m, a, o: store.__setitem__("x", first(o).detach()))
+    try:
+        with torch.no_grad():
+            model(input_ids=clean)
+    finally:
+        h.remove()
+    src = store.pop("x")
+
+    def keep(m, a, o):
+        store["x"] = first(o)
+
+    h = module.register_forward_hook(keep)
+    try:
+        value = metric(model(input_ids=corrupt))
+    finally:
+        h.remove()
+    (grad,) = torch.autograd.grad(value, store["x"])
+    return ((src - store["x"].detach()) * grad).sum(dim=(0, 2))

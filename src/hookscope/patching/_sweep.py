@@ -97,7 +97,9 @@ def patch_sweep(
             the positions where they do not).
         metric: ``metric(output) -> scalar``, given one site's output (as many rows as the
             batch; a tensor, or a ``ModelOutput``: use ``.logits``).
-        layers: the layers to patch (names, a glob, ``hs.blocks(model)``, ...).
+        layers: the layers to patch (names, a glob, ``hs.blocks(model)``, ...); the rows follow
+            a list in its order (a glob's layers in the model's order at its place), and a
+            layer selected twice is refused.
         at: ``"output"`` or ``"input"`` of each layer.
         over: the sweep axes: ``("position",)``, ``("head",)``, ``("position", "head")``, ``()``.
         arg: with ``at="input"`` only, the input to patch (a positional index >= 0 or a keyword
