@@ -22,7 +22,10 @@ pre-hook on the root model that reads, for each model call, where its tokens sit
   show no padding, otherwise the call is refused; no mask: every token is real;
 * a **reorder** of the rows between calls (beam search): the cache's ``reorder_cache`` is
   wrapped while the scope is open, so the exact ``beam_idx`` of every reorder is known
-  (also with a sliding window, whose cache no longer holds the early tokens).
+  (also with a sliding window, whose cache no longer holds the early tokens);
+* the **prompt**: the first call of a sequence, or, while ``generate()`` runs (the model's
+  ``generate`` is wrapped while the scope is open), the width of the ``input_ids`` it was given:
+  prompt-lookup and assisted decoding run the prompt and the first candidates in one call.
 
 A token's *position* is the number of real tokens before it in its row (what ``generate`` passes
 as ``position_ids``). What cannot be placed exactly is refused, naming the call: a 2-D mask
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import types
 import weakref
 from typing import Any, NamedTuple
 
@@ -191,6 +195,11 @@ class TokenTracker:
         self._wrapped: list[Any] = []  # caches whose reorder_cache is wrapped
         self.elsewhere: str | None = None  # a thread whose model calls the scope left alone
         self.called = False  # whether the scope's thread called the model
+        # generate() under way in a thread: {thread id: the prompt's width, None once read}
+        self._generating: dict[int, int | None] = {}
+        self._prompt_step: _Step | None = None  # the current sequence's first call
+        self._prompt_rows: torch.Tensor | None = None  # its rows after the reorders since
+        self._generate_of: Any = None  # weak reference to the model whose generate is wrapped
 
     def attach(self, scope: HookScope, model: nn.Module, *, reorders: bool = True) -> None:
         """Add the pre-hook and post-hook to the root model; caches met in the calls get their
@@ -201,6 +210,7 @@ class TokenTracker:
         self.encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False))
         scope.add_forward_pre(root, _TrackerHook(self), layer="", with_kwargs=True)
         scope.add_forward(root, self._post, layer="")
+        self._wrap_generate(root)
         scope.on_remove(self._unwrap)
 
     def clear(self) -> None:
@@ -210,6 +220,7 @@ class TokenTracker:
         self._cache = None
         self.prompt_end = 0
         self.elsewhere, self.called = None, False
+        self._prompt_step, self._prompt_rows = None, None
 
     # -- hooks ----------------------------------------------------------------------------------
     def _inputs(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -255,9 +266,17 @@ class TokenTracker:
         else:
             start = 0
         tokens = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
-        if start == 0 and not self._recompute(prev, batch, n, tokens):
+        new_seq = start == 0 and not self._recompute(prev, batch, n, tokens)
+        if new_seq:
             self._seq += 1
             self.prompt_end = n
+            # generate()'s first call holds the prompt and, with prompt-lookup or assisted
+            # decoding, the first candidates after it: the prompt's width is generate()'s
+            width = self._generating.get(get_ident())
+            if width is not None:
+                self._generating[get_ident()] = None  # read once, by the sequence's first call
+                if not self.encoder_decoder and 0 < width < n:
+                    self.prompt_end = width
         step = _Step(start, n, batch, self._seq)
         step.device = x.device
         step.tokens = tokens.detach().clone() if tokens is not None else None
@@ -265,6 +284,10 @@ class TokenTracker:
         pending, self._pending = self._pending, None
         if pending is not None and prev is not None and start > 0 and pending.numel() == batch:
             step.perm = pending
+            rows = self._prompt_rows
+            self._prompt_rows = pending if rows is None else rows.to(pending.device)[pending]
+        if new_seq:
+            self._prompt_step, self._prompt_rows = step, None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= step.end:
             step.mask2d = mask  # read when needed: generate passes a new mask each call
             step._before = None if start else 0
@@ -354,6 +377,7 @@ class TokenTracker:
                 if not present.trackers:
                     del cache.__dict__["reorder_cache"]
         self._wrapped.clear()
+        self._unwrap_generate()
         self.current = None
 
     def _reordered(self, idx: torch.Tensor) -> None:
@@ -385,6 +409,48 @@ class TokenTracker:
             pos = step.own.to(step.device).long().cumsum(1) - 1 + before
         total = step.count()
         return pos, step.own, total
+
+    def prompt_tokens(self) -> Any:
+        """Real tokens of the current sequence's prompt per row (int or ``[batch]``) while
+        ``generate()`` runs in this thread, else ``None`` (a plain forward, a hand loop)."""
+        first = self._prompt_step
+        if get_ident() not in self._generating or first is None or self.current is None:
+            return None
+        if self.current.seq != first.seq:
+            return None
+        own = first.own
+        if own is None:
+            return first.before + min(self.prompt_end, first.end) - first.start
+        count = own[:, : max(0, self.prompt_end - first.start)].sum(1) + first.before
+        rows = self._prompt_rows
+        return count if rows is None else count.to(rows.device)[rows]
+
+    # -- generate(): the prompt's width -----------------------------------------------------------
+    def _wrap_generate(self, root: nn.Module) -> None:
+        """Wrap ``root.generate`` (on the instance) while the scope is open, to learn the width
+        of the prompt it is given; every tracker open on the model is told."""
+        if not callable(getattr(type(root), "generate", None)):
+            return
+        present = root.__dict__.get("generate")
+        if present is not None and not isinstance(present, _Generate):
+            return  # set by its owner: leave it
+        if present is None:
+            present = _Generate(root)
+            root.__dict__["generate"] = present
+        present.trackers.append(weakref.ref(self))
+        self._generate_of = weakref.ref(root)
+
+    def _unwrap_generate(self) -> None:
+        ref = self._generate_of
+        root = ref() if ref is not None else None
+        if root is None:
+            return
+        present = root.__dict__.get("generate")
+        if isinstance(present, _Generate):
+            present.trackers = [t for t in present.trackers if t() not in (self, None)]
+            if not present.trackers:
+                del root.__dict__["generate"]
+        self._generate_of = None
 
 
 class _TrackerHook(_Hook):
@@ -427,6 +493,42 @@ class _Reorder:
             if tracker is not None:
                 tracker._reordered(idx)
         return self.method(beam_idx, *args, **kwargs)
+
+
+class _Generate:
+    """A model's ``generate`` while trackers are open on it: tells them, for the thread that
+    calls it, the width of the prompt (``input_ids``/``inputs_embeds``) until it returns. A deep
+    copy or a pickle of the model gets the class's own method (the copy holds no scope)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = weakref.ref(root)
+        self.trackers: list[Any] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        root = self._root()
+        assert root is not None
+        x = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        if not isinstance(x, torch.Tensor):
+            x = kwargs.get("inputs_embeds")
+        width = int(x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
+        ident = get_ident()
+        told = [t for t in (ref() for ref in self.trackers) if t is not None]
+        for t in told:
+            t._generating[ident] = width
+        try:
+            return type(root).generate(root, *args, **kwargs)
+        finally:
+            for t in told:
+                t._generating.pop(ident, None)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        twin = memo.get(id(self._root()))
+        if twin is None:
+            return self
+        return types.MethodType(type(twin).generate, twin)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (getattr, (self._root(), "generate"))
 
 
 def _real_columns(steps: list[_Step], batch: int, width: int) -> torch.Tensor | None:

@@ -307,6 +307,12 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
         if positions >= 0:
             sel = pos >= positions
         else:  # the last -positions tokens of each row so far
+            # in generate(): the prompt's last -positions tokens, then every generated token,
+            # whatever the calls hold (one new token with the cache; the whole sequence again
+            # without it; the prompt with candidates in prompt-lookup or assisted decoding)
+            prompt = tracker.prompt_tokens()
+            if prompt is not None:
+                total = prompt
             if isinstance(total, torch.Tensor):
                 total = total.to(pos.device)[:, None]
             sel = pos >= total + positions
@@ -424,13 +430,14 @@ def steer(
 
     * ``"all"`` (the default): every position of every call (padded slots too; they are masked
       out of attention, so real tokens see the same result); no token tracking;
-    * ``"prompt"`` / ``"generated"``: the tokens of the first call of a sequence (the prompt) /
-      the tokens ``generate`` adds;
+    * ``"prompt"`` / ``"generated"``: the tokens of the first call of a sequence (the prompt; in
+      ``generate``, the ``input_ids`` it was given, also when its first call holds candidates
+      after them: prompt-lookup or assisted decoding) / the tokens ``generate`` adds;
     * an int ``k >= 0``: positions ``k`` and later (as ``steering-vectors``' ``min_token_index``,
       but also for tokens generated with the KV cache);
     * a negative int ``-k``: the last ``k`` tokens of each row in each call (``-1``: the last
       token; in ``generate``: the prompt's last ``k`` tokens, then every generated token, which is
-      the last one when it is computed);
+      the last one when it is computed; also with ``use_cache=False`` and candidates);
     * a bool mask ``[batch, positions]`` (or ``[positions]`` for every row): ``mask[b, p]``
       steers row ``b``'s ``p``-th token; positions past the mask's end are not steered.
 

@@ -1,0 +1,79 @@
+"""Audit of silent wrong results in steering: each test fails on the code before its fix and
+checks the steered run against a hand-written hook over the final sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hookscope as hs
+from helpers.lm import tiny_gpt2, word_tokenizer
+
+LAYER, READ = "transformer.h.0", "transformer.h.1"
+# repeats itself, so that prompt-lookup decoding finds candidates in it
+PROMPT = "the cat went to the park and the cat went to the park and the cat"
+
+
+def _hand_reference(model, v, scale, ids, chosen):
+    """One forward over ``ids`` with a plain hook adding ``scale * v`` where ``chosen``."""
+
+    def add(m, a, out):
+        return out + scale * v * chosen[..., None]
+
+    handle = model.get_submodule(LAYER).register_forward_hook(add)
+    try:
+        with hs.capture(model, READ) as ref:
+            model(input_ids=ids)
+    finally:
+        handle.remove()
+    return ref[READ]
+
+
+@pytest.mark.parametrize("positions", ["generated", "prompt", -2])
+@pytest.mark.parametrize("how", ["prompt_lookup", "no_cache"])
+def test_steer_positions_in_generate_do_not_depend_on_the_decoding(positions, how):
+    # Prompt-lookup decoding runs the prompt and its first candidates in one call: that call was
+    # taken for the prompt, so 'generated' missed the first generated tokens (and 'prompt' steered
+    # them). Without the cache each call re-runs the whole sequence, and -k steered the last k
+    # tokens of each call only, not "the prompt's last k, then every generated token".
+    model = tiny_gpt2(n_layer=2)
+    enc = word_tokenizer("left")([PROMPT], return_tensors="pt")
+    n = enc["input_ids"].shape[1]
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+    kw = {"prompt_lookup_num_tokens": 3} if how == "prompt_lookup" else {"use_cache": False}
+    with (
+        hs.steer(model, {LAYER: v}, scale=2.0, positions=positions),
+        hs.capture(model, READ, sequence=True) as cap,
+    ):
+        out = model.generate(**enc, max_new_tokens=8, do_sample=False, eos_token_id=None, **kw)
+    ids = out[:, :-1]
+    col = torch.arange(ids.shape[1])[None]
+    chosen = {"generated": col >= n, "prompt": col < n, -2: col >= n - 2}[positions]
+    ref = _hand_reference(model, v, 2.0, ids, chosen)
+    got = cap.sequence(READ).values[:, : ids.shape[1]]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    with hs.steer(model, {LAYER: v}, scale=2.0, positions=positions):
+        greedy = model.generate(**enc, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert torch.equal(greedy, out)
+
+
+def test_the_model_is_left_as_found_and_copies_generate_as_transformers_does():
+    # steer and capture(sequence=True) learn the prompt's width from generate(): the model's
+    # generate is wrapped while a scope is open, for both scopes at once, and put back after
+    import copy
+
+    model = tiny_gpt2(n_layer=2)
+    enc = word_tokenizer("left")([PROMPT], return_tensors="pt")
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    with hs.capture(model, READ, sequence=True) as cap:
+        with hs.steer(model, {LAYER: v}, positions="generated"):
+            assert "generate" in model.__dict__
+            twin = copy.deepcopy(model)
+            assert "generate" not in twin.__dict__ or twin.generate.__self__ is twin
+            out = model.generate(**enc, max_new_tokens=3, do_sample=False, eos_token_id=None)
+        assert "generate" in model.__dict__  # the capture's, still open
+    assert "generate" not in model.__dict__
+    assert cap.sequence(READ).values.shape[1] == out.shape[1] - 1
+    plain = twin.generate(**enc, max_new_tokens=3, do_sample=False, eos_token_id=None)
+    assert plain.shape == out.shape
+    assert hs.hooks_on(model) == []
