@@ -200,6 +200,9 @@ class TokenTracker:
         self._prompt_step: _Step | None = None  # the current sequence's first call
         self._prompt_rows: torch.Tensor | None = None  # its rows after the reorders since
         self._generate_of: Any = None  # weak reference to the model whose generate is wrapped
+        # {sequence: columns of the tokens that ran for what generate() returned (its width - 1)}
+        self.returned: dict[int, int] = {}
+        self.thread = get_ident()  # the thread whose calls it reads (its scope's)
 
     def attach(self, scope: HookScope, model: nn.Module, *, reorders: bool = True) -> None:
         """Add the pre-hook and post-hook to the root model; caches met in the calls get their
@@ -221,6 +224,7 @@ class TokenTracker:
         self.prompt_end = 0
         self.elsewhere, self.called = None, False
         self._prompt_step, self._prompt_rows = None, None
+        self.returned.clear()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _inputs(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -426,6 +430,12 @@ class TokenTracker:
         return count if rows is None else count.to(rows.device)[rows]
 
     # -- generate(): the prompt's width -----------------------------------------------------------
+    def _returned(self, width: int) -> None:
+        """``generate()`` returned ``width`` columns: the last one never ran (prompt-lookup and
+        assisted decoding may have run candidates past it)."""
+        if self.steps and not self.encoder_decoder:
+            self.returned[self.steps[-1].seq] = width - 1
+
     def _wrap_generate(self, root: nn.Module) -> None:
         """Wrap ``root.generate`` (on the instance) while the scope is open, to learn the width
         of the prompt it is given; every tracker open on the model is told."""
@@ -512,14 +522,20 @@ class _Generate:
             x = kwargs.get("inputs_embeds")
         width = int(x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
         ident = get_ident()
-        told = [t for t in (ref() for ref in self.trackers) if t is not None]
+        # the trackers of scopes opened in this thread (a scope acts on its own thread's calls)
+        told = [t for t in (ref() for ref in self.trackers) if t is not None and t.thread == ident]
         for t in told:
             t._generating[ident] = width
         try:
-            return type(root).generate(root, *args, **kwargs)
+            out = type(root).generate(root, *args, **kwargs)
         finally:
             for t in told:
                 t._generating.pop(ident, None)
+        seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        if isinstance(seqs, torch.Tensor) and seqs.dim() == 2:
+            for t in told:
+                t._returned(seqs.shape[1])
+        return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         twin = memo.get(id(self._root()))
@@ -642,10 +658,13 @@ def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSeque
                 "outputs shaped [batch, tokens, ...]" + enc
             )
         parts.append(t)
-    return _build(steps, parts)
+    end = tracker.returned.get(steps[-1].seq)
+    return _build(steps, parts, end)
 
 
-def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
+def _build(steps: list[_Step], parts: list[torch.Tensor], end: int | None = None) -> TokenSequence:
+    """The sequence from each call's values; ``end``: the columns of the tokens that ran for
+    what ``generate()`` returned (candidates it ran past them are left out)."""
     last = steps[-1]
     batch, width = last.batch, max(s.end for s in steps)
     ref = parts[-1]
@@ -665,7 +684,7 @@ def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
             None if any(t is None for t in toks) else torch.cat([t.to(device) for t in toks], 1)
         )
         if last.mask2d is not None and last.end == width:  # generate: its last mask says it all
-            return _realign(values, last.mask2d[:, :width].bool().to(device), tokens)
+            return _realign(values, last.mask2d[:, :width].bool().to(device), tokens, end)
     # the rows each step's row r became at the end (beam search reorders rows between calls)
     rowmaps: list[torch.Tensor] = [torch.arange(batch, device=device)] * len(steps)
     for i in range(len(steps) - 1, 0, -1):
@@ -678,7 +697,7 @@ def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
         for step, rows in zip(steps, rowmaps):  # later calls win (use_cache=False re-runs)
             own = step.own
             real[:, step.start : step.end] = True if own is None else own.to(device)[rows]
-    return _realign(values, real, tokens)
+    return _realign(values, real, tokens, end)
 
 
 def _scatter(
@@ -704,9 +723,13 @@ def _scatter(
 
 
 def _realign(
-    values: torch.Tensor, real: torch.Tensor, tokens: torch.Tensor | None
+    values: torch.Tensor, real: torch.Tensor, tokens: torch.Tensor | None, end: int | None = None
 ) -> TokenSequence:
-    """Move each row's real tokens to the front: column = position (real tokens before it)."""
+    """Move each row's real tokens to the front: column = position (real tokens before it);
+    the columns from ``end`` on are left out."""
+    if end is not None and end < values.shape[1]:
+        values, real = values[:, :end], real[:, :end]
+        tokens = None if tokens is None else tokens[:, :end]
     batch, device = values.shape[0], values.device
     lengths = real.sum(1)
     out_w = int(lengths.max())
