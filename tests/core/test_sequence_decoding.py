@@ -32,3 +32,27 @@ def test_sequence_under_prompt_lookup_decoding_is_the_returned_sequence(kind):
     with hs.capture(model, layer) as ref:
         model(input_ids=ids)
     torch.testing.assert_close(seq.values, ref[layer], atol=1e-5, rtol=0)
+
+
+def test_a_language_model_pickles_while_scopes_are_open():
+    # torch.save(model) raised "cannot pickle 'weakref.ReferenceType' object" while any scope was
+    # on a transformers model (its get_compiled_call is replaced while hooks are on it; docs/
+    # pitfalls.md §23 says a model with hookscope attached saves). The copy generates as the model.
+    import io
+
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.tensor([[3, 4, 5]])
+    buf = io.BytesIO()
+    with (
+        hs.steer(model, {"transformer.h.0": torch.zeros(64)}),
+        hs.capture(model, "transformer.h.1", sequence=True),
+    ):
+        torch.save(model, buf)
+        model(ids)  # (a steer whose layer never ran warns)
+    buf.seek(0)
+    twin = torch.load(buf, weights_only=False)
+    kw = dict(max_new_tokens=3, do_sample=False, eos_token_id=None)
+    assert torch.equal(twin.generate(ids, **kw), model.generate(ids, **kw))
+    with hs.capture(twin, "transformer.h.1", sequence=True) as cap:
+        out = twin.generate(ids, **kw)
+    assert cap.sequence("transformer.h.1").tokens.tolist() == out[:, :-1].tolist()
