@@ -77,3 +77,44 @@ def test_the_model_is_left_as_found_and_copies_generate_as_transformers_does():
     plain = twin.generate(**enc, max_new_tokens=3, do_sample=False, eos_token_id=None)
     assert plain.shape == out.shape
     assert hs.hooks_on(model) == []
+
+
+@pytest.mark.parametrize("positions", ["generated", -2])
+def test_steer_positions_with_a_cache_that_holds_the_prompts_first_tokens(positions):
+    # generate(ids, past_key_values=cache) with a cache that already holds the prompt's first 4
+    # tokens runs the other prompt tokens in its first call, which was not taken for a prompt:
+    # 'generated' steered those prompt tokens too, silently.
+    from transformers import DynamicCache
+
+    model = tiny_gpt2(n_layer=2)
+    ids = word_tokenizer()(["the cat went to the park and"], return_tensors="pt")["input_ids"]
+    width = ids.shape[1]
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :4], past_key_values=cache, use_cache=True)
+    with hs.steer(model, {LAYER: v}, scale=2.0, positions=positions):
+        got = model.generate(
+            ids,
+            past_key_values=cache,
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    out = got.sequences
+    col = torch.arange(out.shape[1] - 1)[None]
+    chosen = col >= (width if positions == "generated" else width - 2)
+
+    def add(m, a, o):
+        return o + 2.0 * v * chosen[..., None]
+
+    handle = model.get_submodule(LAYER).register_forward_hook(add)
+    try:
+        with torch.no_grad():
+            ref = model(out[:, :-1]).logits
+    finally:
+        handle.remove()
+    for i, logits in enumerate(got.logits):  # the logits of each generated token
+        torch.testing.assert_close(logits, ref[:, width - 1 + i], atol=1e-4, rtol=0)

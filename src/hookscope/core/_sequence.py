@@ -271,16 +271,20 @@ class TokenTracker:
             start = 0
         tokens = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
         new_seq = start == 0 and not self._recompute(prev, batch, n, tokens)
+        # generate()'s first call holds the prompt and, with prompt-lookup or assisted decoding,
+        # the first candidates after it; given a cache that holds the prompt's first tokens, it
+        # holds the others only: the prompt is the input_ids generate() was given
+        width = self._generating.get(get_ident())
+        if width is not None:
+            self._generating[get_ident()] = None  # read once, by generate()'s first call
+            if self.encoder_decoder or width <= 0 or (new_seq and width >= n):
+                width = None
+        first = new_seq or width is not None  # the first call of a prompt
         if new_seq:
             self._seq += 1
             self.prompt_end = n
-            # generate()'s first call holds the prompt and, with prompt-lookup or assisted
-            # decoding, the first candidates after it: the prompt's width is generate()'s
-            width = self._generating.get(get_ident())
-            if width is not None:
-                self._generating[get_ident()] = None  # read once, by the sequence's first call
-                if not self.encoder_decoder and 0 < width < n:
-                    self.prompt_end = width
+        if width is not None:
+            self.prompt_end = width
         step = _Step(start, n, batch, self._seq)
         step.device = x.device
         step.tokens = tokens.detach().clone() if tokens is not None else None
@@ -290,7 +294,7 @@ class TokenTracker:
             step.perm = pending
             rows = self._prompt_rows
             self._prompt_rows = pending if rows is None else rows.to(pending.device)[pending]
-        if new_seq:
+        if first:
             self._prompt_step, self._prompt_rows = step, None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= step.end:
             step.mask2d = mask  # read when needed: generate passes a new mask each call
