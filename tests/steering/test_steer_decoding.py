@@ -118,3 +118,25 @@ def test_steer_positions_with_a_cache_that_holds_the_prompts_first_tokens(positi
         handle.remove()
     for i, logits in enumerate(got.logits):  # the logits of each generated token
         torch.testing.assert_close(logits, ref[:, width - 1 + i], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "positions", [20, torch.zeros(6, dtype=torch.bool), torch.tensor([False, False, True])]
+)
+def test_steer_positions_that_select_no_token_warn(positions):
+    # positions=k past every row's end, or a mask selecting no token that ran, steered nothing and
+    # said nothing (an int or a mask was not checked: 'it would need a host sync per call'; one
+    # sync at exit suffices). The mask [F, F, T] over 2-token prompts selects none of them.
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.tensor([[3, 4], [5, 6]])
+    v = torch.ones(64)
+    with (
+        pytest.warns(hs.HookscopeWarning, match="no position was steered"),
+        hs.steer(model, {LAYER: v}, positions=positions),
+    ):
+        model(ids)
+    with hs.capture(model, READ) as plain:
+        model(ids)
+    with hs.steer(model, {LAYER: v}, positions=1), hs.capture(model, READ) as steered:  # no warning
+        model(ids)
+    assert (steered[READ] - plain[READ])[:, 1].abs().max() > 1e-3

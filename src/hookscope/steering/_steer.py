@@ -49,7 +49,8 @@ class Steering(HookScope):
     def __init__(self) -> None:
         super().__init__("steer")
         self.ran = 0  # calls of steered layers
-        self.steered = 0  # calls in which at least one position may have been steered
+        self.steered = 0  # calls in which every position was steered (positions say so)
+        self.chosen: torch.Tensor | None = None  # whether a per-token selection chose a token
         self.positions: Any = "all"
         self.layers: list[str] = []
         self._failed = False
@@ -135,15 +136,12 @@ class Steering(HookScope):
         if check:
             self._check_ran(up + 1)
             self._check_never(up + 1)
-        if check and self.ran and not self.steered:
+        # one host sync at exit: did a per-token selection choose any token?
+        chosen = self.chosen is not None and bool(self.chosen)
+        if check and self.ran and not self.steered and not chosen:
             warnings.warn(
-                f"steer(positions={self.positions!r}): layers {some_names(self.layers)} ran "
-                f"{self.ran} times but no position was steered "
-                + (
-                    "(the model only ran on prompts: 'generated' steers the tokens generate() adds)"
-                    if self.positions == "generated"
-                    else "(every call was past the prompt)"
-                ),
+                f"steer(positions={_show(self.positions)}): layers {some_names(self.layers)} ran "
+                f"{self.ran} times but no position was steered ({_why_none(self.positions)})",
                 HookscopeWarning,
                 stacklevel=up,
             )
@@ -235,7 +233,11 @@ class _SteerHook(_Hook):
         sel = self.select()
         if sel is False:
             return None
-        scope.steered += 1
+        if sel is None:
+            scope.steered += 1
+        else:  # on the device, read once at exit (no host sync per call)
+            got = sel.any()
+            scope.chosen = got if scope.chosen is None else scope.chosen | got.to(scope.chosen)
         d = self._delta(h)
         if self.mode == "add":
             delta = d
@@ -341,6 +343,24 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
 
 def _show(positions: Any) -> str:
     return "mask" if isinstance(positions, torch.Tensor) else repr(positions)
+
+
+def _why_none(positions: Any) -> str:
+    """Why a steer's positions chose no token of the calls that ran."""
+    if positions == "generated" and isinstance(positions, str):
+        return "the model only ran on prompts: 'generated' steers the tokens generate() adds"
+    if isinstance(positions, str):
+        return "every call was past the prompt"
+    if isinstance(positions, int):
+        return (
+            f"no row reached position {positions} (positions count each row's real tokens from 0)"
+            if positions >= 0
+            else "every token of the calls was padding"
+        )
+    return (
+        "the mask selects no real token that ran: mask[b, p] steers row b's p-th real token, "
+        "padding taken out"
+    )
 
 
 def _dev(step: Any) -> torch.device:
@@ -479,6 +499,4 @@ def steer(
     except BaseException:
         scope.remove()
         raise
-    if isinstance(positions, (int, torch.Tensor)):
-        scope.steered = 1  # data-dependent: not checked (it would need a host sync per call)
     return scope
