@@ -140,3 +140,64 @@ def test_steer_positions_that_select_no_token_warn(positions):
     with hs.steer(model, {LAYER: v}, positions=1), hs.capture(model, READ) as steered:  # no warning
         model(ids)
     assert (steered[READ] - plain[READ])[:, 1].abs().max() > 1e-3
+
+
+def _tiny_bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    from helpers.lm import EOS, PAD, WORDS
+
+    cfg = BloomConfig(
+        vocab_size=len(WORDS),
+        hidden_size=64,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=EOS,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    return BloomForCausalLM(cfg).eval()
+
+
+def test_a_static_cache_mask_as_wide_as_its_buffer_is_read_not_refused():
+    # Bloom builds ALiBi from a 2-D mask, which its generate() pads to the static cache's buffer:
+    # every call was refused ("its attention mask is 10 columns wide for 6 new tokens, but the
+    # KV cache held 0 tokens"), capture(sequence=True) and steer(positions=...) alike.
+    from helpers.lm import PROMPTS, final_forward_inputs
+
+    model = _tiny_bloom()
+    layer, read = "transformer.h.0", "transformer.h.1"
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+    with (
+        hs.steer(model, {layer: v}, scale=0.5, positions=3),
+        hs.capture(model, read, sequence=True) as cap,
+    ):
+        out = model.generate(
+            **enc,
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=None,
+            cache_implementation="static",
+        )
+    seq = cap.sequence(read)
+    kw = final_forward_inputs(model, out, enc["attention_mask"])
+    amask = kw["attention_mask"]
+    chosen = ((amask.cumsum(1) - 1) >= 3) & amask.bool()
+
+    def add(m, a, o):
+        return (o[0] + 0.5 * v * chosen[..., None], *o[1:]) if isinstance(o, tuple) else o
+
+    handle = model.get_submodule(layer).register_forward_hook(add)
+    try:
+        with hs.capture(model, read) as ref:
+            model(**kw)
+    finally:
+        handle.remove()
+    want = ref[read][0] if isinstance(ref[read], tuple) else ref[read]
+    for b in range(2):
+        n = int(amask[b].sum())
+        assert seq.tokens[b, :n].tolist() == kw["input_ids"][b][amask[b].bool()].tolist()
+        torch.testing.assert_close(seq.values[b, :n], want[b][amask[b].bool()], atol=1e-5, rtol=0)

@@ -9,7 +9,8 @@ pre-hook on the root model that reads, for each model call, where its tokens sit
   ``config.is_encoder_decoder``) the decoder's, ``decoder_input_ids``, which are the tokens
   ``generate`` adds (the encoder runs once, over the source, outside the decoding calls);
 * the **column** of the call's first token in the padded sequence: the width of a 2-D attention
-  mask minus the call's length (what ``generate`` and a hand loop pass with a dynamic cache),
+  mask minus the call's length (what ``generate`` and a hand loop pass with a dynamic cache; a
+  2-D mask as wide as a static cache's buffer, as Bloom's ``generate`` pads it: the cache's length),
   else the length of the Hugging Face cache (``past_key_values``: dynamic, static, sliding-window,
   quantized, encoder–decoder caches count every token they were given, also past a window), else
   ``cache_position``, else, for a cache whose length cannot be read (the recurrent state of a
@@ -165,6 +166,20 @@ def _own_real(mask: Any, start: int, n: int) -> tuple[torch.Tensor | None, bool]
     return (diag if diag.dtype == torch.bool else diag == 0), True
 
 
+def _max_length(cache: Any) -> int | None:
+    """The width of a static cache's buffer (None: a cache without one, e.g. dynamic)."""
+    for name in ("get_max_length", "get_max_cache_shape"):
+        fn = getattr(cache, name, None)
+        if callable(fn):
+            try:
+                got = fn()
+            except (ValueError, TypeError, AttributeError, IndexError, NotImplementedError):
+                continue
+            if isinstance(got, int) and got > 0:
+                return got
+    return None
+
+
 def _cache_length(cache: Any) -> int | None:
     """Tokens a Hugging Face cache holds (None: not a cache, or a recurrent state without one)."""
     fn = getattr(cache, "get_seq_length", None)
@@ -255,7 +270,9 @@ class TokenTracker:
         conflict = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             start = mask.shape[1] - n
-            if length is not None and length != start:
+            if length is not None and length < start and mask.shape[1] == _max_length(cache):
+                start = length  # a static cache's buffer (Bloom pads its 2-D mask to it)
+            elif length is not None and length != start:
                 conflict = (
                     f"its attention mask is {mask.shape[1]} columns wide for {n} new tokens, but "
                     f"the KV cache held {length} tokens before it (a mask must cover the cached "
