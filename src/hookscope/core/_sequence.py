@@ -217,6 +217,7 @@ class TokenTracker:
         self._generate_of: Any = None  # weak reference to the model whose generate is wrapped
         # {sequence: columns of the tokens that ran for what generate() returned (its width - 1)}
         self.returned: dict[int, int] = {}
+        self._cropped: set[int] = set()  # sequences that ran candidates (see _pre)
         self.thread = get_ident()  # the thread whose calls it reads (its scope's)
 
     def attach(self, scope: HookScope, model: nn.Module, *, reorders: bool = True) -> None:
@@ -240,6 +241,7 @@ class TokenTracker:
         self.elsewhere, self.called = None, False
         self._prompt_step, self._prompt_rows = None, None
         self.returned.clear()
+        self._cropped.clear()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _inputs(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -302,6 +304,15 @@ class TokenTracker:
             self.prompt_end = n
         if width is not None:
             self.prompt_end = width
+        # candidates (prompt-lookup, assisted decoding): a generate() call of several tokens
+        # after the prompt, or a cache cropped between calls (candidates rejected)
+        if (width is not None and width < n) or (
+            prev is not None
+            and prev.seq == self._seq
+            and start > 0
+            and (start < prev.end or (n > 1 and get_ident() in self._generating))
+        ):
+            self._cropped.add(self._seq)
         step = _Step(start, n, batch, self._seq)
         step.device = x.device
         step.tokens = tokens.detach().clone() if tokens is not None else None
@@ -454,8 +465,11 @@ class TokenTracker:
     def _returned(self, width: int) -> None:
         """``generate()`` returned ``width`` columns: the last one never ran (prompt-lookup and
         assisted decoding may have run candidates past it)."""
-        if self.steps and not self.encoder_decoder:
-            self.returned[self.steps[-1].seq] = width - 1
+        seq = self.steps[-1].seq if self.steps else None
+        # only where candidates ran (a cropped cache): beam search returns finished beams that
+        # may be shorter than the rows its last step ran, which the sequence follows
+        if seq in self._cropped and not self.encoder_decoder:
+            self.returned[seq] = width - 1
 
     def _wrap_generate(self, root: nn.Module) -> None:
         """Wrap ``root.generate`` (on the instance) while the scope is open, to learn the width
