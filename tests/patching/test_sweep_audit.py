@@ -202,6 +202,7 @@ def test_a_layer_selected_twice_is_refused_not_merged(fn):
 def _attribution_by_hand(model, module, clean, corrupt, metric):
     """(clean - corrupt) . d metric / d output of ``module`` at the corrupted run, per position."""
     store = {}
+
     def first(o):
         return o[0] if isinstance(o, tuple) else o
 
@@ -223,3 +224,27 @@ def _attribution_by_hand(model, module, clean, corrupt, metric):
         h.remove()
     (grad,) = torch.autograd.grad(value, store["x"])
     return ((src - store["x"].detach()) * grad).sum(dim=(0, 2))
+
+
+@pytest.mark.parametrize("fn", ["patch_sweep", "attribution_patch"])
+def test_a_cache_among_the_inputs_is_refused_before_any_forward(fn):
+    # A cache object in clean/corrupt (a prefix's keys and values) grew with every forward: the
+    # user's cache was changed, and the sweep stopped with a misleading "random by other means".
+    from transformers import DynamicCache
+
+    from helpers.lm import tiny_gpt2
+
+    model = tiny_gpt2(n_layer=2)
+    prefix, ids = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[7, 8, 9]])
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(prefix, past_key_values=cache, use_cache=True)
+    with pytest.raises(hs.PatchingError, match=r"'past_key_values' in clean.*whole sequence"):
+        getattr(hs, fn)(
+            model,
+            {"input_ids": ids, "past_key_values": cache},
+            {"input_ids": ids + 1, "past_key_values": cache},
+            lambda o: o.logits[0, -1, 0],
+            ["transformer.h.0"],
+        )
+    assert cache.get_seq_length() == 4  # left as it was
