@@ -76,6 +76,8 @@ def test_the_model_is_left_as_found_and_copies_generate_as_transformers_does():
     assert cap.sequence(READ).values.shape[1] == out.shape[1] - 1
     plain = twin.generate(**enc, max_new_tokens=3, do_sample=False, eos_token_id=None)
     assert plain.shape == out.shape
+    with hs.steer(twin, {LAYER: v}, positions="generated"):  # the copy's scopes wrap it too
+        assert type(twin.__dict__["generate"]).__name__ == "_Generate"
     assert hs.hooks_on(model) == []
 
 

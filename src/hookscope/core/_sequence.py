@@ -477,6 +477,12 @@ class TokenTracker:
         if not callable(getattr(type(root), "generate", None)):
             return
         present = root.__dict__.get("generate")
+        if (
+            isinstance(present, types.MethodType)
+            and present.__self__ is root
+            and present.__func__ is type(root).generate
+        ):
+            present = None  # the class's own method (a deep copy or a pickle of a wrapped model)
         if present is not None and not isinstance(present, _Generate):
             return  # set by its owner: leave it
         if present is None:
