@@ -78,6 +78,8 @@ def test_the_model_is_left_as_found_and_copies_generate_as_transformers_does():
     assert plain.shape == out.shape
     with hs.steer(twin, {LAYER: v}, positions="generated"):  # the copy's scopes wrap it too
         assert type(twin.__dict__["generate"]).__name__ == "_Generate"
+        twin.generate(**enc, max_new_tokens=2, do_sample=False, eos_token_id=None)
+    assert "generate" not in twin.__dict__  # the class's own method again
     assert hs.hooks_on(model) == []
 
 
