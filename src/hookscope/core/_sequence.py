@@ -559,6 +559,7 @@ class _Generate:
         root = self._root()
         assert root is not None
         x = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        ids = isinstance(x, torch.Tensor) and not x.is_floating_point()
         if not isinstance(x, torch.Tensor):
             x = kwargs.get("inputs_embeds")
         width = int(x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
@@ -573,7 +574,9 @@ class _Generate:
             for t in told:
                 t._generating.pop(ident, None)
         seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-        if isinstance(seqs, torch.Tensor) and seqs.dim() == 2:
+        # (given token ids, generate() returns the prompt and the new tokens; given only
+        # embeddings, the new tokens only)
+        if ids and isinstance(seqs, torch.Tensor) and seqs.dim() == 2:
             for t in told:
                 t._returned(seqs.shape[1])
         return out
