@@ -347,7 +347,7 @@ def _show(positions: Any) -> str:
 
 def _why_none(positions: Any) -> str:
     """Why a steer's positions chose no token of the calls that ran."""
-    if positions == "generated" and isinstance(positions, str):
+    if isinstance(positions, str) and positions == "generated":
         return "the model only ran on prompts: 'generated' steers the tokens generate() adds"
     if isinstance(positions, str):
         return "every call was past the prompt"
