@@ -563,6 +563,11 @@ class _EagerCall:
             return self
         return types.MethodType(type(root).get_compiled_call, twin)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # a pickle of the model (torch.save(model)) gets the class's own method: the copy holds
+        # no hooks of the scope
+        return (getattr, (self._guard._root(), "get_compiled_call"))
+
 
 _generate_guards: weakref.WeakKeyDictionary[nn.Module, GenerateGuard] = weakref.WeakKeyDictionary()
 

@@ -9,7 +9,8 @@ pre-hook on the root model that reads, for each model call, where its tokens sit
   ``config.is_encoder_decoder``) the decoder's, ``decoder_input_ids``, which are the tokens
   ``generate`` adds (the encoder runs once, over the source, outside the decoding calls);
 * the **column** of the call's first token in the padded sequence: the width of a 2-D attention
-  mask minus the call's length (what ``generate`` and a hand loop pass with a dynamic cache),
+  mask minus the call's length (what ``generate`` and a hand loop pass with a dynamic cache; a
+  2-D mask as wide as a static cache's buffer, as Bloom's ``generate`` pads it: the cache's length),
   else the length of the Hugging Face cache (``past_key_values``: dynamic, static, sliding-window,
   quantized, encoder–decoder caches count every token they were given, also past a window), else
   ``cache_position``, else, for a cache whose length cannot be read (the recurrent state of a
@@ -22,7 +23,10 @@ pre-hook on the root model that reads, for each model call, where its tokens sit
   show no padding, otherwise the call is refused; no mask: every token is real;
 * a **reorder** of the rows between calls (beam search): the cache's ``reorder_cache`` is
   wrapped while the scope is open, so the exact ``beam_idx`` of every reorder is known
-  (also with a sliding window, whose cache no longer holds the early tokens).
+  (also with a sliding window, whose cache no longer holds the early tokens);
+* the **prompt**: the first call of a sequence, or, while ``generate()`` runs (the model's
+  ``generate`` is wrapped while the scope is open), the width of the ``input_ids`` it was given:
+  prompt-lookup and assisted decoding run the prompt and the first candidates in one call.
 
 A token's *position* is the number of real tokens before it in its row (what ``generate`` passes
 as ``position_ids``). What cannot be placed exactly is refused, naming the call: a 2-D mask
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import types
 import weakref
 from typing import Any, NamedTuple
 
@@ -161,6 +166,20 @@ def _own_real(mask: Any, start: int, n: int) -> tuple[torch.Tensor | None, bool]
     return (diag if diag.dtype == torch.bool else diag == 0), True
 
 
+def _max_length(cache: Any) -> int | None:
+    """The width of a static cache's buffer (None: a cache without one, e.g. dynamic)."""
+    for name in ("get_max_length", "get_max_cache_shape"):
+        fn = getattr(cache, name, None)
+        if callable(fn):
+            try:
+                got = fn()
+            except (ValueError, TypeError, AttributeError, IndexError, NotImplementedError):
+                continue
+            if isinstance(got, int) and got > 0:
+                return got
+    return None
+
+
 def _cache_length(cache: Any) -> int | None:
     """Tokens a Hugging Face cache holds (None: not a cache, or a recurrent state without one)."""
     fn = getattr(cache, "get_seq_length", None)
@@ -191,6 +210,15 @@ class TokenTracker:
         self._wrapped: list[Any] = []  # caches whose reorder_cache is wrapped
         self.elsewhere: str | None = None  # a thread whose model calls the scope left alone
         self.called = False  # whether the scope's thread called the model
+        # generate() under way in a thread: {thread id: the prompt's width, None once read}
+        self._generating: dict[int, int | None] = {}
+        self._prompt_step: _Step | None = None  # the current sequence's first call
+        self._prompt_rows: torch.Tensor | None = None  # its rows after the reorders since
+        self._generate_of: Any = None  # weak reference to the model whose generate is wrapped
+        # {sequence: columns of the tokens that ran for what generate() returned (its width - 1)}
+        self.returned: dict[int, int] = {}
+        self._cropped: set[int] = set()  # sequences that ran candidates (see _pre)
+        self.thread = get_ident()  # the thread whose calls it reads (its scope's)
 
     def attach(self, scope: HookScope, model: nn.Module, *, reorders: bool = True) -> None:
         """Add the pre-hook and post-hook to the root model; caches met in the calls get their
@@ -201,6 +229,7 @@ class TokenTracker:
         self.encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False))
         scope.add_forward_pre(root, _TrackerHook(self), layer="", with_kwargs=True)
         scope.add_forward(root, self._post, layer="")
+        self._wrap_generate(root)
         scope.on_remove(self._unwrap)
 
     def clear(self) -> None:
@@ -210,6 +239,9 @@ class TokenTracker:
         self._cache = None
         self.prompt_end = 0
         self.elsewhere, self.called = None, False
+        self._prompt_step, self._prompt_rows = None, None
+        self.returned.clear()
+        self._cropped.clear()
 
     # -- hooks ----------------------------------------------------------------------------------
     def _inputs(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -240,7 +272,9 @@ class TokenTracker:
         conflict = None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             start = mask.shape[1] - n
-            if length is not None and length != start:
+            if length is not None and length < start and mask.shape[1] == _max_length(cache):
+                start = length  # a static cache's buffer (Bloom pads its 2-D mask to it)
+            elif length is not None and length != start:
                 conflict = (
                     f"its attention mask is {mask.shape[1]} columns wide for {n} new tokens, but "
                     f"the KV cache held {length} tokens before it (a mask must cover the cached "
@@ -255,9 +289,30 @@ class TokenTracker:
         else:
             start = 0
         tokens = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
-        if start == 0 and not self._recompute(prev, batch, n, tokens):
+        new_seq = start == 0 and not self._recompute(prev, batch, n, tokens)
+        # generate()'s first call holds the prompt and, with prompt-lookup or assisted decoding,
+        # the first candidates after it; given a cache that holds the prompt's first tokens, it
+        # holds the others only: the prompt is the input_ids generate() was given
+        width = self._generating.get(get_ident())
+        if width is not None:
+            self._generating[get_ident()] = None  # read once, by generate()'s first call
+            if self.encoder_decoder or width <= 0 or (new_seq and width >= n):
+                width = None
+        first = new_seq or width is not None  # the first call of a prompt
+        if new_seq:
             self._seq += 1
             self.prompt_end = n
+        if width is not None:
+            self.prompt_end = width
+        # candidates (prompt-lookup, assisted decoding): a generate() call of several tokens
+        # after the prompt, or a cache cropped between calls (candidates rejected)
+        if (width is not None and width < n) or (
+            prev is not None
+            and prev.seq == self._seq
+            and start > 0
+            and (start < prev.end or (n > 1 and get_ident() in self._generating))
+        ):
+            self._cropped.add(self._seq)
         step = _Step(start, n, batch, self._seq)
         step.device = x.device
         step.tokens = tokens.detach().clone() if tokens is not None else None
@@ -265,6 +320,10 @@ class TokenTracker:
         pending, self._pending = self._pending, None
         if pending is not None and prev is not None and start > 0 and pending.numel() == batch:
             step.perm = pending
+            rows = self._prompt_rows
+            self._prompt_rows = pending if rows is None else rows.to(pending.device)[pending]
+        if first:
+            self._prompt_step, self._prompt_rows = step, None
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= step.end:
             step.mask2d = mask  # read when needed: generate passes a new mask each call
             step._before = None if start else 0
@@ -354,6 +413,7 @@ class TokenTracker:
                 if not present.trackers:
                     del cache.__dict__["reorder_cache"]
         self._wrapped.clear()
+        self._unwrap_generate()
         self.current = None
 
     def _reordered(self, idx: torch.Tensor) -> None:
@@ -385,6 +445,63 @@ class TokenTracker:
             pos = step.own.to(step.device).long().cumsum(1) - 1 + before
         total = step.count()
         return pos, step.own, total
+
+    def prompt_tokens(self) -> Any:
+        """Real tokens of the current sequence's prompt per row (int or ``[batch]``) while
+        ``generate()`` runs in this thread, else ``None`` (a plain forward, a hand loop)."""
+        first = self._prompt_step
+        if get_ident() not in self._generating or first is None or self.current is None:
+            return None
+        if self.current.seq != first.seq:
+            return None
+        own = first.own
+        if own is None:
+            return first.before + min(self.prompt_end, first.end) - first.start
+        count = own[:, : max(0, self.prompt_end - first.start)].sum(1) + first.before
+        rows = self._prompt_rows
+        return count if rows is None else count.to(rows.device)[rows]
+
+    # -- generate(): the prompt's width -----------------------------------------------------------
+    def _returned(self, width: int) -> None:
+        """``generate()`` returned ``width`` columns: the last one never ran (prompt-lookup and
+        assisted decoding may have run candidates past it)."""
+        seq = self.steps[-1].seq if self.steps else None
+        # only where candidates ran (a cropped cache): beam search returns finished beams that
+        # may be shorter than the rows its last step ran, which the sequence follows
+        if seq in self._cropped and not self.encoder_decoder:
+            self.returned[seq] = width - 1
+
+    def _wrap_generate(self, root: nn.Module) -> None:
+        """Wrap ``root.generate`` (on the instance) while the scope is open, to learn the width
+        of the prompt it is given; every tracker open on the model is told."""
+        if not callable(getattr(type(root), "generate", None)):
+            return
+        present = root.__dict__.get("generate")
+        if (
+            isinstance(present, types.MethodType)
+            and present.__self__ is root
+            and present.__func__ is type(root).generate
+        ):
+            present = None  # the class's own method (a deep copy or a pickle of a wrapped model)
+        if present is not None and not isinstance(present, _Generate):
+            return  # set by its owner: leave it
+        if present is None:
+            present = _Generate(root)
+            root.__dict__["generate"] = present
+        present.trackers.append(weakref.ref(self))
+        self._generate_of = weakref.ref(root)
+
+    def _unwrap_generate(self) -> None:
+        ref = self._generate_of
+        root = ref() if ref is not None else None
+        if root is None:
+            return
+        present = root.__dict__.get("generate")
+        if isinstance(present, _Generate):
+            present.trackers = [t for t in present.trackers if t() not in (self, None)]
+            if not present.trackers:
+                del root.__dict__["generate"]
+        self._generate_of = None
 
 
 class _TrackerHook(_Hook):
@@ -427,6 +544,51 @@ class _Reorder:
             if tracker is not None:
                 tracker._reordered(idx)
         return self.method(beam_idx, *args, **kwargs)
+
+
+class _Generate:
+    """A model's ``generate`` while trackers are open on it: tells them, for the thread that
+    calls it, the width of the prompt (``input_ids``/``inputs_embeds``) until it returns. A deep
+    copy or a pickle of the model gets the class's own method (the copy holds no scope)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self._root = weakref.ref(root)
+        self.trackers: list[Any] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        root = self._root()
+        assert root is not None
+        x = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        ids = isinstance(x, torch.Tensor) and not x.is_floating_point()
+        if not isinstance(x, torch.Tensor):
+            x = kwargs.get("inputs_embeds")
+        width = int(x.shape[1]) if isinstance(x, torch.Tensor) and x.dim() >= 2 else None
+        ident = get_ident()
+        # the trackers of scopes opened in this thread (a scope acts on its own thread's calls)
+        told = [t for t in (ref() for ref in self.trackers) if t is not None and t.thread == ident]
+        for t in told:
+            t._generating[ident] = width
+        try:
+            out = type(root).generate(root, *args, **kwargs)
+        finally:
+            for t in told:
+                t._generating.pop(ident, None)
+        seqs = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+        # (given token ids, generate() returns the prompt and the new tokens; given only
+        # embeddings, the new tokens only)
+        if ids and isinstance(seqs, torch.Tensor) and seqs.dim() == 2:
+            for t in told:
+                t._returned(seqs.shape[1])
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        twin = memo.get(id(self._root()))
+        if twin is None:
+            return self
+        return types.MethodType(type(twin).generate, twin)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (getattr, (self._root(), "generate"))
 
 
 def _real_columns(steps: list[_Step], batch: int, width: int) -> torch.Tensor | None:
@@ -540,10 +702,13 @@ def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSeque
                 "outputs shaped [batch, tokens, ...]" + enc
             )
         parts.append(t)
-    return _build(steps, parts)
+    end = tracker.returned.get(steps[-1].seq)
+    return _build(steps, parts, end)
 
 
-def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
+def _build(steps: list[_Step], parts: list[torch.Tensor], end: int | None = None) -> TokenSequence:
+    """The sequence from each call's values; ``end``: the columns of the tokens that ran for
+    what ``generate()`` returned (candidates it ran past them are left out)."""
     last = steps[-1]
     batch, width = last.batch, max(s.end for s in steps)
     ref = parts[-1]
@@ -563,7 +728,7 @@ def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
             None if any(t is None for t in toks) else torch.cat([t.to(device) for t in toks], 1)
         )
         if last.mask2d is not None and last.end == width:  # generate: its last mask says it all
-            return _realign(values, last.mask2d[:, :width].bool().to(device), tokens)
+            return _realign(values, last.mask2d[:, :width].bool().to(device), tokens, end)
     # the rows each step's row r became at the end (beam search reorders rows between calls)
     rowmaps: list[torch.Tensor] = [torch.arange(batch, device=device)] * len(steps)
     for i in range(len(steps) - 1, 0, -1):
@@ -576,7 +741,7 @@ def _build(steps: list[_Step], parts: list[torch.Tensor]) -> TokenSequence:
         for step, rows in zip(steps, rowmaps):  # later calls win (use_cache=False re-runs)
             own = step.own
             real[:, step.start : step.end] = True if own is None else own.to(device)[rows]
-    return _realign(values, real, tokens)
+    return _realign(values, real, tokens, end)
 
 
 def _scatter(
@@ -602,9 +767,13 @@ def _scatter(
 
 
 def _realign(
-    values: torch.Tensor, real: torch.Tensor, tokens: torch.Tensor | None
+    values: torch.Tensor, real: torch.Tensor, tokens: torch.Tensor | None, end: int | None = None
 ) -> TokenSequence:
-    """Move each row's real tokens to the front: column = position (real tokens before it)."""
+    """Move each row's real tokens to the front: column = position (real tokens before it);
+    the columns from ``end`` on are left out."""
+    if end is not None and end < values.shape[1]:
+        values, real = values[:, :end], real[:, :end]
+        tokens = None if tokens is None else tokens[:, :end]
     batch, device = values.shape[0], values.device
     lengths = real.sum(1)
     out_w = int(lengths.max())

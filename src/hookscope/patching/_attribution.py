@@ -68,7 +68,7 @@ def attribution_patch(
         clean: token ids, or a dict of keyword inputs.
         corrupt: as ``clean``, aligned token by token.
         metric: ``metric(output) -> scalar tensor`` computed from the output (autograd).
-        layers: the layers to score.
+        layers: the layers to score (rows in the order of a list, as in :func:`patch_sweep`).
         at: ``"output"`` or ``"input"`` of each layer.
         over: the sweep axes, as in :func:`patch_sweep`.
         arg: with ``at="input"`` only, the input to score (an index >= 0 or a keyword name).

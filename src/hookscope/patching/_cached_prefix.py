@@ -15,7 +15,9 @@ on the inputs sliced to ``p0..T-1`` (``input_ids``, ``inputs_embeds``, ``token_t
 plus new tokens) with a fresh cache of the reference keys and values before ``p0``. A cache layer
 tiles its rows when a pass runs ``k`` copies of the batch from some block on (``_batching.FanOut``).
 :meth:`CausalPrefix.rebuild` puts the reference run's first ``p0`` positions back in front of each
-output tensor, so a caller sees what a full run gives. Callers check the first pass against a full
+output tensor, so a caller sees what a full run gives (a model whose output holds a tensor without
+a position axis, e.g. a classifier pooled at each row's last real token, runs at full length: from
+``p0`` on it would pool only the later positions). Callers check the first pass against a full
 run and fall back where it differs: the conditions above are necessary, not a proof.
 """
 
@@ -104,6 +106,14 @@ def drop_cache(out: Any) -> Any:
     return map_tensors(lambda t: t, out, other)
 
 
+def _positional(output: Any, length: int) -> bool:
+    """Whether every tensor of ``output`` has a position axis (a dimension after the batch's of
+    ``length``): a pass from ``p0`` rebuilds those; a tensor without one (a classifier's logits
+    pooled at each row's last real token, an auxiliary loss) may read positions before ``p0``,
+    which such a pass does not compute, so the model runs at full length."""
+    return all(length in t.shape[1:] for _, t in iter_tensors(output))
+
+
 class CausalPrefix:
     """The reference run of a causal HF model, to run passes from position ``p0`` on.
 
@@ -127,7 +137,8 @@ class CausalPrefix:
     @classmethod
     def from_run(cls, kwargs: dict[str, Any], output: Any) -> CausalPrefix | None:
         """From the inputs and the output of a ``use_cache=True`` run; ``None`` where its
-        ``past_key_values`` is not a ``DynamicCache`` of plain full-length layers."""
+        ``past_key_values`` is not a ``DynamicCache`` of plain full-length layers, or a tensor of
+        the output has no position axis (a pooled head: :func:`_positional`)."""
         cache = getattr(output, "past_key_values", None)
         if cache is None and isinstance(output, dict):
             cache = output.get("past_key_values")
@@ -150,6 +161,8 @@ class CausalPrefix:
             if k.ndim != 4 or k.shape[0] != ids.shape[0] or k.shape[-2] != ids.shape[1]:
                 return None
             kv.append((k, v))
+        if not _positional(drop_cache(output), int(ids.shape[1])):
+            return None
         return cls(kwargs, output, kv)
 
     def inputs(self, p0: int) -> dict[str, Any]:
@@ -177,7 +190,7 @@ class CausalPrefix:
         """One copy's rows of a pass from ``p0`` (``B`` rows), as a full run gives them: each
         tensor that is ``T - p0`` long where the reference's is ``T`` gets the reference's first
         ``p0`` positions in front; the cache is dropped. Raises :class:`PrefixError` where the
-        output does not match the reference's structure."""
+        output does not match the reference's structure, or a tensor has no position axis."""
         out = drop_cache(out)
         refs = [t for _, t in iter_tensors(self.output)]
         got = [t for _, t in iter_tensors(out)]
@@ -185,13 +198,16 @@ class CausalPrefix:
             raise PrefixError(f"the pass gave {len(got)} output tensors, the full run {len(refs)}")
         it = iter(refs)
         short = self.length - p0
-        axes: list[int | None] = []  # the position axis of each tensor, None where kept
+        axes: list[int | None] = []  # the position axis of each tensor
 
         def one(t: torch.Tensor) -> torch.Tensor:
             ref = next(it)
-            if t.shape == ref.shape:
-                axes.append(None)
-                return t
+            if t.shape == ref.shape:  # no position axis: it may read every position (pooled)
+                raise PrefixError(
+                    f"an output tensor is {tuple(t.shape)} both from p0={p0} and in the full run: "
+                    "it has no position axis to rebuild (a value pooled over the positions, e.g. "
+                    "at each row's last real token, sees only those from p0 on)"
+                )
             dims = [d for d in range(t.ndim) if t.ndim == ref.ndim and t.shape[d] != ref.shape[d]]
             if len(dims) != 1 or ref.shape[dims[0]] != self.length or t.shape[dims[0]] != short:
                 raise PrefixError(

@@ -112,6 +112,17 @@ def as_kwargs(model: nn.Module, inputs: Any, what: str) -> dict[str, Any]:
             f"{what} must be a tensor of token ids or a dict of the model's keyword inputs "
             f"(input_ids, attention_mask, ...); got {type(inputs).__name__}"
         )
+    for key, value in kwargs.items():
+        if value is not None and (
+            key in ("past_key_values", "cache_params")
+            or callable(getattr(value, "get_seq_length", None))
+        ):
+            raise PatchingArgumentError(
+                f"{key!r} in {what} holds a cache ({type(value).__name__}), which every forward of "
+                "the sweep would add to (changing your cache, and each run's positions); pass the "
+                "whole sequence's token ids instead (a causal model's sweep reuses the earlier "
+                "positions' keys and values itself)"
+            )
     if "use_cache" not in kwargs and accepts(model, "use_cache"):
         kwargs["use_cache"] = False
     return kwargs

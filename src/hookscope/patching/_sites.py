@@ -6,7 +6,7 @@ whole activation), and where batched rows start."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -18,9 +18,9 @@ from ..core._compiled import strip_compiled
 from ..core._edit import positional_index
 from ..core._errors import LayerNotFoundError
 from ..core._nested import first_tensor, iter_tensors, map_tensors, replace_first
-from ..core._select import resolve
+from ..core._select import find, resolve
 from ._heads import HeadSplit, head_split
-from ._inputs import PatchingError
+from ._inputs import PatchingArgumentError, PatchingError
 
 __all__ = [
     "OVER",
@@ -77,6 +77,29 @@ def names_of_blocks(model: nn.Module) -> list[str]:
         return []
 
 
+def _in_order(model: nn.Module, layers: Any) -> dict[str, nn.Module]:
+    """The selected layers in the order of the result's rows: a list (or a dict's keys) in the
+    order given, each selector's layers (a glob, a type) in the model's order at its place; one
+    selector in the model's order. A layer selected twice is refused: the result has one row
+    per layer, so it would be merged into one row and the rows would no longer match the list."""
+    one = isinstance(layers, (str, bytes, type, nn.Module, torch.Tensor))
+    if not one and isinstance(layers, Iterable):
+        layers = list(layers)  # a generator is read once
+    chosen = resolve(model, layers)  # the checks and messages of every layers= argument
+    if not isinstance(layers, list):
+        return chosen
+    ordered: dict[str, nn.Module] = {}
+    for sel in layers:
+        for name, module in find(model, sel).items():
+            if name in ordered:
+                raise PatchingArgumentError(
+                    f"layers selects {name!r} twice (again by {sel!r}); the result has one row "
+                    "per layer, in the order of the list: select each layer once"
+                )
+            ordered[name] = module
+    return ordered
+
+
 def resolve_layers(
     model: nn.Module,
     layers: Any,
@@ -87,12 +110,13 @@ def resolve_layers(
     n_heads: int | None,
     head_proj: str | None,
 ) -> tuple[list[PatchedLayer], tuple[str, ...], list[str]]:
-    """The selected layers of a sweep, in the model's order, the normalised ``over``, and the
-    model's repeated blocks (the sweep's job needs them too: found once)."""
+    """The selected layers of a sweep in the order of the result's rows (:func:`_in_order`), the
+    normalised ``over``, and the model's repeated blocks (the sweep's job needs them too: found
+    once)."""
     over_t = _check_over(over)
     if at not in ("output", "input"):
         raise PatchingError(f"at must be 'output' or 'input', got {at!r}")
-    chosen = resolve(model, layers)
+    chosen = _in_order(model, layers)
     names = list(chosen)
     nested = [(a, b) for a in names for b in names if a != b and b.startswith(a + ".")]
     if nested:

@@ -75,7 +75,8 @@ def patch_sweep(
     activation, its first position that differs). Each layer's first such pass is checked
     against a full run of one site (every output tensor); where it differs, that layer runs at
     full length with a warning. Encoders (BERT), encoder-decoder models, models without a cache,
-    compiled models (each new length would recompile) and inputs other than ``input_ids``/
+    compiled models (each new length would recompile), outputs holding a tensor without a
+    position axis (a classifier pooled at each row's last token) and inputs other than ``input_ids``/
     ``inputs_embeds``/``token_type_ids``/``position_ids``/a 2-D ``attention_mask`` run at full
     length. One difference from a full run, by design: the output at a padding position before
     ``p0`` that precedes a row's first real token (left padding) is the corrupted run's, where a
@@ -96,7 +97,9 @@ def patch_sweep(
             the positions where they do not).
         metric: ``metric(output) -> scalar``, given one site's output (as many rows as the
             batch; a tensor, or a ``ModelOutput``: use ``.logits``).
-        layers: the layers to patch (names, a glob, ``hs.blocks(model)``, ...).
+        layers: the layers to patch (names, a glob, ``hs.blocks(model)``, ...); the rows follow
+            a list in its order (a glob's layers in the model's order at its place), and a
+            layer selected twice is refused.
         at: ``"output"`` or ``"input"`` of each layer.
         over: the sweep axes: ``("position",)``, ``("head",)``, ``("position", "head")``, ``()``.
         arg: with ``at="input"`` only, the input to patch (a positional index >= 0 or a keyword

@@ -49,7 +49,8 @@ class Steering(HookScope):
     def __init__(self) -> None:
         super().__init__("steer")
         self.ran = 0  # calls of steered layers
-        self.steered = 0  # calls in which at least one position may have been steered
+        self.steered = 0  # calls in which every position was steered (positions say so)
+        self.chosen: torch.Tensor | None = None  # whether a per-token selection chose a token
         self.positions: Any = "all"
         self.layers: list[str] = []
         self._failed = False
@@ -135,15 +136,12 @@ class Steering(HookScope):
         if check:
             self._check_ran(up + 1)
             self._check_never(up + 1)
-        if check and self.ran and not self.steered:
+        # one host sync at exit: did a per-token selection choose any token?
+        chosen = self.chosen is not None and bool(self.chosen)
+        if check and self.ran and not self.steered and not chosen:
             warnings.warn(
-                f"steer(positions={self.positions!r}): layers {some_names(self.layers)} ran "
-                f"{self.ran} times but no position was steered "
-                + (
-                    "(the model only ran on prompts: 'generated' steers the tokens generate() adds)"
-                    if self.positions == "generated"
-                    else "(every call was past the prompt)"
-                ),
+                f"steer(positions={_show(self.positions)}): layers {some_names(self.layers)} ran "
+                f"{self.ran} times but no position was steered ({_why_none(self.positions)})",
                 HookscopeWarning,
                 stacklevel=up,
             )
@@ -235,7 +233,11 @@ class _SteerHook(_Hook):
         sel = self.select()
         if sel is False:
             return None
-        scope.steered += 1
+        if sel is None:
+            scope.steered += 1
+        else:  # on the device, read once at exit (no host sync per call)
+            got = sel.any()
+            scope.chosen = got if scope.chosen is None else scope.chosen | got.to(scope.chosen)
         d = self._delta(h)
         if self.mode == "add":
             delta = d
@@ -307,6 +309,12 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
         if positions >= 0:
             sel = pos >= positions
         else:  # the last -positions tokens of each row so far
+            # in generate(): the prompt's last -positions tokens, then every generated token,
+            # whatever the calls hold (one new token with the cache; the whole sequence again
+            # without it; the prompt with candidates in prompt-lookup or assisted decoding)
+            prompt = tracker.prompt_tokens()
+            if prompt is not None:
+                total = prompt
             if isinstance(total, torch.Tensor):
                 total = total.to(pos.device)[:, None]
             sel = pos >= total + positions
@@ -335,6 +343,24 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
 
 def _show(positions: Any) -> str:
     return "mask" if isinstance(positions, torch.Tensor) else repr(positions)
+
+
+def _why_none(positions: Any) -> str:
+    """Why a steer's positions chose no token of the calls that ran."""
+    if isinstance(positions, str) and positions == "generated":
+        return "the model only ran on prompts: 'generated' steers the tokens generate() adds"
+    if isinstance(positions, str):
+        return "every call was past the prompt"
+    if isinstance(positions, int):
+        return (
+            f"no row reached position {positions} (positions count each row's real tokens from 0)"
+            if positions >= 0
+            else "every token of the calls was padding"
+        )
+    return (
+        "the mask selects no real token that ran: mask[b, p] steers row b's p-th real token, "
+        "padding taken out"
+    )
 
 
 def _dev(step: Any) -> torch.device:
@@ -424,13 +450,14 @@ def steer(
 
     * ``"all"`` (the default): every position of every call (padded slots too; they are masked
       out of attention, so real tokens see the same result); no token tracking;
-    * ``"prompt"`` / ``"generated"``: the tokens of the first call of a sequence (the prompt) /
-      the tokens ``generate`` adds;
+    * ``"prompt"`` / ``"generated"``: the tokens of the first call of a sequence (the prompt; in
+      ``generate``, the ``input_ids`` it was given, also when its first call holds candidates
+      after them: prompt-lookup or assisted decoding) / the tokens ``generate`` adds;
     * an int ``k >= 0``: positions ``k`` and later (as ``steering-vectors``' ``min_token_index``,
       but also for tokens generated with the KV cache);
     * a negative int ``-k``: the last ``k`` tokens of each row in each call (``-1``: the last
       token; in ``generate``: the prompt's last ``k`` tokens, then every generated token, which is
-      the last one when it is computed);
+      the last one when it is computed; also with ``use_cache=False`` and candidates);
     * a bool mask ``[batch, positions]`` (or ``[positions]`` for every row): ``mask[b, p]``
       steers row ``b``'s ``p``-th token; positions past the mask's end are not steered.
 
@@ -472,6 +499,4 @@ def steer(
     except BaseException:
         scope.remove()
         raise
-    if isinstance(positions, (int, torch.Tensor)):
-        scope.steered = 1  # data-dependent: not checked (it would need a host sync per call)
     return scope
