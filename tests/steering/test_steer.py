@@ -438,3 +438,36 @@ def test_steering_vector_on_an_encoder_decoder_model():
     torch.testing.assert_close(
         got["encoder.block.1"], torch.stack(diffs).mean(0), atol=ATOL, rtol=0
     )
+
+
+def test_a_module_steered_twice_warns_naming_it_and_both_changes_apply():
+    """A glob matching a block and its submodule (``"*"``), or a module selected by two keys,
+    steered it twice, silently: checked against the plain computation by hand (each change is
+    applied), and said in a warning naming the modules; each module selected once says
+    nothing."""
+    import warnings
+
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 4))
+    x, v = torch.randn(2, 3, 4), torch.ones(4)
+    with torch.no_grad():
+        inner = net[0][0](x) + v
+        twice_nested = net[1](inner + v) + v  # '0.0', then '0' (its output), then '1'
+    with pytest.warns(hs.HookscopeWarning, match=r"'0\.0' inside '0'"), hs.steer(net, {"*": v}):
+        got = net(x)
+    torch.testing.assert_close(got, twice_nested, rtol=0, atol=0)
+    with (
+        pytest.warns(hs.HookscopeWarning, match=r"selected by two keys: '1'"),
+        hs.steer(net, {"1": v, nn.Linear: v}),
+    ):
+        got = net(x)
+    # nn.Linear also selects '0.0': steered once there, '1' twice
+    with torch.no_grad():
+        ref = net[1](net[0][0](x) + v) + v + v
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hs.steer(net, {"0.0": v, "1": v}):
+            net(x)

@@ -430,6 +430,45 @@ def _check_vector(sel: Any, vec: Any, mode: str) -> None:
             raise HookscopeError(f"steer(mode='ablate'): the direction for {sel!r} is zero")
 
 
+def _warn_twice(plan: list[tuple[str, nn.Module, torch.Tensor]], mode: str) -> None:
+    """Warn where a module is steered twice: selected by two keys (both vectors are applied, one
+    after the other), or inside another module steered (a glob such as ``"*.mlp"`` or
+    ``"model.layers.*"`` matching a block and its submodules: the submodule's change reaches the
+    block's output, which is changed again)."""
+    seen: dict[int, str] = {}
+    twice: list[str] = []
+    for name, module, _ in plan:
+        if id(module) in seen:
+            twice.append(
+                repr(name) if seen[id(module)] == name else f"{name!r} (as {seen[id(module)]!r})"
+            )
+        seen.setdefault(id(module), name)
+    names = sorted({name for name, _, _ in plan})
+    nested = [
+        f"{inner!r} inside {outer!r}"
+        for outer in names
+        for inner in names
+        if inner != outer and (outer == "" or inner.startswith(outer + "."))
+    ]
+    if not twice and not nested:
+        return
+    parts = []
+    if twice:
+        parts.append(
+            f"selected by two keys: {', '.join(twice[:3])}{' ...' if len(twice) > 3 else ''}"
+        )
+    if nested:
+        parts.append(f"{', '.join(nested[:3])}{' ...' if len(nested) > 3 else ''}")
+    verb = "ablated" if mode == "ablate" else "steered"
+    warnings.warn(
+        f"steer: modules {verb} twice ({'; '.join(parts)}): each change is applied, the inner "
+        "one reaching the outer module's output, which is changed again; select each module "
+        "once (a narrower glob, e.g. 'model.layers.*.mlp' rather than '*.mlp' with its blocks)",
+        HookscopeWarning,
+        stacklevel=3,
+    )
+
+
 def steer(
     model: nn.Module,
     vectors: Mapping[Selector, torch.Tensor],
@@ -482,6 +521,7 @@ def steer(
         _check_vector(sel, vec, mode)
         for name, module in find(model, sel).items():
             plan.append((name, module, vec))
+    _warn_twice(plan, mode)
     scope = Steering()
     scope.positions = positions
     scope.layers = [n for n, _, _ in plan]
