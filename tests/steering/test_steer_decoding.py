@@ -205,3 +205,61 @@ def test_a_static_cache_mask_as_wide_as_its_buffer_is_read_not_refused():
         n = int(amask[b].sum())
         assert seq.tokens[b, :n].tolist() == kw["input_ids"][b][amask[b].bool()].tolist()
         torch.testing.assert_close(seq.values[b, :n], want[b][amask[b].bool()], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("positions", ["prompt", 1, -6])
+def test_steer_positions_that_choose_tokens_cached_before_the_scope_warn(positions):
+    # the cache passed to generate() already holds the prompt's first 4 tokens, computed before
+    # the scope opened: 'prompt', k=1 and the prompt's last 6 choose some of them, which nothing
+    # can steer (the cache keeps their unsteered keys and values); it was silent. Checked: the
+    # generated tokens' logits equal a run steering only the tokens from column 4 on.
+    from transformers import DynamicCache
+
+    model = tiny_gpt2(n_layer=2)
+    ids = word_tokenizer()(["the cat went to the park and"], return_tensors="pt")["input_ids"]
+    width = ids.shape[1]
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :4], past_key_values=cache, use_cache=True)
+    with (
+        pytest.warns(hs.HookscopeWarning, match=r"first 4 tokens, which the model computed before"),
+        hs.steer(model, {LAYER: v}, scale=2.0, positions=positions),
+    ):
+        got = model.generate(
+            ids, past_key_values=cache, max_new_tokens=2, do_sample=False, eos_token_id=None,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    out = got.sequences
+    col = torch.arange(out.shape[1] - 1)[None]
+    if positions == "prompt":
+        chosen = (col >= 4) & (col < width)
+    elif positions == 1:
+        chosen = col >= 4
+    else:
+        chosen = (col >= 4) & (col >= width - 6)
+
+    def add(m, a, o):
+        return o + 2.0 * v * chosen[..., None]
+
+    handle = model.get_submodule(LAYER).register_forward_hook(add)
+    try:
+        with torch.no_grad():
+            ref = model(out[:, :-1]).logits
+    finally:
+        handle.remove()
+    for i, logits in enumerate(got.logits):
+        torch.testing.assert_close(logits, ref[:, width - 1 + i], atol=1e-4, rtol=0)
+
+
+def test_a_plain_forward_over_a_cache_steering_each_call_s_last_token_does_not_warn():
+    # -1 outside generate(): each call's last token, which the call computes: nothing unseen
+    from transformers import DynamicCache
+
+    model = tiny_gpt2(n_layer=2)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :4], past_key_values=cache, use_cache=True)
+        with hs.steer(model, {LAYER: torch.ones(64)}, positions=-1):
+            model(ids[:, 4:], past_key_values=cache, use_cache=True)

@@ -219,6 +219,10 @@ class TokenTracker:
         self.returned: dict[int, int] = {}
         self._cropped: set[int] = set()  # sequences that ran candidates (see _pre)
         self.thread = get_ident()  # the thread whose calls it reads (its scope's)
+        # the columns the first call seen started at, where it started past 0: tokens a cache
+        # passed in held already, computed before the scope (nothing acted on them)
+        self.unseen = 0
+        self.unseen_prompt_end = 0  # the prompt's end then (what -k counts back from)
 
     def attach(self, scope: HookScope, model: nn.Module, *, reorders: bool = True) -> None:
         """Add the pre-hook and post-hook to the root model; caches met in the calls get their
@@ -290,6 +294,7 @@ class TokenTracker:
             start = 0
         tokens = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
         new_seq = start == 0 and not self._recompute(prev, batch, n, tokens)
+        before_scope = prev is None and start > 0 and not self.steps
         # generate()'s first call holds the prompt and, with prompt-lookup or assisted decoding,
         # the first candidates after it; given a cache that holds the prompt's first tokens, it
         # holds the others only: the prompt is the input_ids generate() was given
@@ -324,6 +329,9 @@ class TokenTracker:
             self._prompt_rows = pending if rows is None else rows.to(pending.device)[pending]
         if first:
             self._prompt_step, self._prompt_rows = step, None
+        if before_scope:
+            self.unseen = max(self.unseen, start)
+            self.unseen_prompt_end = self.prompt_end
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] >= step.end:
             step.mask2d = mask  # read when needed: generate passes a new mask each call
             step._before = None if start else 0

@@ -57,6 +57,7 @@ class Steering(HookScope):
         self._exiting = False  # removed by the with block's exit (for the warnings' stacklevel)
         self.model_calls = 0
         self.hooks: list[_SteerHook] = []
+        self.tracker: TokenTracker | None = None
         self._seen: list[int] = []
         self._skipped: set[str] = set()
         self.replays = Replays(self, "steer")  # exact under activation checkpointing
@@ -122,6 +123,33 @@ class Steering(HookScope):
                 stacklevel=stacklevel,
             )
 
+    def _check_unseen(self, stacklevel: int) -> None:
+        """At exit: warn where the positions choose tokens the model computed before the scope
+        opened (a cache passed in that already held them): nothing steered those."""
+        tracker = self.tracker
+        n = tracker.unseen if tracker is not None else 0
+        if not n:
+            return
+        p = self.positions
+        if isinstance(p, str):
+            hit = p == "prompt"
+        elif isinstance(p, int):
+            # -k in generate(): the prompt's last k tokens (outside it, each call's own last k)
+            end = tracker.unseen_prompt_end  # (past n only in generate())
+            hit = p < n if p >= 0 else end > n and end + p < n
+        else:
+            hit = bool(p[..., :n].any())
+        if hit:
+            warnings.warn(
+                f"steer(positions={_show(p)}): the positions choose some of the first {n} "
+                "tokens, which the model computed before the scope opened (the cache passed to "
+                "the model already held them), so they were not steered and the cache keeps "
+                "their unsteered values; open the scope before filling the cache, or pass the "
+                "whole prompt without it",
+                HookscopeWarning,
+                stacklevel=stacklevel,
+            )
+
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         self._failed = exc is not None
         self._exiting = True
@@ -136,6 +164,7 @@ class Steering(HookScope):
         if check:
             self._check_ran(up + 1)
             self._check_never(up + 1)
+            self._check_unseen(up + 1)
         # one host sync at exit: did a per-token selection choose any token?
         chosen = self.chosen is not None and bool(self.chosen)
         if check and self.ran and not self.steered and not chosen:
@@ -528,7 +557,7 @@ def steer(
     try:
         tracker = None
         if not (isinstance(positions, str) and positions == "all"):
-            tracker = TokenTracker()
+            tracker = scope.tracker = TokenTracker()
             tracker.attach(scope, model, reorders=False)
         select = _selector(positions, tracker)
         scope.add_forward_pre(strip_compiled(model), scope._on_model_call, layer="")
