@@ -12,7 +12,6 @@ takes square roots.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,11 +19,10 @@ import torch
 
 from ..core._errors import UnsupportedTensorError
 from ..core._sharded import (
+    TPLayouts,
     check_tensor_type,
-    declared_output,
     is_dtensor,
     local,
-    output_kind,
     plan_mesh,
     replication,
 )
@@ -134,62 +132,3 @@ def tp_pieces(
         return ns, vs
     keep = [i for i, c in enumerate(coords) if c == 0]
     return [ns[i] for i in keep], [vs[i] for i in keep]
-
-
-class TPLayouts:
-    """Which layer outputs of a tensor-parallel model are shards and which are replicated, from
-    what the model declares, in this order:
-
-    1. a ``DTensor`` output: its placements;
-    2. a module the parallelize plan names: the plan's output layout (``ColwiseParallel``:
-       ``Shard(-1)`` by default, ``RowwiseParallel``: ``Replicate()``, ...);
-    3. an output that is the very tensor an earlier layer of this forward pass returned (a
-       container returning its last child's output): that layer's layout;
-    4. a module whose inputs include outputs of earlier layers: sharded if one of them is (an
-       elementwise layer after a ``ColwiseParallel`` one works on the shard);
-    5. otherwise the layout of the last layer that ran (the input came through functional code).
-
-    Every rank runs the same code on the same plan, so every rank decides alike.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.declared = {id(m): k for m in model.modules() if (k := declared_output(m)) is not None}
-        self._marks: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
-        self._last = "replicate"
-
-    def plan_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        """The modules the plan names (hooked to mark their outputs even when not monitored)."""
-        return [(n, m) for n, m in model.named_modules() if id(m) in self.declared]
-
-    def reset(self) -> None:
-        """A new forward pass."""
-        self._marks.clear()
-        self._last = "replicate"
-
-    def _known(self, t: Any) -> str | None:
-        if not isinstance(t, torch.Tensor):
-            return None
-        mark = self._marks.get(id(t))
-        return mark[1] if mark is not None and mark[0]() is t else None
-
-    def kind(self, name: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> str:
-        """``"shard"`` or ``"replicate"`` for output ``t`` of layer ``name``; remembers it."""
-        what = f"the output of layer {name!r}"
-        if is_dtensor(t):
-            k = output_kind(t, what)
-        else:
-            declared = self.declared.get(id(module))
-            if declared == "partial":
-                raise UnsupportedTensorError(
-                    f"{what} is declared Partial by the tensor-parallel plan: its shards are not "
-                    "its values, so its statistics cannot be combined. Declare Shard or Replicate "
-                    "output layouts for it, or exclude it from the monitored layers"
-                )
-            k = declared or self._known(t)
-            if k is None:
-                ins = [self._known(a) for a in (args if isinstance(args, tuple) else (args,))]
-                ins = [x for x in ins if x is not None]
-                k = ("shard" if "shard" in ins else "replicate") if ins else self._last
-        self._marks[id(t)] = (weakref.ref(t), k)
-        self._last = k
-        return k

@@ -1,0 +1,100 @@
+"""Audit of the sharded class (s18d): what capture keeps for a tensor-parallel layer, checked
+against the plain model on the same batch (2 gloo ranks on loopback)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+from helpers.dist import WORLD, launch
+
+
+def make_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def batch() -> torch.Tensor:
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+
+
+def _tp_capture(rank: int, tmp: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for local_output in (True, False):
+        model = make_mlp()
+        if local_output:  # the default plan: a ColwiseParallel layer hands on its local shard
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        else:
+            plan = {
+                "0": ColwiseParallel(use_local_output=False),
+                "2": RowwiseParallel(input_layouts=Shard(-1)),
+            }
+        parallelize_module(model, mesh, plan)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with hs.capture(model, ["0", "1", "2"], grads=True) as cap:
+                model(batch()).sum().backward()
+        full = {
+            k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+            for k, v in (("0", cap["0"]), ("1", cap["1"]), ("2", cap["2"]))
+        }
+        grad0 = cap.grads["0"]
+        out[local_output] = {
+            "warned": [str(w.message) for w in seen if issubclass(w.category, hs.HookscopeWarning)],
+            "full": full,
+            "grad0": grad0.full_tensor() if hasattr(grad0, "full_tensor") else grad0,
+            "grad2": cap.grads["2"],
+        }
+    if rank == 0:
+        torch.save(out, os.path.join(tmp, "tp.pt"))
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_capture_warns_for_local_shards_and_dtensors_are_the_full_output(
+    tmp_path,
+):
+    """A ColwiseParallel layer (default use_local_output=True) returns this rank's columns as a
+    plain tensor: capture kept them as if they were the output, silently (half of the 6
+    features). Now it warns naming the layer and the fix; the replicated output of the
+    RowwiseParallel layer and DTensor outputs (use_local_output=False) are the full values."""
+    launch(_tp_capture, str(tmp_path), timeout=120)
+    got = torch.load(tmp_path / "tp.pt")
+    ref = make_mlp()
+    with hs.capture(ref, ["0", "1", "2"], grads=True) as cap:
+        ref(batch()).sum().backward()
+    shards = got[True]
+    assert len(shards["warned"]) == 2, shards["warned"]
+    for name, msg in zip(["0", "1"], shards["warned"]):
+        assert f"layer {name!r} is this rank's shard" in msg and "use_local_output=False" in msg
+    # what is kept is rank 0's columns, exactly; the replicated output is the full one
+    torch.testing.assert_close(shards["full"]["0"], cap["0"][:, :3], rtol=0, atol=1e-6)
+    torch.testing.assert_close(shards["full"]["2"], cap["2"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(shards["grad2"], cap.grads["2"], rtol=1e-5, atol=1e-6)
+    dtensors = got[False]
+    assert dtensors["warned"] == []
+    for name in ("0", "1", "2"):
+        torch.testing.assert_close(dtensors["full"][name], cap[name], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dtensors["grad0"], cap.grads["0"], rtol=1e-5, atol=1e-6)
+
+
+def test_capture_of_a_plain_model_adds_no_tensor_parallel_hooks():
+    model = make_mlp()
+    with hs.capture(model, ["0", "2"]) as cap:
+        counts = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()]
+        model(batch())
+    assert counts == [0, 1, 0, 1]
+    torch.testing.assert_close(cap["2"], model(batch()))
