@@ -98,3 +98,72 @@ def test_capture_of_a_plain_model_adds_no_tensor_parallel_hooks():
         model(batch())
     assert counts == [0, 1, 0, 1]
     torch.testing.assert_close(cap["2"], model(batch()))
+
+
+# -- the sentinel: a NaN made on one rank reaches every rank through the gradient reduction -------
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # NaN for a negative input
+
+
+def make_log_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), Log(), nn.Linear(4, 1))
+
+
+def log_batch() -> torch.Tensor:
+    """Rows 0-3 (rank 0's share) keep Log's input positive; rows 4-7 (rank 1's) make a NaN."""
+    return torch.cat([torch.full((4, 5), -0.5), torch.full((4, 5), 0.5)])
+
+
+def sentinel_origin(
+    model: nn.Module, x: torch.Tensor, out: str, stats: tuple = ("parameters",)
+) -> tuple:
+    with hs.Monitor(
+        model,
+        stats=stats,
+        sinks=[hs.JsonlSink(out, append=False)],
+        alerts="off",
+        sentinel=True,
+    ) as mon:
+        model(x).sum().backward()
+        mon.step()
+    o = mon.nonfinite
+    return None if o is None else (o.layer, o.phase, o.kind, o.module_type)
+
+
+def _sentinel(rank: int, tmp: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    x = log_batch().chunk(WORLD)[rank]
+    got = {}
+    if rank == 0:  # a plain model's gradients are not reduced: no collective, one rank alone
+        one = os.path.join(tmp, "plain.jsonl")
+        got["plain"] = sentinel_origin(make_log_net(), log_batch()[4:], one, stats=())
+    ddp = nn.parallel.DistributedDataParallel(make_log_net())
+    got["ddp"] = sentinel_origin(ddp, x, os.path.join(tmp, f"ddp{rank}.jsonl"))
+    fsdp = make_log_net()
+    fully_shard(fsdp)
+    got["fsdp2"] = sentinel_origin(fsdp, x, os.path.join(tmp, f"fsdp2{rank}.jsonl"))
+    torch.save(got, os.path.join(tmp, f"origin{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_sentinel_names_the_rank_s_layer_that_made_a_nan_on_every_rank(tmp_path):
+    """A NaN made by layer '2' on rank 1 only reaches rank 0 through DDP's all-reduce (FSDP2's
+    reduce-scatter): rank 0's own forward and backward were finite, and its sentinel blamed
+    layer '3' in the backward pass (a NaN parameter gradient), which rank 0, the only rank that
+    writes, wrote to the sinks. Every rank now names what one process on the combined batch
+    names: the forward pass of layer '2'."""
+    from helpers.dist import read_jsonl
+
+    launch(_sentinel, str(tmp_path), timeout=120)
+    want = sentinel_origin(make_log_net(), log_batch(), str(tmp_path / "one.jsonl"))
+    assert want == ("2", "forward", "nan", "Log")
+    assert torch.load(tmp_path / "origin0.pt")["plain"] == want
+    for kind in ("ddp", "fsdp2"):
+        for rank in range(WORLD):
+            assert torch.load(tmp_path / f"origin{rank}.pt")[kind] == want, (kind, rank)
+        (rec,) = read_jsonl(tmp_path / f"{kind}0.jsonl")
+        o = rec["nonfinite"]
+        assert (o["layer"], o["phase"], o["kind"], o["module_type"]) == want, kind

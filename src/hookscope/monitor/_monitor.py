@@ -35,7 +35,9 @@ from ._sharded import (
     TPLayouts,
     any_sharded,
     check_params,
+    grads_reduced,
     local_tensors,
+    origin_across_ranks,
     sharded_param_sumsq,
     sum_ranks_sqrt,
     tensor_parallel,
@@ -149,6 +151,7 @@ class Monitor:
         )
         self.records: deque[MonitorRecord] = deque(maxlen=keep)
         self.nonfinite: NonFiniteOrigin | None = None
+        self._origin_rank: int | None = None  # the rank whose module graph made self.nonfinite
         self._params = []
         # every parameter of the watched layers; each logged step records those that train
         # (requires_grad) then: one frozen at creation and unfrozen later (fine-tuning) was
@@ -183,6 +186,8 @@ class Monitor:
         self._tracker = (
             _Tracker(inner, allow, skip_safe=True, owner="monitor.sentinel") if sentinel else None
         )
+        # the sentinel's ranks agree on a NaN's origin where the gradients are reduced across them
+        self._reduced = sentinel and grads_reduced(self.model)
         self._attach()
 
     # -- selection -----------------------------------------------------------------------------
@@ -578,6 +583,7 @@ class Monitor:
         # (local shards of DTensor gradients: the rank holding a NaN reports it)
         extra = [torch.stack(torch._foreach_norm(local_tensors(grads), 2))] if grads else []
         origin, ext = tracker.locate(extra)
+        own = origin is not None  # found in this rank's module graph
         if (
             origin is not None
             and origin.phase == "backward"
@@ -607,6 +613,8 @@ class Monitor:
                 {"param_grad_absmax": v},
             )
         tracker.reset()
+        # distributed: a NaN another rank made arrives here through the gradient reduction
+        origin, self._origin_rank = origin_across_ranks(origin, own, self._reduced)
         if origin is not None and self.nonfinite is None:
             self.nonfinite = origin
         return origin
@@ -618,10 +626,11 @@ class Monitor:
     def _emit(self, record: MonitorRecord, *, write: bool) -> None:
         rank = _rank()
         # statistics are reduced across ranks, so only rank 0 reports them; a NaN origin is
-        # local to the rank that saw it, so every rank reports its own
+        # that of the rank that saw it in its own module graph (origin_across_ranks), on every rank
         messages = [(MonitorWarning, a.message) for a in record.alerts] if rank == 0 else []
         if record.nonfinite is not None:
-            where = f" (rank {rank})" if dist.is_available() and dist.is_initialized() else ""
+            seen = rank if self._origin_rank is None else self._origin_rank
+            where = f" (rank {seen})" if dist.is_available() and dist.is_initialized() else ""
             messages.insert(0, (NonFiniteWarning, f"step {record.step}{where}: {record.nonfinite}"))
         for cls, msg in messages:
             if self.alerts in ("warn", "both"):

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..core._ddp import wrapping_ddp
 from ..core._errors import UnsupportedTensorError
 from ..core._sharded import (
     TPLayouts,
@@ -32,7 +33,9 @@ __all__ = [
     "TPLayouts",
     "any_sharded",
     "check_params",
+    "grads_reduced",
     "local_tensors",
+    "origin_across_ranks",
     "sharded_param_sumsq",
     "sum_ranks_sqrt",
     "tensor_parallel",
@@ -132,3 +135,52 @@ def tp_pieces(
         return ns, vs
     keep = [i for i, c in enumerate(coords) if c == 0]
     return [ns[i] for i in keep], [vs[i] for i in keep]
+
+
+def grads_reduced(model: torch.nn.Module) -> bool:
+    """Are ``model``'s gradients reduced across ranks (a ``DistributedDataParallel`` in it or
+    wrapping it, or ``DTensor`` parameters: FSDP2, tensor parallel)? Only then can a NaN made on
+    one rank reach another's parameter gradients (:func:`origin_across_ranks`)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if any(isinstance(m, ddp) for m in model.modules()) or any(
+        is_dtensor(p) for p in model.parameters()
+    ):
+        return True
+    return wrapping_ddp(model) is not None
+
+
+def origin_across_ranks(origin: Any, own: bool, reduced: bool) -> tuple[Any, int | None]:
+    """Under torch.distributed: the NaN/Inf origin this rank reports, and the rank that saw it.
+
+    A gradient reduction (DDP's all-reduce, FSDP2's reduce-scatter) carries a NaN made on one rank
+    into the parameter gradients of every rank: a rank whose own forward and backward were finite
+    sees only those, and on its own would blame the last layer whose parameter gradient is not
+    finite (``own=False``: the sentinel's fallback), or see nothing (its shards are empty or
+    finite). So the ranks agree: the lowest rank that found an origin in its own module graph
+    (``own=True``) gives it to every rank that did not. One ``all_reduce`` of one number per
+    sentinel check, and one broadcast at a step where some rank found an origin. ``(origin,
+    None)`` for a model whose gradients are not reduced across ranks (``reduced``, from
+    :func:`grads_reduced`: then no collective is made, and a monitor may run on one rank alone),
+    or when no rank found one in its module graph."""
+    import torch.distributed as dist
+
+    if not reduced:
+        return origin, None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    first = torch.tensor([rank if origin is not None and own else world], device=dev)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world:
+        return origin, None if origin is None else rank
+    box = [origin]
+    dist.broadcast_object_list(box, src=src, device=dev)
+    if origin is not None and own:
+        return origin, rank  # this rank's own module graph made one too: its own
+    return box[0], src
