@@ -167,3 +167,66 @@ def test_sentinel_names_the_rank_s_layer_that_made_a_nan_on_every_rank(tmp_path)
         (rec,) = read_jsonl(tmp_path / f"{kind}0.jsonl")
         o = rec["nonfinite"]
         assert (o["layer"], o["phase"], o["kind"], o["module_type"]) == want, kind
+
+
+# -- the monitor: unequal batch shares ------------------------------------------------------------
+def uneven_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, out: str) -> list[str]:
+    """One monitored step; the HookscopeWarnings it gave."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with hs.Monitor(model, sinks=[hs.JsonlSink(out, append=False)], alerts="off") as mon:
+            nn.functional.mse_loss(model(x), y).backward()
+            mon.step()
+    return [str(w.message) for w in seen if issubclass(w.category, hs.HookscopeWarning)]
+
+
+def uneven_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(7, 5, generator=g), torch.randn(7, 1, generator=g)
+
+
+def _uneven(rank: int, tmp: str) -> None:
+    x, y = uneven_data()
+    rows = [slice(0, 4), slice(4, 7)][rank]  # the last batch of an epoch: 4 + 3 rows
+    said = {}
+    ddp = nn.parallel.DistributedDataParallel(make_mlp_5())
+    said["uneven"] = uneven_step(ddp, x[rows], y[rows], os.path.join(tmp, f"uneven{rank}.jsonl"))
+    even = [slice(0, 3), slice(3, 6)][rank]
+    ddp = nn.parallel.DistributedDataParallel(make_mlp_5())
+    said["even"] = uneven_step(ddp, x[even], y[even], os.path.join(tmp, f"even{rank}.jsonl"))
+    torch.save(said, os.path.join(tmp, f"said{rank}.pt"))
+
+
+def make_mlp_5() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 1))
+
+
+@pytest.mark.distributed
+def test_monitor_warns_that_unequal_shares_make_gradients_differ_from_the_combined_batch(
+    tmp_path,
+):
+    """Ranks with 4 and 3 rows (a last batch): DDP averages the ranks' mean losses, so the
+    gradients (layer and parameter) are not those of one process on the 7 rows, and the record
+    said nothing. The activation statistics (combined by counts) are the combined batch's; the
+    monitor now warns, naming the shares, that the gradient statistics are not."""
+    from helpers.dist import read_jsonl
+
+    launch(_uneven, str(tmp_path), timeout=120)
+    x, y = uneven_data()
+    uneven_step(make_mlp_5(), x, y, str(tmp_path / "one.jsonl"))
+    (one,) = read_jsonl(tmp_path / "one.jsonl")
+    (got,) = read_jsonl(tmp_path / "uneven0.jsonl")
+    for layer, stats in one["layers"].items():
+        for k, v in stats.items():
+            if not k.startswith("grad"):
+                assert got["layers"][layer][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (layer, k)
+    # the gradients differ indeed: DDP's average of the ranks' means, not the mean of 7 rows
+    assert got["params"]["2.weight"]["grad_norm"] != pytest.approx(
+        one["params"]["2.weight"]["grad_norm"], rel=1e-3
+    )
+    for rank in range(WORLD):
+        said = torch.load(tmp_path / f"said{rank}.pt")
+        assert said["even"] == []
+        (msg,) = said["uneven"]
+        assert "unequal batch shares" in msg and "saw [24, 18] values" in msg, msg
