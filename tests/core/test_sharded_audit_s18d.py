@@ -230,3 +230,51 @@ def test_monitor_warns_that_unequal_shares_make_gradients_differ_from_the_combin
         assert said["even"] == []
         (msg,) = said["uneven"]
         assert "unequal batch shares" in msg and "saw [24, 18] values" in msg, msg
+
+
+# -- extract on 2 ranks: a model whose forward communicates ---------------------------------------
+def make_bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 2)).eval()
+
+
+def extract_data() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return torch.utils.data.TensorDataset(torch.randn(10, 5, generator=g))
+
+
+def _extract(rank: int, tmp: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    said = {}
+    fsdp = make_bn_net()
+    fully_shard(fsdp)
+    ddp = nn.parallel.DistributedDataParallel(make_bn_net())
+    for kind, model, layer in (("fsdp2", fsdp, "2"), ("ddp", ddp, "module.2")):
+        try:
+            hs.extract(model, extract_data(), layer, os.path.join(tmp, kind), progress=False)
+            said[kind] = None
+        except hs.HookscopeError as e:
+            said[kind] = str(e)
+    # what the refusal says to do: the module inside DDP (the same weights, no communication)
+    hs.extract(ddp.module, extract_data(), "2", os.path.join(tmp, "inner"), batch_size=3)
+    torch.save(said, os.path.join(tmp, f"extract{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_extract_on_two_ranks_refuses_a_model_whose_forward_communicates(tmp_path):
+    """Each rank extracts its own batches and rank 0 probes the model alone: an FSDP2 model
+    (its forward all-gathers the weights) or a DDP model with buffers (its forward broadcasts
+    them) waited for ranks that never joined: a hang. Refused on every rank alike, naming the
+    fix; the module inside DDP extracts exactly what one process computes."""
+    launch(_extract, str(tmp_path), timeout=60)
+    for rank in range(WORLD):
+        said = torch.load(tmp_path / f"extract{rank}.pt")
+        assert "sharded across the ranks" in said["fsdp2"] and "'0.weight'" in said["fsdp2"]
+        assert "broadcast_buffers=True" in said["ddp"] and "ddp.module" in said["ddp"]
+    net = make_bn_net()
+    with torch.no_grad():
+        want = net[:3](extract_data().tensors[0])
+    got = hs.load_features(tmp_path / "inner")
+    assert got.valid.all()
+    torch.testing.assert_close(torch.tensor(got["2"]), want, rtol=1e-5, atol=1e-6)
