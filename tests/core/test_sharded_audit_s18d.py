@@ -278,3 +278,59 @@ def test_extract_on_two_ranks_refuses_a_model_whose_forward_communicates(tmp_pat
     got = hs.load_features(tmp_path / "inner")
     assert got.valid.all()
     torch.testing.assert_close(torch.tensor(got["2"]), want, rtol=1e-5, atol=1e-6)
+
+
+# -- find_nonfinite on FSDP2 with a NaN on one rank ------------------------------------------------
+def make_deep() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 2))
+
+
+def nan_batch(rank: int) -> torch.Tensor:
+    x = torch.ones(4, 5)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    return x
+
+
+def step_batch() -> torch.Tensor:
+    return torch.randn(8, 5, generator=torch.Generator().manual_seed(5))
+
+
+def _find(rank: int, tmp: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_deep()
+    for i in (0, 2):
+        fully_shard(model[i])
+    fully_shard(model)
+    o = hs.find_nonfinite(model, nan_batch(rank))
+    left = [n for n, p in model.named_parameters() if p.grad is not None]
+    # the next training step: its collectives pair with the other rank's own
+    model(step_batch().chunk(WORLD)[rank]).pow(2).mean().backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    found = None if o is None else (o.layer, o.phase, o.kind)
+    torch.save({"found": found, "left": left, "grads": grads}, os.path.join(tmp, f"find{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_find_nonfinite_on_fsdp2_with_a_nan_on_one_rank_runs_the_same_collectives_on_every_rank(
+    tmp_path,
+):
+    """The rank whose forward found the NaN returned before the backward that the other rank
+    ran: FSDP2's backward all-gathers waited for it, or were paired with its next step's
+    (a crash, or a silent mix). Every rank now runs the backward; each reports its own pass,
+    as one process on its share does, and the next step's gradients are one process's."""
+    launch(_find, str(tmp_path), timeout=60)
+    want = []
+    for rank in range(WORLD):
+        o = hs.find_nonfinite(make_deep(), nan_batch(rank))
+        want.append(None if o is None else (o.layer, o.phase, o.kind))
+    assert want == [None, ("<input>", "forward", "nan")]
+    ref = make_deep()
+    ref(step_batch()).pow(2).mean().backward()
+    for rank in range(WORLD):
+        got = torch.load(tmp_path / f"find{rank}.pt")
+        assert got["found"] == want[rank] and got["left"] == []
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got["grads"][n], p.grad, rtol=1e-5, atol=1e-7)

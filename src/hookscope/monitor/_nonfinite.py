@@ -389,6 +389,12 @@ def _param_origin(
     return None
 
 
+def _communicates(model: nn.Module) -> bool:
+    """Does ``model``'s backward make collectives (``DTensor`` parameters: FSDP2, tensor
+    parallel)? (DDP's reducer does not run for ``torch.autograd.grad``.)"""
+    return any(is_dtensor(p) for _, p in named_parameters(model))
+
+
 def find_nonfinite(
     model: nn.Module,
     *inputs: Any,
@@ -450,16 +456,23 @@ def find_nonfinite(
                     out = model(*args, **kw)
                     loss = loss_fn(out) if loss_fn is not None else None
                 origin, _ = tracker.locate()
-                if origin is not None or not backward:
+                if not backward:
                     return origin
+                # sharded parameters (FSDP2, tensor parallel): the backward gathers and reduces
+                # across the ranks, so every rank runs it, also one whose forward already found
+                # an origin (returned after it): a rank returning early left the others waiting
+                # in the backward's collectives, or paired them with its next step's
+                early = origin
+                if early is not None and not _communicates(model):
+                    return early
                 if loss is None:
                     t = first_tensor(out)
                     loss = t.sum() if t is not None else None
                 else:
                     lt = _absmax(loss)
                     lv = _absmax_host(lt.tolist()) if lt is not None else 0.0
-                    if not math.isfinite(lv):
-                        return NonFiniteOrigin(
+                    if early is None and not math.isfinite(lv):
+                        early = NonFiniteOrigin(
                             LOSS,
                             "forward",
                             0,
@@ -467,8 +480,10 @@ def find_nonfinite(
                             "",
                             {"loss_absmax": lv},
                         )
+                        if not _communicates(model):
+                            return early
                 if loss is None or not loss.requires_grad:
-                    return None
+                    return early
                 params = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
                 order: list[int] = []  # the parameters in the order autograd reached them
                 for j, (n, p) in enumerate(params):
@@ -480,6 +495,8 @@ def find_nonfinite(
                 grads = torch.autograd.grad(loss, leaves, allow_unused=True)
                 zero = torch.zeros(2)
                 pmax = [(_absmax(g) if g is not None else None) for g in grads[: len(params)]]
+                if early is not None:
+                    return early
                 origin, pvals = tracker.locate([v if v is not None else zero for v in pmax])
                 if origin is None:
                     origin = _param_origin(tracker, params, order, pvals)
