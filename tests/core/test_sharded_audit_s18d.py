@@ -304,23 +304,28 @@ def _find(rank: int, tmp: str) -> None:
     for i in (0, 2):
         fully_shard(model[i])
     fully_shard(model)
-    o = hs.find_nonfinite(model, nan_batch(rank))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        o = hs.find_nonfinite(model, nan_batch(rank))
+    said = [str(w.message) for w in seen if issubclass(w.category, hs.HookscopeWarning)]
     left = [n for n, p in model.named_parameters() if p.grad is not None]
     # the next training step: its collectives pair with the other rank's own
     model(step_batch().chunk(WORLD)[rank]).pow(2).mean().backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     found = None if o is None else (o.layer, o.phase, o.kind)
-    torch.save({"found": found, "left": left, "grads": grads}, os.path.join(tmp, f"find{rank}.pt"))
+    out = {"found": found, "left": left, "grads": grads, "said": said}
+    torch.save(out, os.path.join(tmp, f"find{rank}.pt"))
 
 
 @pytest.mark.distributed
-def test_find_nonfinite_on_fsdp2_with_a_nan_on_one_rank_runs_the_same_collectives_on_every_rank(
+def test_find_nonfinite_on_fsdp2_with_a_nan_on_one_rank_makes_the_same_collectives_on_every_rank(
     tmp_path,
 ):
     """The rank whose forward found the NaN returned before the backward that the other rank
     ran: FSDP2's backward all-gathers waited for it, or were paired with its next step's
-    (a crash, or a silent mix). Every rank now runs the backward; each reports its own pass,
-    as one process on its share does, and the next step's gradients are one process's."""
+    (a crash, or a silent mix). The ranks now agree: every rank skips the backward, each
+    reports its own forward pass as one process on its share does, the other rank warns that
+    its backward pass was not checked, and the next step's gradients are one process's."""
     launch(_find, str(tmp_path), timeout=60)
     want = []
     for rank in range(WORLD):
@@ -332,5 +337,69 @@ def test_find_nonfinite_on_fsdp2_with_a_nan_on_one_rank_runs_the_same_collective
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"find{rank}.pt")
         assert got["found"] == want[rank] and got["left"] == []
+        if rank == 0:
+            (msg,) = got["said"]
+            assert "another rank found a NaN/Inf" in msg and "not checked" in msg
+        else:
+            assert got["said"] == []
         for n, p in ref.named_parameters():
             torch.testing.assert_close(got["grads"][n], p.grad, rtol=1e-5, atol=1e-7)
+
+
+# -- edit of a tensor-parallel layer's output -----------------------------------------------------
+EDITS = {"clip": lambda: hs.ops.clip_norm(0.5), "scale": lambda: hs.ops.scale(2.0)}
+
+
+def _tp_edit(rank: int, tmp: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    out = {}
+    for local_output in (True, False):
+        model = make_mlp()
+        if local_output:
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        else:
+            plan = {
+                "0": ColwiseParallel(use_local_output=False),
+                "2": RowwiseParallel(input_layouts=Shard(-1)),
+            }
+        parallelize_module(model, mesh, plan)
+        for key, op in EDITS.items():
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                with hs.edit(model, {"0": op()}):
+                    y = model(batch())
+            said = [str(w.message) for w in seen if issubclass(w.category, hs.HookscopeWarning)]
+            y = y.full_tensor() if hasattr(y, "full_tensor") else y
+            out[local_output, key] = (said, torch.tensor(y.detach().tolist()))
+    if rank == 0:
+        torch.save(out, os.path.join(tmp, "edit.pt"))
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_edit_that_reads_the_whole_output_warns_on_a_local_shard(tmp_path):
+    """clip_norm on a ColwiseParallel layer's local output took each rank's part's norm: the
+    model's output differed from the plain model's, silently. Now it warns naming the layer;
+    an elementwise edit (scale) is exact on shards and says nothing; on a DTensor output
+    (use_local_output=False) clip_norm takes the full norm and equals the plain model."""
+    launch(_tp_edit, str(tmp_path), timeout=120)
+    got = torch.load(tmp_path / "edit.pt")
+    want = {}
+    for key, op in EDITS.items():
+        ref = make_mlp()
+        with hs.edit(ref, {"0": op()}):
+            want[key] = ref(batch()).detach()
+    said, y = got[True, "clip"]
+    assert len(said) == 1 and "the edit of '0' acts on this rank's part" in said[0], said
+    assert not torch.allclose(y, want["clip"], atol=1e-4)  # the shards' norms, not the output's
+    for local_output, key in [(True, "scale"), (False, "scale"), (False, "clip")]:
+        said, y = got[local_output, key]
+        assert said == [], (local_output, key, said)
+        torch.testing.assert_close(y, want[key], rtol=1e-5, atol=1e-6)

@@ -21,7 +21,7 @@ from ._nested import iter_tensors
 from ._recompute import Replays
 from ._scope import HookScope, check_model
 from ._select import find, resolve, suggest
-from ._sharded import add_param_grad_editor, check_tensor_type
+from ._sharded import add_param_grad_editor, check_tensor_type, warn_tp_shards
 
 __all__ = ["clip_grads", "edit", "edit_grads", "positional_index"]
 
@@ -209,10 +209,31 @@ def edit(
                     layer=name,
                     with_kwargs=True,
                 )
+        if at == "output":  # tensor parallel: an edit that reads the whole output sees a shard
+            whole = {name: module for name, module, fn in plan if not _elementwise(fn)}
+            if whole:
+                warn_tp_shards(scope, model, whole, _SHARD_EDIT)
     except BaseException:
         scope.remove()
         raise
     return scope
+
+
+_SHARD_EDIT = (
+    "the edit of {name!r} acts on this rank's part (shape {shape}) alone: a norm, a channel "
+    "index or a function of the whole output would see a part"
+)
+
+
+def _elementwise(fn: Any) -> bool:
+    """Is ``fn`` an op that acts on each element alone, the same on a shard as on the whole
+    (zero, clamp, and scale/add by one number)?"""
+    if isinstance(fn, (ops._Zero, ops._Clamp)):
+        return True
+    if isinstance(fn, (ops._Scale, ops._Add)):
+        v = fn.k if isinstance(fn, ops._Scale) else getattr(fn, "v", None)
+        return not isinstance(v, torch.Tensor) or v.numel() == 1
+    return False
 
 
 def _check_edits(edits: Any, owner: str) -> None:

@@ -336,11 +336,17 @@ class TPLayouts:
         return k
 
 
-def warn_tp_shards(scope: HookScope, model: nn.Module, named: dict[str, nn.Module]) -> None:
+def warn_tp_shards(
+    scope: HookScope,
+    model: nn.Module,
+    named: dict[str, nn.Module],
+    consequence: str = "what is kept for {name!r} (shape {shape}) is a part of the output, not the output",
+) -> None:
     """Tensor parallel: warn, once per layer, when a selected layer of ``model`` returns this
     rank's *shard* of its output as a plain tensor (a ``ColwiseParallel`` layer with the default
     ``use_local_output=True``, and the elementwise layers after it): what ``scope``'s owner keeps
-    would silently be a part of the output, not the output. Which outputs are shards is read from
+    (or edits) would silently be a part of the output, not the output (``consequence`` says
+    which, with ``{name}`` and ``{shape}``). Which outputs are shards is read from
     what the plan declares (:class:`TPLayouts`), as the monitor does. A ``DTensor`` output is
     kept as one (``.full_tensor()`` gives the full output) and is not warned about. No hook is
     added to a model without a tensor-parallel plan."""
@@ -366,10 +372,10 @@ def warn_tp_shards(scope: HookScope, model: nn.Module, named: dict[str, nn.Modul
                     name,
                     f"{scope.owner}: the output of layer {name!r} is this rank's shard of a "
                     "tensor-parallel output (the plan hands it on as a plain local tensor), so "
-                    f"what is kept for {name!r} (shape {tuple(t.shape)}) is a part of the output, "
-                    "not the output. For the full tensor give the plan's layer "
-                    "use_local_output=False (the value kept is then a DTensor: call "
-                    ".full_tensor()), or gather the shards over the tensor-parallel mesh",
+                    + consequence.format(name=name, shape=tuple(t.shape))
+                    + ". For the full tensor give the plan's layer use_local_output=False (the "
+                    "value is then a DTensor: .full_tensor() gives it, and ops act on it whole), "
+                    "or gather the shards over the tensor-parallel mesh",
                 )
 
         return hook
