@@ -379,6 +379,16 @@ def _tp_edit(rank: int, tmp: str) -> None:
             said = [str(w.message) for w in seen if issubclass(w.category, hs.HookscopeWarning)]
             y = y.full_tensor() if hasattr(y, "full_tensor") else y
             out[local_output, key] = (said, torch.tensor(y.detach().tolist()))
+            # the same edit on the gradient of the layer's output: its shard too
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                with hs.edit_grads(model, {"0": op()}):
+                    model(batch()).pow(2).sum().backward()
+            said = [str(w.message) for w in seen if issubclass(w.category, hs.HookscopeWarning)]
+            g = model[0].weight.grad
+            g = g.full_tensor() if hasattr(g, "full_tensor") else g
+            out[local_output, key, "grad"] = (said, torch.tensor(g.tolist()))
+            model.zero_grad()
     if rank == 0:
         torch.save(out, os.path.join(tmp, "edit.pt"))
 
@@ -396,10 +406,19 @@ def test_tensor_parallel_edit_that_reads_the_whole_output_warns_on_a_local_shard
         ref = make_mlp()
         with hs.edit(ref, {"0": op()}):
             want[key] = ref(batch()).detach()
+        with hs.edit_grads(ref, {"0": op()}):
+            ref(batch()).pow(2).sum().backward()
+        want[key, "grad"] = ref[0].weight.grad
     said, y = got[True, "clip"]
     assert len(said) == 1 and "the edit of '0' acts on this rank's part" in said[0], said
     assert not torch.allclose(y, want["clip"], atol=1e-4)  # the shards' norms, not the output's
+    said, g = got[True, "clip", "grad"]
+    assert len(said) == 1 and "the gradient of '0' acts on this rank's part" in said[0], said
+    assert not torch.allclose(g, want["clip", "grad"], atol=1e-4)
     for local_output, key in [(True, "scale"), (False, "scale"), (False, "clip")]:
         said, y = got[local_output, key]
         assert said == [], (local_output, key, said)
         torch.testing.assert_close(y, want[key], rtol=1e-5, atol=1e-6)
+        said, g = got[local_output, key, "grad"]
+        assert said == [], (local_output, key, "grad", said)
+        torch.testing.assert_close(g, want[key, "grad"], rtol=1e-5, atol=1e-6)

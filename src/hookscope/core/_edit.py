@@ -225,6 +225,12 @@ _SHARD_EDIT = (
 )
 
 
+_SHARD_GRAD_EDIT = (
+    "the edit of the gradient of {name!r} acts on this rank's part (shape {shape}) alone: a "
+    "norm, a channel index or a function of the whole gradient would see a part"
+)
+
+
 def _elementwise(fn: Any) -> bool:
     """Is ``fn`` an op that acts on each element alone, the same on a shard as on the whole
     (zero, clamp, and scale/add by one number)?"""
@@ -389,12 +395,15 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
         )
         named_params: list[str] = []  # parameters named by a key (FireCheck counts their hooks)
         hooked, got = reached.grads()
+        whole: dict[str, nn.Module] = {}  # layers whose edit reads the whole output gradient
         for key, fn in edits.items():
             modules, tensors = _resolve_grad_targets(model, key)
             for name, module in modules.items():
                 ran = reached.watch(name)
                 editor = _output_grad_editor(scope, name, fn, (ran, hooked, got))
                 scope.add_forward(module, editor, layer=name)
+                if not _elementwise(fn):
+                    whole[name] = module
             for name, t in tensors.items():
                 if not t.requires_grad:
                     raise HookscopeError(
@@ -408,6 +417,8 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                 named_params.append(name)
         if check is not None:
             reached.params(check, named_params)
+        if whole and model is not None:  # tensor parallel: a shard's gradient is a shard
+            warn_tp_shards(scope, model, whole, _SHARD_GRAD_EDIT)
     except BaseException:
         scope.remove()
         raise
