@@ -28,6 +28,7 @@ from ._scope import (
 )
 from ._select import resolve, suggest
 from ._sequence import SequenceError, TokenSequence, TokenTracker, assemble
+from ._sharded import warn_tp_shards
 from ._transfer import device_arg, move, ready
 
 __all__ = ["Call", "Capture", "Inputs", "TokenSequence", "capture"]
@@ -313,6 +314,7 @@ class Capture(Mapping[str, Any]):
         self._tokens: TokenTracker | None = None
         try:
             self._register(named)
+            warn_tp_shards(self._scope, model, named)
             if sequence:
                 self._tokens = TokenTracker(
                     {n: recorder.calls.setdefault(n, []).__len__ for n in named}

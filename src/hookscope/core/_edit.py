@@ -21,7 +21,7 @@ from ._nested import iter_tensors
 from ._recompute import Replays
 from ._scope import HookScope, check_model
 from ._select import find, resolve, suggest
-from ._sharded import add_param_grad_editor, check_tensor_type
+from ._sharded import add_param_grad_editor, check_tensor_type, warn_tp_shards
 
 __all__ = ["clip_grads", "edit", "edit_grads", "positional_index"]
 
@@ -209,10 +209,37 @@ def edit(
                     layer=name,
                     with_kwargs=True,
                 )
+        if at == "output":  # tensor parallel: an edit that reads the whole output sees a shard
+            whole = {name: module for name, module, fn in plan if not _elementwise(fn)}
+            if whole:
+                warn_tp_shards(scope, model, whole, _SHARD_EDIT)
     except BaseException:
         scope.remove()
         raise
     return scope
+
+
+_SHARD_EDIT = (
+    "the edit of {name!r} acts on this rank's part (shape {shape}) alone: a norm, a channel "
+    "index or a function of the whole output would see a part"
+)
+
+
+_SHARD_GRAD_EDIT = (
+    "the edit of the gradient of {name!r} acts on this rank's part (shape {shape}) alone: a "
+    "norm, a channel index or a function of the whole gradient would see a part"
+)
+
+
+def _elementwise(fn: Any) -> bool:
+    """Is ``fn`` an op that acts on each element alone, the same on a shard as on the whole
+    (zero, clamp, and scale/add by one number)?"""
+    if isinstance(fn, (ops._Zero, ops._Clamp)):
+        return True
+    if isinstance(fn, (ops._Scale, ops._Add)):
+        v = fn.k if isinstance(fn, ops._Scale) else getattr(fn, "v", None)
+        return not isinstance(v, torch.Tensor) or v.numel() == 1
+    return False
 
 
 def _check_edits(edits: Any, owner: str) -> None:
@@ -368,12 +395,15 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
         )
         named_params: list[str] = []  # parameters named by a key (FireCheck counts their hooks)
         hooked, got = reached.grads()
+        whole: dict[str, nn.Module] = {}  # layers whose edit reads the whole output gradient
         for key, fn in edits.items():
             modules, tensors = _resolve_grad_targets(model, key)
             for name, module in modules.items():
                 ran = reached.watch(name)
                 editor = _output_grad_editor(scope, name, fn, (ran, hooked, got))
                 scope.add_forward(module, editor, layer=name)
+                if not _elementwise(fn):
+                    whole[name] = module
             for name, t in tensors.items():
                 if not t.requires_grad:
                     raise HookscopeError(
@@ -387,6 +417,8 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                 named_params.append(name)
         if check is not None:
             reached.params(check, named_params)
+        if whole and model is not None:  # tensor parallel: a shard's gradient is a shard
+            warn_tp_shards(scope, model, whole, _SHARD_GRAD_EDIT)
     except BaseException:
         scope.remove()
         raise

@@ -31,9 +31,11 @@ import torch.nn as nn
 from ._ddp import DDPGradEditor, ddp_of
 from ._errors import HookscopeError, UnsupportedTensorError
 from ._gradcheck import FireCheck
-from ._scope import HookScope
+from ._nested import iter_tensors
+from ._scope import HookScope, in_backward, warn_once
 
 __all__ = [
+    "TPLayouts",
     "add_param_grad_editor",
     "as_sharded_like",
     "check_tensor_type",
@@ -50,6 +52,7 @@ __all__ = [
     "output_kind",
     "plan_mesh",
     "replication",
+    "warn_tp_shards",
 ]
 
 
@@ -272,6 +275,116 @@ def plan_mesh(module: nn.Module) -> Any:
         if hasattr(mesh, "get_local_rank"):
             return mesh
     return None
+
+
+class TPLayouts:
+    """Which layer outputs of a tensor-parallel model are shards and which are replicated, from
+    what the model declares, in this order:
+
+    1. a ``DTensor`` output: its placements;
+    2. a module the parallelize plan names: the plan's output layout (``ColwiseParallel``:
+       ``Shard(-1)`` by default, ``RowwiseParallel``: ``Replicate()``, ...);
+    3. an output that is the very tensor an earlier layer of this forward pass returned (a
+       container returning its last child's output): that layer's layout;
+    4. a module whose inputs include outputs of earlier layers: sharded if one of them is (an
+       elementwise layer after a ``ColwiseParallel`` one works on the shard);
+    5. otherwise the layout of the last layer that ran (the input came through functional code).
+
+    Every rank runs the same code on the same plan, so every rank decides alike.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.declared = {id(m): k for m in model.modules() if (k := declared_output(m)) is not None}
+        self._marks: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
+        self._last = "replicate"
+
+    def plan_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        """The modules the plan names (hooked to mark their outputs even when not monitored)."""
+        return [(n, m) for n, m in model.named_modules() if id(m) in self.declared]
+
+    def reset(self) -> None:
+        """A new forward pass."""
+        self._marks.clear()
+        self._last = "replicate"
+
+    def _known(self, t: Any) -> str | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        mark = self._marks.get(id(t))
+        return mark[1] if mark is not None and mark[0]() is t else None
+
+    def kind(self, name: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> str:
+        """``"shard"`` or ``"replicate"`` for output ``t`` of layer ``name``; remembers it."""
+        what = f"the output of layer {name!r}"
+        if is_dtensor(t):
+            k = output_kind(t, what)
+        else:
+            declared = self.declared.get(id(module))
+            if declared == "partial":
+                raise UnsupportedTensorError(
+                    f"{what} is declared Partial by the tensor-parallel plan: its shards are not "
+                    "its values, so its statistics cannot be combined. Declare Shard or Replicate "
+                    "output layouts for it, or exclude it from the monitored layers"
+                )
+            k = declared or self._known(t)
+            if k is None:
+                ins = [self._known(a) for a in (args if isinstance(args, tuple) else (args,))]
+                ins = [x for x in ins if x is not None]
+                k = ("shard" if "shard" in ins else "replicate") if ins else self._last
+        self._marks[id(t)] = (weakref.ref(t), k)
+        self._last = k
+        return k
+
+
+def warn_tp_shards(
+    scope: HookScope,
+    model: nn.Module,
+    named: dict[str, nn.Module],
+    consequence: str = "what is kept for {name!r} (shape {shape}) is a part of the output, not the output",
+) -> None:
+    """Tensor parallel: warn, once per layer, when a selected layer of ``model`` returns this
+    rank's *shard* of its output as a plain tensor (a ``ColwiseParallel`` layer with the default
+    ``use_local_output=True``, and the elementwise layers after it): what ``scope``'s owner keeps
+    (or edits) would silently be a part of the output, not the output (``consequence`` says
+    which, with ``{name}`` and ``{shape}``). Which outputs are shards is read from
+    what the plan declares (:class:`TPLayouts`), as the monitor does. A ``DTensor`` output is
+    kept as one (``.full_tensor()`` gives the full output) and is not warned about. No hook is
+    added to a model without a tensor-parallel plan."""
+    if dtensor_class() is None:
+        return
+    layouts = TPLayouts(model)
+    if not layouts.declared:
+        return
+    warned: set[str] = set()
+    selected = {id(m) for m in named.values()}
+
+    def mark(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if in_backward():
+                return
+            t = next((x for _, x in iter_tensors(output) if x.is_floating_point()), None)
+            if t is None:
+                return
+            kind = layouts.kind(name, module, args, t)
+            if kind == "shard" and id(module) in selected and not is_dtensor(t):
+                warn_once(
+                    warned,
+                    name,
+                    f"{scope.owner}: the output of layer {name!r} is this rank's shard of a "
+                    "tensor-parallel output (the plan hands it on as a plain local tensor), so "
+                    + consequence.format(name=name, shape=tuple(t.shape))
+                    + ". For the full tensor give the plan's layer use_local_output=False (the "
+                    "value is then a DTensor: .full_tensor() gives it, and ops act on it whole), "
+                    "or gather the shards over the tensor-parallel mesh",
+                )
+
+        return hook
+
+    hooked = dict(layouts.plan_modules(model))
+    hooked.update(named)
+    scope.add_forward_pre(model, lambda module, args: layouts.reset(), layer="", prepend=True)
+    for name, module in hooked.items():
+        scope.add_forward(module, mark(name), layer=name)
 
 
 def as_sharded_like(new: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ from ..core._buffers import INTERNALS, plain_attributes, state_kept
 from ..core._errors import HookscopeWarning
 from ..core._progress import progress_bar
 from ..core._random import random_draws, training_modules
+from ..core._sharded import fsdp1_found, is_dtensor
 from ._data import (
     Batches,
     SafeCollate,
@@ -88,6 +89,37 @@ def _dist() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _check_local_forward(model: nn.Module, world: int) -> None:
+    """Refuse, on every rank alike, a model whose forward communicates across ranks: each rank of
+    an extraction runs its own batches (and rank 0 a probe alone), so such a forward would wait
+    for ranks that never join it (a hang, or collectives paired with the wrong ones)."""
+    sharded = [n for n, p in model.named_parameters() if is_dtensor(p)]
+    fsdp1 = fsdp1_found(model)
+    if sharded or fsdp1:
+        names = sharded or fsdp1
+        raise ExtractError(
+            f"extract on {world} ranks: the model's parameters are sharded across the ranks "
+            f"({names[0]!r}{' and others' if len(names) > 1 else ''}: FSDP, tensor parallel), "
+            "so its forward gathers them from every rank, while each rank extracts its own "
+            "batches (and rank 0 probes the model alone): it would wait for ranks that never "
+            "join it. Extract with an unsharded model on each rank (load the full state dict, "
+            "e.g. torch.distributed.checkpoint.state_dict.get_model_state_dict(model, "
+            "options=StateDictOptions(full_state_dict=True)), into a plain copy), or in one process"
+        )
+    ddp_cls = nn.parallel.DistributedDataParallel
+    for name, m in model.named_modules():
+        if isinstance(m, ddp_cls) and m.broadcast_buffers and any(True for _ in m.buffers()):
+            where = f"{name!r}" if name else "the model"
+            raise ExtractError(
+                f"extract on {world} ranks: {where} is a DistributedDataParallel with buffers "
+                "and broadcast_buffers=True, so each of its forward calls broadcasts them from "
+                "rank 0 to every rank, while each rank extracts its own batches (and rank 0 "
+                "probes the model alone): it would wait for ranks that never join it. Pass the "
+                "module inside it (ddp.module: the same weights, no communication; its layer "
+                "names drop the 'module.' prefix)"
+            )
 
 
 def _model_name(model: nn.Module) -> str:
@@ -332,6 +364,8 @@ class Job:
         self.pooling, self.pool_name = pool_fn(self.pool)
         self.names = list(self.named)
         self.rank, self.world = _dist()
+        if self.world > 1:
+            _check_local_forward(self.model, self.world)
         self.lock = OutputLock(self.out)
         self.fields = self._fields()
         self.fingerprint = hashlib.sha256(

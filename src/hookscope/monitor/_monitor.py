@@ -35,7 +35,9 @@ from ._sharded import (
     TPLayouts,
     any_sharded,
     check_params,
+    grads_reduced,
     local_tensors,
+    origin_across_ranks,
     sharded_param_sumsq,
     sum_ranks_sqrt,
     tensor_parallel,
@@ -149,6 +151,8 @@ class Monitor:
         )
         self.records: deque[MonitorRecord] = deque(maxlen=keep)
         self.nonfinite: NonFiniteOrigin | None = None
+        self._origin_rank: int | None = None  # the rank whose module graph made self.nonfinite
+        self._warned_shares = False  # unequal batch shares across ranks, said once
         self._params = []
         # every parameter of the watched layers; each logged step records those that train
         # (requires_grad) then: one frozen at creation and unfrozen later (fine-tuning) was
@@ -183,6 +187,8 @@ class Monitor:
         self._tracker = (
             _Tracker(inner, allow, skip_safe=True, owner="monitor.sentinel") if sentinel else None
         )
+        # the sentinel's ranks agree on a NaN's origin where the gradients are reduced across them
+        self._reduced = sentinel and grads_reduced(self.model)
         self._attach()
 
     # -- selection -----------------------------------------------------------------------------
@@ -515,6 +521,7 @@ class Monitor:
         st, tp = self._state, self._tp
         layers: dict[str, dict[str, float]] = {}
         hists: dict[str, tuple[list[float], list[float]]] = {}
+        first = next(iter(acts), None)
         for key, (micro, hslot) in acts.items():
             ns: list[float] = []
             vs: list[list[float]] = []
@@ -522,6 +529,8 @@ class Monitor:
                 ns_k, vs_k = [r[0] for r in got.each(nslot)], got.each(vslot)
                 if tp:  # the same batch on every rank: replicated or sharded outputs
                     ns_k, vs_k = tp_pieces(ns_k, vs_k, st.kinds.get(key) == "replicate", tp[1])
+                elif key == first and len(set(ns_k)) > 1 and (grads or self._params):
+                    self._unequal_shares(key, ns_k)  # the first layer to run: the batch's share
                 ns += ns_k
                 vs += vs_k
             layers[key] = combine_acts(ns, vs)
@@ -547,6 +556,27 @@ class Monitor:
                 gs += gs_k
             layers.setdefault(key, {}).update(combine_grads(gs, gscale))
         return layers, hists
+
+    def _unequal_shares(self, layer: str, counts: list[float]) -> None:
+        """Warn (once) that the ranks ran unequal shares of the batch: DDP (FSDP2) averages the
+        ranks' losses, so with a mean loss the gradients weigh a row of a smaller share more
+        than one process on the combined batch would (activation statistics, combined by counts,
+        are the combined batch's)."""
+        if self._warned_shares:
+            return
+        self._warned_shares = True
+        shares = [int(c) for c in counts]
+        warnings.warn(
+            f"Monitor: the ranks ran unequal batch shares this step (layer {layer!r}, the first "
+            f"to run, saw {shares} values on ranks 0-{len(shares) - 1}): DDP and FSDP2 average the ranks' "
+            "losses, so the gradient statistics and parameter gradient norms are those of that "
+            "average, not of one process on the combined batch (with a mean loss a row of a "
+            "smaller share weighs more); the activation statistics are the combined batch's. "
+            "Give every rank equal shares (DistributedSampler(drop_last=True), a DataLoader "
+            "with drop_last=True)",
+            MonitorWarning,
+            stacklevel=4,
+        )
 
     def _param_values(
         self, got: Packed, pslot: int | None, has: list[bool], scale: float, optimizer: Any
@@ -578,6 +608,7 @@ class Monitor:
         # (local shards of DTensor gradients: the rank holding a NaN reports it)
         extra = [torch.stack(torch._foreach_norm(local_tensors(grads), 2))] if grads else []
         origin, ext = tracker.locate(extra)
+        own = origin is not None  # found in this rank's module graph
         if (
             origin is not None
             and origin.phase == "backward"
@@ -607,6 +638,8 @@ class Monitor:
                 {"param_grad_absmax": v},
             )
         tracker.reset()
+        # distributed: a NaN another rank made arrives here through the gradient reduction
+        origin, self._origin_rank = origin_across_ranks(origin, own, self._reduced)
         if origin is not None and self.nonfinite is None:
             self.nonfinite = origin
         return origin
@@ -618,10 +651,11 @@ class Monitor:
     def _emit(self, record: MonitorRecord, *, write: bool) -> None:
         rank = _rank()
         # statistics are reduced across ranks, so only rank 0 reports them; a NaN origin is
-        # local to the rank that saw it, so every rank reports its own
+        # that of the rank that saw it in its own module graph (origin_across_ranks), on every rank
         messages = [(MonitorWarning, a.message) for a in record.alerts] if rank == 0 else []
         if record.nonfinite is not None:
-            where = f" (rank {rank})" if dist.is_available() and dist.is_initialized() else ""
+            seen = rank if self._origin_rank is None else self._origin_rank
+            where = f" (rank {seen})" if dist.is_available() and dist.is_initialized() else ""
             messages.insert(0, (NonFiniteWarning, f"step {record.step}{where}: {record.nonfinite}"))
         for cls, msg in messages:
             if self.alerts in ("warn", "both"):

@@ -389,6 +389,42 @@ def _param_origin(
     return None
 
 
+_SKIP = NonFiniteOrigin("", "", 0, "")  # another rank's forward found one: no backward here
+
+
+def _agreed(model: nn.Module, origin: NonFiniteOrigin | None, backward: bool) -> Any:
+    """Whether the backward runs, decided alike on every rank when ``model``'s backward makes
+    collectives (``DTensor`` parameters: FSDP2, tensor parallel; DDP's reducer does not run for
+    ``torch.autograd.grad``): a rank returning after its forward (it found an origin there)
+    while another runs the backward left that one waiting in the backward's collectives, or
+    paired them with its next step's. One ``all_reduce`` of one number: if any rank found an
+    origin in its forward pass, every rank skips the backward; this rank's ``origin``, or
+    :data:`_SKIP` (with a warning: its backward pass was not checked) where this rank found none.
+    """
+    import torch.distributed as dist
+
+    if not backward or not (dist.is_available() and dist.is_initialized()):
+        return origin
+    if dist.get_world_size() == 1 or not any(is_dtensor(p) for _, p in named_parameters(model)):
+        return origin
+    dev = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    found = torch.tensor([0 if origin is None else 1], device=dev)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    if origin is not None or not int(found.item()):
+        return origin
+    warnings.warn(
+        f"find_nonfinite (rank {dist.get_rank()}): another rank found a NaN/Inf in its forward "
+        "pass, so every rank skips the backward pass (the model's backward communicates across "
+        "the ranks): this rank's forward pass is finite, its backward pass was not checked. "
+        "Run find_nonfinite again on the inputs of the rank that found it",
+        HookscopeWarning,
+        stacklevel=3,
+    )
+    return _SKIP
+
+
 def find_nonfinite(
     model: nn.Module,
     *inputs: Any,
@@ -451,7 +487,7 @@ def find_nonfinite(
                     loss = loss_fn(out) if loss_fn is not None else None
                 origin, _ = tracker.locate()
                 if origin is not None or not backward:
-                    return origin
+                    return _agreed(model, origin, backward)
                 if loss is None:
                     t = first_tensor(out)
                     loss = t.sum() if t is not None else None
@@ -459,15 +495,21 @@ def find_nonfinite(
                     lt = _absmax(loss)
                     lv = _absmax_host(lt.tolist()) if lt is not None else 0.0
                     if not math.isfinite(lv):
-                        return NonFiniteOrigin(
-                            LOSS,
-                            "forward",
-                            0,
-                            "nan" if math.isnan(lv) else "inf",
-                            "",
-                            {"loss_absmax": lv},
+                        return _agreed(
+                            model,
+                            NonFiniteOrigin(
+                                LOSS,
+                                "forward",
+                                0,
+                                "nan" if math.isnan(lv) else "inf",
+                                "",
+                                {"loss_absmax": lv},
+                            ),
+                            backward,
                         )
-                if loss is None or not loss.requires_grad:
+                if _agreed(model, None, backward) is _SKIP or loss is None:
+                    return None
+                if not loss.requires_grad:
                     return None
                 params = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
                 order: list[int] = []  # the parameters in the order autograd reached them

@@ -12,19 +12,18 @@ takes square roots.
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ..core._ddp import wrapping_ddp
 from ..core._errors import UnsupportedTensorError
 from ..core._sharded import (
+    TPLayouts,
     check_tensor_type,
-    declared_output,
     is_dtensor,
     local,
-    output_kind,
     plan_mesh,
     replication,
 )
@@ -34,7 +33,9 @@ __all__ = [
     "TPLayouts",
     "any_sharded",
     "check_params",
+    "grads_reduced",
     "local_tensors",
+    "origin_across_ranks",
     "sharded_param_sumsq",
     "sum_ranks_sqrt",
     "tensor_parallel",
@@ -136,60 +137,50 @@ def tp_pieces(
     return [ns[i] for i in keep], [vs[i] for i in keep]
 
 
-class TPLayouts:
-    """Which layer outputs of a tensor-parallel model are shards and which are replicated, from
-    what the model declares, in this order:
+def grads_reduced(model: torch.nn.Module) -> bool:
+    """Are ``model``'s gradients reduced across ranks (a ``DistributedDataParallel`` in it or
+    wrapping it, or ``DTensor`` parameters: FSDP2, tensor parallel)? Only then can a NaN made on
+    one rank reach another's parameter gradients (:func:`origin_across_ranks`)."""
+    import torch.distributed as dist
 
-    1. a ``DTensor`` output: its placements;
-    2. a module the parallelize plan names: the plan's output layout (``ColwiseParallel``:
-       ``Shard(-1)`` by default, ``RowwiseParallel``: ``Replicate()``, ...);
-    3. an output that is the very tensor an earlier layer of this forward pass returned (a
-       container returning its last child's output): that layer's layout;
-    4. a module whose inputs include outputs of earlier layers: sharded if one of them is (an
-       elementwise layer after a ``ColwiseParallel`` one works on the shard);
-    5. otherwise the layout of the last layer that ran (the input came through functional code).
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if any(isinstance(m, ddp) for m in model.modules()) or any(
+        is_dtensor(p) for p in model.parameters()
+    ):
+        return True
+    return wrapping_ddp(model) is not None
 
-    Every rank runs the same code on the same plan, so every rank decides alike.
-    """
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.declared = {id(m): k for m in model.modules() if (k := declared_output(m)) is not None}
-        self._marks: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
-        self._last = "replicate"
+def origin_across_ranks(origin: Any, own: bool, reduced: bool) -> tuple[Any, int | None]:
+    """Under torch.distributed: the NaN/Inf origin this rank reports, and the rank that saw it.
 
-    def plan_modules(self, model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-        """The modules the plan names (hooked to mark their outputs even when not monitored)."""
-        return [(n, m) for n, m in model.named_modules() if id(m) in self.declared]
+    A gradient reduction (DDP's all-reduce, FSDP2's reduce-scatter) carries a NaN made on one rank
+    into the parameter gradients of every rank: a rank whose own forward and backward were finite
+    sees only those, and on its own would blame the last layer whose parameter gradient is not
+    finite (``own=False``: the sentinel's fallback), or see nothing (its shards are empty or
+    finite). So the ranks agree: the lowest rank that found an origin in its own module graph
+    (``own=True``) gives it to every rank that did not. One ``all_reduce`` of one number per
+    sentinel check, and one broadcast at a step where some rank found an origin. ``(origin,
+    None)`` for a model whose gradients are not reduced across ranks (``reduced``, from
+    :func:`grads_reduced`: then no collective is made, and a monitor may run on one rank alone),
+    or when no rank found one in its module graph."""
+    import torch.distributed as dist
 
-    def reset(self) -> None:
-        """A new forward pass."""
-        self._marks.clear()
-        self._last = "replicate"
-
-    def _known(self, t: Any) -> str | None:
-        if not isinstance(t, torch.Tensor):
-            return None
-        mark = self._marks.get(id(t))
-        return mark[1] if mark is not None and mark[0]() is t else None
-
-    def kind(self, name: str, module: torch.nn.Module, args: Any, t: torch.Tensor) -> str:
-        """``"shard"`` or ``"replicate"`` for output ``t`` of layer ``name``; remembers it."""
-        what = f"the output of layer {name!r}"
-        if is_dtensor(t):
-            k = output_kind(t, what)
-        else:
-            declared = self.declared.get(id(module))
-            if declared == "partial":
-                raise UnsupportedTensorError(
-                    f"{what} is declared Partial by the tensor-parallel plan: its shards are not "
-                    "its values, so its statistics cannot be combined. Declare Shard or Replicate "
-                    "output layouts for it, or exclude it from the monitored layers"
-                )
-            k = declared or self._known(t)
-            if k is None:
-                ins = [self._known(a) for a in (args if isinstance(args, tuple) else (args,))]
-                ins = [x for x in ins if x is not None]
-                k = ("shard" if "shard" in ins else "replicate") if ins else self._last
-        self._marks[id(t)] = (weakref.ref(t), k)
-        self._last = k
-        return k
+    if not reduced:
+        return origin, None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        dev = torch.device("cuda", torch.cuda.current_device())
+    first = torch.tensor([rank if origin is not None and own else world], device=dev)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    src = int(first.item())
+    if src == world:
+        return origin, None if origin is None else rank
+    box = [origin]
+    dist.broadcast_object_list(box, src=src, device=dev)
+    if origin is not None and own:
+        return origin, rank  # this rank's own module graph made one too: its own
+    return box[0], src
