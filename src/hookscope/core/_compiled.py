@@ -116,7 +116,10 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A copy of ``fn`` with its own code object: Dynamo caches per code object, so each hooked
     variant has its own cache entries and recompile budget, apart from the original graph's."""
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_code_ids)}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    twin = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    twin.__kwdefaults__ = copy.copy(fn.__kwdefaults__)
+    twin.__dict__.update(fn.__dict__)
+    return twin
 
 
 def _forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -126,11 +129,21 @@ def _forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _variant_fn(root: nn.Module) -> Callable[..., Any]:
     """The function a variant compiles: the root's ``forward``, on a fresh code object.
 
+    The fresh code is the root class's ``forward`` itself, copied, not a function calling it:
+    where Dynamo gives up tracing a frame (a graph break it cannot resume, such as a hook inside
+    a loop over a ``ModuleList``) it runs that frame eagerly and evaluates each call in it as a
+    frame of its own. A ``forward`` reached that way is the original compile's top frame, whose
+    entries (compiled without hooks, not guarding on them) an isolated cache falls back to: the
+    hooks inside it were skipped while those outside it ran. The copy has no such entries.
+
     ``nn.Sequential.forward`` calls its children in a loop, and Dynamo cannot resume a graph break
     (a hook) inside a loop: it would run the whole loop eagerly. A Sequential root gets its calls
     unrolled instead, one line per child, so the graph breaks only at the hooked children.
     """
     if type(root).forward is not nn.Sequential.forward:
+        fwd = type(root).forward
+        if isinstance(fwd, types.FunctionType):
+            return _fresh(fwd)
         return _fresh(_forward)
     lines = [f"def _sequential_{next(_code_ids)}(mod, input):", "    c = list(mod)"]
     lines += [f"    input = c[{i}](input)" for i in range(len(root))]
@@ -380,8 +393,8 @@ class Region:
             f"hookscope: none of the hooks on layers {names} ran during this call of the compiled "
             f"region {self.name or '<root>'!r}. Either those layers are not called through "
             "module(...) for this input, or the compiled code skipped them (code compiled by an "
-            "earlier call, e.g. a loop over a ModuleList: torch._dynamo.reset() before adding "
-            "the hooks recompiles it with them); to get exact values anyway run the call under "
+            "earlier call: torch._dynamo.reset() before adding the hooks recompiles it with "
+            "them); to get exact values anyway run the call under "
             "torch.compiler.set_stance('force_eager')",
             HookscopeWarning,
             stacklevel=6,

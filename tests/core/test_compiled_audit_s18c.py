@@ -1,0 +1,94 @@
+"""Audit (round 18, compiled models): each test failed before its fix, for the reason it names.
+
+References are independent of hookscope: the same weights run eagerly with plain
+``register_forward_hook`` hooks written here, or the plain computation.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class _Loop(nn.Module):
+    """A layer before a loop over a ModuleList, then the loop (Dynamo unrolls it in one graph)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pre(x)
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return x
+
+
+def _plain(model: nn.Module, names: list[str], x: torch.Tensor, edit=None) -> tuple[dict, Any]:
+    """Outputs of ``names`` (and the model's output) from plain hooks on the eager model;
+    ``edit``: ``{name: fn}`` replacing those outputs."""
+    got: dict[str, torch.Tensor] = {}
+    handles = []
+    for name in names:
+
+        def hook(mod, args, out, name=name):
+            got[name] = out.detach().clone()
+
+        handles.append(model.get_submodule(name).register_forward_hook(hook))
+    for name, fn in (edit or {}).items():
+        handles.append(model.get_submodule(name).register_forward_hook(lambda m, a, o, f=fn: f(o)))
+    try:
+        with torch.no_grad():
+            out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return got, out
+
+
+def _compile(model: nn.Module, form: str) -> nn.Module:
+    if form == "wrapper":
+        return torch.compile(model, backend="eager")
+    model.compile(backend="eager")
+    return model
+
+
+@pytest.mark.parametrize("form", ["wrapper", "in_place"])
+def test_hooks_in_a_warm_compiled_loop_run_when_others_fire(form):
+    """A warm compiled model (called once without hooks), hooks on a layer before a ModuleList
+    loop and on layers inside it: the variant's trace gave up at the hook inside the loop and
+    Dynamo ran the model's ``forward`` as a frame of its own, where it reused the code the warm
+    call compiled (no hooks). A capture before the loop fired, so no warning came; the edit on
+    ``blocks.1`` silently did not act and the capture of ``blocks.2`` was missing."""
+    eager = _Loop()
+    x = torch.randn(2, 4)
+    names = ["", "blocks.2"]  # the model itself, and a layer in the loop
+    ref, ref_out = _plain(eager, names, x, edit={"blocks.1": torch.zeros_like})
+    cm = _compile(copy.deepcopy(eager), form)
+    with torch.no_grad():
+        cm(x)  # warm
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad(), hs.capture(cm, names) as cap:
+            with hs.edit(cm, {"blocks.1": hs.ops.zero()}):
+                out = cm(x)
+            assert torch.equal(out, ref_out)  # the edit acted in the call
+    assert not [w for w in seen if issubclass(w.category, hs.HookscopeWarning)]
+    for name, value in ref.items():
+        assert torch.equal(cap[name], value), name
