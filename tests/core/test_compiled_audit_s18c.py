@@ -92,3 +92,49 @@ def test_hooks_in_a_warm_compiled_loop_run_when_others_fire(form):
     assert not [w for w in seen if issubclass(w.category, hs.HookscopeWarning)]
     for name, value in ref.items():
         assert torch.equal(cap[name], value), name
+
+
+def _step(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(block(x))
+
+
+class _Helper(nn.Module):
+    """Blocks called through a helper function, in a loop with a graph break (a print): the
+    compiled code gives up the loop and compiles each call of ``_step`` as a frame of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = _step(b, x)
+            print("", end="")
+        return self.head(x)
+
+
+@pytest.mark.parametrize("form", ["wrapper", "in_place"])
+def test_hooks_in_a_helper_the_warm_compile_ran_as_a_frame_run(form):
+    """A warm compiled model whose loop calls its blocks through a helper function, with a graph
+    break in the loop: the warm call compiled ``_step`` as a frame without hooks, and the hooked
+    variant reused it (an isolated cache falls back to the default entries of code it runs).
+    The hook on ``head`` fired, those on ``blocks.1`` silently did not: no warning, the edit did
+    not act, the capture had no call. Now the region runs eagerly with the graph-break
+    warning naming the layers, and the values equal the eager model's."""
+    eager = _Helper()
+    x = torch.randn(2, 4)
+    ref, ref_out = _plain(eager, ["head"], x, edit={"blocks.1": torch.zeros_like})
+    cm = _compile(copy.deepcopy(eager), form)
+    with torch.no_grad():
+        cm(x)  # warm
+    with (
+        pytest.warns(hs.HookscopeWarning, match=r"'blocks.1', 'head'.*graph breaks"),
+        torch.no_grad(),
+        hs.capture(cm, ["head"]) as cap,
+    ):
+        with hs.edit(cm, {"blocks.1": hs.ops.zero()}):
+            out = cm(x)
+        assert torch.equal(out, ref_out)  # the edit acted in the call
+    assert torch.equal(cap["head"], ref["head"])

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import os
 import threading
 import types
 import warnings
@@ -243,6 +244,7 @@ class Region:
         self._warned = False
         self._warned_stale = False
         self._codes: list[Any] | None = None  # the code of the region's modules (see _stale)
+        self._files: frozenset[str] = frozenset()  # their source files, torch's own left out
         self.fired = 0  # opaque hooks of this region run so far (checked after each routed call)
 
     @property
@@ -340,7 +342,11 @@ class Region:
         function of that shared ``forward``, the one the original compile made: once the model
         has been called compiled without hooks, the layers after the break ran without their
         hooks (a capture missed them, an edit did not act), while those before it fired. The
-        same holds for a module's ``forward`` the original compile ran as a frame of its own.
+        same holds for a module's ``forward`` the original compile ran as a frame of its own, and
+        for any other function the model calls that it ran as one (a helper called in a loop
+        that has a graph break, ``def step(block, x): return block(x)``): a variant giving up a
+        frame runs the calls in it as frames, which reuse those entries. Such functions are
+        found among the code Dynamo compiled, by the source files of the region's modules.
         """
         cache = _resume_cache()
         lookup = _default_entries()
@@ -348,12 +354,13 @@ class Region:
             return False
         if self._codes is None:
             self._codes = _module_codes(root)
+            self._files = _model_files(root)
         # the original compile's top frame (the root's forward; _call_impl when compiled in
         # place) has default entries by design: only the code resumed or run inside it counts
         tops = {getattr(type(root).forward, "__code__", None)}
         if self.in_place:
             tops.add(nn.Module._call_impl.__code__)
-        todo = list(self._codes)
+        todo = list(self._codes) + _compiled_code_in(self._files)
         seen: set[Any] = set()
         while todo:
             code = todo.pop()
@@ -426,6 +433,31 @@ def _module_codes(root: nn.Module) -> list[Any]:
         if code is not None:
             codes.add(code)
     return list(codes)
+
+
+def _model_files(root: nn.Module) -> frozenset[str]:
+    """The source files of the classes of a region's modules, torch's own left out (the code in
+    those that a region runs is :func:`_module_codes`'; other compiled models share them)."""
+    own = os.path.dirname(torch.__file__)
+    files = set()
+    for cls in {type(m) for m in root.modules()}:
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        name = getattr(code, "co_filename", None)
+        if name and not name.startswith(own):
+            files.add(name)
+    return frozenset(files)
+
+
+def _compiled_code_in(files: frozenset[str]) -> list[Any]:
+    """The code objects Dynamo has compiled (any cache bucket) whose source is in ``files``."""
+    if not files:
+        return []
+    try:
+        from torch._dynamo.convert_frame import input_codes
+    except ImportError:
+        return []
+    seen = getattr(input_codes, "seen", ())
+    return [c for c in (ref() for ref in list(seen)) if c is not None and c.co_filename in files]
 
 
 _regions: weakref.WeakKeyDictionary[nn.Module, Region] = weakref.WeakKeyDictionary()
