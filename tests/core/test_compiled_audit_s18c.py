@@ -138,3 +138,41 @@ def test_hooks_in_a_helper_the_warm_compile_ran_as_a_frame_run(form):
             out = cm(x)
         assert torch.equal(out, ref_out)  # the edit acted in the call
     assert torch.equal(cap["head"], ref["head"])
+
+
+# a helper defined in another source file (as ``from helpers import step`` would give)
+_elsewhere: dict[str, Any] = {"torch": torch}
+exec(
+    compile("def step(block, x):\n    return torch.relu(block(x))\n", "helpers_s18c.py", "exec"),
+    _elsewhere,
+)
+_step_elsewhere = _elsewhere["step"]
+
+
+class _HelperElsewhere(_Helper):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = _step_elsewhere(b, x)
+            print("", end="")
+        return self.head(x)
+
+
+def test_hooks_in_a_helper_from_another_file_the_warm_compile_ran_as_a_frame_run():
+    """The same with the helper imported from another file (not found by the model's source
+    files): its hooks were skipped while ``head``'s fired, silently. Found now by the functions
+    the model's code names; the region runs eagerly with the warning, the values are eager's."""
+    eager = _HelperElsewhere()
+    x = torch.randn(2, 4)
+    ref, _ = _plain(eager, ["head", "blocks.1"], x)
+    cm = _compile(copy.deepcopy(eager), "wrapper")
+    with torch.no_grad():
+        cm(x)  # warm
+    with (
+        pytest.warns(hs.HookscopeWarning, match=r"'blocks.1', 'head'.*graph breaks"),
+        torch.no_grad(),
+        hs.capture(cm, ["head", "blocks.1"]) as cap,
+    ):
+        cm(x)
+    for name, value in ref.items():
+        assert cap.calls(name), name
+        assert torch.equal(cap[name], value), name

@@ -426,13 +426,54 @@ def _default_entries() -> Callable[[Any, int], Any] | None:
 
 def _module_codes(root: nn.Module) -> list[Any]:
     """The code a region's module calls run in: each module class's ``forward`` and
-    ``nn.Module``'s call path."""
+    ``nn.Module``'s call path, and the Python functions they may call (:func:`_called`)."""
     codes = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
+    own = os.path.dirname(torch.__file__)
+    todo: list[Any] = []
     for cls in {type(m) for m in root.modules()}:
         code = getattr(getattr(cls, "forward", None), "__code__", None)
         if code is not None:
             codes.add(code)
+        for klass in cls.__mro__:  # its methods (helpers called by forward), torch's left out
+            if klass is nn.Module or klass is object:
+                break
+            todo += [f for f in vars(klass).values() if isinstance(f, types.FunctionType)]
+    codes.update(_called(todo, own))
     return list(codes)
+
+
+def _called(fns: list[Any], own: str, limit: int = 2000) -> set[Any]:
+    """The code of ``fns`` and of the Python functions they name, transitively, found
+    statically: global names (``from helpers import step``), closures and nested functions;
+    functions in ``own`` (torch's package) are left out. An over-approximation: a function
+    named but never called costs nothing unless Dynamo compiled it as a frame of its own."""
+    codes: set[Any] = set()
+    todo = list(fns)
+    while todo and len(codes) < limit:
+        fn = todo.pop()
+        code = getattr(fn, "__code__", None)
+        if not isinstance(code, types.CodeType) or code in codes:
+            continue
+        if code.co_filename.startswith(own):
+            continue
+        glb = getattr(fn, "__globals__", {})
+        cells = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
+        stack = [code]
+        while stack:
+            c = stack.pop()
+            codes.add(c)
+            stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+            todo += [glb.get(n) for n in c.co_names if isinstance(glb.get(n), types.FunctionType)]
+        todo += [f for f in cells if isinstance(f, types.FunctionType)]
+    return codes
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
 
 
 def _model_files(root: nn.Module) -> frozenset[str]:
