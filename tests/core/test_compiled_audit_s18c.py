@@ -176,3 +176,23 @@ def test_hooks_in_a_helper_from_another_file_the_warm_compile_ran_as_a_frame_run
     for name, value in ref.items():
         assert cap.calls(name), name
         assert torch.equal(cap[name], value), name
+
+
+def test_memory_profile_of_a_compiled_model_does_not_print_unmeasured_zeros():
+    """A compiled model's live and peak bytes and FLOPs are not measured (0 in the fields, as
+    documented), but the table printed them as measured: 'live at end of forward: 0 B; peak
+    forward 0 B' and a FLOPs column of zeros, for a step that created tensors and did
+    multiplications (the eager profile: nonzero). Now the text says they were not measured."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    cm = torch.compile(copy.deepcopy(eager), backend="aot_eager")
+    cm(x)
+    ref = hs.memory_profile(eager, x)
+    # the two matmuls alone: 2 * 3 * (4 * 8 + 8 * 2) FLOPs
+    assert ref.peak_forward_bytes > 0 and ref.rows[0].flops_total >= 2 * 3 * (4 * 8 + 8 * 2)
+    text = hs.memory_profile(cm, x).to_text()
+    assert "peak forward 0 B" not in text and "live at end of forward: 0 B" not in text
+    assert "not measured in a compiled model" in text
+    flops = [line.split()[-1] for line in text.splitlines()[3:7]]
+    assert flops == ["n/a"] * 4
