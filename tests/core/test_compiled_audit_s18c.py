@@ -196,3 +196,37 @@ def test_memory_profile_of_a_compiled_model_does_not_print_unmeasured_zeros():
     assert "not measured in a compiled model" in text
     flops = [line.split()[-1] for line in text.splitlines()[3:7]]
     assert flops == ["n/a"] * 4
+
+
+class _Defaults(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x, scale=2.0, *, shift=1.0):
+        return self.a(x) * scale + shift
+
+
+class _Super(_Defaults):
+    def forward(self, x, scale=3.0, *, shift=0.5, **kw):
+        return super().forward(x, scale, shift=shift) + 1
+
+
+@pytest.mark.parametrize("cls", [_Defaults, _Super])
+def test_the_variant_copy_of_forward_keeps_defaults_and_super(cls):
+    """The hooked variant compiles a copy of the root's forward (the fix above): its positional
+    and keyword-only defaults and zero-argument super() behave as the original's."""
+    eager = cls()
+    cm = torch.compile(copy.deepcopy(eager), backend="eager")
+    x = torch.randn(2, 4)
+    cm(x)
+    ref, _ = _plain(eager, ["a"], x)
+    with warnings.catch_warnings(), torch.no_grad(), hs.capture(cm, ["a"]) as cap:
+        warnings.simplefilter("error", hs.HookscopeWarning)
+        got = [cm(x), cm(x, 5.0), cm(x, shift=-2.0)]
+    with torch.no_grad():
+        want = [eager(x), eager(x, 5.0), eager(x, shift=-2.0)]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    assert [torch.equal(c.output, ref["a"]) for c in cap.calls("a")] == [True] * 3
