@@ -7,6 +7,7 @@ References are independent of hookscope: the same weights run eagerly with plain
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 from typing import Any
 
@@ -230,3 +231,56 @@ def test_the_variant_copy_of_forward_keeps_defaults_and_super(cls):
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     assert [torch.equal(c.output, ref["a"]) for c in cap.calls("a")] == [True] * 3
+
+
+# a helper module from another file, used as attributes: helpers.step(...), an object's method
+_helpers = types.ModuleType("helpers_mod_s18c")
+_helpers.__dict__["torch"] = torch
+exec(
+    compile(
+        "def step(block, x):\n    return torch.relu(block(x))\n\n"
+        "class Router:\n    def run(self, block, x):\n        return torch.relu(block(x))\n",
+        "helpers_mod_s18c.py",
+        "exec",
+    ),
+    _helpers.__dict__,
+)
+
+
+class _HelperKinds(_Helper):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.router, self.fn = kind, _helpers.Router(), _helpers.step
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            if self.kind == "module_attr":
+                x = _helpers.step(b, x)
+            elif self.kind == "object_method":
+                x = self.router.run(b, x)
+            else:
+                x = self.fn(b, x)
+            print("", end="")
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind", ["module_attr", "object_method", "function_attr"])
+def test_hooks_in_helpers_reached_through_attributes_the_warm_compile_ran_as_frames_run(kind):
+    """Helpers reached through an attribute (``helpers.step(b, x)``, ``self.router.run(b, x)``,
+    ``self.fn(b, x)``), compiled as frames by the warm call: ``blocks.1``'s hooks were skipped
+    while ``head``'s fired, silently. Now the region runs eagerly with the warning."""
+    eager = _HelperKinds(kind)
+    x = torch.randn(2, 4)
+    ref, _ = _plain(eager, ["head", "blocks.1"], x)
+    cm = _compile(copy.deepcopy(eager), "wrapper")
+    with torch.no_grad():
+        cm(x)  # warm
+    with (
+        pytest.warns(hs.HookscopeWarning, match=r"'blocks.1', 'head'.*graph breaks"),
+        torch.no_grad(),
+        hs.capture(cm, ["head", "blocks.1"]) as cap,
+    ):
+        cm(x)
+    for name, value in ref.items():
+        assert cap.calls(name), name
+        assert torch.equal(cap[name], value), name

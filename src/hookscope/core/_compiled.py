@@ -354,7 +354,7 @@ class Region:
             return False
         if self._codes is None:
             self._codes = _module_codes(root)
-            self._files = _model_files(root)
+            self._files = _model_files(root, self._codes)
         # the original compile's top frame (the root's forward; _call_impl when compiled in
         # place) has default entries by design: only the code resumed or run inside it counts
         tops = {getattr(type(root).forward, "__code__", None)}
@@ -434,12 +434,42 @@ def _module_codes(root: nn.Module) -> list[Any]:
         code = getattr(getattr(cls, "forward", None), "__code__", None)
         if code is not None:
             codes.add(code)
-        for klass in cls.__mro__:  # its methods (helpers called by forward), torch's left out
-            if klass is nn.Module or klass is object:
-                break
-            todo += [f for f in vars(klass).values() if isinstance(f, types.FunctionType)]
+        todo += _methods(cls)  # helpers forward calls as methods
+    for m in root.modules():  # functions and helper objects held by the modules (self.fn(...))
+        for value in vars(m).values():
+            todo += _callables_of(value)
     codes.update(_called(todo, own))
     return list(codes)
+
+
+def _methods(cls: type) -> list[Any]:
+    """The functions defined by ``cls`` and its bases, ``nn.Module`` and ``object`` left out."""
+    out: list[Any] = []
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            break
+        for f in vars(klass).values():
+            f = getattr(f, "__func__", f)  # staticmethod, classmethod
+            if isinstance(f, types.FunctionType):
+                out.append(f)
+    return out
+
+
+def _callables_of(value: Any) -> list[Any]:
+    """The Python functions a value held by a module or a model's code may run: a function, a
+    bound method's function, a partial's, or the methods of a plain helper object's class
+    (tensors, modules and containers left out: their code is torch's or the modules')."""
+    value = getattr(value, "func", value)  # functools.partial
+    if isinstance(value, types.FunctionType):
+        return [value]
+    if isinstance(value, types.MethodType):
+        return [value.__func__]
+    if isinstance(value, (type, types.ModuleType, torch.Tensor, nn.Module, dict, list, tuple)):
+        return []
+    cls = type(value)
+    if getattr(cls, "__module__", "builtins") == "builtins":
+        return []
+    return _methods(cls)
 
 
 def _called(fns: list[Any], own: str, limit: int = 2000) -> set[Any]:
@@ -463,7 +493,15 @@ def _called(fns: list[Any], own: str, limit: int = 2000) -> set[Any]:
             c = stack.pop()
             codes.add(c)
             stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-            todo += [glb.get(n) for n in c.co_names if isinstance(glb.get(n), types.FunctionType)]
+            named = [glb.get(n) for n in c.co_names]
+            todo += [f for f in named if isinstance(f, types.FunctionType)]
+            for mod in {id(g): g for g in named if isinstance(g, types.ModuleType)}.values():
+                # a helper module's functions used as attributes (helpers.step(...))
+                todo += [
+                    f
+                    for n in c.co_names
+                    if isinstance(f := vars(mod).get(n), types.FunctionType)  # no lazy import
+                ]
         todo += [f for f in cells if isinstance(f, types.FunctionType)]
     return codes
 
@@ -476,17 +514,16 @@ def _filled(cell: Any) -> bool:
     return True
 
 
-def _model_files(root: nn.Module) -> frozenset[str]:
-    """The source files of the classes of a region's modules, torch's own left out (the code in
-    those that a region runs is :func:`_module_codes`'; other compiled models share them)."""
+def _model_files(root: nn.Module, codes: list[Any]) -> frozenset[str]:
+    """The source files of the classes of a region's modules and of the functions they may call
+    (``codes``), torch's own left out (the code in those that a region runs is in ``codes``;
+    other compiled models share them)."""
     own = os.path.dirname(torch.__file__)
-    files = set()
+    files = {c.co_filename for c in codes}
     for cls in {type(m) for m in root.modules()}:
         code = getattr(getattr(cls, "forward", None), "__code__", None)
-        name = getattr(code, "co_filename", None)
-        if name and not name.startswith(own):
-            files.add(name)
-    return frozenset(files)
+        files.add(getattr(code, "co_filename", None))
+    return frozenset(f for f in files if f and not f.startswith(own))
 
 
 def _compiled_code_in(files: frozenset[str]) -> list[Any]:
