@@ -119,7 +119,6 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_code_ids)}")
     twin = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     twin.__kwdefaults__ = copy.copy(fn.__kwdefaults__)
-    twin.__dict__.update(fn.__dict__)
     return twin
 
 
@@ -143,7 +142,11 @@ def _variant_fn(root: nn.Module) -> Callable[..., Any]:
     """
     if type(root).forward is not nn.Sequential.forward:
         fwd = type(root).forward
-        if isinstance(fwd, types.FunctionType):
+        if (
+            isinstance(fwd, types.FunctionType)
+            and not hasattr(fwd, "__wrapped__")  # a decorated forward: call it as it is
+            and not fwd.__code__.co_filename.startswith(os.path.dirname(torch.__file__))
+        ):
             return _fresh(fwd)
         return _fresh(_forward)
     lines = [f"def _sequential_{next(_code_ids)}(mod, input):", "    c = list(mod)"]
