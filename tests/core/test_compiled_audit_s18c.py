@@ -284,3 +284,24 @@ def test_hooks_in_helpers_reached_through_attributes_the_warm_compile_ran_as_fra
     for name, value in ref.items():
         assert cap.calls(name), name
         assert torch.equal(cap[name], value), name
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+def test_a_compiled_loss_in_the_models_file_keeps_the_model_compiled():
+    """Code compiled elsewhere (a loss compiled in the file that defines the model) is never run
+    by the hooked variant: it does not make the model run eagerly (no warning), and the values
+    equal eager's."""
+    eager = _Loop()
+    x = torch.randn(2, 4)
+    ref, _ = _plain(eager, ["blocks.1"], x)
+    cm = _compile(copy.deepcopy(eager), "wrapper")
+    closs = torch.compile(_loss, backend="eager")
+    with torch.no_grad():
+        closs(cm(x))  # warm, both
+    with warnings.catch_warnings(), torch.no_grad(), hs.capture(cm, ["blocks.1"]) as cap:
+        warnings.simplefilter("error", hs.HookscopeWarning)
+        closs(cm(x))
+    assert torch.equal(cap["blocks.1"], ref["blocks.1"])

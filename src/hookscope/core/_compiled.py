@@ -247,7 +247,6 @@ class Region:
         self._warned = False
         self._warned_stale = False
         self._codes: list[Any] | None = None  # the code of the region's modules (see _stale)
-        self._files: frozenset[str] = frozenset()  # their source files, torch's own left out
         self.fired = 0  # opaque hooks of this region run so far (checked after each routed call)
 
     @property
@@ -349,7 +348,10 @@ class Region:
         for any other function the model calls that it ran as one (a helper called in a loop
         that has a graph break, ``def step(block, x): return block(x)``): a variant giving up a
         frame runs the calls in it as frames, which reuse those entries. Such functions are
-        found among the code Dynamo compiled, by the source files of the region's modules.
+        found statically (:func:`_module_codes`): the modules' methods, the functions and
+        helper objects they hold, and what those name. A helper reached only dynamically (by a
+        name in a string, from a registry) is not found. Code compiled elsewhere (a compiled
+        loss in the model's file) does not count: the variant never runs it.
         """
         cache = _resume_cache()
         lookup = _default_entries()
@@ -357,13 +359,12 @@ class Region:
             return False
         if self._codes is None:
             self._codes = _module_codes(root)
-            self._files = _model_files(root, self._codes)
         # the original compile's top frame (the root's forward; _call_impl when compiled in
         # place) has default entries by design: only the code resumed or run inside it counts
         tops = {getattr(type(root).forward, "__code__", None)}
         if self.in_place:
             tops.add(nn.Module._call_impl.__code__)
-        todo = list(self._codes) + _compiled_code_in(self._files)
+        todo = list(self._codes)
         seen: set[Any] = set()
         while todo:
             code = todo.pop()
@@ -515,30 +516,6 @@ def _filled(cell: Any) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _model_files(root: nn.Module, codes: list[Any]) -> frozenset[str]:
-    """The source files of the classes of a region's modules and of the functions they may call
-    (``codes``), torch's own left out (the code in those that a region runs is in ``codes``;
-    other compiled models share them)."""
-    own = os.path.dirname(torch.__file__)
-    files = {c.co_filename for c in codes}
-    for cls in {type(m) for m in root.modules()}:
-        code = getattr(getattr(cls, "forward", None), "__code__", None)
-        files.add(getattr(code, "co_filename", None))
-    return frozenset(f for f in files if f and not f.startswith(own))
-
-
-def _compiled_code_in(files: frozenset[str]) -> list[Any]:
-    """The code objects Dynamo has compiled (any cache bucket) whose source is in ``files``."""
-    if not files:
-        return []
-    try:
-        from torch._dynamo.convert_frame import input_codes
-    except ImportError:
-        return []
-    seen = getattr(input_codes, "seen", ())
-    return [c for c in (ref() for ref in list(seen)) if c is not None and c.co_filename in files]
 
 
 _regions: weakref.WeakKeyDictionary[nn.Module, Region] = weakref.WeakKeyDictionary()
