@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import os
 import threading
 import types
 import warnings
@@ -116,7 +117,9 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A copy of ``fn`` with its own code object: Dynamo caches per code object, so each hooked
     variant has its own cache entries and recompile budget, apart from the original graph's."""
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_code_ids)}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    twin = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    twin.__kwdefaults__ = copy.copy(fn.__kwdefaults__)
+    return twin
 
 
 def _forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -126,11 +129,25 @@ def _forward(mod: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def _variant_fn(root: nn.Module) -> Callable[..., Any]:
     """The function a variant compiles: the root's ``forward``, on a fresh code object.
 
+    The fresh code is the root class's ``forward`` itself, copied, not a function calling it:
+    where Dynamo gives up tracing a frame (a graph break it cannot resume, such as a hook inside
+    a loop over a ``ModuleList``) it runs that frame eagerly and evaluates each call in it as a
+    frame of its own. A ``forward`` reached that way is the original compile's top frame, whose
+    entries (compiled without hooks, not guarding on them) an isolated cache falls back to: the
+    hooks inside it were skipped while those outside it ran. The copy has no such entries.
+
     ``nn.Sequential.forward`` calls its children in a loop, and Dynamo cannot resume a graph break
     (a hook) inside a loop: it would run the whole loop eagerly. A Sequential root gets its calls
     unrolled instead, one line per child, so the graph breaks only at the hooked children.
     """
     if type(root).forward is not nn.Sequential.forward:
+        fwd = type(root).forward
+        if (
+            isinstance(fwd, types.FunctionType)
+            and not hasattr(fwd, "__wrapped__")  # a decorated forward: call it as it is
+            and not fwd.__code__.co_filename.startswith(os.path.dirname(torch.__file__))
+        ):
+            return _fresh(fwd)
         return _fresh(_forward)
     lines = [f"def _sequential_{next(_code_ids)}(mod, input):", "    c = list(mod)"]
     lines += [f"    input = c[{i}](input)" for i in range(len(root))]
@@ -327,7 +344,14 @@ class Region:
         function of that shared ``forward``, the one the original compile made: once the model
         has been called compiled without hooks, the layers after the break ran without their
         hooks (a capture missed them, an edit did not act), while those before it fired. The
-        same holds for a module's ``forward`` the original compile ran as a frame of its own.
+        same holds for a module's ``forward`` the original compile ran as a frame of its own, and
+        for any other function the model calls that it ran as one (a helper called in a loop
+        that has a graph break, ``def step(block, x): return block(x)``): a variant giving up a
+        frame runs the calls in it as frames, which reuse those entries. Such functions are
+        found statically (:func:`_module_codes`): the modules' methods, the functions and
+        helper objects they hold, and what those name. A helper reached only dynamically (by a
+        name in a string, from a registry) is not found. Code compiled elsewhere (a compiled
+        loss in the model's file) does not count: the variant never runs it.
         """
         cache = _resume_cache()
         lookup = _default_entries()
@@ -380,8 +404,8 @@ class Region:
             f"hookscope: none of the hooks on layers {names} ran during this call of the compiled "
             f"region {self.name or '<root>'!r}. Either those layers are not called through "
             "module(...) for this input, or the compiled code skipped them (code compiled by an "
-            "earlier call, e.g. a loop over a ModuleList: torch._dynamo.reset() before adding "
-            "the hooks recompiles it with them); to get exact values anyway run the call under "
+            "earlier call: torch._dynamo.reset() before adding the hooks recompiles it with "
+            "them); to get exact values anyway run the call under "
             "torch.compiler.set_stance('force_eager')",
             HookscopeWarning,
             stacklevel=6,
@@ -406,13 +430,92 @@ def _default_entries() -> Callable[[Any, int], Any] | None:
 
 def _module_codes(root: nn.Module) -> list[Any]:
     """The code a region's module calls run in: each module class's ``forward`` and
-    ``nn.Module``'s call path."""
+    ``nn.Module``'s call path, and the Python functions they may call (:func:`_called`)."""
     codes = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
+    own = os.path.dirname(torch.__file__)
+    todo: list[Any] = []
     for cls in {type(m) for m in root.modules()}:
         code = getattr(getattr(cls, "forward", None), "__code__", None)
         if code is not None:
             codes.add(code)
+        todo += _methods(cls)  # helpers forward calls as methods
+    for m in root.modules():  # functions and helper objects held by the modules (self.fn(...))
+        for value in vars(m).values():
+            todo += _callables_of(value)
+    codes.update(_called(todo, own))
     return list(codes)
+
+
+def _methods(cls: type) -> list[Any]:
+    """The functions defined by ``cls`` and its bases, ``nn.Module`` and ``object`` left out."""
+    out: list[Any] = []
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            break
+        for f in vars(klass).values():
+            f = getattr(f, "__func__", f)  # staticmethod, classmethod
+            if isinstance(f, types.FunctionType):
+                out.append(f)
+    return out
+
+
+def _callables_of(value: Any) -> list[Any]:
+    """The Python functions a value held by a module or a model's code may run: a function, a
+    bound method's function, a partial's, or the methods of a plain helper object's class
+    (tensors, modules and containers left out: their code is torch's or the modules')."""
+    value = getattr(value, "func", value)  # functools.partial
+    if isinstance(value, types.FunctionType):
+        return [value]
+    if isinstance(value, types.MethodType):
+        return [value.__func__]
+    if isinstance(value, (type, types.ModuleType, torch.Tensor, nn.Module, dict, list, tuple)):
+        return []
+    cls = type(value)
+    if getattr(cls, "__module__", "builtins") == "builtins":
+        return []
+    return _methods(cls)
+
+
+def _called(fns: list[Any], own: str, limit: int = 2000) -> set[Any]:
+    """The code of ``fns`` and of the Python functions they name, transitively, found
+    statically: global names (``from helpers import step``), closures and nested functions;
+    functions in ``own`` (torch's package) are left out. An over-approximation: a function
+    named but never called costs nothing unless Dynamo compiled it as a frame of its own."""
+    codes: set[Any] = set()
+    todo = list(fns)
+    while todo and len(codes) < limit:
+        fn = todo.pop()
+        code = getattr(fn, "__code__", None)
+        if not isinstance(code, types.CodeType) or code in codes:
+            continue
+        if code.co_filename.startswith(own):
+            continue
+        glb = getattr(fn, "__globals__", {})
+        cells = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
+        stack = [code]
+        while stack:
+            c = stack.pop()
+            codes.add(c)
+            stack += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+            named = [glb.get(n) for n in c.co_names]
+            todo += [f for f in named if isinstance(f, types.FunctionType)]
+            for mod in {id(g): g for g in named if isinstance(g, types.ModuleType)}.values():
+                # a helper module's functions used as attributes (helpers.step(...))
+                todo += [
+                    f
+                    for n in c.co_names
+                    if isinstance(f := vars(mod).get(n), types.FunctionType)  # no lazy import
+                ]
+        todo += [f for f in cells if isinstance(f, types.FunctionType)]
+    return codes
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
 
 
 _regions: weakref.WeakKeyDictionary[nn.Module, Region] = weakref.WeakKeyDictionary()

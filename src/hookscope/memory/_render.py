@@ -29,7 +29,7 @@ def _si(n: int) -> str:
     return str(n)
 
 
-def _cells(r: MemoryRow) -> tuple[str, ...]:
+def _cells(r: MemoryRow, compiled: bool = False) -> tuple[str, ...]:
     label = ("  " * r.depth + (r.name.rsplit(".", 1)[-1] if r.name else "(model)"))[:40]
     saved = fmt_bytes(r.saved_bytes) + (" *" if r.shared else "")
     return (
@@ -39,7 +39,7 @@ def _cells(r: MemoryRow) -> tuple[str, ...]:
         saved,
         fmt_bytes(r.saved_bytes_total),
         fmt_bytes(r.param_saved_bytes) if r.param_saved_bytes else "",
-        _si(r.flops_total),
+        "n/a" if compiled else _si(r.flops_total),  # not counted in a compiled model
     )
 
 
@@ -57,14 +57,20 @@ def _footer(p: MemoryProfile) -> list[str]:
             if p.loss_saved_bytes
             else ""
         ),
-        f"live at end of forward: {fmt_bytes(p.live_bytes_end_forward)}; peak forward "
-        f"{fmt_bytes(p.peak_forward_bytes)}, peak backward "
-        + (
-            fmt_bytes(p.peak_backward_bytes)
-            if p.peak_backward_bytes is not None
-            else "not measured (pass backward_peak=True)"
-        )
-        + " (tensors created in the step)",
+        (
+            # a compiled model's live and peak bytes and FLOPs are not measured (0 in the fields)
+            "live and peak bytes, FLOPs: not measured in a compiled model (the dispatch mode "
+            "would change what it compiles); profile the model before compiling it for them"
+            if p.per_region
+            else f"live at end of forward: {fmt_bytes(p.live_bytes_end_forward)}; peak forward "
+            f"{fmt_bytes(p.peak_forward_bytes)}, peak backward "
+            + (
+                fmt_bytes(p.peak_backward_bytes)
+                if p.peak_backward_bytes is not None
+                else "not measured (pass backward_peak=True)"
+            )
+            + " (tensors created in the step)"
+        ),
         "* a storage also saved by later modules, counted once, here",
     ]
     if p.per_region:
@@ -77,7 +83,7 @@ def _footer(p: MemoryProfile) -> list[str]:
 def to_text(p: MemoryProfile, *, depth: int | None = None, width: int = 100) -> str:
     if isinstance(width, bool) or not isinstance(width, int):
         raise TypeError(f"MemoryProfile.to_text: width= must be an int, got {width!r}")
-    table = [_HEAD, *(_cells(r) for r in _rows(p, depth))]
+    table = [_HEAD, *(_cells(r, p.per_region) for r in _rows(p, depth))]
     widths = [max(len(row[i]) for row in table) for i in range(len(_HEAD))]
     narrowest = sum(widths) + 2 * (len(widths) - 1)
     if width < narrowest:  # cutting the lines would cut numbers off, silently
@@ -102,7 +108,7 @@ def to_rich(p: MemoryProfile) -> Any:
     for i, h in enumerate(_HEAD):
         table.add_column(h, justify="left" if i < 2 else "right")
     for r in p.rows:
-        table.add_row(*_cells(r))
+        table.add_row(*_cells(r, p.per_region))
     return table
 
 
