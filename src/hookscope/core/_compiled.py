@@ -247,6 +247,9 @@ class Region:
         self._warned = False
         self._warned_stale = False
         self._codes: list[Any] | None = None  # the code of the region's modules (see _stale)
+        # Dynamo's count of frames compiled at the last _stale walk, and its verdict
+        self._stale_stamp: int | None = None
+        self._stale_verdict = False
         self.fired = 0  # opaque hooks of this region run so far (checked after each routed call)
 
     @property
@@ -357,6 +360,18 @@ class Region:
         lookup = _default_entries()
         if cache is None or lookup is None:
             return False
+        # entries appear only when Dynamo compiles a frame: while it has compiled none since the
+        # last check, the verdict stands (the walk below costs ~1 ms a call on a Transformers
+        # model: the code its modules reach)
+        stamp = _compiled_frames()
+        if stamp is not None and stamp == self._stale_stamp:
+            return self._stale_verdict
+        verdict = self._stale_walk(root, cache, lookup)
+        self._stale_stamp, self._stale_verdict = stamp, verdict
+        return verdict
+
+    def _stale_walk(self, root: nn.Module, cache: Any, lookup: Any) -> bool:
+        """:meth:`_stale`'s walk of the code the region's modules reach."""
         if self._codes is None:
             self._codes = _module_codes(root)
         # the original compile's top frame (the root's forward; _call_impl when compiled in
@@ -426,6 +441,17 @@ def _resume_cache() -> Any:
 def _default_entries() -> Callable[[Any, int], Any] | None:
     """``(code, -1) -> the default (non-isolated) cache entries of code`` (None where unknown)."""
     return getattr(torch._C._dynamo.eval_frame, "_get_cache_entries_for_region", None)
+
+
+def _compiled_frames() -> int | None:
+    """How many frames Dynamo has compiled (or tried to) in this process: its cache entries
+    change only when this does (``None`` where the counter cannot be read)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["frames"]["total"])
+    except Exception:  # another torch: walk every time
+        return None
 
 
 def _module_codes(root: nn.Module) -> list[Any]:
