@@ -325,12 +325,16 @@ class Monitor:
             record.nonfinite = origin
         elif origin is not None:
             record = MonitorRecord(step, nonfinite=origin)
-        if record is not None:
-            self._emit(record, write=logged)
-        self._want_updates = optimizer is not None
-        self._before = None
-        self._step += 1
-        self._attach()
+        try:
+            if record is not None:
+                self._emit(record, write=logged)
+        finally:
+            # a sink or an alert (under -W error) that raises must not leave the step half
+            # done: the next step() would record this step again, with its stale statistics
+            self._want_updates = optimizer is not None
+            self._before = None
+            self._step += 1
+            self._attach()
         return record
 
     def _check_layers_ran(self, step: int) -> None:
@@ -623,16 +627,28 @@ class Monitor:
         if record.nonfinite is not None:
             where = f" (rank {rank})" if dist.is_available() and dist.is_initialized() else ""
             messages.insert(0, (NonFiniteWarning, f"step {record.step}{where}: {record.nonfinite}"))
+        failed: BaseException | None = None
+        if write:
+            self.records.append(record)
+            if rank == 0:
+                for sink in self.sinks:
+                    try:  # one failing sink must not keep the record from the others
+                        sink(record)
+                    except Exception as e:
+                        if failed is None:
+                            e.add_note(
+                                f"hookscope: the monitor sink {_sink_name(sink)} raised on step "
+                                f"{record.step}; the record is in monitor.records and reached "
+                                "the other sinks, and the next steps are recorded as usual"
+                            )
+                            failed = e
         for cls, msg in messages:
             if self.alerts in ("warn", "both"):
                 warnings.warn(msg, cls, stacklevel=3)
             if self.alerts in ("log", "both"):
                 log.warning(msg)
-        if write:
-            self.records.append(record)
-            if rank == 0:
-                for sink in self.sinks:
-                    sink(record)
+        if failed is not None:
+            raise failed
 
     def plot(self, path: Any = None, **kwargs: Any) -> Any:
         """Gradient-flow plot of the records (see :func:`plot_grad_flow`); saved when ``path``."""
@@ -697,6 +713,14 @@ def _check_arguments(
         raise ValueError(f"histograms must be an int >= 0 (bins; 0: none), got {histograms!r}")
     if keep is not None and (not is_int(keep) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1 (records kept), got {keep!r}")
+
+
+def _sink_name(sink: Any) -> str:
+    """A sink as a user would name it: the function, or the class of a bound ``write``."""
+    owner = getattr(sink, "__self__", None)
+    if owner is not None:
+        return type(owner).__name__
+    return getattr(sink, "__qualname__", None) or type(sink).__name__
 
 
 def _rank() -> int:
