@@ -9,8 +9,9 @@ micro-batch), unscaled under ``precision="16-mixed"`` (a step its GradScaler ski
 sentinel (``sentinel=True``) names the first layer to produce a NaN/Inf and the step, in
 ``record.nonfinite`` and a ``NonFiniteWarning``. Forward passes between steps (validation,
 the sanity check) are not recorded. Records go to every logger of the trainer
-(``Logger.log_metrics``: CSV, TensorBoard, W&B, MLflow, ...) at the record's step, and to the
-monitor's own sinks; under DDP statistics are reduced across ranks and rank 0 writes.
+(``Logger.log_metrics``: CSV, TensorBoard, W&B, MLflow, ...) at the record's step, which is
+the step Lightning logs the run's own values at (a resumed run goes on from the checkpoint's), and
+to the monitor's own sinks; under DDP statistics are reduced across ranks and rank 0 writes.
 
 Example:
     >>> import torch, torch.nn as nn, torch.nn.functional as F, lightning as L
@@ -88,6 +89,7 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
         if self.log_to_loggers and trainer.loggers:
             sinks.append(_LoggerSink(trainer, self.prefix))
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        kw.setdefault("first_step", _logged_step(trainer))
         self.monitor = Monitor(pl_module, self.layers, sinks=sinks, scaler=scaler, **kw)
 
     def on_train_batch_start(
@@ -117,6 +119,15 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _logged_step(trainer: Any) -> int:
+    """The step Lightning logs the coming optimizer step's values at (its loggers' step: the
+    batches that stepped, restored from a checkpoint on resume; not ``global_step``, which
+    counts each optimizer of a step)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return step if isinstance(step, int) else int(trainer.global_step)
 
 
 class _LoggerSink:

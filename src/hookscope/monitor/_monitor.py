@@ -101,6 +101,9 @@ class Monitor:
         histograms: bins of device-side activation and gradient histograms (0: none); a
             :class:`TensorBoardSink` with ``histograms=True`` asks for 32 bins.
         keep: how many records ``monitor.records`` keeps (``None``: all).
+        first_step: the index of the first step (a run resumed from a checkpoint: the number of
+            optimizer steps already taken), so that records carry the run's step and ``every``
+            logs the same steps as one uninterrupted run; the trainer callbacks set it.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -131,13 +134,14 @@ class Monitor:
         alerts: Literal["warn", "log", "both", "off"] = "warn",
         histograms: int = 0,
         keep: int | None = 1000,
+        first_step: int = 0,
     ) -> None:
         inner = model
         while isinstance(inner, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             inner = inner.module
         check_model(inner)
         self.stats = tuple(stats) if not isinstance(stats, str) else (stats,)
-        _check_arguments(every, self.stats, alerts, histograms, keep, sentinel)
+        _check_arguments(every, self.stats, alerts, histograms, keep, sentinel, first_step)
         self.model = inner
         self.named = find(inner, leaves=True) if layers is None else resolve(inner, layers)
         self.every, self.alerts, self.scaler = every, alerts, scaler
@@ -167,7 +171,7 @@ class Monitor:
         self._tp = tensor_parallel(inner) if layer_stats else None
         self._layouts = TPLayouts(inner) if self._tp else None
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
-        self._step = 0
+        self._step = first_step
         self._scope: HookScope | None = None
         self._state = StepState()
         self._before: list[torch.Tensor] | None = None
@@ -688,7 +692,13 @@ class Monitor:
 
 
 def _check_arguments(
-    every: Any, stats: tuple[Any, ...], alerts: Any, histograms: Any, keep: Any, sentinel: Any
+    every: Any,
+    stats: tuple[Any, ...],
+    alerts: Any,
+    histograms: Any,
+    keep: Any,
+    sentinel: Any,
+    first_step: Any = 0,
 ) -> None:
     """Refuse, before anything is attached, arguments that would give empty or meaningless records."""
 
@@ -697,6 +707,10 @@ def _check_arguments(
 
     if not is_int(every) or every < 1:
         raise ValueError(f"every must be a positive int (1: every step), got {every!r}")
+    if not is_int(first_step) or first_step < 0:
+        raise ValueError(
+            f"first_step must be an int >= 0 (the steps already taken), got {first_step!r}"
+        )
     if not isinstance(sentinel, bool):
         raise ValueError(f"sentinel must be True or False, got {sentinel!r}")
     if not stats and not sentinel:
