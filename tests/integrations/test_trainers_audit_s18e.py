@@ -237,3 +237,73 @@ def test_hf_resumed_run_records_go_on_from_the_checkpoint_step(tmp_path):
         for key, v in want[rec.step].layers["1"].items():
             got = rec.layers["net.1"][key]
             assert math.isclose(got, v, rel_tol=2e-5, abs_tol=1e-7), (rec.step, key, got, v)
+
+
+def _clipped_reference(base, batches, max_norm):
+    """A plain loop that clips with ``clip_grad_norm_``: per step, each parameter's gradient
+    norm before and after clipping."""
+    net = copy.deepcopy(base)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    before, after = [], []
+    for micro in batches:
+        for bx, by in micro:
+            (F.cross_entropy(net(bx), by) / len(micro)).backward()
+        before.append({n: p.grad.norm().item() for n, p in net.named_parameters()})
+        torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+        after.append({n: p.grad.norm().item() for n, p in net.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return before, after
+
+
+def test_lightning_gradient_clipping_is_said_and_records_hold_the_clipped_gradients(tmp_path):
+    """With ``gradient_clip_val`` the records' parameter ``grad_norm`` are those of the clipped
+    gradients (Lightning clips after ``on_before_optimizer_step``): 0.5 in total where backward
+    gave 1.6, so an exploding gradient never showed, and nothing said so. Now a warning names
+    the setting at the start; the values equal ``clip_grad_norm_``'s in a plain loop."""
+    pytest.importorskip("lightning")
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    base = _base()
+    x, y = _data(8, scale=50.0)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    seen: list = []
+    cb = HookscopeCallback(every=1, alerts="off")
+    with pytest.warns(hs.HookscopeWarning, match=r"gradient_clip_val=0\.5.*clipped"):
+        _trainer(tmp_path, cb, max_steps=2, gradient_clip_val=0.5).fit(_module(base, seen), loader)
+    before, after = _clipped_reference(base, [[b] for b in seen], 0.5)
+    assert math.sqrt(sum(v**2 for v in before[0].values())) > 1.0  # clipping did act
+    for rec, want in zip(cb.records, after):
+        for n, v in want.items():
+            got = rec.params[f"net.{n}"]["grad_norm"]
+            assert math.isclose(got, v, rel_tol=1e-5, abs_tol=1e-7), (rec.step, n, got, v)
+    # no clipping, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.HookscopeWarning)
+        _trainer(tmp_path, HookscopeCallback(alerts="off"), max_steps=1).fit(_module(base), loader)
+
+
+def test_hf_gradient_clipping_is_said_and_records_hold_the_clipped_gradients(tmp_path):
+    """``max_grad_norm`` (1.0 by default) clips before ``on_optimizer_step``: the same, for the
+    HF Trainer; the Trainer's own logged ``grad_norm`` is the norm before clipping."""
+    pytest.importorskip("transformers")
+    from hookscope.integrations.transformers import HookscopeTrainerCallback
+
+    base = _base()
+    seen: list = []
+    trainer = _hf(tmp_path, base, seen, max_grad_norm=0.5, max_steps=2)
+    x, y = _data(24, scale=50.0)
+    trainer.train_dataset = [{"x": x[i], "labels": y[i]} for i in range(24)]
+    cb = HookscopeTrainerCallback(trainer, every=1, alerts="off")
+    trainer.add_callback(cb)
+    with pytest.warns(hs.HookscopeWarning, match=r"max_grad_norm=0\.5.*clipped"):
+        trainer.train()
+    before, after = _clipped_reference(base, [seen[0:2], seen[2:4]], 0.5)
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    for got, want in zip(logged, before):  # the Trainer logs the norm before clipping
+        assert math.isclose(got, math.sqrt(sum(v**2 for v in want.values())), rel_tol=1e-4)
+    assert logged[0] > 0.55  # clipping did act
+    for rec, want in zip(cb.records, after):
+        for n, v in want.items():
+            got = rec.params[f"net.{n}"]["grad_norm"]
+            assert math.isclose(got, v, rel_tol=1e-5, abs_tol=1e-7), (rec.step, n, got, v)

@@ -3,7 +3,8 @@
 One record per **optimizer step**: with ``accumulate_grad_batches=k`` a record's layer statistics
 cover the ``k`` micro-batches of the step and its parameter gradients are the accumulated ones
 (read after ``optimizer.step()``, before Lightning zeroes them at the next step's first
-micro-batch), unscaled under ``precision="16-mixed"`` (a step its GradScaler skips has
+micro-batch), clipped with ``gradient_clip_val`` (a warning says so), unscaled under
+``precision="16-mixed"`` (a step its GradScaler skips has
 ``record.skipped``; on the CPU, where Lightning turns the flag into bf16, pass
 ``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``). The
 sentinel (``sentinel=True``) names the first layer to produce a NaN/Inf and the step, in
@@ -37,8 +38,10 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+from ..core._errors import HookscopeWarning
 from ..monitor import Monitor, MonitorRecord
 from ._common import need
 
@@ -89,6 +92,22 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
         if self.log_to_loggers and trainer.loggers:
             sinks.append(_LoggerSink(trainer, self.prefix))
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        clip = getattr(trainer, "gradient_clip_val", None)
+        if (
+            clip
+            and "parameters" in kw.get("stats", ("parameters",))
+            and getattr(pl_module, "automatic_optimization", True)
+        ):
+            warnings.warn(
+                f"Trainer(gradient_clip_val={clip}): Lightning clips the gradients after "
+                "on_before_optimizer_step, so the records' parameter grad_norm are those of the "
+                "clipped gradients the optimizer used (exploding alerts cannot fire on them); "
+                "layer output-gradient statistics are not clipped. To see the gradients backward "
+                "gave, train without clipping while diagnosing, or log "
+                "lightning.pytorch.utilities.grad_norm in on_before_optimizer_step",
+                HookscopeWarning,
+                stacklevel=2,
+            )
         kw.setdefault("first_step", _logged_step(trainer))
         self.monitor = Monitor(pl_module, self.layers, sinks=sinks, scaler=scaler, **kw)
 
