@@ -307,3 +307,59 @@ def test_hf_gradient_clipping_is_said_and_records_hold_the_clipped_gradients(tmp
         for n, v in want.items():
             got = rec.params[f"net.{n}"]["grad_norm"]
             assert math.isclose(got, v, rel_tol=1e-5, abs_tol=1e-7), (rec.step, n, got, v)
+
+
+def test_lightning_several_optimizer_steps_in_one_batch_are_said(tmp_path):
+    """Manual optimization stepping two optimizers per batch (a GAN): the callback makes one
+    record per batch, read after the last optimizer's step, so the first optimizer's
+    parameters show the sum of both backward passes' gradients (not the one it stepped with),
+    silently. Now a warning says so, naming how many steps the batch took; the record holds
+    what a plain loop's monitor reads after the batch."""
+    pytest.importorskip("lightning")
+    import lightning as L
+
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    base = _base()
+    x, y = _data(8)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+    class Gan(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(base)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, i):
+            first, second = self.optimizers()
+            for opt in (first, second):
+                opt.zero_grad()
+                self.manual_backward(F.cross_entropy(self.net(batch[0]), batch[1]))
+                opt.step()
+
+        def configure_optimizers(self):
+            return [
+                torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                torch.optim.SGD(self.net[2].parameters(), lr=0.1),
+            ]
+
+    cb = HookscopeCallback(every=1, alerts="off")
+    with pytest.warns(hs.HookscopeWarning, match=r"2 optimizer steps in one training batch"):
+        _trainer(tmp_path, cb, max_steps=2).fit(Gan(), loader)
+    assert [r.step for r in cb.records] == [0]
+
+    net = copy.deepcopy(base)
+    opts = [
+        torch.optim.SGD(net[0].parameters(), lr=0.1),
+        torch.optim.SGD(net[2].parameters(), lr=0.1),
+    ]
+    with hs.Monitor(net, alerts="off") as mon:
+        for opt in opts:
+            opt.zero_grad()
+            F.cross_entropy(net(x[:4]), y[:4]).backward()
+            opt.step()
+        want = mon.step(opts[1])
+    assert want is not None
+    for n, d in want.params.items():
+        got = cb.records[0].params[f"net.{n}"]["grad_norm"]
+        assert math.isclose(got, d["grad_norm"], rel_tol=1e-5, abs_tol=1e-7), (n, got, d)

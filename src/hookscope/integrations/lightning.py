@@ -6,8 +6,9 @@ cover the ``k`` micro-batches of the step and its parameter gradients are the ac
 micro-batch), clipped with ``gradient_clip_val`` (a warning says so), unscaled under
 ``precision="16-mixed"`` (a step its GradScaler skips has
 ``record.skipped``; on the CPU, where Lightning turns the flag into bf16, pass
-``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``). The
-sentinel (``sentinel=True``) names the first layer to produce a NaN/Inf and the step, in
+``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``). A
+training batch that steps several optimizers (manual optimization, a GAN) makes one record, read
+after the last step (a warning says so). The sentinel (``sentinel=True``) names the first layer to produce a NaN/Inf and the step, in
 ``record.nonfinite`` and a ``NonFiniteWarning``. Forward passes between steps (validation,
 the sanity check) are not recorded. Records go to every logger of the trainer
 (``Logger.log_metrics``: CSV, TensorBoard, W&B, MLflow, ...) at the record's step, which is
@@ -78,6 +79,8 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
         self.monitor_kwargs = monitor_kwargs
         self.monitor: Monitor | None = None
         self._stepped: Any = None
+        self._steps_in_batch = 0
+        self._said_steps = False
 
     @property
     def records(self) -> list[MonitorRecord]:
@@ -120,6 +123,7 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._stepped = optimizer  # only on the micro-batch that ends an optimizer step
+        self._steps_in_batch += 1
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -128,6 +132,20 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
             return
         if self._stepped is not None:
             optimizer, self._stepped = self._stepped, None
+            n, self._steps_in_batch = self._steps_in_batch, 0
+            if n > 1 and not self._said_steps:
+                self._said_steps = True
+                warnings.warn(
+                    f"batch {batch_idx}: {n} optimizer steps in one training batch (manual "
+                    "optimization: several optimizers, a GAN, or one stepped several times); "
+                    "the callback makes one record per batch, read after the last step, so the "
+                    "parameters an earlier optimizer stepped show the gradients .grad holds "
+                    "then (every backward since their zero_grad), and the layer statistics "
+                    "cover every forward of the batch. To record each optimizer step, call "
+                    "hs.Monitor's step(optimizer) yourself in training_step",
+                    HookscopeWarning,
+                    stacklevel=2,
+                )
             self.monitor.step(optimizer)  # reads through LightningOptimizer
         self.monitor.pause()  # until the next training batch: validation is not recorded
 
