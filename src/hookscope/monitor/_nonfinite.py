@@ -389,6 +389,16 @@ def _param_origin(
     return None
 
 
+def _cuda_devices(model: nn.Module, *values: Any) -> list[int]:
+    """The CUDA devices the model's tensors and the inputs are on (their generators fork)."""
+    found = {t.device.index for t in model.parameters() if t.is_cuda}
+    found |= {t.device.index for t in model.buffers() if t.is_cuda}
+    found |= {t.device.index for _, t in iter_tensors(values) if t.is_cuda}
+    if found and torch.cuda.is_available():
+        found.add(torch.cuda.current_device())
+    return sorted(i for i in found if i is not None)
+
+
 def find_nonfinite(
     model: nn.Module,
     *inputs: Any,
@@ -402,7 +412,8 @@ def find_nonfinite(
 
     The backward pass differentiates ``loss_fn(output)`` (default: the sum of the first output
     tensor) with :func:`torch.autograd.grad`, so no ``.grad`` of the model is changed, and buffers
-    (BatchNorm running statistics) are restored afterwards; floating inputs are given
+    (BatchNorm running statistics) and the random number generators (dropout in train mode
+    draws from a fork of them) are restored afterwards; floating inputs are given
     ``requires_grad`` (on a detached copy) so the first layer is checked too. The model runs in
     the mode it is in (train/eval), as when the NaN appeared.
 
@@ -435,6 +446,9 @@ def find_nonfinite(
         check_model(model)
         saved = contextlib.ExitStack()  # buffers and plain attributes put back as found
         saved.enter_context(state_kept(model))
+        # a train-mode run draws random numbers (dropout): from a fork of the generators, so
+        # the caller's run goes on with the numbers it would have drawn without this call
+        saved.enter_context(torch.random.fork_rng(devices=_cuda_devices(model, inputs, kwargs)))
         tracker = _Tracker(model, allow, detail=True, owner="find_nonfinite")
         try:
             with tracker.scope:

@@ -1,0 +1,50 @@
+"""Audit s18e of find_nonfinite inside a training loop: its own forward and backward must leave
+the run as it found it, random number generators included."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+
+
+class _DropLog(nn.Module):
+    """A dropout whose zeros turn into -inf in a log: the NaN/Inf depends on the random mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(self.drop(self.fc(x)).abs())
+
+
+def _masks(net: nn.Module, steps: int, probe_at: int | None) -> list[torch.Tensor]:
+    """The dropout masks of a short train-mode loop; find_nonfinite called before step
+    ``probe_at``."""
+    torch.manual_seed(5)
+    out = []
+    for k in range(steps):
+        if k == probe_at:
+            assert hs.find_nonfinite(net, torch.ones(4, 3)) is not None
+        out.append(torch.isinf(net(torch.ones(4, 3))).detach())
+    return out
+
+
+def test_find_nonfinite_leaves_the_random_number_generator_as_it_found_it():
+    """find_nonfinite runs the model in the mode it is in: in train mode its dropout drew from
+    the global generator, so a training loop that called it (after a NaN step, say) went on with
+    other dropout masks, data order and initialisations than the same loop without the call,
+    silently. Now it draws from a fork of the generators: the loop's masks are those of the loop
+    without the call."""
+    torch.manual_seed(0)
+    net = _DropLog().train()
+    want = _masks(net, 3, None)
+    got = _masks(net, 3, probe_at=1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    hs.find_nonfinite(net, torch.ones(4, 3))
+    assert torch.equal(torch.get_rng_state(), before)
