@@ -94,3 +94,37 @@ def test_a_warning_turned_into_an_error_does_not_shift_the_later_steps():
                 mon.step(opt)
         assert [r.step for r in mon.records] == [0, 1, 2]
         assert mon.step_index == 3
+
+
+def _tb_scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(folder), size_guidance={"scalars": 0}).Reload()
+    return {t: [(e.step, e.value) for e in ea.Scalars(t)] for t in ea.Tags()["scalars"]}
+
+
+def test_tensorboard_sink_writes_the_skipped_flag_and_says_when_float32_overflows(tmp_path):
+    """A step its GradScaler skipped has NaN/Inf gradient statistics; the TensorBoard sink wrote
+    them without the record's ``skipped`` flag (the other trackers get ``hookscope/skipped``), and
+    a finite norm above float32's range (kept in float64 by the monitor) reached TensorBoard,
+    which stores float32, as inf, silently. Now ``skipped`` is a scalar and the overflow warns
+    naming the tag; NaN/inf are written as they are."""
+    pytest.importorskip("tensorboard")
+    rec = hs.MonitorRecord(
+        3,
+        {"fc": {"mean": math.nan, "absmax": math.inf, "grad_norm": 2.5}},
+        {"fc.weight": {"grad_norm": 1e39, "weight_norm": 0.75}},
+        skipped=True,
+    )
+    sink = hs.TensorBoardSink(str(tmp_path))
+    with pytest.warns(hs.HookscopeWarning, match=r"param_grad_norm/fc\.weight.*1e\+39.*float32"):
+        sink(rec)
+    sink(hs.MonitorRecord(4, {"fc": {"mean": 0.5}}, skipped=False))
+    sink.close()
+    got = _tb_scalars(tmp_path)
+    assert got["skipped"] == [(3, 1.0), (4, 0.0)]
+    assert math.isnan(got["mean/fc"][0][1]) and got["mean/fc"][1] == (4, 0.5)
+    assert got["absmax/fc"] == [(3, math.inf)]
+    assert got["grad_norm/fc"] == [(3, 2.5)]
+    assert got["param_weight_norm/fc.weight"] == [(3, 0.75)]
+    assert got["param_grad_norm/fc.weight"] == [(3, math.inf)]
