@@ -363,3 +363,48 @@ def test_lightning_several_optimizer_steps_in_one_batch_are_said(tmp_path):
     for n, d in want.params.items():
         got = cb.records[0].params[f"net.{n}"]["grad_norm"]
         assert math.isclose(got, d["grad_norm"], rel_tol=1e-5, abs_tol=1e-7), (n, got, d)
+
+
+class _Sqrt(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x)
+
+
+def test_lightning_sentinel_leaves_a_validation_nan_out(tmp_path):
+    """A validation batch on which a layer makes a NaN (sqrt of a negative; between training
+    steps, while the callback has the monitor paused) was reported by the sentinel as the next
+    training step's NaN origin, with a NonFiniteWarning, silently wrong: training stayed finite.
+    Now no record has one; a NaN that training makes is still named."""
+    pytest.importorskip("lightning")
+    import lightning as L
+
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    torch.manual_seed(0)
+    base = nn.Sequential(_Sqrt(), nn.Linear(6, 3))
+    x, y = _data(16)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(base)
+
+        def training_step(self, batch, i):
+            x = batch[0].abs() if i < 3 else -batch[0].abs() - 1  # the last step: a NaN
+            return F.cross_entropy(self.net(x), batch[1])
+
+        def validation_step(self, batch, i):
+            assert torch.isnan(self.net(-batch[0].abs() - 1)).all()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    cb = HookscopeCallback(every=1, sentinel=True, alerts="off")
+    _trainer(tmp_path, cb, max_steps=4, val_check_interval=1, limit_val_batches=1).fit(
+        Module(), loader, loader
+    )
+    assert [r.step for r in cb.records] == [0, 1, 2, 3]
+    assert [r.nonfinite for r in cb.records[:3]] == [None] * 3
+    last = cb.records[3].nonfinite
+    assert last is not None and (last.layer, last.phase, last.kind) == ("net.0", "forward", "nan")

@@ -48,3 +48,41 @@ def test_find_nonfinite_leaves_the_random_number_generator_as_it_found_it():
     before = torch.get_rng_state()
     hs.find_nonfinite(net, torch.ones(4, 3))
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def _step(net: nn.Module, opt: torch.optim.Optimizer, mon: hs.Monitor, x: torch.Tensor):
+    net(x).sum().backward()
+    opt.step()
+    rec = mon.step(opt)
+    opt.zero_grad()
+    return rec
+
+
+def test_the_sentinel_leaves_out_evaluations_as_the_records_do():
+    """A validation batch with a NaN, run between steps while the monitor is paused (what the
+    trainer callbacks do) or under no_grad inside a step, was reported by the sentinel as the
+    next training step's NaN origin ("step 1: NAN first produced ... by <input>"), though the
+    training forward and backward stayed finite, and though the records leave those passes
+    out, silently wrong. Now evaluations are left out; a training NaN is still found."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    bad = torch.ones(2, 3)
+    bad[0, 0] = float("nan")
+    with hs.Monitor(net, sentinel=True, alerts="off") as mon:
+        assert _step(net, opt, mon, torch.ones(2, 3)).nonfinite is None
+        mon.pause()
+        with torch.no_grad():
+            assert torch.isnan(net(bad)).any()
+        mon.resume()
+        assert _step(net, opt, mon, torch.ones(2, 3)).nonfinite is None
+        with torch.no_grad():  # an evaluation inside the step, not paused
+            net(bad)
+        assert _step(net, opt, mon, torch.ones(2, 3)).nonfinite is None
+        # a training NaN after an evaluation: still found, at its layer
+        with torch.no_grad():
+            net(bad)
+            net[2].bias.fill_(float("inf"))
+        origin = _step(net, opt, mon, torch.ones(2, 3)).nonfinite
+        assert origin is not None and origin.layer == "2" and origin.phase == "forward"
+        assert mon.nonfinite is origin

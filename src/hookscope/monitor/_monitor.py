@@ -86,7 +86,9 @@ class Monitor:
         thresholds: :class:`Thresholds` or a dict of the thresholds to change.
         sentinel: also hook every module on every step and report the first layer that produced
             a NaN/Inf (forward or backward) in ``record.nonfinite`` and as a
-            :class:`NonFiniteWarning`; ``monitor.nonfinite`` keeps the first one found. To stay
+            :class:`NonFiniteWarning`; ``monitor.nonfinite`` keeps the first one found. Calls
+            the records leave out (while paused, or of the model under ``no_grad``) it leaves
+            out too. To stay
             cheap it skips the gradient checks of modules whose backward cannot create a NaN/Inf
             (Conv, Linear, normalisations, ReLU, pooling); :func:`find_nonfinite` checks all.
         allow: layers allowed to produce infinities (e.g. a ``-inf`` attention mask); NaN is
@@ -185,7 +187,16 @@ class Monitor:
         sel = [a for a in allow if a != NonFiniteOrigin.INPUT]
         self._allowed = set(find(inner, *sel)) if sel else set()
         self._tracker = (
-            _Tracker(inner, allow, skip_safe=True, owner="monitor.sentinel") if sentinel else None
+            _Tracker(
+                inner,
+                allow,
+                skip_safe=True,
+                owner="monitor.sentinel",
+                gate=self._gate,
+                skip_evaluations=True,
+            )
+            if sentinel
+            else None
         )
         self._attach()
 

@@ -149,12 +149,19 @@ class _Tracker:
         detail: bool = False,
         skip_safe: bool = False,
         owner: str = "nonfinite",
+        gate: list[bool] | None = None,
+        skip_evaluations: bool = False,
     ) -> None:
         allow = list(allow) if not isinstance(allow, (str, type)) else [allow]
         self.allow_input = INPUT in allow
         sel = [a for a in allow if a != INPUT]
         self.allowed: set[str] = set(find(model, *sel)) if sel else set()
         self.detail, self.skip_safe = detail, skip_safe
+        # the monitor's: calls while it is paused, and calls of the model under no_grad /
+        # inference_mode (evaluations), are left out, as its records leave them out
+        self.gate = gate if gate is not None else [True]
+        self.skip_evaluations = skip_evaluations
+        self.evaluating = False
         self.types = {name: type(m).__name__ for name, m in named_modules(model)}
         self.scope = HookScope(owner)
         self.warned_reentrant = False
@@ -167,6 +174,7 @@ class _Tracker:
             raise
 
     def reset(self) -> None:
+        self.evaluating = False
         self.counts: dict[str, int] = {}
         self.input: torch.Tensor | None = None
         self.fwd: list[tuple[str, int, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
@@ -215,6 +223,11 @@ class _Tracker:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if in_backward():
                 return None
+            if name == "" and tracker.skip_evaluations:  # decided afresh at each model call
+                # (a reentrant checkpoint of the whole model runs its forward under no_grad)
+                tracker.evaluating = not torch.is_grad_enabled() and not in_reentrant_checkpoint()
+            if not tracker.gate[0] or tracker.evaluating:
+                return None
             call = tracker.counts.get(name, 0)
             tracker.counts[name] = call + 1
             vin = tracker._in_absmax(args, kwargs)
@@ -257,7 +270,10 @@ class _Tracker:
             return identity_views(args, kwargs, on_view)
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if in_backward() or not stack:
+            if name == "" and tracker.evaluating:
+                tracker.evaluating = False
+                return
+            if in_backward() or not stack or not tracker.gate[0] or tracker.evaluating:
                 return
             call, vin, gouts = stack.pop()
             single = isinstance(output, torch.Tensor)
