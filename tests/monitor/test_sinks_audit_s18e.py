@@ -128,3 +128,52 @@ def test_tensorboard_sink_writes_the_skipped_flag_and_says_when_float32_overflow
     assert got["grad_norm/fc"] == [(3, 2.5)]
     assert got["param_weight_norm/fc.weight"] == [(3, 0.75)]
     assert got["param_grad_norm/fc.weight"] == [(3, math.inf)]
+
+
+def _wandb_history(folder: str) -> list[dict]:
+    """The history rows of the offline W&B run in ``folder`` (the reader of the integration
+    tests)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "integrations" / "test_integrations.py"
+    spec = importlib.util.spec_from_file_location("_s18e_integrations", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._wandb_history(folder)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::ResourceWarning")
+def test_wandb_sink_says_when_wandb_drops_a_record_logged_below_the_run_step(tmp_path, monkeypatch):
+    """A run that already logged its own values (steps 0..4, W&B's auto-increment) then got
+    the monitor's records at steps 0 and 1: W&B drops values logged below its current step, so
+    the records were not in the run, and nothing in Python said so. Now the sink warns, naming
+    the step and the fix (step_offset); with it the records are in the run."""
+    pytest.importorskip("wandb")
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for offset, folder in ((0, tmp_path / "a"), (5, tmp_path / "b")):
+        folder.mkdir()
+        run = wandb.init(dir=str(folder), project="hookscope-test")
+        try:
+            for i in range(5):
+                run.log({"loss": float(i)})
+            sink = hs.WandbSink(run, step_offset=offset)
+            recs = [hs.MonitorRecord(s, {"fc": {"mean": 0.25 * s}}) for s in (0, 1)]
+            if offset == 0:
+                with pytest.warns(hs.HookscopeWarning, match=r"step 0.*run's step 5.*step_offset"):
+                    for r in recs:
+                        sink(r)
+            else:
+                for r in recs:
+                    sink(r)
+        finally:
+            run.finish()
+        rows = [r for r in _wandb_history(str(folder)) if "hookscope/fc/mean" in r]
+        if offset == 0:
+            assert rows == []  # what W&B did with them: dropped
+        else:
+            assert [(r["_step"], r["hookscope/fc/mean"]) for r in rows] == [(5, 0.0), (6, 0.25)]

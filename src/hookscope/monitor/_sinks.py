@@ -129,7 +129,8 @@ class TensorBoardSink:
 class WandbSink:
     """Log each record's scalars (:meth:`MonitorRecord.scalars`) to a Weights & Biases run, at
     the record's step (``step_offset`` is added: pass the run's own step counter's start when
-    the run logs other values by step too).
+    the run logs other values by step too). W&B drops values logged below the run's current
+    step; the sink warns when a record would be.
 
     ``run`` is a ``wandb`` run; by default the active one (``wandb.init()`` first). Needs
     ``pip install 'hookscope[wandb]'``.
@@ -146,9 +147,24 @@ class WandbSink:
         if run is None:
             raise ValueError("WandbSink: no active wandb run; call wandb.init() first or pass run=")
         self.run, self.prefix, self.step_offset = run, prefix, step_offset
+        self._said = False
 
     def __call__(self, record: Any) -> None:
-        self.run.log(record.scalars(self.prefix), step=record.step + self.step_offset)
+        step = record.step + self.step_offset
+        now = getattr(self.run, "step", None)
+        if not self._said and isinstance(now, int) and step < now:
+            # W&B keeps a run's steps increasing: values logged at an earlier step are dropped
+            self._said = True
+            warnings.warn(
+                f"WandbSink: the record of step {record.step} goes to W&B step {step}, below the "
+                f"run's step {now}, and W&B drops values logged at an earlier step: this record "
+                "(and any later one below the run's step) is not in the run. Pass "
+                f"WandbSink(run, step_offset={now - record.step}) when the run logs its own "
+                "values by step, or Monitor(first_step=...) for a resumed run",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        self.run.log(record.scalars(self.prefix), step=step)
 
     write = __call__
 
