@@ -86,3 +86,38 @@ def test_the_sentinel_leaves_out_evaluations_as_the_records_do():
         origin = _step(net, opt, mon, torch.ones(2, 3)).nonfinite
         assert origin is not None and origin.layer == "2" and origin.phase == "forward"
         assert mon.nonfinite is origin
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, *, z: torch.Tensor | None = None):
+        out = self.a(x) + self.b(y)
+        return out if z is None else out + z
+
+
+def test_a_nonfinite_input_names_its_argument():
+    """A NaN in the second argument (or a keyword one) was reported as ``<input>`` with no word
+    of which input held it; now the origin names the argument, positional by its parameter
+    name, and a training loop's sentinel does the same."""
+    net = _Two()
+    ok = torch.ones(2, 3)
+    bad = torch.ones(2, 3)
+    bad[1, 2] = float("nan")
+    o = hs.find_nonfinite(net, ok, bad)
+    assert (o.layer, o.kind, o.argument) == ("<input>", "nan", "y")
+    assert "argument 'y'" in str(o)
+    o = hs.find_nonfinite(net, ok, ok, z=bad * float("inf"))
+    assert (o.layer, o.argument) == ("<input>", "z")
+    o = hs.find_nonfinite(net, bad, ok)
+    assert o.argument == "x"
+    assert hs.find_nonfinite(net, ok, ok) is None
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with hs.Monitor(net, sentinel=True, alerts="off") as mon:
+        net(ok, bad).sum().backward()
+        opt.step()
+        rec = mon.step(opt)
+    assert rec is not None and rec.nonfinite is not None and rec.nonfinite.argument == "y"
+    assert rec.to_dict()["nonfinite"]["argument"] == "y"
