@@ -61,9 +61,10 @@ def test_hooks_removed_on_exception_and_interrupt(exc):
 def test_scope_without_with_stays_until_removed():
     net = _net()
     handle = hs.clip_grads(net, value=0.1)
-    # a tensor hook per parameter, and a forward hook on the model that checks they fired
-    assert {i.kind for i in hs.hooks_on(net)} == {"tensor", "forward"}
-    assert handle.num_hooks == 5
+    # a tensor hook per parameter, a post-accumulate-grad hook per parameter (that notices
+    # gradient accumulation), and a forward hook on the model that checks they fired
+    assert {i.kind for i in hs.hooks_on(net)} == {"tensor", "post_accumulate_grad", "forward"}
+    assert handle.num_hooks == 9
     with pytest.warns(hs.HookscopeWarning, match="no parameter got a gradient"):
         handle.remove()  # (no backward ran: nothing was clipped, and it says so)
     assert hs.hooks_on(net) == []

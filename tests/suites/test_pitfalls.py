@@ -438,8 +438,9 @@ def test_remove_hooks_only_removes_ours():
     infos = hs.hooks_on(net)
     assert {i.owner for i in infos} == {"hookscope", "other"}
     assert sum(i.owner == "other" for i in infos) == 3
-    # capture: 4; clip_grads: 2 parameter hooks + 1 on the model that checks they fired
-    assert hs.remove_hooks(net) == sum(i.owner == "hookscope" for i in infos) == 7
+    # capture: 4; clip_grads: 2 parameter hooks, 2 post-accumulate-grad hooks (noticing
+    # accumulation) + 1 on the model that checks they fired
+    assert hs.remove_hooks(net) == sum(i.owner == "hookscope" for i in infos) == 9
     left = hs.hooks_on(net)
     assert len(left) == 3 and all(i.owner == "other" for i in left)
     for h in theirs:

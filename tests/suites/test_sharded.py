@@ -443,8 +443,9 @@ def test_a_gradient_hook_that_never_fires_is_reported_at_the_end_of_backward(att
     lin = nn.Linear(2, 2)
     with attach(lin):
         for _ in range(3):
+            lin.zero_grad()  # (accumulating backward passes under clip_grads is warned about)
             lin(torch.full((3, 2), 10.0)).sum().backward()
-    assert float(lin.weight.grad.abs().max()) < 3.001e-3  # 3 clamped (or zeroed) steps
+            assert float(lin.weight.grad.abs().max()) < 1.001e-3  # clamped (or zeroed)
 
 
 # -- 2-D mesh: FSDP2 over the data-parallel dimension, tensor parallel over the other ---------------

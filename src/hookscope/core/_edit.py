@@ -21,7 +21,7 @@ from ._nested import iter_tensors
 from ._recompute import Replays
 from ._scope import HookScope, check_model
 from ._select import find, resolve, suggest
-from ._sharded import add_param_grad_editor, check_tensor_type, warn_tp_shards
+from ._sharded import add_param_grad_editor, check_tensor_type, is_dtensor, warn_tp_shards
 
 __all__ = ["clip_grads", "edit", "edit_grads", "positional_index"]
 
@@ -451,6 +451,50 @@ def _output_grad_editor(
     return hook
 
 
+def _accumulation_check(
+    scope: HookScope,
+    name: str,
+    param: torch.Tensor,
+    clip: Callable[[torch.Tensor], torch.Tensor],
+    said: list[bool],
+    what: str,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``clip``, warning once per scope when this backward's gradient will be added to a
+    ``.grad`` that the previous backward left untouched (gradient accumulation, or no
+    ``zero_grad``): each backward's gradient is clipped, not their sum. A ``.grad`` zeroed in
+    place (``zero_grad(set_to_none=False)``) has a new version, so it is not mistaken for one."""
+    after: list[tuple[int, int] | None] = [None]  # .grad (storage, version) after accumulating
+
+    def note(p: torch.Tensor) -> None:
+        g = p.grad
+        after[0] = (g.data_ptr(), g._version) if g is not None else None
+
+    scope.add_post_accumulate_grad(param, note, layer=name)
+
+    def on_grad(grad: torch.Tensor) -> torch.Tensor:
+        g = param.grad
+        if (
+            not said[0]
+            and g is not None
+            and g.data_ptr() != grad.data_ptr()  # (DDP: the edit is of .grad itself)
+            and after[0] == (g.data_ptr(), g._version)
+        ):
+            said[0] = True
+            warnings.warn(
+                f"clip_grads: {name!r} gets a second backward's gradient before its .grad was "
+                "zeroed (gradient accumulation, or no zero_grad between steps): clip_grads clips "
+                f"each backward's gradient, so the accumulated .grad is the sum of clipped "
+                f"gradients and can exceed {what}. To clip the accumulated gradient, call "
+                "torch.nn.utils.clip_grad_norm_ (one global norm) or clip_grad_value_ on the "
+                "parameters before optimizer.step(), instead of clip_grads",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        return clip(grad)
+
+    return on_grad
+
+
 def clip_grads(
     model: nn.Module,
     value: float | None = None,
@@ -470,6 +514,11 @@ def clip_grads(
     Returns the scope: ``.remove()`` it (or use ``with``) to stop.
     Distributed (DDP, FSDP2, tensor parallel), it clips the averaged, full gradient, as one
     process on the combined batch would (see :func:`edit_grads`).
+
+    Each backward pass's gradient is clipped before it is added to ``.grad``: with gradient
+    accumulation (several backward passes per optimizer step) ``.grad`` is the sum of clipped
+    gradients, which can exceed the limit, and a warning says so (under DDP and FSDP2 the
+    accumulated gradient is clipped once, at the step's synchronising backward).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -514,11 +563,16 @@ def clip_grads(
             )
         named = chosen
     scope = HookScope("clip_grads")
+    what = "max_norm" if value is None else "value" if max_norm is None else "value/max_norm"
     try:
         check = FireCheck(scope, model, "clip_grads")
+        said = [False]
         for name, p in named.items():
             if p.requires_grad:
-                add_param_grad_editor(scope, model, name, p, clip, check)
+                on_grad = clip
+                if not is_dtensor(p):  # (FSDP2 edits the accumulated, reduced .grad itself)
+                    on_grad = _accumulation_check(scope, name, p, clip, said, what)
+                add_param_grad_editor(scope, model, name, p, on_grad, check)
         reached = _Reached(scope, "clip_grads", "")
         if params is not None:  # named: each should get a gradient (all of them: some may not)
             reached.params(check, [n for n, p in named.items() if p.requires_grad])

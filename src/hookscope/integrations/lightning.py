@@ -3,14 +3,17 @@
 One record per **optimizer step**: with ``accumulate_grad_batches=k`` a record's layer statistics
 cover the ``k`` micro-batches of the step and its parameter gradients are the accumulated ones
 (read after ``optimizer.step()``, before Lightning zeroes them at the next step's first
-micro-batch), unscaled under ``precision="16-mixed"`` (a step its GradScaler skips has
+micro-batch), clipped with ``gradient_clip_val`` (a warning says so), unscaled under
+``precision="16-mixed"`` (a step its GradScaler skips has
 ``record.skipped``; on the CPU, where Lightning turns the flag into bf16, pass
-``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``). The
-sentinel (``sentinel=True``) names the first layer to produce a NaN/Inf and the step, in
+``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``). A
+training batch that steps several optimizers (manual optimization, a GAN) makes one record, read
+after the last step (a warning says so). The sentinel (``sentinel=True``) names the first layer to produce a NaN/Inf and the step, in
 ``record.nonfinite`` and a ``NonFiniteWarning``. Forward passes between steps (validation,
 the sanity check) are not recorded. Records go to every logger of the trainer
-(``Logger.log_metrics``: CSV, TensorBoard, W&B, MLflow, ...) at the record's step, and to the
-monitor's own sinks; under DDP statistics are reduced across ranks and rank 0 writes.
+(``Logger.log_metrics``: CSV, TensorBoard, W&B, MLflow, ...) at the record's step, which is
+the step Lightning logs the run's own values at (a resumed run goes on from the checkpoint's), and
+to the monitor's own sinks; under DDP statistics are reduced across ranks and rank 0 writes.
 
 Example:
     >>> import torch, torch.nn as nn, torch.nn.functional as F, lightning as L
@@ -36,8 +39,10 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+from ..core._errors import HookscopeWarning
 from ..monitor import Monitor, MonitorRecord
 from ._common import need
 
@@ -74,6 +79,8 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
         self.monitor_kwargs = monitor_kwargs
         self.monitor: Monitor | None = None
         self._stepped: Any = None
+        self._steps_in_batch = 0
+        self._said_steps = False
 
     @property
     def records(self) -> list[MonitorRecord]:
@@ -88,6 +95,23 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
         if self.log_to_loggers and trainer.loggers:
             sinks.append(_LoggerSink(trainer, self.prefix))
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        clip = getattr(trainer, "gradient_clip_val", None)
+        if (
+            clip
+            and "parameters" in kw.get("stats", ("parameters",))
+            and getattr(pl_module, "automatic_optimization", True)
+        ):
+            warnings.warn(
+                f"Trainer(gradient_clip_val={clip}): Lightning clips the gradients after "
+                "on_before_optimizer_step, so the records' parameter grad_norm are those of the "
+                "clipped gradients the optimizer used (exploding alerts cannot fire on them); "
+                "layer output-gradient statistics are not clipped. To see the gradients backward "
+                "gave, train without clipping while diagnosing, or log "
+                "lightning.pytorch.utilities.grad_norm in on_before_optimizer_step",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        kw.setdefault("first_step", _logged_step(trainer))
         self.monitor = Monitor(pl_module, self.layers, sinks=sinks, scaler=scaler, **kw)
 
     def on_train_batch_start(
@@ -99,6 +123,7 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._stepped = optimizer  # only on the micro-batch that ends an optimizer step
+        self._steps_in_batch += 1
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -107,6 +132,20 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
             return
         if self._stepped is not None:
             optimizer, self._stepped = self._stepped, None
+            n, self._steps_in_batch = self._steps_in_batch, 0
+            if n > 1 and not self._said_steps:
+                self._said_steps = True
+                warnings.warn(
+                    f"batch {batch_idx}: {n} optimizer steps in one training batch (manual "
+                    "optimization: several optimizers, a GAN, or one stepped several times); "
+                    "the callback makes one record per batch, read after the last step, so the "
+                    "parameters an earlier optimizer stepped show the gradients .grad holds "
+                    "then (every backward since their zero_grad), and the layer statistics "
+                    "cover every forward of the batch. To record each optimizer step, call "
+                    "hs.Monitor's step(optimizer) yourself in training_step",
+                    HookscopeWarning,
+                    stacklevel=2,
+                )
             self.monitor.step(optimizer)  # reads through LightningOptimizer
         self.monitor.pause()  # until the next training batch: validation is not recorded
 
@@ -117,6 +156,15 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _logged_step(trainer: Any) -> int:
+    """The step Lightning logs the coming optimizer step's values at (its loggers' step: the
+    batches that stepped, restored from a checkpoint on resume; not ``global_step``, which
+    counts each optimizer of a step)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return step if isinstance(step, int) else int(trainer.global_step)
 
 
 class _LoggerSink:

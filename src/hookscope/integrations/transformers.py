@@ -3,7 +3,11 @@
 One record per **optimizer step**: with ``gradient_accumulation_steps=k`` a record's layer
 statistics cover the ``k`` micro-batches and its parameter gradients are the accumulated ones,
 read in ``on_optimizer_step`` (after ``optimizer.step()``, before the Trainer zeroes them: at
-``on_step_end`` they are already gone). Evaluation and saving between steps are not recorded.
+``on_step_end`` they are already gone), so clipped with ``max_grad_norm`` (1.0 by default; a
+warning says so: the Trainer's own ``grad_norm`` log is the total before clipping). Evaluation and saving between steps are not recorded.
+A record's step is the index of its optimizer step in the run (``state.global_step`` before the
+step: a resumed run goes on from the checkpoint's); ``trainer.log`` logs it at the Trainer's step,
+``state.global_step`` after the step, one more, as the Trainer logs its own loss.
 Given the ``Trainer``, each record is also passed to ``trainer.log``, so it reaches every
 ``report_to`` integration (TensorBoard, W&B, MLflow, ...), every other callback's ``on_log`` and
 ``trainer.state.log_history``, but not the console: the Trainer's ``PrinterCallback`` and
@@ -98,7 +102,22 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
                 HookscopeWarning,
                 stacklevel=2,
             )
-        self.monitor = Monitor(model, self.layers, scaler=scaler, **self.monitor_kwargs)
+        clip = getattr(args, "max_grad_norm", None)
+        if clip and "parameters" in self.monitor_kwargs.get("stats", ("parameters",)):
+            warnings.warn(
+                f"TrainingArguments(max_grad_norm={clip}) (1.0 by default): the Trainer clips "
+                "the gradients before on_optimizer_step, so the records' parameter grad_norm "
+                "are those of the clipped gradients the optimizer used (exploding alerts cannot "
+                "fire on them; the Trainer's own logged grad_norm is the total before clipping); "
+                "layer output-gradient statistics are not clipped. To record the gradients "
+                "backward gave, train with max_grad_norm=0 while diagnosing",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        kw = dict(self.monitor_kwargs)
+        # resumed from a checkpoint: number the records from the steps already taken
+        kw.setdefault("first_step", int(state.global_step))
+        self.monitor = Monitor(model, self.layers, scaler=scaler, **kw)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.monitor is not None:

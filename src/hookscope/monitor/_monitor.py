@@ -88,7 +88,9 @@ class Monitor:
         thresholds: :class:`Thresholds` or a dict of the thresholds to change.
         sentinel: also hook every module on every step and report the first layer that produced
             a NaN/Inf (forward or backward) in ``record.nonfinite`` and as a
-            :class:`NonFiniteWarning`; ``monitor.nonfinite`` keeps the first one found. To stay
+            :class:`NonFiniteWarning`; ``monitor.nonfinite`` keeps the first one found. Calls
+            the records leave out (while paused, or of the model under ``no_grad``) it leaves
+            out too. To stay
             cheap it skips the gradient checks of modules whose backward cannot create a NaN/Inf
             (Conv, Linear, normalisations, ReLU, pooling); :func:`find_nonfinite` checks all.
         allow: layers allowed to produce infinities (e.g. a ``-inf`` attention mask); NaN is
@@ -103,6 +105,9 @@ class Monitor:
         histograms: bins of device-side activation and gradient histograms (0: none); a
             :class:`TensorBoardSink` with ``histograms=True`` asks for 32 bins.
         keep: how many records ``monitor.records`` keeps (``None``: all).
+        first_step: the index of the first step (a run resumed from a checkpoint: the number of
+            optimizer steps already taken), so that records carry the run's step and ``every``
+            logs the same steps as one uninterrupted run; the trainer callbacks set it.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -133,13 +138,14 @@ class Monitor:
         alerts: Literal["warn", "log", "both", "off"] = "warn",
         histograms: int = 0,
         keep: int | None = 1000,
+        first_step: int = 0,
     ) -> None:
         inner = model
         while isinstance(inner, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             inner = inner.module
         check_model(inner)
         self.stats = tuple(stats) if not isinstance(stats, str) else (stats,)
-        _check_arguments(every, self.stats, alerts, histograms, keep, sentinel)
+        _check_arguments(every, self.stats, alerts, histograms, keep, sentinel, first_step)
         self.model = inner
         self.named = find(inner, leaves=True) if layers is None else resolve(inner, layers)
         self.every, self.alerts, self.scaler = every, alerts, scaler
@@ -171,7 +177,7 @@ class Monitor:
         self._tp = tensor_parallel(inner) if layer_stats else None
         self._layouts = TPLayouts(inner) if self._tp else None
         self._bounds = {n: saturation_bounds(m) for n, m in self.named.items()}
-        self._step = 0
+        self._step = first_step
         self._scope: HookScope | None = None
         self._state = StepState()
         self._before: list[torch.Tensor] | None = None
@@ -185,7 +191,16 @@ class Monitor:
         sel = [a for a in allow if a != NonFiniteOrigin.INPUT]
         self._allowed = set(find(inner, *sel)) if sel else set()
         self._tracker = (
-            _Tracker(inner, allow, skip_safe=True, owner="monitor.sentinel") if sentinel else None
+            _Tracker(
+                inner,
+                allow,
+                skip_safe=True,
+                owner="monitor.sentinel",
+                gate=self._gate,
+                skip_evaluations=True,
+            )
+            if sentinel
+            else None
         )
         # the sentinel's ranks agree on a NaN's origin where the gradients are reduced across them
         self._reduced = sentinel and grads_reduced(self.model)
@@ -331,12 +346,16 @@ class Monitor:
             record.nonfinite = origin
         elif origin is not None:
             record = MonitorRecord(step, nonfinite=origin)
-        if record is not None:
-            self._emit(record, write=logged)
-        self._want_updates = optimizer is not None
-        self._before = None
-        self._step += 1
-        self._attach()
+        try:
+            if record is not None:
+                self._emit(record, write=logged)
+        finally:
+            # a sink or an alert (under -W error) that raises must not leave the step half
+            # done: the next step() would record this step again, with its stale statistics
+            self._want_updates = optimizer is not None
+            self._before = None
+            self._step += 1
+            self._attach()
         return record
 
     def _check_layers_ran(self, step: int) -> None:
@@ -657,16 +676,28 @@ class Monitor:
             seen = rank if self._origin_rank is None else self._origin_rank
             where = f" (rank {seen})" if dist.is_available() and dist.is_initialized() else ""
             messages.insert(0, (NonFiniteWarning, f"step {record.step}{where}: {record.nonfinite}"))
+        failed: BaseException | None = None
+        if write:
+            self.records.append(record)
+            if rank == 0:
+                for sink in self.sinks:
+                    try:  # one failing sink must not keep the record from the others
+                        sink(record)
+                    except Exception as e:
+                        if failed is None:
+                            e.add_note(
+                                f"hookscope: the monitor sink {_sink_name(sink)} raised on step "
+                                f"{record.step}; the record is in monitor.records and reached "
+                                "the other sinks, and the next steps are recorded as usual"
+                            )
+                            failed = e
         for cls, msg in messages:
             if self.alerts in ("warn", "both"):
                 warnings.warn(msg, cls, stacklevel=3)
             if self.alerts in ("log", "both"):
                 log.warning(msg)
-        if write:
-            self.records.append(record)
-            if rank == 0:
-                for sink in self.sinks:
-                    sink(record)
+        if failed is not None:
+            raise failed
 
     def plot(self, path: Any = None, **kwargs: Any) -> Any:
         """Gradient-flow plot of the records (see :func:`plot_grad_flow`); saved when ``path``."""
@@ -706,7 +737,13 @@ class Monitor:
 
 
 def _check_arguments(
-    every: Any, stats: tuple[Any, ...], alerts: Any, histograms: Any, keep: Any, sentinel: Any
+    every: Any,
+    stats: tuple[Any, ...],
+    alerts: Any,
+    histograms: Any,
+    keep: Any,
+    sentinel: Any,
+    first_step: Any = 0,
 ) -> None:
     """Refuse, before anything is attached, arguments that would give empty or meaningless records."""
 
@@ -715,6 +752,10 @@ def _check_arguments(
 
     if not is_int(every) or every < 1:
         raise ValueError(f"every must be a positive int (1: every step), got {every!r}")
+    if not is_int(first_step) or first_step < 0:
+        raise ValueError(
+            f"first_step must be an int >= 0 (the steps already taken), got {first_step!r}"
+        )
     if not isinstance(sentinel, bool):
         raise ValueError(f"sentinel must be True or False, got {sentinel!r}")
     if not stats and not sentinel:
@@ -731,6 +772,14 @@ def _check_arguments(
         raise ValueError(f"histograms must be an int >= 0 (bins; 0: none), got {histograms!r}")
     if keep is not None and (not is_int(keep) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1 (records kept), got {keep!r}")
+
+
+def _sink_name(sink: Any) -> str:
+    """A sink as a user would name it: the function, or the class of a bound ``write``."""
+    owner = getattr(sink, "__self__", None)
+    if owner is not None:
+        return type(owner).__name__
+    return getattr(sink, "__qualname__", None) or type(sink).__name__
 
 
 def _rank() -> int:

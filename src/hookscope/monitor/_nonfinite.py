@@ -15,6 +15,7 @@ layers that may produce infinities on purpose (``-inf`` attention masks); a NaN 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import warnings
 import weakref
@@ -57,6 +58,8 @@ class NonFiniteOrigin:
         kind: ``"nan"`` or ``"inf"``.
         module_type: class name of the layer (``""`` for the input or the loss).
         stats: the offending numbers, e.g. ``{"input_absmax": 2.0, "output_absmax": nan}``.
+        argument: for the input, the model's argument that held it (a parameter or keyword
+            name, with the path inside it: ``"batch['x']"``); ``""`` otherwise.
     """
 
     INPUT: ClassVar[str] = "<input>"
@@ -68,6 +71,7 @@ class NonFiniteOrigin:
     kind: str
     module_type: str = ""
     stats: dict[str, float] = field(default_factory=dict)
+    argument: str = ""
 
     def __str__(self) -> str:
         where = (
@@ -75,6 +79,8 @@ class NonFiniteOrigin:
             if self.layer in (INPUT, LOSS)
             else f"layer {self.layer or '<root>'!r} ({self.module_type}) call {self.call}"
         )
+        if self.argument:
+            where += f" argument {self.argument!r}"
         nums = ", ".join(f"{k}={v:.4g}" for k, v in self.stats.items())
         return f"{self.kind.upper()} first produced in the {self.phase} pass by {where}: {nums}"
 
@@ -92,6 +98,28 @@ def _absmax(obj: Any) -> torch.Tensor | None:
     if not vals:
         return None
     return vals[0] if len(vals) == 1 else torch.cat(vals)
+
+
+def _argument(module: nn.Module, path: tuple[Any, ...]) -> str:
+    """The name of the argument at ``path`` in ``(args, kwargs)`` of ``module``'s call:
+    a keyword's name, a positional one's parameter name (else ``"argument <i>"``), with the
+    path inside it (``"batch[0]"``)."""
+    if len(path) < 2:
+        return ""
+    where, key, rest = path[0], path[1], path[2:]
+    if where == 1:
+        name = str(key)
+    else:
+        try:
+            ps = [
+                p
+                for p in inspect.signature(module.forward).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+            name = ps[key].name if isinstance(key, int) and key < len(ps) else f"argument {key}"
+        except (TypeError, ValueError):
+            name = f"argument {key}"
+    return name + "".join(f"[{k!r}]" for k in rest)
 
 
 def _absmax_host(v: list[float]) -> float:
@@ -149,12 +177,19 @@ class _Tracker:
         detail: bool = False,
         skip_safe: bool = False,
         owner: str = "nonfinite",
+        gate: list[bool] | None = None,
+        skip_evaluations: bool = False,
     ) -> None:
         allow = list(allow) if not isinstance(allow, (str, type)) else [allow]
         self.allow_input = INPUT in allow
         sel = [a for a in allow if a != INPUT]
         self.allowed: set[str] = set(find(model, *sel)) if sel else set()
         self.detail, self.skip_safe = detail, skip_safe
+        # the monitor's: calls while it is paused, and calls of the model under no_grad /
+        # inference_mode (evaluations), are left out, as its records leave them out
+        self.gate = gate if gate is not None else [True]
+        self.skip_evaluations = skip_evaluations
+        self.evaluating = False
         self.types = {name: type(m).__name__ for name, m in named_modules(model)}
         self.scope = HookScope(owner)
         self.warned_reentrant = False
@@ -167,8 +202,11 @@ class _Tracker:
             raise
 
     def reset(self) -> None:
+        self.evaluating = False
         self.counts: dict[str, int] = {}
         self.input: torch.Tensor | None = None
+        self.input_names: list[tuple[Any, int]] = []  # (path, values) of each input tensor
+        self.root: weakref.ref[nn.Module] | None = None
         self.fwd: list[tuple[str, int, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
         self.bwd: list[tuple[str, int, list[list[Any]], torch.Tensor, torch.Tensor | None]] = []
         self.root_gout: list[list[Any]] = []
@@ -189,9 +227,11 @@ class _Tracker:
         """Note ``v`` as the value of ``t`` at its current version (see :meth:`_known`)."""
         self._seen[id(t)] = (weakref.ref(t), t._version, v)
 
-    def _in_absmax(self, args: Any, kwargs: Any) -> torch.Tensor | None:
+    def _in_absmax(
+        self, args: Any, kwargs: Any, names: list[tuple[Any, int]] | None = None
+    ) -> torch.Tensor | None:
         vals = []
-        for _, t in iter_tensors((args, kwargs)):
+        for path, t in iter_tensors((args, kwargs)):
             if not continuous(t) or t.numel() == 0:
                 continue
             v = self._known(t)
@@ -201,6 +241,8 @@ class _Tracker:
                     self._remember(t, v)
             if v is not None:
                 vals.append(v)
+                if names is not None:
+                    names.append((path, v.numel()))
         if not vals:
             return None
         return vals[0] if len(vals) == 1 else torch.cat(vals)
@@ -215,11 +257,20 @@ class _Tracker:
         def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
             if in_backward():
                 return None
+            if name == "" and tracker.skip_evaluations:  # decided afresh at each model call
+                # (a reentrant checkpoint of the whole model runs its forward under no_grad)
+                tracker.evaluating = not torch.is_grad_enabled() and not in_reentrant_checkpoint()
+            if not tracker.gate[0] or tracker.evaluating:
+                return None
             call = tracker.counts.get(name, 0)
             tracker.counts[name] = call + 1
-            vin = tracker._in_absmax(args, kwargs)
-            if name == "" and tracker.input is None:
+            first = name == "" and tracker.input is None
+            paths: list[tuple[Any, int]] | None = [] if first else None
+            vin = tracker._in_absmax(args, kwargs, paths)
+            if first:
                 tracker.input = vin if vin is not None else torch.zeros(2)
+                tracker.input_names = paths or []  # named only when one is reported
+                tracker.root = weakref.ref(module)
             gouts: list[list[Any]] = []
             stack.append((call, vin, gouts))
             if not check_grads or not torch.is_grad_enabled():
@@ -257,7 +308,10 @@ class _Tracker:
             return identity_views(args, kwargs, on_view)
 
         def post(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-            if in_backward() or not stack:
+            if name == "" and tracker.evaluating:
+                tracker.evaluating = False
+                return
+            if in_backward() or not stack or not tracker.gate[0] or tracker.evaluating:
                 return
             call, vin, gouts = stack.pop()
             single = isinstance(output, torch.Tensor)
@@ -298,6 +352,21 @@ class _Tracker:
 
         scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
         scope.add_forward(module, post, layer=name, with_kwargs=True)
+
+    def _bad_argument(self, values: list[float]) -> str:
+        """The argument of the first input tensor whose values are NaN/Inf (NaN first)."""
+        spans, at = [], 0
+        for path, n in self.input_names:
+            spans.append((path, values[at : at + n]))
+            at += n
+        root = self.root() if self.root is not None else None
+        if at != len(values) or root is None:
+            return ""
+        for test in (math.isnan, math.isinf):
+            for path, v in spans:
+                if any(test(x) for x in v):
+                    return _argument(root, path)
+        return ""
 
     # -- reading (one host transfer) -----------------------------------------------------------
     def locate(
@@ -340,7 +409,13 @@ class _Tracker:
             s = _state(val(inp))
             if s == 2 or (s == 1 and not self.allow_input):
                 return NonFiniteOrigin(
-                    INPUT, "forward", 0, _KIND[s], "", {"input_absmax": val(inp)}
+                    INPUT,
+                    "forward",
+                    0,
+                    _KIND[s],
+                    "",
+                    {"input_absmax": val(inp)},
+                    self._bad_argument(values[starts[inp] : starts[inp + 1]]),
                 ), extra_vals
         for name, call, vi, vo, d in fwd:
             si, so = _state(val(vi)), _state(val(vo))
@@ -425,6 +500,16 @@ def _agreed(model: nn.Module, origin: NonFiniteOrigin | None, backward: bool) ->
     return _SKIP
 
 
+def _cuda_devices(model: nn.Module, *values: Any) -> list[int]:
+    """The CUDA devices the model's tensors and the inputs are on (their generators fork)."""
+    found = {t.device.index for t in model.parameters() if t.is_cuda}
+    found |= {t.device.index for t in model.buffers() if t.is_cuda}
+    found |= {t.device.index for _, t in iter_tensors(values) if t.is_cuda}
+    if found and torch.cuda.is_available():
+        found.add(torch.cuda.current_device())
+    return sorted(i for i in found if i is not None)
+
+
 def find_nonfinite(
     model: nn.Module,
     *inputs: Any,
@@ -438,7 +523,8 @@ def find_nonfinite(
 
     The backward pass differentiates ``loss_fn(output)`` (default: the sum of the first output
     tensor) with :func:`torch.autograd.grad`, so no ``.grad`` of the model is changed, and buffers
-    (BatchNorm running statistics) are restored afterwards; floating inputs are given
+    (BatchNorm running statistics) and the random number generators (dropout in train mode
+    draws from a fork of them) are restored afterwards; floating inputs are given
     ``requires_grad`` (on a detached copy) so the first layer is checked too. The model runs in
     the mode it is in (train/eval), as when the NaN appeared.
 
@@ -471,6 +557,9 @@ def find_nonfinite(
         check_model(model)
         saved = contextlib.ExitStack()  # buffers and plain attributes put back as found
         saved.enter_context(state_kept(model))
+        # a train-mode run draws random numbers (dropout): from a fork of the generators, so
+        # the caller's run goes on with the numbers it would have drawn without this call
+        saved.enter_context(torch.random.fork_rng(devices=_cuda_devices(model, inputs, kwargs)))
         tracker = _Tracker(model, allow, detail=True, owner="find_nonfinite")
         try:
             with tracker.scope:

@@ -89,6 +89,7 @@ class MonitorRecord:
                 "kind": o.kind,
                 "module_type": o.module_type,
                 "stats": o.stats,
+                "argument": o.argument,
             }
         return clean(
             {

@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+from ..core._errors import HookscopeWarning
 from ..core._optional import need
+
+_F32_MAX = 3.4028234663852886e38
 
 __all__ = ["JsonlSink", "MlflowSink", "TensorBoardSink", "WandbSink", "as_sink"]
 
@@ -48,11 +52,14 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Write scalars ``<stat>/<layer>`` and ``param_<stat>/<parameter>`` (and, with
-    ``histograms=True``, activation histograms computed on the device) to TensorBoard.
+    """Write scalars ``<stat>/<layer>``, ``param_<stat>/<parameter>``, with a GradScaler
+    ``skipped`` (1 for a step it skipped, else 0), and with ``histograms=True`` activation
+    histograms computed on the device, to TensorBoard.
 
     ``writer`` is a log directory or a ``torch.utils.tensorboard.SummaryWriter`` (then it is not
-    closed by the sink). Needs the ``tensorboard`` package (``pip install hookscope[tensorboard]``).
+    closed by the sink). NaN and inf are written as they are; TensorBoard stores float32, so a
+    finite value beyond its range becomes inf (a warning says so). Needs the ``tensorboard``
+    package (``pip install hookscope[tensorboard]``).
     """
 
     def __init__(self, writer: Any = None, *, histograms: bool = False) -> None:
@@ -70,12 +77,24 @@ class TensorBoardSink:
 
     def __call__(self, record: Any) -> None:
         w, step = self.writer, record.step
-        for layer, stats in record.layers.items():
-            for k, v in stats.items():
-                w.add_scalar(f"{k}/{layer}", v, step)
-        for pname, stats in record.params.items():
-            for k, v in stats.items():
-                w.add_scalar(f"param_{k}/{pname}", v, step)
+        scalars = [
+            (f"{k}/{layer}", v) for layer, st in record.layers.items() for k, v in st.items()
+        ]
+        scalars += [(f"param_{k}/{p}", v) for p, st in record.params.items() for k, v in st.items()]
+        if record.skipped is not None:  # a step the GradScaler skipped: 1, others 0
+            scalars.append(("skipped", float(record.skipped)))
+        over = [(tag, v) for tag, v in scalars if math.isfinite(v) and abs(v) > _F32_MAX]
+        if over:
+            tag, v = over[0]
+            warnings.warn(
+                f"TensorBoardSink, step {step}: {len(over)} finite value(s) beyond float32's range, "
+                f"e.g. {tag} = {v:.3g}, are stored by TensorBoard (float32) as inf; the record "
+                "(monitor.records, JsonlSink) holds the values",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        for tag, v in scalars:
+            w.add_scalar(tag, v, step)
         for tag, (limits, counts) in record.histograms.items():
             layer = tag.partition("/")[2]
             s = record.layers.get(layer, {})
@@ -110,7 +129,8 @@ class TensorBoardSink:
 class WandbSink:
     """Log each record's scalars (:meth:`MonitorRecord.scalars`) to a Weights & Biases run, at
     the record's step (``step_offset`` is added: pass the run's own step counter's start when
-    the run logs other values by step too).
+    the run logs other values by step too). W&B drops values logged below the run's current
+    step; the sink warns when a record would be.
 
     ``run`` is a ``wandb`` run; by default the active one (``wandb.init()`` first). Needs
     ``pip install 'hookscope[wandb]'``.
@@ -127,16 +147,32 @@ class WandbSink:
         if run is None:
             raise ValueError("WandbSink: no active wandb run; call wandb.init() first or pass run=")
         self.run, self.prefix, self.step_offset = run, prefix, step_offset
+        self._said = False
 
     def __call__(self, record: Any) -> None:
-        self.run.log(record.scalars(self.prefix), step=record.step + self.step_offset)
+        step = record.step + self.step_offset
+        now = getattr(self.run, "step", None)
+        if not self._said and isinstance(now, int) and step < now:
+            # W&B keeps a run's steps increasing: values logged at an earlier step are dropped
+            self._said = True
+            warnings.warn(
+                f"WandbSink: the record of step {record.step} goes to W&B step {step}, below the "
+                f"run's step {now}, and W&B drops values logged at an earlier step: this record "
+                "(and any later one below the run's step) is not in the run. Pass "
+                f"WandbSink(run, step_offset={now - record.step}) when the run logs its own "
+                "values by step, or Monitor(first_step=...) for a resumed run",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        self.run.log(record.scalars(self.prefix), step=step)
 
     write = __call__
 
 
 class MlflowSink:
     """Log each record's scalars (:meth:`MonitorRecord.scalars`) as MLflow metrics at the
-    record's step, to ``run_id`` or the active run (``mlflow.start_run()`` first). Needs
+    record's step, to ``run_id`` or the active run (``mlflow.start_run()`` first). NaN is logged
+    as NaN; +-inf, which some MLflow stores refuse, is logged as NaN too. Needs
     ``pip install 'hookscope[mlflow]'``.
 
     Example:
