@@ -62,6 +62,23 @@ def _record_all(rank: int, root: str) -> None:
     _record_ddp(rank, f"{root}/nosync", make_cnn, sync=False)
     for k in (1, 2):  # two forward-only records of the same model on the same data
         _record_forward(rank, f"{root}/fwd{k}")
+    _record_seq_first(rank, f"{root}/seqfirst")
+
+
+def make_seq_first() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+
+def seq_first_batch() -> torch.Tensor:
+    """(T, B, D) = (5, WORLD * SHARE, 4): the batch on dimension 1, as nn.LSTM's default."""
+    return torch.randn(5, WORLD * SHARE, 4, generator=torch.Generator().manual_seed(3))
+
+
+def _record_seq_first(rank: int, folder: str) -> None:
+    ddp = nn.parallel.DistributedDataParallel(make_seq_first())
+    with hs.record(ddp, folder):
+        mean_loss(ddp(seq_first_batch()[:, rank * SHARE : (rank + 1) * SHARE])).backward()
 
 
 def _record_forward(rank: int, folder: str) -> None:
@@ -578,3 +595,16 @@ def test_a_record_whose_backward_did_not_sync_is_refused_naming_no_sync(records)
     as DDP's averaged ones named a false culprit; refused, naming no_sync as a cause."""
     with pytest.raises(hs.CompareError, match=r"no_sync\(\)"):
         hs.compare(str(records / "nosync"), make_cnn(), batch(), loss_fn=mean_loss)
+
+
+@pytest.mark.distributed
+def test_a_sequence_first_record_of_ranks_is_refused_naming_the_batch_dimension(records):
+    """Ranks are joined along each tensor's first dimension (the rank's batch share): a record
+    whose inputs are sequence-first, (T, B, D) with each rank its share of B, joins as
+    (2T, B/2, D), and comparing it with one process on the combined batch was refused as if the
+    inputs given differed from the record's, with no word of why; now the refusal says how the
+    ranks were joined and the fix."""
+    with pytest.raises(hs.CompareError, match=r"\(10, 3, 4\) in the record.*batch_first=True"):
+        hs.compare(
+            str(records / "seqfirst"), make_seq_first(), seq_first_batch(), loss_fn=mean_loss
+        )

@@ -1625,6 +1625,15 @@ def _check_inputs(ra: RunRecord, inputs: tuple[Any, ...], kwargs: dict[str, Any]
         raise CompareError(
             f"hs.compare: the inputs given differ from those of the recorded run: {other}; pass "
             "the same inputs the record was made with"
+            + (
+                f" (its {ra.world} ranks' inputs concatenated in rank order: the ranks are "
+                "joined along the first dimension of each tensor, the rank's batch share, so "
+                "inputs batched along another dimension, sequence-first (T, B, ...), join as "
+                f"({ra.world}*T, B/{ra.world}, ...): record with the batch first, "
+                "batch_first=True)"
+                if ra.world > 1
+                else ""
+            )
         )
     err = rel_error(rec, given)
     if err is None or err == 0.0:
