@@ -83,20 +83,44 @@ def test_the_model_is_left_as_found_and_copies_generate_as_transformers_does():
     assert hs.hooks_on(model) == []
 
 
+def _prefix_cached():
+    """A tiny GPT-2, a 7-token prompt, a steering vector, and a cache holding the prompt's first
+    4 tokens (computed before any scope)."""
+    from transformers import DynamicCache
+
+    model = tiny_gpt2(n_layer=2)
+    ids = word_tokenizer()(["the cat went to the park and"], return_tensors="pt")["input_ids"]
+    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :4], past_key_values=cache, use_cache=True)
+    return model, ids, v, cache
+
+
+def _assert_logits_steered_at(model, got, v, chosen, width):
+    """The logits of each token ``generate`` made (``got``) equal one forward of the whole
+    sequence with a hand hook adding ``2 * v`` at the ``chosen`` columns."""
+
+    def add(m, a, o):
+        return o + 2.0 * v * chosen[..., None]
+
+    handle = model.get_submodule(LAYER).register_forward_hook(add)
+    try:
+        with torch.no_grad():
+            ref = model(got.sequences[:, :-1]).logits
+    finally:
+        handle.remove()
+    for i, logits in enumerate(got.logits):
+        torch.testing.assert_close(logits, ref[:, width - 1 + i], atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("positions", ["generated", -2])
 def test_steer_positions_with_a_cache_that_holds_the_prompts_first_tokens(positions):
     # generate(ids, past_key_values=cache) with a cache that already holds the prompt's first 4
     # tokens runs the other prompt tokens in its first call, which was not taken for a prompt:
     # 'generated' steered those prompt tokens too, silently.
-    from transformers import DynamicCache
-
-    model = tiny_gpt2(n_layer=2)
-    ids = word_tokenizer()(["the cat went to the park and"], return_tensors="pt")["input_ids"]
+    model, ids, v, cache = _prefix_cached()
     width = ids.shape[1]
-    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(ids[:, :4], past_key_values=cache, use_cache=True)
     with hs.steer(model, {LAYER: v}, scale=2.0, positions=positions):
         got = model.generate(
             ids,
@@ -107,21 +131,9 @@ def test_steer_positions_with_a_cache_that_holds_the_prompts_first_tokens(positi
             output_logits=True,
             return_dict_in_generate=True,
         )
-    out = got.sequences
-    col = torch.arange(out.shape[1] - 1)[None]
+    col = torch.arange(got.sequences.shape[1] - 1)[None]
     chosen = col >= (width if positions == "generated" else width - 2)
-
-    def add(m, a, o):
-        return o + 2.0 * v * chosen[..., None]
-
-    handle = model.get_submodule(LAYER).register_forward_hook(add)
-    try:
-        with torch.no_grad():
-            ref = model(out[:, :-1]).logits
-    finally:
-        handle.remove()
-    for i, logits in enumerate(got.logits):  # the logits of each generated token
-        torch.testing.assert_close(logits, ref[:, width - 1 + i], atol=1e-4, rtol=0)
+    _assert_logits_steered_at(model, got, v, chosen, width)
 
 
 @pytest.mark.parametrize(
@@ -213,15 +225,8 @@ def test_steer_positions_that_choose_tokens_cached_before_the_scope_warn(positio
     # the scope opened: 'prompt', k=1 and the prompt's last 6 choose some of them, which nothing
     # can steer (the cache keeps their unsteered keys and values); it was silent. Checked: the
     # generated tokens' logits equal a run steering only the tokens from column 4 on.
-    from transformers import DynamicCache
-
-    model = tiny_gpt2(n_layer=2)
-    ids = word_tokenizer()(["the cat went to the park and"], return_tensors="pt")["input_ids"]
+    model, ids, v, cache = _prefix_cached()
     width = ids.shape[1]
-    v = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(ids[:, :4], past_key_values=cache, use_cache=True)
     with (
         pytest.warns(hs.HookscopeWarning, match=r"first 4 tokens, which the model computed before"),
         hs.steer(model, {LAYER: v}, scale=2.0, positions=positions),
@@ -230,26 +235,14 @@ def test_steer_positions_that_choose_tokens_cached_before_the_scope_warn(positio
             ids, past_key_values=cache, max_new_tokens=2, do_sample=False, eos_token_id=None,
             output_logits=True, return_dict_in_generate=True,
         )  # fmt: skip
-    out = got.sequences
-    col = torch.arange(out.shape[1] - 1)[None]
+    col = torch.arange(got.sequences.shape[1] - 1)[None]
     if positions == "prompt":
         chosen = (col >= 4) & (col < width)
     elif positions == 1:
         chosen = col >= 4
     else:
         chosen = (col >= 4) & (col >= width - 6)
-
-    def add(m, a, o):
-        return o + 2.0 * v * chosen[..., None]
-
-    handle = model.get_submodule(LAYER).register_forward_hook(add)
-    try:
-        with torch.no_grad():
-            ref = model(out[:, :-1]).logits
-    finally:
-        handle.remove()
-    for i, logits in enumerate(got.logits):
-        torch.testing.assert_close(logits, ref[:, width - 1 + i], atol=1e-4, rtol=0)
+    _assert_logits_steered_at(model, got, v, chosen, width)
 
 
 def test_a_plain_forward_over_a_cache_steering_each_call_s_last_token_does_not_warn():
