@@ -7,6 +7,7 @@ import copy
 import json
 import multiprocessing as mp
 import os
+import zlib
 from pathlib import Path
 
 import pytest
@@ -575,3 +576,35 @@ def test_a_record_whose_block_stepped_the_optimizer_refuses_the_stepped_model(tm
         loss(before(x)).backward()
     assert json.loads((tmp_path / "plain" / "index.json").read_text())["moved"] == {}
     assert hs.compare(tmp_path / "step", tmp_path / "plain").first_divergent is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_a_stepped_record_refuses_a_copy_of_the_stepped_model_in_another_dtype(tmp_path, dtype):
+    """The checksum of the stepped parameters covered their own dtype only: a bf16 (fp16, fp64)
+    copy of the model after the step was compared as if it were the recorded run's model, and
+    every layer's weights differing named a culprit, silently. The record now keeps the
+    checksums of the new values cast to the other floating dtypes: such a copy is refused as
+    the stepped model; a copy in that dtype made before the step is compared (no culprit)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    before = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    loss = lambda o: o.float().pow(2).sum()  # noqa: E731
+    with hs.record(net, tmp_path / "step"):
+        loss(net(x)).backward()
+        opt.step()
+    net.zero_grad(set_to_none=True)
+    index = json.loads((tmp_path / "step" / "index.json").read_text())
+    name = str(dtype).removeprefix("torch.")
+    assert sorted(index["moved_cast"]) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    # the checksum itself, by hand: CRC-32 of the cast values' bytes, seeded with dtype and shape
+    w = net[0].weight.detach().to(dtype)
+    raw = w.view(torch.int16 if w.element_size() == 2 else torch.int64).numpy().tobytes()
+    assert index["moved_cast"]["0.weight"][name] == zlib.crc32(
+        raw, zlib.crc32(f"{dtype}{tuple(w.shape)}".encode())
+    )
+    with pytest.raises(hs.CompareError, match=r"changed inside its with block.*copy made before"):
+        hs.compare(tmp_path / "step", copy.deepcopy(net).to(dtype), x, loss_fn=loss)
+    report = hs.compare(tmp_path / "step", copy.deepcopy(before).to(dtype), x, loss_fn=loss)
+    assert report.culprit is None

@@ -87,6 +87,7 @@ def join_ranks(recs: list[RunRecord], loss_reduction: str = "mean") -> RunRecord
         outside={n for r in recs for n in r.outside},
         loss_inside={n for r in recs for n in r.loss_inside},
         moved=base.moved,
+        moved_cast=base.moved_cast,
         quantized=base.quantized,
     )
 

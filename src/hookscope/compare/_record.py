@@ -227,6 +227,9 @@ class Record:
             # parameters changed in the block after the model's call (an optimizer step): a
             # checksum of their new values, so that a live model holding those is refused
             "moved": self._watch.moved_sums(),
+            # the same, of those values cast to the other floating dtypes (a bf16 copy of the
+            # stepped model is the stepped model too)
+            "moved_cast": self._watch.moved_cast_sums(),
             # what the other two files hold, checked when read: a file changed after the record,
             # or one of another record put beside this index, is refused
             "checksums": {
@@ -480,6 +483,23 @@ class _Watch:
                     out[n] = crc
         return out
 
+    def moved_cast_sums(self) -> dict[str, dict[str, int]]:
+        """Per parameter of :meth:`moved_sums` (a floating one), the CRC-32 of its values now
+        cast to each other floating dtype (:data:`CAST_DTYPES`): a copy of the stepped model
+        made in another dtype (``copy.deepcopy(net).to(torch.bfloat16)``) holds exactly those."""
+        out: dict[str, dict[str, int]] = {}
+        for n, p, v in self.versions or ():
+            if version_of(p) == v or not p.is_floating_point():
+                continue
+            sums = {
+                _dtype_name(d): crc
+                for d in CAST_DTYPES
+                if d != p.dtype and (crc := weights_crc(p.detach().to(d))) is not None
+            }
+            if sums:
+                out[n] = sums  # type: ignore[assignment]
+        return out
+
     def changed(self) -> list[str]:
         """Parameters whose ``.grad`` is no longer the tensor backward left (or was changed in
         place since)."""
@@ -574,6 +594,10 @@ class _Accumulated:
         g = p.grad
         if g is not None:
             self.watch.grads[self.name] = (p, weakref.ref(g), g._version)
+
+
+# the dtypes a copy of a model is commonly made in, for the checksums of stepped parameters
+CAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def weights_crc(t: torch.Tensor) -> int | None:
@@ -944,5 +968,6 @@ def _load_one(path: Path) -> RunRecord:
         outside=set(index.get("outside") or ()),
         loss_inside=set(index.get("loss_inside") or ()),
         moved=dict(index.get("moved") or {}),
+        moved_cast={k: dict(v) for k, v in (index.get("moved_cast") or {}).items()},
         quantized=str(index.get("quantized") or ""),
     )

@@ -147,6 +147,8 @@ class RunRecord:
     # parameters the record's block changed after the model's call (an optimizer step): the
     # CRC-32 of their new values (a live model holding those is not the recorded run's)
     moved: dict[str, int] = dataclasses.field(default_factory=dict)
+    # the same parameters' new values cast to other floating dtypes: dtype name -> CRC-32
+    moved_cast: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
     model: str = ""  # the model's class name
     # the model's quantized modules and their classes, for messages ("": none)
     quantized: str = ""
