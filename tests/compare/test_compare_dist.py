@@ -63,6 +63,7 @@ def _record_all(rank: int, root: str) -> None:
     for k in (1, 2):  # two forward-only records of the same model on the same data
         _record_forward(rank, f"{root}/fwd{k}")
     _record_seq_first(rank, f"{root}/seqfirst")
+    _record_ddp(rank, f"{root}/mask", MaskNet, mask_batch)
 
 
 def make_seq_first() -> nn.Module:
@@ -608,3 +609,63 @@ def test_a_sequence_first_record_of_ranks_is_refused_naming_the_batch_dimension(
         hs.compare(
             str(records / "seqfirst"), make_seq_first(), seq_first_batch(), loss_fn=mean_loss
         )
+
+
+class _Mix(nn.Module):
+    """Attention over the tokens with an additive (T, T) mask: one value for the whole batch."""
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = h @ h.transpose(-1, -2) / 2 + mask
+        return scores.softmax(-1) @ h
+
+
+class MaskNet(nn.Module):
+    """Values that are not split by batch but whose first dimension equals the rank's share
+    (SHARE tokens): a position table's output (T, 4) and a causal mask (T, T), the same on every
+    rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(SHARE, 4)
+        self.mix = _Mix()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        mask = torch.full((t, t), -1e4).triu(1)
+        h = x + self.table(torch.arange(t))
+        return self.lin(self.mix(h, mask))
+
+
+def mask_batch() -> torch.Tensor:
+    return torch.randn(WORLD * SHARE, SHARE, 4, generator=torch.Generator().manual_seed(4))
+
+
+@pytest.mark.distributed
+def test_a_value_of_the_shares_length_but_not_split_by_batch_is_taken_once(records, tmp_path):
+    """A (T, T) mask and a position table's (T, 4) output, equal on every rank, whose first
+    dimension happens to equal the rank's batch share (T = SHARE) were concatenated as batch
+    shares ((2T, T)): the replay of the module taking the mask failed and the table's output
+    differed in shape from the combined run's, a false culprit. Such a leaf is now decided by
+    the combined run's shape: taken once (its gradient the ranks' sum), as one process on the
+    combined batch (B, live: the reference) computes it; against a one-process record too."""
+    report = hs.compare(str(records / "mask"), MaskNet(), mask_batch(), loss_fn=mean_loss)
+    assert report.culprit is None and report.first_divergent is None
+    assert not [n for n in report.notes if "cannot be joined" in n]
+    for name in ("table", "mix", "lin", ""):
+        r = report.row(name)
+        assert not r.note, (name, r.note)
+        assert r.error is not None and r.error < 1e-6, name
+        assert r.local_error is not None and r.local_error < 1e-6, name
+        assert r.grad_error is not None and r.grad_error < 1e-6, name
+    faulty = MaskNet()
+    faulty.mix.forward = lambda h, mask: _Mix.forward(faulty.mix, h * 1.01, mask)
+    got = hs.compare(str(records / "mask"), faulty, mask_batch(), loss_fn=mean_loss)
+    assert got.culprit == "mix"
+    single = MaskNet()
+    with hs.record(single, tmp_path / "one"):
+        mean_loss(single(mask_batch())).backward()
+    both = hs.compare(str(records / "mask"), str(tmp_path / "one"))
+    assert both.first_divergent is None
+    assert all(r.error is not None and r.error < 1e-6 for r in both.rows)

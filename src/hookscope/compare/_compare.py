@@ -29,6 +29,7 @@ from ._checks import (
     check_quantized,
 )
 from ._forced import Forced, forced_pass
+from ._ranks import shapes_from
 from ._record import load_record, unwrapped, weights_crc
 from ._replay import CopiesIn, Replay, Result
 from ._report import CompareReport, CompareRow
@@ -1337,6 +1338,13 @@ def compare(
                     if rec.modules is None:
                         check_loss(rec, what, loss_fn, device)
             check_names(names, ra, rb)
+            if (ra.world > 1) != (rb.world > 1):
+                # a record of several ranks: its leaves both split-shaped and equal on every
+                # rank are decided by the other run's shapes (a (T, T) mask, T the share)
+                to_b = _name_map(names)
+                shapes_from(ra, rb, to_b)
+                back = {to_b(c.name): c.name for c in ra.calls}
+                shapes_from(rb, ra, lambda n: back.get(n, n))
             check_modes(ra, rb, names)
             if isinstance(a, nn.Module) and isinstance(b, nn.Module):
                 check_kinds(a, b, _name_map(names))

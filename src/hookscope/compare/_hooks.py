@@ -53,6 +53,7 @@ class Entry:
         "children",
         "end",
         "in_dtypes",
+        "in_shapes",
         "index",
         "n_in",
         "n_out",
@@ -66,6 +67,7 @@ class Entry:
         self.children: list[int] = []
         self.n_in = self.n_out = 0
         self.in_dtypes: list[torch.dtype] | None = None  # when the inputs are not kept
+        self.in_shapes: list[tuple[int, ...]] | None = None  # and their shapes
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "index": self.index, "parent": self.parent, "end": self.end,
@@ -211,6 +213,7 @@ class CallHooks:
         stack.append(pos)
         if not self.inputs:
             e.in_dtypes = [t.dtype for t in leaves]
+            e.in_shapes = [t.shape for t in leaves]
             if torch.is_grad_enabled():
                 w = [(t, t._version, _node(t)) for t in leaves if t.requires_grad]
                 if w:

@@ -6,6 +6,8 @@ its inputs, output and gradients: a leaf whose first dimension equals the rank's
 every rank (the share: the first dimension of the first tensor input of the rank's first recorded
 call) is concatenated in rank order; any other leaf must be equal on every rank and is taken once
 (its gradient, the gradient of a value every rank's share used, is the sum of the ranks' own);
+a leaf that is both (the share's length and equal on every rank: a ``(T, T)`` mask where the
+sequence length equals the share) is decided by the other run's shape of it (:func:`shapes_from`);
 otherwise the call cannot be joined and its row says so. Activation gradients are rescaled to the
 combined run's loss: with ``loss_reduction="mean"`` each rank's gradient is multiplied by its
 share of the combined batch (``1/world`` for equal shares); with ``"sum"`` they are taken as they
@@ -24,7 +26,7 @@ import torch
 from ..core._nested import continuous, iter_tensors, map_tensors
 from ._run import CallRec, CompareError, RunRecord
 
-__all__ = ["REDUCTIONS", "join_ranks"]
+__all__ = ["REDUCTIONS", "join_ranks", "shapes_from"]
 
 REDUCTIONS = ("mean", "sum")
 _RECENT = 8  # joined values kept: a row and its replay read the same few values again
@@ -124,6 +126,15 @@ class _Joined:
         self.excluded, self.notes = excluded, notes
         self.calls: list[CallRec] = []
         self._recent: OrderedDict[str, Any] = OrderedDict()  # the last joined values, bounded
+        # the run compared with this one, on the combined batch: ``combined(pos, "in" | "out")``
+        # gives the shapes of its leaves of that call (``None``: not known); see _leaf
+        self.combined: Any = None
+
+    def set_combined(self, combined: Any) -> None:
+        """The shapes of the other run's values (:func:`shapes_from`): what decides a leaf
+        that is both split-shaped and equal on every rank (see :meth:`_leaf`)."""
+        self.combined = combined
+        self._recent.clear()
 
     def get(self, key: str, default: Any = None) -> Any:
         # copies handed out: a replayed module may change its inputs in place
@@ -148,18 +159,20 @@ class _Joined:
             values.append(None if i is None else getattr(r.calls[i], _ATTR[kind]))
         if all(v is None for v in values):
             return default
+        # the forward leaves these values are, or are the gradients of ("grad": the output's,
+        # "ingrad": the inputs'), and the other run's shapes of them
+        fwd = "in" if kind in ("in", "ingrad") else "out"
+        shapes = self.combined(pos, fwd) if self.combined is not None else None
         if kind.endswith("grad") and all(isinstance(v, list) for v in values):
-            # the forward leaves these are the gradients of ("grad": the output's, "ingrad": the
-            # inputs'): a leaf equal on every rank (not split by batch) takes their sum
-            fwd = "output" if kind == "grad" else "inputs"
+            # a leaf equal on every rank (not split by batch) takes their sum
             leaves = []
             for r in self.recs:
                 i = r.by_key.get(call.key)
-                v = None if i is None else getattr(r.calls[i], fwd)
+                v = None if i is None else getattr(r.calls[i], _ATTR[fwd])
                 leaves.append([t for _, t in iter_tensors(v)])
-            joined, why = self._join_grads(values, leaves)
+            joined, why = self._join_grads(values, leaves, shapes)
         else:
-            joined, why = self._join(values, kind.endswith("grad"))
+            joined, why = self._join(values, kind.endswith("grad"), shapes)
         if why is not None:
             self.notes.setdefault(pos, f"ranks cannot be joined: {_ATTR[kind]} {why}")
         return joined
@@ -174,7 +187,10 @@ class _Joined:
         )
 
     def _join_grads(
-        self, values: list[list[Any]], forward: list[list[torch.Tensor]]
+        self,
+        values: list[list[Any]],
+        forward: list[list[torch.Tensor]],
+        shapes: list[tuple[int, ...]] | None = None,
     ) -> tuple[Any, str | None]:
         """Gradients (one list per rank, an entry per forward leaf), rescaled to the combined
         run's loss: a leaf the ranks split by batch is concatenated; a leaf whose forward value
@@ -196,26 +212,42 @@ class _Joined:
                 continue
             ts = tuple(t * s if continuous(t) else t for t, s in zip(ts, self.scale))
             fs = tuple(f[k] if k < len(f) else None for f in forward)
+            shape = shapes[k] if shapes is not None and k < len(shapes) else None
             shared = (
                 all(f is not None for f in fs)
-                and not self._split(fs)  # type: ignore[arg-type]
                 and _equal(fs)  # type: ignore[arg-type]
+                and (not self._split(fs) or self._once(fs, shape))  # type: ignore[arg-type]
             )
             if shared and len({t.shape for t in ts}) == 1:
                 out.append(torch.stack(ts).sum(0))
                 continue
-            joined, bad = self._leaf(k, ts, "the gradient of a value equal on every rank")
+            joined, bad = self._leaf(k, ts, "the gradient of a value equal on every rank", shape)
             out.append(joined)
             why = why or bad
         return out, why
 
+    def _once(self, ts: tuple[torch.Tensor, ...], shape: tuple[int, ...] | None) -> bool:
+        """Leaves ``ts``, split-shaped and equal on every rank, are one value taken once, not
+        the ranks' batch shares: the combined run's leaf has the shape of one rank's (a mask or
+        table of ``(T, T)`` where the sequence length equals the share), not of their
+        concatenation. Without the other run's shape (``None``) they are batch shares (a
+        position tensor expanded over the batch, the common case)."""
+        return shape is not None and tuple(ts[0].shape) == tuple(shape) and len(ts) > 1
+
     def _leaf(
-        self, k: int, ts: tuple[torch.Tensor, ...], equal: str
+        self,
+        k: int,
+        ts: tuple[torch.Tensor, ...],
+        equal: str,
+        shape: tuple[int, ...] | None = None,
     ) -> tuple[torch.Tensor, str | None]:
         """One leaf of the ranks joined: concatenated where the ranks split it by batch, one
         rank's where all are equal; else rank 0's, with why it cannot be joined (``equal``: what
-        it would have to be equal as)."""
+        it would have to be equal as). ``shape``: the combined run's shape of this leaf, which
+        decides a leaf that is both (:meth:`_once`)."""
         if self._split(ts):
+            if self._once(ts, shape) and _equal(ts):
+                return ts[0], None
             return torch.cat(ts), None
         if _equal(ts):
             return ts[0], None
@@ -224,7 +256,9 @@ class _Joined:
             f"shares {self.shares} along dim 0 nor {equal}"
         )
 
-    def _join(self, values: list[Any], grad: bool) -> tuple[Any, str | None]:
+    def _join(
+        self, values: list[Any], grad: bool, shapes: list[tuple[int, ...]] | None = None
+    ) -> tuple[Any, str | None]:
         if any(v is None for v in values):
             return values[0], "missing on some ranks"
         leaves = [[t for _, t in iter_tensors(v)] for v in values]
@@ -235,8 +269,35 @@ class _Joined:
         for k, ts in enumerate(zip(*leaves)):
             if grad:
                 ts = tuple(t * s if continuous(t) else t for t, s in zip(ts, self.scale))
-            joined, bad = self._leaf(k, ts, "equal on every rank")
+            shape = shapes[k] if shapes is not None and k < len(shapes) else None
+            joined, bad = self._leaf(k, ts, "equal on every rank", shape)
             out.append(joined)
             why = why or bad
         it = iter(out)
         return map_tensors(lambda _t: next(it), values[0]), why
+
+
+def shapes_from(rec: RunRecord, other: RunRecord, to_other: Any) -> None:
+    """Tell a joined record ``rec`` (the ranks of one run) the shapes of ``other``'s values (a
+    run on the combined batch: a live model's, or another record), by call: what decides its
+    leaves that are both split-shaped and equal on every rank (:meth:`_Joined._once`).
+    ``to_other``: ``rec``'s module names to ``other``'s. Nothing for a record of one process."""
+    store = rec.calls[0].store if rec.calls else None
+    if rec.world <= 1 or other.world > 1 or not isinstance(store, _Joined):
+        return  # (two records of ranks join alike: neither is the combined run)
+
+    def combined(pos: int, kind: str) -> list[tuple[int, ...]] | None:
+        c = rec.calls[pos]
+        name = to_other(c.name)
+        j = other.by_key.get((name, c.index)) if name is not None else None
+        if j is None:
+            return None
+        oc = other.calls[j]
+        if kind == "in" and oc.in_shapes is not None:
+            return oc.in_shapes
+        value = oc.inputs if kind == "in" else oc.output
+        if value is None:
+            return None
+        return [tuple(t.shape) for _, t in iter_tensors(value)]
+
+    store.set_combined(combined)

@@ -62,6 +62,7 @@ class CallRec:
         "children",
         "end",
         "in_dtypes",
+        "in_shapes",
         "index",
         "name",
         "parent",
@@ -89,6 +90,7 @@ class CallRec:
         self.children: list[int] = []
         self.store = store if store is not None else ValueStore()
         self.in_dtypes: list[torch.dtype] | None = None  # inputs not kept: their dtypes
+        self.in_shapes: list[tuple[int, ...]] | None = None  # and their shapes
 
     @property
     def input_dtypes(self) -> Any:
@@ -309,13 +311,13 @@ def calls_of(entries: list[Any], store: Any) -> list[CallRec]:
         if isinstance(e, dict):
             name, index, parent, alias = e["name"], e["index"], e["parent"], e["alias"]
             end, children, n_in, n_out = e["end"], e["children"], e["n_in"], e["n_out"]
-            dtypes = None
+            dtypes = shapes = None
         else:
             name, index, parent, alias = e.name, e.index, e.parent, e.alias
             end, children, n_in, n_out = e.end, e.children, e.n_in, e.n_out
-            dtypes = e.in_dtypes
+            dtypes, shapes = e.in_dtypes, e.in_shapes
         c = CallRec(name, index, pos, parent, alias=alias, store=Leaves(store, pos, n_in, n_out))
-        c.end, c.children, c.in_dtypes = end, list(children), dtypes
+        c.end, c.children, c.in_dtypes, c.in_shapes = end, list(children), dtypes, shapes
         calls.append(c)
     return calls
 
