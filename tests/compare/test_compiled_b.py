@@ -285,3 +285,47 @@ def test_a_record_of_such_a_model_is_refused_the_same_way_and_leaves_nothing(tmp
         b(torch.randn(3, 8)).pow(2).sum().backward()
     assert list((tmp_path / "r").iterdir()) == [] and not hs.hooks_on(b)
     torch._dynamo.reset()
+
+
+def _fusing_backend(gm, example_inputs):
+    """A compiler with a bug only where one graph holds a linear and a tanh together (fused):
+    its output scaled by 1.01 there. Compare's hooks break the graph at every module, so its
+    recorded run never has such a graph; the model run as compiled does."""
+    ops = [str(n.target) for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+    fused = any("linear" in t for t in ops) and any("tanh" in t for t in ops)
+
+    def run(*args):
+        out = gm(*args)
+        if not fused:
+            return out
+        return type(out)(o * 1.01 if isinstance(o, torch.Tensor) else o for o in out)
+
+    return run
+
+
+@pytest.mark.parametrize("side", ["b", "a"])
+def test_a_difference_made_only_across_module_boundaries_is_said(side):
+    """A compiled model whose difference is made only where compilation fuses code across
+    modules (here a compiler bug on a graph holding a Linear and its Tanh) compared with every
+    error 0, the same loss and no word: the recorded run's hooks break the graph at each module,
+    so the fused code never ran. The model now runs once more as compiled without hooks; its
+    output against the recorded one (the relative error by hand) is said in a warning and a
+    note naming the side and the fix. A fault-free compiled copy says nothing."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2))
+    compiled = torch.compile(copy.deepcopy(eager), backend=_fusing_backend)
+    with torch.no_grad():
+        ref, got = eager(x).double(), compiled(x).double()
+    err = float((got - ref).norm() / ref.norm())
+    assert err > 1e-3  # the compiled model does differ
+    a, b = (eager, compiled) if side == "b" else (compiled, eager)
+    with pytest.warns(hs.HookscopeWarning, match=rf"{side}: the compiled model without hooks"):
+        report = hs.compare(a, b, x, loss_fn=lambda o: o.pow(2).sum())
+    assert all(r.error == 0.0 for r in report.rows)  # the recorded runs: unfused, equal
+    note = next(n for n in report.notes if "without hooks" in n)
+    assert f"relative error {err:.3g}" in note and "layers=" in note
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        clean = hs.compare(eager, torch.compile(copy.deepcopy(eager), backend="aot_eager"), x)
+    assert not any("without hooks" in n for n in clean.notes)

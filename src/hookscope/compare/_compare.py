@@ -42,6 +42,7 @@ from ._run import (
     _device,
     at_path,
     cast_like,
+    model_dtype,
     preserved,
     record_run,
     restore_aliases,
@@ -1372,7 +1373,70 @@ def compare(
                 for m in (a, b):
                     if isinstance(m, nn.Module):
                         stack.enter_context(preserved(m))
-                return build_report(job)
+                report = build_report(job)
+                for m, rec, other, what, cast in (
+                    (a, ra, rb, "a", None),
+                    (b, rb, ra, "b", autocast),
+                ):
+                    if isinstance(m, nn.Module) and rec.compiled:
+                        _check_unhooked(report, m, (rec, other), what, cast, inputs, kwargs)
+                return report
+
+
+def _check_unhooked(
+    report: CompareReport,
+    model: nn.Module,
+    recs: tuple[RunRecord, RunRecord],
+    what: str,
+    autocast: torch.dtype | None,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    """A compiled model's run as compare records it has a hook at every module, which breaks its
+    graph at each module boundary: code that compilation fuses across modules runs unfused
+    there, so a difference made only there (a fusion's rounding or a compiler bug across a
+    Linear and its activation) is in no row, and the report would read as if the compiled model
+    were right. The model runs once more as compiled, without hooks, on the same inputs: an
+    output that differs beyond the root row's tolerance both from the recorded one and from the
+    other run's (what the user's compiled model computes disagrees with the reference, and the
+    rows do not show it: fused rounding within the tolerance says nothing) is said, a warning
+    and a note with the error; the rows stay those of the recorded run. ``recs``: this side's
+    record and the other's."""
+    rec, other = recs
+    own_args, own_kwargs = _own_inputs(inputs, kwargs)
+    dtype, device = model_dtype(model), _device(model)
+    args = cast_like(own_args, dtype, device, objects=True)
+    kw = cast_like(own_kwargs, dtype, device, objects=True)
+    try:
+        with _autocast(device, autocast):
+            out = model(*args, **kw)
+    except Exception as exc:
+        report.notes.append(
+            f"{what}: the compiled model could not be run without hooks to check that the "
+            f"recorded run (a hook at every module) computes what it computes "
+            f"({type(exc).__name__}: {exc}); a difference fused across modules would not show"
+        )
+        return
+    err = rel_error(rec.output, out)
+    root = next((r for r in report.rows if r.name == "" and r.index == 0), None)
+    tol = root.tol if root is not None and root.tol is not None else tolerance(rec.run_dtype, 1)
+    if err is None or err <= tol:
+        return
+    if other.output is not None:
+        ref = rel_error(other.output, out)
+        if ref is not None and ref <= tol:
+            return  # (the compiled model agrees with the other run: nothing hidden)
+    why = (
+        f"{what}: the compiled model without hooks gives another output than its recorded run "
+        f"(relative error {err:.3g}, tolerance {tol:.3g}): the recorded run has a hook at every "
+        "module, which breaks the compiled graph at each module boundary, so code compiled "
+        "across module boundaries (fused) ran unfused there; the difference is made in such "
+        "code and no row shows it. Compare coarser: record each run with hs.record(model, "
+        "folder, layers=[...]) on a few large blocks (fewer breaks) and compare the records, "
+        "or compile the blocks one by one (block.compile()) to find the fusion"
+    )
+    report.notes.append(why)
+    warnings.warn(f"hs.compare: {why}", HookscopeWarning, stacklevel=3)
 
 
 def _nothing() -> None:
