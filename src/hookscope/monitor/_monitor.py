@@ -102,8 +102,11 @@ class Monitor:
             ``update_ratio`` is 0, and the sentinel does not report its backward Inf.
         alerts: ``"warn"`` (:class:`MonitorWarning`), ``"log"`` (logger ``hookscope.monitor``),
             ``"both"`` or ``"off"``; alerts are in ``record.alerts`` in every case.
-        histograms: bins of device-side activation and gradient histograms (0: none); a
-            :class:`TensorBoardSink` with ``histograms=True`` asks for 32 bins.
+        histograms: bins of device-side activation histograms over ``[-absmax, absmax]``, of
+            each layer call's first micro-batch (0: none); a :class:`TensorBoardSink` with
+            ``histograms=True`` asks for 32 bins. Under torch.distributed they are the
+            combined batch's (every rank bins over the ranks' largest ``absmax``: one
+            ``all_reduce`` per monitored layer call of a logged step).
         keep: how many records ``monitor.records`` keeps (``None``: all).
         first_step: the index of the first step (a run resumed from a checkpoint: the number of
             optimizer steps already taken), so that records carry the run's step and ``every``
@@ -256,6 +259,7 @@ class Monitor:
             bins=self.bins,
             scaler=self.scaler,
             layouts=self._layouts,
+            shared=self._shared_range(),
         )
         try:
             if want_acts or want_grads:
@@ -266,6 +270,15 @@ class Monitor:
         except BaseException:
             scope.remove()
             raise
+
+    def _shared_range(self) -> bool:
+        """Do this step's histograms bin over the ranks' combined range (torch.distributed)?"""
+        return (
+            self.bins > 0
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        )
 
     def _snapshot_weights(self) -> None:
         """Copy the weights before the step, for update-to-weight ratios (a buffer kept between
@@ -536,7 +549,7 @@ class Monitor:
         scale: float,
     ) -> tuple[dict[str, dict[str, float]], dict[str, tuple[list[float], list[float]]]]:
         """Per layer call: activation and output-gradient statistics combined over micro-batches
-        and ranks; activation histograms (rank 0's)."""
+        and ranks; activation histograms (of the first micro-batch, every rank's)."""
         st, tp = self._state, self._tp
         layers: dict[str, dict[str, float]] = {}
         hists: dict[str, tuple[list[float], list[float]]] = {}
@@ -553,8 +566,8 @@ class Monitor:
                 ns += ns_k
                 vs += vs_k
             layers[key] = combine_acts(ns, vs)
-            if hslot is not None:  # histogram of rank 0, over [-absmax, absmax]
-                a, counts = vs[0][2], got.read(hslot)
+            if hslot is not None:  # the first micro-batch's histogram over [-absmax, absmax]
+                a, counts = self._histogram(got, key, micro[0][1], hslot)
                 edges = [a * (-1 + 2 * (j + 1) / len(counts)) for j in range(len(counts))]
                 hists[f"activations/{key}"] = (edges, counts)
         # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
@@ -575,6 +588,24 @@ class Monitor:
                 gs += gs_k
             layers.setdefault(key, {}).update(combine_grads(gs, gscale))
         return layers, hists
+
+    def _histogram(
+        self, got: Packed, key: str, vslot: int, hslot: int
+    ) -> tuple[float, list[float]]:
+        """A layer call's histogram of its first micro-batch: ``(absmax, counts)``. Under
+        torch.distributed every rank binned over the ranks' largest ``absmax``
+        (``ranks_absmax``), so the counts add up: those of one process on the combined batch
+        (tensor parallel: a replicated output counted once per data-parallel group, the shards
+        of a sharded one added, as the other statistics)."""
+        if got.world == 1:
+            return got.read(vslot)[2], got.read(hslot)
+        each = got.each(hslot)
+        if self._tp is not None:
+            replicated = self._state.kinds.get(key) == "replicate"
+            each = tp_pieces([0.0] * len(each), each, replicated, self._tp[1])[1]
+        ams = [r[2] for r in got.each(vslot)]
+        a = math.nan if any(math.isnan(v) for v in ams) else max(ams)
+        return a, [sum(c) for c in zip(*each)]
 
     def _unequal_shares(self, layer: str, counts: list[float]) -> None:
         """Warn (once) that the ranks ran unequal shares of the batch: DDP (FSDP2) averages the
