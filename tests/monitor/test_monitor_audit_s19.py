@@ -6,6 +6,8 @@ computed by hand, or the monitor must say what it cannot record."""
 from __future__ import annotations
 
 import json
+import math
+import warnings
 
 import pytest
 import torch
@@ -123,3 +125,181 @@ def test_histograms_under_tensor_parallel_are_the_full_outputs(tmp_path):
         edges, got_counts = got[tag]
         assert got_counts == counts, tag
         assert edges == pytest.approx([a * (-1 + 2 * (j + 1) / BINS) for j in range(BINS)]), tag
+
+
+# -- 2. parameters replaced, unfrozen or not stepped during a step ----------------------------------
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(5, 3, generator=torch.Generator().manual_seed(4))
+
+
+def _norm(t: torch.Tensor) -> float:
+    return float(t.detach().double().norm())
+
+
+def _ratio(after: torch.Tensor, before: torch.Tensor) -> float:
+    """The update ratio by hand: ||p_after - p_before|| / ||p_before||."""
+    return _norm(after.detach().double() - before.double()) / _norm(before)
+
+
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+def _train_step(net: nn.Module, opt: torch.optim.Optimizer, mon: hs.Monitor):
+    """One step; returns the record and, per parameter, (gradient, value before, value after)."""
+    net(_x()).pow(2).mean().backward()
+    seen = {
+        n: (p.grad.clone() if p.grad is not None else None, p.detach().clone())
+        for n, p in net.named_parameters()
+    }
+    opt.step()
+    rec = mon.step(opt)
+    out = {
+        n: (g, b, p.detach().clone())
+        for (n, p), (g, b) in zip(net.named_parameters(), seen.values())
+    }
+    opt.zero_grad()
+    return rec, out
+
+
+def test_parameter_replaced_between_logged_steps_is_the_new_one():
+    """Parameters were chosen once, when the Monitor was made: one replaced later
+    (model.fc.weight = nn.Parameter(...)) was recorded from the old tensor for the rest of the
+    run (weight norm of the old tensor, update ratio 0, no gradient). Now each logged step
+    records the parameter the model holds: norms and update ratio equal those by hand."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say: every value is exact
+        with hs.Monitor(net, every=2, stats=("parameters",), alerts="off") as mon:
+            _train_step(net, opt, mon)  # step 0, logged
+            net[2].weight = nn.Parameter(torch.full((2, 4), 0.5))  # during step 1, not logged
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            _train_step(net, opt, mon)  # step 1; its step() copies step 2's weights
+            rec, seen = _train_step(net, opt, mon)  # step 2, logged
+    assert rec.step == 2
+    for name in ("0.weight", "2.weight", "2.bias"):
+        g, before, after = seen[name]
+        got = rec.params[name]
+        assert _close(got["grad_norm"], _norm(g)), name
+        assert _close(got["weight_norm"], _norm(after)), name
+        assert _close(got["update_ratio"], _ratio(after, before)), name
+        assert got["update_ratio"] > 0, name
+
+
+def test_parameter_replaced_during_a_logged_step_is_said_and_the_next_step_exact():
+    """Replaced after the monitor copied the values before the step: the record showed the old
+    tensor (its weight norm, update ratio 0 against its own copy, no gradient), silently. Now
+    the record has the new tensor's gradient and weight norms, no update ratio, and a warning
+    names the parameter (once); the next step's ratio equals the hand computation."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with hs.Monitor(net, stats=("parameters",), alerts="off") as mon:
+        _train_step(net, opt, mon)  # step 0
+        net[2].weight = nn.Parameter(torch.full((2, 4), 0.5))  # during step 1
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with pytest.warns(hs.MonitorWarning, match=r"step 1: parameter\(s\) '2.weight' replaced"):
+            rec1, seen1 = _train_step(net, opt, mon)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            net[2].weight = nn.Parameter(torch.full((2, 4), 0.25))  # again, during step 2
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            rec2, _ = _train_step(net, opt, mon)
+            rec3, seen3 = _train_step(net, opt, mon)
+    g, _, after = seen1["2.weight"]
+    assert rec1.params["2.weight"] == pytest.approx(
+        {"grad_norm": _norm(g), "weight_norm": _norm(after)}, rel=1e-6
+    )
+    assert "update_ratio" not in rec2.params["2.weight"]
+    assert _close(
+        rec1.params["2.bias"]["update_ratio"], _ratio(seen1["2.bias"][2], seen1["2.bias"][1])
+    )
+    g, before, after = seen3["2.weight"]
+    assert rec3.params["2.weight"] == pytest.approx(
+        {"grad_norm": _norm(g), "weight_norm": _norm(after), "update_ratio": _ratio(after, before)},
+        rel=1e-6,
+    )
+
+
+def test_parameter_unfrozen_during_a_step_is_said_once_and_the_next_step_exact():
+    """Unfrozen after the monitor copied the trained weights: the record had no update ratio,
+    silently. Now a warning names the parameters (once each); their gradient and weight norms
+    equal the hand computation, and the next step has the exact ratio."""
+    net = _net()
+    net[0].requires_grad_(False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)  # holds every parameter: it steps them all
+    with hs.Monitor(net, stats=("parameters",), alerts="off") as mon:
+        rec0, _ = _train_step(net, opt, mon)
+        net[0].requires_grad_(True)  # during step 1
+        with pytest.warns(
+            hs.MonitorWarning, match=r"step 1: parameter\(s\) '0.weight', '0.bias' set to train"
+        ):
+            rec1, seen1 = _train_step(net, opt, mon)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rec2, seen2 = _train_step(net, opt, mon)
+            net[0].requires_grad_(False)  # frozen during step 3 (its .grad is None): no ratio
+            net[0].requires_grad_(True)  # ... and unfrozen again: said already
+            rec3, _ = _train_step(net, opt, mon)
+    assert "0.weight" not in rec0.params
+    for name in ("0.weight", "0.bias"):
+        g, _, after = seen1[name]
+        assert rec1.params[name] == pytest.approx(
+            {"grad_norm": _norm(g), "weight_norm": _norm(after)}, rel=1e-6
+        )
+        g, before, after = seen2[name]
+        assert _close(rec2.params[name]["update_ratio"], _ratio(after, before)), name
+        assert _close(rec2.params[name]["grad_norm"], _norm(g)), name
+    assert "update_ratio" in rec3.params["0.weight"]  # never left the list: its copy is right
+
+
+def test_parameter_the_optimizer_does_not_hold_is_said():
+    """Unfrozen for fine-tuning but left out of the optimizer (made with the trainable
+    parameters of the time): update ratio 0 every step, and nothing said that it never trains.
+    The ratio is still 0 (exact: it did not change), and a warning names the parameters, once."""
+    net = _net()
+    net[0].requires_grad_(False)
+    opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.1)
+    net[0].requires_grad_(True)  # before the Monitor: its weights are copied every step
+    with hs.Monitor(net, stats=("parameters",), alerts="off") as mon:
+        with pytest.warns(
+            hs.MonitorWarning, match=r"'0.weight', '0.bias' have a gradient but are not"
+        ):
+            rec0, seen0 = _train_step(net, opt, mon)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rec1, _ = _train_step(net, opt, mon)
+    for name in ("0.weight", "0.bias"):
+        g, before, after = seen0[name]
+        assert (
+            _ratio(after, before)
+            == 0.0
+            == rec0.params[name]["update_ratio"]
+            == rec1.params[name]["update_ratio"]
+        )
+        assert _close(rec0.params[name]["grad_norm"], _norm(g))
+    assert _close(
+        rec0.params["2.weight"]["update_ratio"], _ratio(seen0["2.weight"][2], seen0["2.weight"][1])
+    )
+
+
+def test_module_replaced_after_the_monitor_was_made_is_said():
+    """A monitored module replaced (net[2] = nn.Linear(...)): its old parameters were recorded,
+    stale, every step. Now they leave the record and a warning says why and what to do."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with hs.Monitor(net, stats=("parameters",), alerts="off") as mon:
+        _train_step(net, opt, mon)
+        net[2] = nn.Linear(4, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with pytest.warns(
+            hs.MonitorWarning,
+            match=r"'2.weight', '2.bias' are no longer parameters of the monitored layers",
+        ):
+            rec, _ = _train_step(net, opt, mon)
+    assert set(rec.params) == {"0.weight", "0.bias"}

@@ -162,6 +162,7 @@ class Monitor:
         self.nonfinite: NonFiniteOrigin | None = None
         self._origin_rank: int | None = None  # the rank whose module graph made self.nonfinite
         self._warned_shares = False  # unequal batch shares across ranks, said once
+        self._said: set[tuple[str, str]] = set()  # (what, parameter) said once (see _say)
         self._params = []
         # every parameter of the watched layers; each logged step records those that train
         # (requires_grad) then: one frozen at creation and unfrozen later (fine-tuning) was
@@ -219,6 +220,10 @@ class Monitor:
     def _training_params(self) -> None:
         """The parameters this logged step records: those of the watched layers that require
         grad now (frozen or unfrozen since the last logged step)."""
+        # chosen again (a parameter replaced since, model.fc.weight = nn.Parameter(...), is
+        # the new one: the old one was recorded, stale, for the rest of the run)
+        if "parameters" in self.stats:
+            self._all_params = self._select_params()
         now = [(n, p) for n, p in self._all_params if p.requires_grad]
         if [id(p) for _, p in now] == [id(p) for _, p in self._params]:
             return
@@ -458,8 +463,9 @@ class Monitor:
             for key, entries in st.acts.items()
         }
         grads = {key: [pack.add(g) for g in gs] for key, gs in st.grads.items()}
+        replaced = self._drop_replaced(step) if "parameters" in self.stats else set()
         pslot = self._pack_params(pack)
-        late, lslot = self._pack_late_params(pack)
+        late, lslot = self._pack_late_params(pack, step, replaced, optimizer is not None)
         sslot = pack.add(st.scale.double()) if st.scale is not None else None
         scaling = _enabled(self.scaler)
         mine, rest = self._pack_skip_check(pack, optimizer, pslot) if scaling else ([], None)
@@ -493,13 +499,74 @@ class Monitor:
         ws = [p for _, p in self._params]
         return pack.add(param_stats(ws, [p.grad for p in ws], self._before))
 
-    def _pack_late_params(self, pack: Packer) -> tuple[list[tuple[str, nn.Parameter]], int | None]:
-        """Parameters unfrozen since this step's hooks were attached (no weight snapshot: no
-        update ratio): their gradient and weight norms, filed; ``(params, slot)``."""
+    def _drop_replaced(self, step: int) -> set[str]:
+        """Parameters replaced (``model.fc.weight = nn.Parameter(...)``) or removed since this
+        step's weights were copied: the copy is the old tensor's, so no update ratio can be
+        computed; they leave this step's list (a replacement is recorded with the parameters
+        unfrozen during the step, without an update ratio), said once per parameter. Returns
+        the names replaced."""
+        self._all_params = self._select_params()
+        now = dict(self._all_params)
+        keep = [j for j, (n, p) in enumerate(self._params) if now.get(n) is p]
+        if len(keep) == len(self._params):
+            return set()
+        names = [n for j, (n, _) in enumerate(self._params) if j not in set(keep)]
+        if self._before is not None:
+            self._before = [self._before[j] for j in keep]
+        self._params = [self._params[j] for j in keep]
+        self._sharded = any_sharded(self._params)
+        replaced = [n for n in names if n in now]
+        gone = [n for n in names if n not in now]
+        if replaced:
+            self._say(
+                "replaced",
+                replaced,
+                f"step {step}: parameter(s) {{}} replaced by another tensor during the step "
+                "(model.<layer>.<name> = nn.Parameter(...)) after the monitor copied their "
+                "values before the step: this record has the new parameter's gradient and "
+                "weight norms but no update_ratio (the value before the step was the old "
+                "tensor's); the next logged steps have it. An optimizer made before the "
+                "replacement still holds the old tensor and does not step the new one",
+            )
+        if gone:
+            self._say(
+                "removed",
+                gone,
+                f"step {step}: parameter(s) {{}} are no longer parameters of the monitored layers "
+                "(removed, or their module replaced: a module put in the model after the "
+                "Monitor was made is not monitored; make a new Monitor): not recorded",
+            )
+        return set(replaced)
+
+    def _say(self, kind: str, names: list[str], message: str) -> None:
+        """Warn, once per parameter and kind, that a record leaves something out."""
+        new = [n for n in names if (kind, n) not in self._said]
+        if not new:
+            return
+        self._said.update((kind, n) for n in new)
+        warnings.warn("Monitor: " + message.format(some_names(new)), MonitorWarning, stacklevel=5)
+
+    def _pack_late_params(
+        self, pack: Packer, step: int, replaced: set[str], ratios: bool
+    ) -> tuple[list[tuple[str, nn.Parameter]], int | None]:
+        """Parameters unfrozen (or replaced) since this step's hooks were attached (no weight
+        snapshot: no update ratio, said once per parameter): their gradient and weight norms,
+        filed; ``(params, slot)``."""
         ids = {id(p) for _, p in self._params}
         late = [(n, p) for n, p in self._all_params if p.requires_grad and id(p) not in ids]
         if not late:
             return late, None
+        unfrozen = [n for n, _ in late if n not in replaced]
+        if unfrozen and ratios:
+            self._say(
+                "unfrozen",
+                unfrozen,
+                f"step {step}: parameter(s) {{}} set to train (requires_grad=True) during the "
+                "step, after the monitor copied the trained weights' values before it: this "
+                "record has their gradient and weight norms but no update_ratio; the next "
+                "logged steps have it (unfreeze before the previous monitor.step() to have it "
+                "on this one)",
+            )
         check_params([(n, p) for n, p in late if id(p) not in self._checked])
         self._checked.update(id(p) for _, p in late)
         if any_sharded(late):
@@ -639,15 +706,33 @@ class Monitor:
         row = (  # full-tensor norms from every rank's shards; DDP: the same on every rank
             sum_ranks_sqrt(got.each(pslot)) if self._sharded else got.read(pslot)
         )
-        for j, (pname, _) in enumerate(self._params):
+        stepped = (
+            {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if optimizer is not None and self._before is not None
+            else None
+        )
+        idle = []  # trained (a gradient), unchanged, and not the optimizer's: it never trains
+        for j, (pname, p) in enumerate(self._params):
             gn, wn, un, bn = row[4 * j : 4 * j + 4]
             d = {}
             if has[j]:  # a NaN gradient is reported as NaN, never as "no gradient"
                 d["grad_norm"] = gn / pscale
             d["weight_norm"] = wn
-            if optimizer is not None and self._before is not None:
+            if stepped is not None:
                 d["update_ratio"] = un / bn if bn > 0 else (0.0 if un == 0 else math.inf)
+                if has[j] and un == 0 and id(p) not in stepped:
+                    idle.append(pname)
             params[pname] = d
+        if idle:
+            self._say(
+                "idle",
+                idle,
+                f"step {self._step}: parameter(s) {{}} have a gradient but are not among the "
+                "parameters of the optimizer given to monitor.step(), and did not change: "
+                "update_ratio 0, they do not train (an optimizer made before they were unfrozen "
+                "or replaced? optimizer.add_param_group({{'params': [...]}}); another "
+                "optimizer stepping them after monitor.step()? call it after both)",
+            )
         return params
 
     def _sentinel_check(self) -> NonFiniteOrigin | None:
