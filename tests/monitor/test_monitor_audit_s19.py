@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -303,3 +304,61 @@ def test_module_replaced_after_the_monitor_was_made_is_said():
         ):
             rec, _ = _train_step(net, opt, mon)
     assert set(rec.params) == {"0.weight", "0.bias"}
+
+
+# -- 3. ranks' records are joined in call order: the same step, the same layer calls ------------
+def _join_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+def _join_worker(rank: int, out: str, case: str) -> None:
+    net = _join_net()
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    first = 2 if case == "first_step" and rank == 1 else 0
+    said = ""
+    recs = []
+    try:
+        with hs.Monitor(net, stats=("activations",), alerts="off", first_step=first) as mon:
+            for step in range(3):
+                if case == "skipped" and rank == 1 and step == 0:
+                    with warnings.catch_warnings():  # a skipped batch: no forward, still step()
+                        warnings.simplefilter("ignore")
+                        mon.step()
+                    continue
+                if case == "order" and rank == 1:  # the same layers, the other order
+                    net[0](net[1](x)).sum().backward()
+                else:
+                    net(x).sum().backward()
+                recs.append(mon.step())
+    except RuntimeError as e:
+        said = str(e)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"said": said, "steps": [r.step for r in recs]}, f)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("case", "want"),
+    [
+        ("first_step", r"recorded different steps together \(steps \[0, 2\] on ranks 0-1\)"),
+        ("skipped", r"different layer calls or parameters at step 0 \(vector sizes \[\d+, 0\]"),
+        (
+            "order",
+            r"at step 0 \(vector sizes \[\d+, \d+\], the same sizes but other names or order",
+        ),
+    ],
+)
+def test_ranks_whose_records_do_not_join_are_refused(tmp_path, case, want):
+    """Each rank numbers its own steps and the ranks' statistics are joined by position: a rank
+    whose monitor started at another step had its steps joined with the others' (rank 0's step 0
+    with rank 1's step 2), silently; a rank that filed nothing on a logged step skipped the
+    collective, so the others joined the step with its next one (and waited, at the end, for a
+    collective it never made); a rank running the same layers in another order had layer '0'
+    joined with the other rank's '1'. Each now raises on every rank, at that step."""
+    out = str(tmp_path / "said.json")
+    launch(_join_worker, out, case, timeout=120)
+    with open(out) as f:
+        got = json.load(f)
+    assert got["steps"] == [] and re.search(want, got["said"]), got

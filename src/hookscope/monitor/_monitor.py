@@ -471,9 +471,12 @@ class Monitor:
         mine, rest = self._pack_skip_check(pack, optimizer, pslot) if scaling else ([], None)
         # a parameter frozen during the step keeps a stale .grad (zero_grad(set_to_none=False))
         has = [p.grad is not None and p.requires_grad for _, p in self._params]
-        if not len(pack):
+        if not len(pack) and not (self.stats and _world() > 1):
             return MonitorRecord(step)
-        got = pack.gather()
+        # under torch.distributed a rank with nothing to file gathers too: it skipped the
+        # collective, and the others joined their record with its next step's
+        layout = _layout(acts, grads, self._params, late, sslot, rest) if _world() > 1 else ""
+        got = pack.gather(step, layout)
         scale = (got.read(sslot)[0] or 1.0) if sslot is not None else 1.0
         layers, hists = self._layer_values(got, acts, grads, scale)
         params = self._param_values(got, pslot, has, scale, optimizer)
@@ -896,6 +899,30 @@ def _sink_name(sink: Any) -> str:
     if owner is not None:
         return type(owner).__name__
     return getattr(sink, "__qualname__", None) or type(sink).__name__
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _layout(
+    acts: Mapping[str, tuple[list[Any], int | None]],
+    grads: Mapping[str, list[int]],
+    params: list[tuple[str, nn.Parameter]],
+    late: list[tuple[str, nn.Parameter]],
+    sslot: int | None,
+    rest: int | None,
+) -> str:
+    """What a step filed, in order (layer calls with their micro-batch counts and histograms,
+    gradient entries, parameters): equal on every rank, or their records do not join."""
+    return " ".join(
+        [f"{k}x{len(m)}{'h' if h is not None else ''}" for k, (m, h) in acts.items()]
+        + [f"g:{k}x{len(v)}" for k, v in grads.items()]
+        + [f"p:{n}" for n, _ in params]
+        + [f"late:{n}" for n, _ in late]
+        + (["scale"] if sslot is not None else [])
+        + (["rest"] if rest is not None else [])
+    )
 
 
 def _rank() -> int:
