@@ -29,7 +29,7 @@ def _hist_net() -> nn.Sequential:
 def _hist_batch() -> torch.Tensor:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(12, 5, generator=g)
-    x[7] *= 4.0  # the largest values on rank 1's half: rank 0's own range is narrower
+    x[9] *= 10.0  # the largest values on rank 1's half: rank 0's own range is narrower
     return x
 
 
@@ -73,6 +73,8 @@ def test_histograms_under_distributed_are_the_combined_batchs(tmp_path):
         saved = json.load(f)
     got, ref = saved["got"], saved["ref"]
     assert got.keys() == ref.keys() == {"activations/0", "activations/1", "activations/2"}
+    mine = _by_hand(_hist_net(), list(_hist_batch().chunk(WORLD))[:1])  # rank 0's half alone
+    assert mine["activations/0"][0] < ref["activations/0"][0]  # rank 1 holds the largest
     for tag, (a, counts) in ref.items():
         edges, got_counts = got[tag]
         assert got_counts == counts, tag
@@ -126,6 +128,33 @@ def test_histograms_under_tensor_parallel_are_the_full_outputs(tmp_path):
         edges, got_counts = got[tag]
         assert got_counts == counts, tag
         assert edges == pytest.approx([a * (-1 + 2 * (j + 1) / BINS) for j in range(BINS)]), tag
+
+
+def test_histograms_of_a_step_with_micro_batches_say_they_are_the_first_ones():
+    """With gradient accumulation the other statistics cover every micro-batch of the step, but
+    the histogram was the first micro-batch's (binned while it ran), unsaid. It still is (the
+    later micro-batches' range is not known while the first runs): a warning says so, once, and
+    the counts equal the first micro-batch's by hand."""
+    net = _hist_net()
+    halves = list(_hist_batch().chunk(WORLD))
+    with hs.Monitor(net, stats=("activations",), histograms=BINS, alerts="off") as mon:
+        for h in halves:
+            net(h).sum().backward()
+        with pytest.warns(hs.MonitorWarning, match="histograms are of the first micro-batch"):
+            rec = mon.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # said once
+            for h in halves:
+                net(h).sum().backward()
+            mon.step()
+    ref = _by_hand(net, halves[:1])
+    for tag, (a, counts) in ref.items():
+        edges, got = rec.histograms[tag]
+        assert got == counts, tag
+        assert edges == pytest.approx([a * (-1 + 2 * (j + 1) / BINS) for j in range(BINS)]), tag
+    both = _by_hand(net, halves)  # the other statistics: both micro-batches'
+    assert all(_close(rec.layers[t[12:]]["absmax"], both[t][0]) for t in both)
+    assert any(both[t][0] > ref[t][0] for t in both)
 
 
 # -- 2. parameters replaced, unfrozen or not stepped during a step ----------------------------------

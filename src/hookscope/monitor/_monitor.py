@@ -162,6 +162,7 @@ class Monitor:
         self.nonfinite: NonFiniteOrigin | None = None
         self._origin_rank: int | None = None  # the rank whose module graph made self.nonfinite
         self._warned_shares = False  # unequal batch shares across ranks, said once
+        self._warned_hist_micro = False  # histograms of the first micro-batch only, said once
         self._said: set[tuple[str, str]] = set()  # (what, parameter) said once (see _say)
         self._params = []
         # every parameter of the watched layers; each logged step records those that train
@@ -637,6 +638,16 @@ class Monitor:
                 vs += vs_k
             layers[key] = combine_acts(ns, vs)
             if hslot is not None:  # the first micro-batch's histogram over [-absmax, absmax]
+                if len(micro) > 1 and not self._warned_hist_micro:
+                    self._warned_hist_micro = True
+                    warnings.warn(
+                        f"Monitor: step {self._step} ran {len(micro)} micro-batches (layer "
+                        f"{key!r}); its activation histograms are of the first micro-batch "
+                        "only (binned while it ran, over its own absmax: the later ones were "
+                        "not yet known), while the other statistics cover every micro-batch",
+                        MonitorWarning,
+                        stacklevel=4,
+                    )
                 a, counts = self._histogram(got, key, micro[0][1], hslot)
                 edges = [a * (-1 + 2 * (j + 1) / len(counts)) for j in range(len(counts))]
                 hists[f"activations/{key}"] = (edges, counts)
