@@ -157,6 +157,31 @@ def test_histograms_of_a_step_with_micro_batches_say_they_are_the_first_ones():
     assert any(both[t][0] > ref[t][0] for t in both)
 
 
+def _range_worker(rank: int, out: str) -> None:
+    from hookscope.monitor._stats import ranks_absmax
+
+    mine = [2.0, 5.0][rank]
+    got = {
+        "list": ranks_absmax([0.0, 1.0, mine]),  # CPU statistics: floats
+        "tensor": float(ranks_absmax(torch.tensor([0.0, 1.0, mine], dtype=torch.float64))),
+        "nan": ranks_absmax([0.0, 1.0, [math.nan, 1.0][rank]]),  # NaN on rank 0 only
+    }
+    with open(f"{out}{rank}", "w") as f:
+        json.dump({k: str(v) for k, v in got.items()}, f)
+
+
+@pytest.mark.distributed
+def test_the_histogram_range_is_every_ranks_largest_absmax_nan_if_any_is_nan(tmp_path):
+    """The range each rank bins over: the largest absmax of the ranks, on every rank, from
+    host statistics (floats) or device ones (tensors); NaN on every rank where one rank's is NaN
+    (as one process's absmax of a batch holding a NaN)."""
+    out = str(tmp_path / "range")
+    launch(_range_worker, out)
+    for rank in range(WORLD):
+        with open(f"{out}{rank}") as f:
+            assert json.load(f) == {"list": "5.0", "tensor": "5.0", "nan": "nan"}
+
+
 # -- 2. parameters replaced, unfrozen or not stepped during a step ----------------------------------
 def _net() -> nn.Sequential:
     torch.manual_seed(0)
