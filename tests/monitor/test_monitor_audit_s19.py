@@ -416,3 +416,33 @@ def test_ranks_whose_records_do_not_join_are_refused(tmp_path, case, want):
     with open(out) as f:
         got = json.load(f)
     assert got["steps"] == [] and re.search(want, got["said"]), got
+
+
+def _sentinel_worker(rank: int, out: str) -> None:
+    net = nn.parallel.DistributedDataParallel(_join_net())
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    said, steps = "", []
+    try:
+        # stats=(): the sentinel alone (no record to join), its ranks numbered differently
+        with hs.Monitor(net, stats=(), sentinel=True, alerts="off", first_step=rank) as mon:
+            for _ in range(2):
+                net(x).sum().backward()
+                mon.step()
+                steps.append(mon.step_index)
+    except RuntimeError as e:
+        said = str(e)
+    with open(f"{out}{rank}", "w") as f:
+        json.dump({"said": said, "steps": steps}, f)
+
+
+@pytest.mark.distributed
+def test_sentinel_ranks_at_different_steps_are_refused(tmp_path):
+    """The sentinel's ranks exchange what each found, every step, in call order: ranks whose
+    monitors count steps differently handed each other the origins of other steps, silently.
+    The same all_reduce now carries each rank's step, and a difference raises on every rank."""
+    out = str(tmp_path / "sentinel")
+    launch(_sentinel_worker, out)
+    for rank in range(WORLD):
+        with open(f"{out}{rank}") as f:
+            got = json.load(f)
+        assert got["steps"] == [] and "different steps (from 0 to 1)" in got["said"], got

@@ -788,7 +788,7 @@ class Monitor:
             )
         tracker.reset()
         # distributed: a NaN another rank made arrives here through the gradient reduction
-        origin, self._origin_rank = origin_across_ranks(origin, own, self._reduced)
+        origin, self._origin_rank = origin_across_ranks(origin, own, self._reduced, self._step)
         if origin is not None and self.nonfinite is None:
             self.nonfinite = origin
         return origin
