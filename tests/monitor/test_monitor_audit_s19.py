@@ -360,6 +360,49 @@ def test_module_replaced_after_the_monitor_was_made_is_said():
     assert set(rec.params) == {"0.weight", "0.bias"}
 
 
+class _Scaled(nn.Module):
+    """A linear layer and one learned scale, widened to one scale per output during training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 4)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_parameter_resized_during_a_step_is_said_and_the_next_step_exact():
+    """p.data = (another shape) after the monitor copied the values before the step: the copy
+    (1 value) was broadcast against the new values (4), an update ratio of nothing real,
+    silently (a shape that does not broadcast raised a NumPy error). Now the record has the
+    gradient and weight norms, no update ratio, a warning naming the parameter (once); the
+    next step's ratio equals the hand computation."""
+    net = _Scaled()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with hs.Monitor(net, layers=[""], stats=("parameters",), alerts="off") as mon:
+        _train_step(net, opt, mon)
+        net.scale.data = torch.full((4,), 1.5)  # during step 1
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        with pytest.warns(hs.MonitorWarning, match=r"'scale' changed shape during the step"):
+            rec1, seen1 = _train_step(net, opt, mon)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rec2, seen2 = _train_step(net, opt, mon)
+    g, _, after = seen1["scale"]
+    assert rec1.params["scale"] == pytest.approx(
+        {"grad_norm": _norm(g), "weight_norm": _norm(after)}, rel=1e-6
+    )
+    g, before, after = seen1["lin.weight"]
+    assert _close(rec1.params["lin.weight"]["update_ratio"], _ratio(after, before))
+    g, before, after = seen2["scale"]
+    assert rec2.params["scale"] == pytest.approx(
+        {"grad_norm": _norm(g), "weight_norm": _norm(after), "update_ratio": _ratio(after, before)},
+        rel=1e-6,
+    )
+
+
 # -- 3. ranks' records are joined in call order: the same step, the same layer calls ------------
 def _join_net() -> nn.Sequential:
     torch.manual_seed(0)

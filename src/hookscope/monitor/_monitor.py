@@ -504,14 +504,21 @@ class Monitor:
         return pack.add(param_stats(ws, [p.grad for p in ws], self._before))
 
     def _drop_replaced(self, step: int) -> set[str]:
-        """Parameters replaced (``model.fc.weight = nn.Parameter(...)``) or removed since this
-        step's weights were copied: the copy is the old tensor's, so no update ratio can be
-        computed; they leave this step's list (a replacement is recorded with the parameters
-        unfrozen during the step, without an update ratio), said once per parameter. Returns
-        the names replaced."""
+        """Parameters replaced (``model.fc.weight = nn.Parameter(...)``), resized
+        (``p.data = ...`` of another shape) or removed since this step's weights were copied:
+        the copy does not compare with the values after the step, so no update ratio can be
+        computed; they leave this step's list (a replaced or resized one is recorded with the
+        parameters unfrozen during the step, without an update ratio), said once per parameter.
+        Returns the names replaced or resized."""
         self._all_params = self._select_params()
         now = dict(self._all_params)
         keep = [j for j, (n, p) in enumerate(self._params) if now.get(n) is p]
+        resized: list[str] = []
+        if self._before is not None:  # the same tensor given other values (p.data = ...)
+            ws = local_tensors([self._params[j][1] for j in keep])
+            same = [w.shape == self._before[j].shape for j, w in zip(keep, ws)]
+            resized = [self._params[j][0] for j, ok in zip(keep, same) if not ok]
+            keep = [j for j, ok in zip(keep, same) if ok]
         if len(keep) == len(self._params):
             return set()
         names = [n for j, (n, _) in enumerate(self._params) if j not in set(keep)]
@@ -519,8 +526,17 @@ class Monitor:
             self._before = [self._before[j] for j in keep]
         self._params = [self._params[j] for j in keep]
         self._sharded = any_sharded(self._params)
-        replaced = [n for n in names if n in now]
+        replaced = [n for n in names if n in now and n not in resized]
         gone = [n for n in names if n not in now]
+        if resized:
+            self._say(
+                "resized",
+                resized,
+                f"step {step}: parameter(s) {{}} changed shape during the step (p.data = ...) "
+                "after the monitor copied their values before the step: this record has their "
+                "gradient and weight norms but no update_ratio (the values before and after "
+                "do not compare); the next logged steps have it",
+            )
         if replaced:
             self._say(
                 "replaced",
@@ -540,7 +556,7 @@ class Monitor:
                 "(removed, or their module replaced: a module put in the model after the "
                 "Monitor was made is not monitored; make a new Monitor): not recorded",
             )
-        return set(replaced)
+        return set(replaced) | set(resized)
 
     def _say(self, kind: str, names: list[str], message: str) -> None:
         """Warn, once per parameter and kind, that a record leaves something out."""
@@ -742,10 +758,11 @@ class Monitor:
                 "idle",
                 idle,
                 f"step {self._step}: parameter(s) {{}} have a gradient but are not among the "
-                "parameters of the optimizer given to monitor.step(), and did not change: "
-                "update_ratio 0, they do not train (an optimizer made before they were unfrozen "
-                "or replaced? optimizer.add_param_group({{'params': [...]}}); another "
-                "optimizer stepping them after monitor.step()? call it after both)",
+                "parameters of the optimizer given to monitor.step(), and did not change this "
+                "step (update_ratio 0): held by no optimizer, they never train (an optimizer "
+                "made before they were unfrozen or replaced? optimizer.add_param_group("
+                "{{'params': [...]}}); another optimizer stepping them after monitor.step()? "
+                "call it after both)",
             )
         return params
 

@@ -28,7 +28,7 @@ class MonitorRecord:
         params: ``{parameter: {stat: value}}``: ``grad_norm`` (absent when the parameter got
             no gradient; the averaged gradient under DDP), ``weight_norm`` and, with an optimizer,
             ``update_ratio`` = ``|w_after - w_before| / |w_before|``, absent on the step a
-            parameter was set to train or replaced (after the monitor copied the values before
+            parameter was set to train, replaced or resized (after the monitor copied the values before
             the step; a :class:`MonitorWarning` names it, once). A parameter with a gradient
             that the optimizer does not hold has ``update_ratio`` 0, with a warning.
         alerts: diagnoses of this step (:class:`Alert`).
