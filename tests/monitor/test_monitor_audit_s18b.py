@@ -159,7 +159,7 @@ def test_parameters_unfrozen_or_frozen_during_training_are_recorded_as_they_trai
     recs, norms = [], []
     with hs.Monitor(net, alerts="off") as mon:
         for step in range(4):
-            if step == 1:  # unfrozen at the start of step 1
+            if step == 1:  # unfrozen at the start of step 1: said (no update ratio, below)
                 net[0].requires_grad_(True)
             if step == 3:  # frozen again at the start of step 3
                 net[0].requires_grad_(False)
@@ -168,7 +168,11 @@ def test_parameters_unfrozen_or_frozen_during_training_are_recorded_as_they_trai
             before = net[0].weight.detach().clone()
             opt.step()
             moved = (net[0].weight.detach() - before).norm().item() / before.norm().item()
-            recs.append(mon.step(opt))
+            if step == 1:
+                with pytest.warns(hs.MonitorWarning, match="'0.weight', '0.bias' set to train"):
+                    recs.append(mon.step(opt))
+            else:
+                recs.append(mon.step(opt))
             opt.zero_grad(set_to_none=False)
     assert "0.weight" not in recs[0].params
     assert _close(recs[1].params["0.weight"]["grad_norm"], norms[1])

@@ -18,7 +18,7 @@ from ..core._recompute import Recomputes, in_reentrant_checkpoint
 from ..core._scope import HookScope, _Hook, acts_here, get_ident, in_backward, quiet, thread_checked
 from ..core._sharded import local
 from ._sharded import TPLayouts
-from ._stats import Scratch, Vec, act_stats, grad_stats
+from ._stats import Scratch, Vec, act_stats, grad_stats, histogram, ranks_absmax
 
 __all__ = [
     "EndPassHook",
@@ -84,6 +84,8 @@ class StepHooks:
     scratch: Scratch
     margin: float = 0.0  # saturation margin
     bins: int = 0  # histogram bins (0: none)
+    # torch.distributed (data parallel): histograms bin over the ranks' combined range
+    shared: bool = False
     scaler: Any = None
     layouts: TPLayouts | None = None  # tensor parallel: the layout of each layer's output
     # reentrant checkpointing: forward calls waiting for their recompute (docs/pitfalls.md §27)
@@ -149,7 +151,15 @@ class LayerHook(_Hook):
             state.kinds[key] = h.layouts.kind(name, module, args, t)
         if h.acts:
             x = real_parts(t if type(t) is torch.Tensor else local(t))  # DTensor: this rank's shard
-            v, hist = act_stats(x, self.bounds, h.margin, h.bins, h.scratch)
+            # the histogram is the first micro-batch's: later ones bin nothing
+            bins = h.bins if key not in state.acts else 0
+            if bins and h.shared:
+                # under torch.distributed every rank bins over the combined batch's range
+                # (one all_reduce per layer call), so the ranks' counts add up exactly
+                v, _ = act_stats(x, self.bounds, h.margin, 0, h.scratch)
+                hist = histogram(x, ranks_absmax(v), bins)
+            else:
+                v, hist = act_stats(x, self.bounds, h.margin, bins, h.scratch)
             state.acts.setdefault(key, []).append((x.numel(), v, hist))
         if h.grads and t.requires_grad:
             h.scope.add_activation_grad_hook(t, _GradStats(h, key), layer=name)

@@ -102,8 +102,11 @@ class Monitor:
             ``update_ratio`` is 0, and the sentinel does not report its backward Inf.
         alerts: ``"warn"`` (:class:`MonitorWarning`), ``"log"`` (logger ``hookscope.monitor``),
             ``"both"`` or ``"off"``; alerts are in ``record.alerts`` in every case.
-        histograms: bins of device-side activation and gradient histograms (0: none); a
-            :class:`TensorBoardSink` with ``histograms=True`` asks for 32 bins.
+        histograms: bins of device-side activation histograms over ``[-absmax, absmax]``, of
+            each layer call's first micro-batch (0: none); a :class:`TensorBoardSink` with
+            ``histograms=True`` asks for 32 bins. Under torch.distributed they are the
+            combined batch's (every rank bins over the ranks' largest ``absmax``: one
+            ``all_reduce`` per monitored layer call of a logged step).
         keep: how many records ``monitor.records`` keeps (``None``: all).
         first_step: the index of the first step (a run resumed from a checkpoint: the number of
             optimizer steps already taken), so that records carry the run's step and ``every``
@@ -159,6 +162,8 @@ class Monitor:
         self.nonfinite: NonFiniteOrigin | None = None
         self._origin_rank: int | None = None  # the rank whose module graph made self.nonfinite
         self._warned_shares = False  # unequal batch shares across ranks, said once
+        self._warned_hist_micro = False  # histograms of the first micro-batch only, said once
+        self._said: set[tuple[str, str]] = set()  # (what, parameter) said once (see _say)
         self._params = []
         # every parameter of the watched layers; each logged step records those that train
         # (requires_grad) then: one frozen at creation and unfrozen later (fine-tuning) was
@@ -216,6 +221,10 @@ class Monitor:
     def _training_params(self) -> None:
         """The parameters this logged step records: those of the watched layers that require
         grad now (frozen or unfrozen since the last logged step)."""
+        # chosen again (a parameter replaced since, model.fc.weight = nn.Parameter(...), is
+        # the new one: the old one was recorded, stale, for the rest of the run)
+        if "parameters" in self.stats:
+            self._all_params = self._select_params()
         now = [(n, p) for n, p in self._all_params if p.requires_grad]
         if [id(p) for _, p in now] == [id(p) for _, p in self._params]:
             return
@@ -256,6 +265,7 @@ class Monitor:
             bins=self.bins,
             scaler=self.scaler,
             layouts=self._layouts,
+            shared=self._shared_range(),
         )
         try:
             if want_acts or want_grads:
@@ -266,6 +276,15 @@ class Monitor:
         except BaseException:
             scope.remove()
             raise
+
+    def _shared_range(self) -> bool:
+        """Do this step's histograms bin over the ranks' combined range (torch.distributed)?"""
+        return (
+            self.bins > 0
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size() > 1
+        )
 
     def _snapshot_weights(self) -> None:
         """Copy the weights before the step, for update-to-weight ratios (a buffer kept between
@@ -445,16 +464,20 @@ class Monitor:
             for key, entries in st.acts.items()
         }
         grads = {key: [pack.add(g) for g in gs] for key, gs in st.grads.items()}
+        replaced = self._drop_replaced(step) if "parameters" in self.stats else set()
         pslot = self._pack_params(pack)
-        late, lslot = self._pack_late_params(pack)
+        late, lslot = self._pack_late_params(pack, step, replaced, optimizer is not None)
         sslot = pack.add(st.scale.double()) if st.scale is not None else None
         scaling = _enabled(self.scaler)
         mine, rest = self._pack_skip_check(pack, optimizer, pslot) if scaling else ([], None)
         # a parameter frozen during the step keeps a stale .grad (zero_grad(set_to_none=False))
         has = [p.grad is not None and p.requires_grad for _, p in self._params]
-        if not len(pack):
+        if not len(pack) and not (self.stats and _world() > 1):
             return MonitorRecord(step)
-        got = pack.gather()
+        # under torch.distributed a rank with nothing to file gathers too: it skipped the
+        # collective, and the others joined their record with its next step's
+        layout = _layout(acts, grads, self._params, late, sslot, rest) if _world() > 1 else ""
+        got = pack.gather(step, layout)
         scale = (got.read(sslot)[0] or 1.0) if sslot is not None else 1.0
         layers, hists = self._layer_values(got, acts, grads, scale)
         params = self._param_values(got, pslot, has, scale, optimizer)
@@ -480,13 +503,90 @@ class Monitor:
         ws = [p for _, p in self._params]
         return pack.add(param_stats(ws, [p.grad for p in ws], self._before))
 
-    def _pack_late_params(self, pack: Packer) -> tuple[list[tuple[str, nn.Parameter]], int | None]:
-        """Parameters unfrozen since this step's hooks were attached (no weight snapshot: no
-        update ratio): their gradient and weight norms, filed; ``(params, slot)``."""
+    def _drop_replaced(self, step: int) -> set[str]:
+        """Parameters replaced (``model.fc.weight = nn.Parameter(...)``), resized
+        (``p.data = ...`` of another shape) or removed since this step's weights were copied:
+        the copy does not compare with the values after the step, so no update ratio can be
+        computed; they leave this step's list (a replaced or resized one is recorded with the
+        parameters unfrozen during the step, without an update ratio), said once per parameter.
+        Returns the names replaced or resized."""
+        self._all_params = self._select_params()
+        now = dict(self._all_params)
+        keep = [j for j, (n, p) in enumerate(self._params) if now.get(n) is p]
+        resized: list[str] = []
+        if self._before is not None:  # the same tensor given other values (p.data = ...)
+            ws = local_tensors([self._params[j][1] for j in keep])
+            same = [w.shape == self._before[j].shape for j, w in zip(keep, ws)]
+            resized = [self._params[j][0] for j, ok in zip(keep, same) if not ok]
+            keep = [j for j, ok in zip(keep, same) if ok]
+        if len(keep) == len(self._params):
+            return set()
+        names = [n for j, (n, _) in enumerate(self._params) if j not in set(keep)]
+        if self._before is not None:
+            self._before = [self._before[j] for j in keep]
+        self._params = [self._params[j] for j in keep]
+        self._sharded = any_sharded(self._params)
+        replaced = [n for n in names if n in now and n not in resized]
+        gone = [n for n in names if n not in now]
+        if resized:
+            self._say(
+                "resized",
+                resized,
+                f"step {step}: parameter(s) {{}} changed shape during the step (p.data = ...) "
+                "after the monitor copied their values before the step: this record has their "
+                "gradient and weight norms but no update_ratio (the values before and after "
+                "do not compare); the next logged steps have it",
+            )
+        if replaced:
+            self._say(
+                "replaced",
+                replaced,
+                f"step {step}: parameter(s) {{}} replaced by another tensor during the step "
+                "(model.<layer>.<name> = nn.Parameter(...)) after the monitor copied their "
+                "values before the step: this record has the new parameter's gradient and "
+                "weight norms but no update_ratio (the value before the step was the old "
+                "tensor's); the next logged steps have it. An optimizer made before the "
+                "replacement still holds the old tensor and does not step the new one",
+            )
+        if gone:
+            self._say(
+                "removed",
+                gone,
+                f"step {step}: parameter(s) {{}} are no longer parameters of the monitored layers "
+                "(removed, or their module replaced: a module put in the model after the "
+                "Monitor was made is not monitored; make a new Monitor): not recorded",
+            )
+        return set(replaced) | set(resized)
+
+    def _say(self, kind: str, names: list[str], message: str) -> None:
+        """Warn, once per parameter and kind, that a record leaves something out."""
+        new = [n for n in names if (kind, n) not in self._said]
+        if not new:
+            return
+        self._said.update((kind, n) for n in new)
+        warnings.warn("Monitor: " + message.format(some_names(new)), MonitorWarning, stacklevel=5)
+
+    def _pack_late_params(
+        self, pack: Packer, step: int, replaced: set[str], ratios: bool
+    ) -> tuple[list[tuple[str, nn.Parameter]], int | None]:
+        """Parameters unfrozen (or replaced) since this step's hooks were attached (no weight
+        snapshot: no update ratio, said once per parameter): their gradient and weight norms,
+        filed; ``(params, slot)``."""
         ids = {id(p) for _, p in self._params}
         late = [(n, p) for n, p in self._all_params if p.requires_grad and id(p) not in ids]
         if not late:
             return late, None
+        unfrozen = [n for n, _ in late if n not in replaced]
+        if unfrozen and ratios:
+            self._say(
+                "unfrozen",
+                unfrozen,
+                f"step {step}: parameter(s) {{}} set to train (requires_grad=True) during the "
+                "step, after the monitor copied the trained weights' values before it: this "
+                "record has their gradient and weight norms but no update_ratio; the next "
+                "logged steps have it (unfreeze before the previous monitor.step() to have it "
+                "on this one)",
+            )
         check_params([(n, p) for n, p in late if id(p) not in self._checked])
         self._checked.update(id(p) for _, p in late)
         if any_sharded(late):
@@ -536,7 +636,7 @@ class Monitor:
         scale: float,
     ) -> tuple[dict[str, dict[str, float]], dict[str, tuple[list[float], list[float]]]]:
         """Per layer call: activation and output-gradient statistics combined over micro-batches
-        and ranks; activation histograms (rank 0's)."""
+        and ranks; activation histograms (of the first micro-batch, every rank's)."""
         st, tp = self._state, self._tp
         layers: dict[str, dict[str, float]] = {}
         hists: dict[str, tuple[list[float], list[float]]] = {}
@@ -553,8 +653,18 @@ class Monitor:
                 ns += ns_k
                 vs += vs_k
             layers[key] = combine_acts(ns, vs)
-            if hslot is not None:  # histogram of rank 0, over [-absmax, absmax]
-                a, counts = vs[0][2], got.read(hslot)
+            if hslot is not None:  # the first micro-batch's histogram over [-absmax, absmax]
+                if len(micro) > 1 and not self._warned_hist_micro:
+                    self._warned_hist_micro = True
+                    warnings.warn(
+                        f"Monitor: step {self._step} ran {len(micro)} micro-batches (layer "
+                        f"{key!r}); its activation histograms are of the first micro-batch "
+                        "only (binned while it ran, over its own absmax: the later ones were "
+                        "not yet known), while the other statistics cover every micro-batch",
+                        MonitorWarning,
+                        stacklevel=4,
+                    )
+                a, counts = self._histogram(got, key, micro[0][1], hslot)
                 edges = [a * (-1 + 2 * (j + 1) / len(counts)) for j in range(len(counts))]
                 hists[f"activations/{key}"] = (edges, counts)
         # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
@@ -575,6 +685,24 @@ class Monitor:
                 gs += gs_k
             layers.setdefault(key, {}).update(combine_grads(gs, gscale))
         return layers, hists
+
+    def _histogram(
+        self, got: Packed, key: str, vslot: int, hslot: int
+    ) -> tuple[float, list[float]]:
+        """A layer call's histogram of its first micro-batch: ``(absmax, counts)``. Under
+        torch.distributed every rank binned over the ranks' largest ``absmax``
+        (``ranks_absmax``), so the counts add up: those of one process on the combined batch
+        (tensor parallel: a replicated output counted once per data-parallel group, the shards
+        of a sharded one added, as the other statistics)."""
+        if got.world == 1:
+            return got.read(vslot)[2], got.read(hslot)
+        each = got.each(hslot)
+        if self._tp is not None:
+            replicated = self._state.kinds.get(key) == "replicate"
+            each = tp_pieces([0.0] * len(each), each, replicated, self._tp[1])[1]
+        ams = [r[2] for r in got.each(vslot)]
+        a = math.nan if any(math.isnan(v) for v in ams) else max(ams)
+        return a, [sum(c) for c in zip(*each)]
 
     def _unequal_shares(self, layer: str, counts: list[float]) -> None:
         """Warn (once) that the ranks ran unequal shares of the batch: DDP (FSDP2) averages the
@@ -608,15 +736,34 @@ class Monitor:
         row = (  # full-tensor norms from every rank's shards; DDP: the same on every rank
             sum_ranks_sqrt(got.each(pslot)) if self._sharded else got.read(pslot)
         )
-        for j, (pname, _) in enumerate(self._params):
+        stepped = (
+            {id(p) for g in optimizer.param_groups for p in g["params"]}
+            if optimizer is not None and self._before is not None
+            else None
+        )
+        idle = []  # trained (a gradient), unchanged, and not the optimizer's: it never trains
+        for j, (pname, p) in enumerate(self._params):
             gn, wn, un, bn = row[4 * j : 4 * j + 4]
             d = {}
             if has[j]:  # a NaN gradient is reported as NaN, never as "no gradient"
                 d["grad_norm"] = gn / pscale
             d["weight_norm"] = wn
-            if optimizer is not None and self._before is not None:
+            if stepped is not None:
                 d["update_ratio"] = un / bn if bn > 0 else (0.0 if un == 0 else math.inf)
+                if has[j] and un == 0 and id(p) not in stepped:
+                    idle.append(pname)
             params[pname] = d
+        if idle:
+            self._say(
+                "idle",
+                idle,
+                f"step {self._step}: parameter(s) {{}} have a gradient but are not among the "
+                "parameters of the optimizer given to monitor.step(), and did not change this "
+                "step (update_ratio 0): held by no optimizer, they never train (an optimizer "
+                "made before they were unfrozen or replaced? optimizer.add_param_group("
+                "{{'params': [...]}}); another optimizer stepping them after monitor.step()? "
+                "call it after both)",
+            )
         return params
 
     def _sentinel_check(self) -> NonFiniteOrigin | None:
@@ -658,7 +805,7 @@ class Monitor:
             )
         tracker.reset()
         # distributed: a NaN another rank made arrives here through the gradient reduction
-        origin, self._origin_rank = origin_across_ranks(origin, own, self._reduced)
+        origin, self._origin_rank = origin_across_ranks(origin, own, self._reduced, self._step)
         if origin is not None and self.nonfinite is None:
             self.nonfinite = origin
         return origin
@@ -780,6 +927,30 @@ def _sink_name(sink: Any) -> str:
     if owner is not None:
         return type(owner).__name__
     return getattr(sink, "__qualname__", None) or type(sink).__name__
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _layout(
+    acts: Mapping[str, tuple[list[Any], int | None]],
+    grads: Mapping[str, list[int]],
+    params: list[tuple[str, nn.Parameter]],
+    late: list[tuple[str, nn.Parameter]],
+    sslot: int | None,
+    rest: int | None,
+) -> str:
+    """What a step filed, in order (layer calls with their micro-batch counts and histograms,
+    gradient entries, parameters): equal on every rank, or their records do not join."""
+    return " ".join(
+        [f"{k}x{len(m)}{'h' if h is not None else ''}" for k, (m, h) in acts.items()]
+        + [f"g:{k}x{len(v)}" for k, v in grads.items()]
+        + [f"p:{n}" for n, _ in params]
+        + [f"late:{n}" for n, _ in late]
+        + (["scale"] if sslot is not None else [])
+        + (["rest"] if rest is not None else [])
+    )
 
 
 def _rank() -> int:

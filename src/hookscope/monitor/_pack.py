@@ -17,6 +17,8 @@ Example:
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.distributed as dist
 
@@ -49,8 +51,12 @@ class Packer:
         self._slots.append((True, len(self._hosts) - 1))
         return len(self._slots) - 1
 
-    def gather(self) -> Packed:
-        """Every rank's values, end to end, with one host transfer (see :func:`_gather`)."""
+    def gather(self, step: int = 0, layout: str = "") -> Packed:
+        """Every rank's values, end to end, with one host transfer (see :func:`_gather`).
+        Under torch.distributed the ranks' values are joined by position, so every rank must
+        file the same statistics of the same step: ``step`` and ``layout`` (what was filed, in
+        order: names and counts) are compared across ranks with the vector sizes (no other
+        collective), and a difference raises on every rank."""
         sizes = [len(p) if isinstance(p, list) else p.numel() for p in self._parts]
         starts = [0]
         for s in sizes:
@@ -60,7 +66,7 @@ class Packer:
             (host0 + i, host0 + i + 1) if host else (starts[i], starts[i + 1])
             for host, i in self._slots
         ]
-        return Packed(_gather(self._parts, self._hosts), spans)
+        return Packed(_gather(self._parts, self._hosts, step, layout), spans)
 
 
 class Packed:
@@ -87,10 +93,13 @@ class Packed:
         return [r[a:b] for r in self._ranks]
 
 
-def _gather(parts: list[Vec], hosts: list[float]) -> list[list[float]]:
-    """Every rank's vector, ``parts`` then ``hosts`` end to end (one ``all_gather``); just this
-    rank's without torch.distributed. Statistics computed on the host (lists) stay Python floats;
-    device tensors are read with one transfer."""
+def _gather(
+    parts: list[Vec], hosts: list[float], step: int = 0, layout: str = ""
+) -> list[list[float]]:
+    """Every rank's vector, ``parts`` then ``hosts`` end to end (one ``all_gather``, after one of
+    each rank's ``[size, step, layout hash]``); just this rank's without torch.distributed.
+    Statistics computed on the host (lists) stay Python floats; device tensors are read with one
+    transfer."""
     single = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
     if single and all(isinstance(p, list) for p in parts):
         return [[v for p in parts for v in p] + hosts]  # type: ignore[union-attr]
@@ -109,13 +118,26 @@ def _gather(parts: list[Vec], hosts: list[float]) -> list[list[float]]:
     if single:
         return [flat.tolist()]
     world = dist.get_world_size()
-    n = torch.tensor([flat.numel()], device=flat.device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    if len({int(s) for s in sizes}) != 1:
+    n = torch.tensor([flat.numel(), step, zlib.crc32(layout.encode())], device=flat.device)
+    heads = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(heads, n)
+    sizes, steps, layouts = ([int(h[i]) for h in heads] for i in range(3))
+    if len(set(steps)) != 1:
         raise RuntimeError(
-            "Monitor: ranks recorded different layer calls this step "
-            f"(vector sizes {[int(s) for s in sizes]}); every rank must run the same layers"
+            f"Monitor: the ranks recorded different steps together (steps {steps} on ranks "
+            f"0-{world - 1}): each rank numbers its steps by its own monitor.step() calls, and "
+            "the ranks' records are joined in call order, so they would mix different steps. "
+            "Call monitor.step() on every rank once per optimizer step, also on a step a rank "
+            "skips (a NaN loss, an empty batch), with the same first_step on every rank"
+        )
+    if len(set(sizes)) != 1 or len(set(layouts)) != 1:
+        raise RuntimeError(
+            f"Monitor: ranks recorded different layer calls or parameters at step {step} "
+            f"(vector sizes {sizes}"
+            + (", the same sizes but other names or order" if len(set(sizes)) == 1 else "")
+            + "); every rank must run the same monitored layers, in the same order, with the "
+            "same micro-batches, and train the same parameters (this rank: "
+            f"{layout[:300]})"
         )
     out = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(out, flat)

@@ -27,7 +27,10 @@ class MonitorRecord:
             of the ranks' losses, as DDP averages gradients).
         params: ``{parameter: {stat: value}}``: ``grad_norm`` (absent when the parameter got
             no gradient; the averaged gradient under DDP), ``weight_norm`` and, with an optimizer,
-            ``update_ratio`` = ``|w_after - w_before| / |w_before|``.
+            ``update_ratio`` = ``|w_after - w_before| / |w_before|``, absent on the step a
+            parameter was set to train, replaced or resized (after the monitor copied the values before
+            the step; a :class:`MonitorWarning` names it, once). A parameter with a gradient
+            that the optimizer does not hold has ``update_ratio`` 0, with a warning.
         alerts: diagnoses of this step (:class:`Alert`).
         nonfinite: where the first NaN/Inf came from (sentinel mode), or ``None``.
         histograms: ``{tag: (bucket_limits, counts)}`` when histograms were requested.

@@ -153,7 +153,9 @@ def grads_reduced(model: torch.nn.Module) -> bool:
     return wrapping_ddp(model) is not None
 
 
-def origin_across_ranks(origin: Any, own: bool, reduced: bool) -> tuple[Any, int | None]:
+def origin_across_ranks(
+    origin: Any, own: bool, reduced: bool, step: int = 0
+) -> tuple[Any, int | None]:
     """Under torch.distributed: the NaN/Inf origin this rank reports, and the rank that saw it.
 
     A gradient reduction (DDP's all-reduce, FSDP2's reduce-scatter) carries a NaN made on one rank
@@ -165,7 +167,9 @@ def origin_across_ranks(origin: Any, own: bool, reduced: bool) -> tuple[Any, int
     sentinel check, and one broadcast at a step where some rank found an origin. ``(origin,
     None)`` for a model whose gradients are not reduced across ranks (``reduced``, from
     :func:`grads_reduced`: then no collective is made, and a monitor may run on one rank alone),
-    or when no rank found one in its module graph."""
+    or when no rank found one in its module graph. The same ``all_reduce`` compares the ranks'
+    ``step`` (each monitor's own count): ranks at different steps raise, on every rank, instead
+    of handing each other the origins of other steps."""
     import torch.distributed as dist
 
     if not reduced:
@@ -174,9 +178,17 @@ def origin_across_ranks(origin: Any, own: bool, reduced: bool) -> tuple[Any, int
     dev = torch.device("cpu")
     if dist.get_backend() == "nccl":
         dev = torch.device("cuda", torch.cuda.current_device())
-    first = torch.tensor([rank if origin is not None and own else world], device=dev)
+    first = torch.tensor([rank if origin is not None and own else world, step, -step], device=dev)
     dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    src = int(first.item())
+    src, low, high = (int(v) for v in first.tolist())
+    if low != -high:
+        raise RuntimeError(
+            f"Monitor: the ranks are at different steps (from {low} to {-high}): each rank "
+            "numbers its steps by its own monitor.step() calls, and the sentinel's ranks "
+            "exchange what they found each step, so they would mix different steps. Call "
+            "monitor.step() on every rank once per optimizer step, also on a step a rank skips "
+            "(a NaN loss, an empty batch), with the same first_step on every rank"
+        )
     if src == world:
         return origin, None if origin is None else rank
     box = [origin]

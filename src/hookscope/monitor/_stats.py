@@ -25,8 +25,10 @@ __all__ = [
     "combine_grads",
     "cpu_norm",
     "grad_stats",
+    "histogram",
     "minmax",
     "param_stats",
+    "ranks_absmax",
     "saturation_bounds",
 ]
 
@@ -188,17 +190,41 @@ def act_stats(
             vec.append(float(sat))
         else:
             vec = torch.cat([vec, sat.double().reshape(1)])
-    hist = None
-    if bins > 0:
-        x32 = x.float()
-        absmax = (
-            torch.tensor(max(vec[2], 1e-30), dtype=torch.float32)
-            if isinstance(vec, list)
-            else vec[2].float().clamp_min(1e-30)
-        )
-        y = torch.where(torch.isfinite(x32), x32, 0.0) / absmax
-        hist = torch.histc(y, bins=bins, min=-1.0, max=1.0).double()
+    hist = histogram(x, vec[2], bins) if bins > 0 else None
     return vec, hist
+
+
+def histogram(x: torch.Tensor, absmax: float | torch.Tensor, bins: int) -> torch.Tensor:
+    """Counts of ``x / absmax`` over ``[-1, 1]`` in ``bins`` bins (non-finite values counted as
+    0), float64. Each value's bin depends on that value and ``absmax`` only, so the counts of
+    several tensors binned with one ``absmax`` add up to those of their concatenation."""
+    x32 = x.detach().float()
+    a = (
+        absmax.float().clamp_min(1e-30)
+        if isinstance(absmax, torch.Tensor)
+        else torch.tensor(max(absmax, 1e-30), dtype=torch.float32)
+    )
+    y = torch.where(torch.isfinite(x32), x32, 0.0) / a.to(x32.device)
+    return torch.histc(y, bins=bins, min=-1.0, max=1.0).double()
+
+
+def ranks_absmax(vec: Vec) -> float | torch.Tensor:
+    """The largest ``absmax`` (``vec[2]``) of every rank, NaN if any rank's is NaN (one
+    ``all_reduce`` of two numbers): the range a histogram of the combined batch bins over."""
+    import torch.distributed as dist
+
+    a = vec[2]
+    if isinstance(a, torch.Tensor):
+        am = a.double().reshape(1)
+    else:
+        am = torch.tensor([a], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        am = am.to(torch.device("cuda", torch.cuda.current_device()))
+    nan = torch.isnan(am)
+    t = torch.cat([torch.where(nan, 0.0, am), nan.double()])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    top = torch.where(t[1] > 0, math.nan, t[0])
+    return top.to(a.device) if isinstance(a, torch.Tensor) else float(top)
 
 
 def _lower(a: float, b: float) -> float:
