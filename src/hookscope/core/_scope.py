@@ -28,7 +28,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,8 +41,10 @@ from ._compiled import (
     generate_guard,
     index_generate,
     named_modules,
+    named_parameters,
     region_of,
     routing,
+    strip_compiled,
 )
 from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError, enter_once
 from ._nested import describe_call, map_tensors
@@ -50,6 +52,7 @@ from ._nested import describe_call, map_tensors
 __all__ = [
     "HookScope",
     "acts_here",
+    "attribute_path",
     "check_model",
     "get_ident",
     "graph_task_id",
@@ -57,6 +60,7 @@ __all__ = [
     "internal_run",
     "locate_errors",
     "note_exception",
+    "note_stripped",
     "quiet",
     "thread_checked",
 ]
@@ -449,6 +453,11 @@ class HookScope:
         # hooks placed by add_forward_many: (the module's hook dict, the hook's id)
         self._direct: list[tuple[dict[int, Any], int]] = []
         self._on_remove: list[Callable[[], None]] = []
+        # where the hooks sit (track): the model, {name: module}, {name: parameter}, held weakly
+        self._places: tuple[Any, dict[str, Any], dict[str, Any]] | None = None
+        self._replaced_at_removal: dict[str, str] = {}  # replaced(), as it was at removal
+        # layers whose hooks hs.remove_hooks took while the scope was active (see stripped)
+        self.stripped: set[str] = set()
 
     # -- registration -------------------------------------------------------------------------
     def _wrap(self, fn: Callable[..., Any], kind: str, layer: str) -> _Hook:
@@ -684,6 +693,87 @@ class HookScope:
         """Run ``fn()`` when the scope is removed (release per-scope state)."""
         self._on_remove.append(fn)
 
+    # -- where the hooks sit ----------------------------------------------------------------------
+    def track(
+        self,
+        model: nn.Module,
+        modules: Mapping[str, nn.Module] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Remember that this scope's hooks of layer ``name`` sit on ``modules[name]`` (and those
+        of parameter ``name`` on ``params[name]``), found at that name in ``model``, so that
+        :meth:`replaced` can tell when the model holds another object there now (``model.fc =
+        nn.Linear(...)`` while the scope is open: the new module runs without its hooks). Held
+        weakly; nothing is added to the hooks' path: the check runs when asked and once at
+        removal (:meth:`replaced` of a removed scope answers as it was then)."""
+        if self._places is None:
+            self._places = (weakref.ref(model), {}, {})
+        mods, prms = self._places[1], self._places[2]
+        for name, module in (modules or {}).items():
+            mods[name] = weakref.ref(module)
+        for name, p in (params or {}).items():
+            prms[name] = weakref.ref(p)
+
+    def replaced(self, name: str) -> str | None:
+        """If the model no longer holds, at ``name``, the module (or parameter) this scope hooked
+        there (see :meth:`track`): what it holds now, for a message (``"model.fc is now another
+        Linear"``); else ``None``. For a removed scope: as it was when it was removed."""
+        if not self.active:
+            return self._replaced_at_removal.get(name)
+        if self._places is None:
+            return None
+        return self._check_places([name], {}).get(name)
+
+    def replaced_all(self) -> dict[str, str]:
+        """:meth:`replaced` of every tracked name, ``{name: what the model holds there now}``,
+        for those whose module (or parameter) is not the one hooked."""
+        if not self.active:
+            return dict(self._replaced_at_removal)
+        if self._places is None:
+            return {}
+        return self._check_places([*self._places[1], *self._places[2]], {})
+
+    def _check_places(self, names: Iterable[str], memo: dict[str, Any]) -> dict[str, str]:
+        """:meth:`replaced` for each of ``names`` (the tracked ones), walking the model's own
+        ``_modules`` / ``_parameters`` by name (``memo``: the modules found so far, by name)."""
+        places = self._places
+        model = places[0]() if places is not None else None
+        if model is None or places is None:  # (the model is gone: nothing runs unhooked)
+            return {}
+        mods, prms = places[1], places[2]
+        found: dict[str, str] = {}
+        full: dict[str, Any] = {}  # named_modules / named_parameters, built on a first mismatch
+        for name in names:
+            ref = mods.get(name)
+            is_param = ref is None
+            if is_param:
+                ref = prms.get(name)
+                if ref is None:
+                    continue
+            hooked = ref()
+            if is_param:
+                parent, _, last = name.rpartition(".")
+                owner = _module_at(model, parent, memo)
+                kept = getattr(owner, "_parameters", None)
+                now = kept.get(last) if isinstance(kept, dict) else None
+            else:
+                now = _module_at(model, name, memo)
+            if now is hooked and hooked is not None:
+                continue
+            if not full:  # a class that names its parts in its own way: ask it
+                full["m"] = dict(named_modules(model))
+                full["p"] = dict(named_parameters(model))
+            now = full["p" if is_param else "m"].get(name)
+            if now is hooked and hooked is not None:
+                continue
+            found[name] = _describe_place(name, hooked, now, is_param)
+        return found
+
+    def _note_stripped(self, layers: Iterable[str]) -> None:
+        """hs.remove_hooks took this scope's hooks of ``layers`` while it was active."""
+        if self.active:
+            self.stripped.update(layers)
+
     # -- lifecycle -------------------------------------------------------------------------------
     @property
     def num_hooks(self) -> int:
@@ -698,6 +788,7 @@ class HookScope:
         """Remove every hook of this scope. Safe to call several times."""
         if not self.active:
             return
+        self._replaced_at_removal = self.replaced_all()  # what replaced() says from now on
         self.active = False
         handles, self._handles = self._handles, []
         for h in handles:
@@ -724,6 +815,58 @@ class HookScope:
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return f"<{type(self).__name__} {self.owner!r} #{self.id} {state}, {self.num_hooks} hooks>"
+
+
+def _module_at(model: nn.Module, name: str, memo: dict[str, Any]) -> Any:
+    """The module at dotted ``name`` of ``model`` (hookscope's names: a ``torch.compile``
+    wrapper and the module it wraps share one), through each module's ``_modules``; ``None``
+    when there is none. ``memo`` keeps the modules found, by name, for the next names."""
+    if name in memo:
+        return memo[name]
+    if not name:
+        found: Any = strip_compiled(model)
+    else:
+        parent, _, last = name.rpartition(".")
+        owner = _module_at(model, parent, memo)
+        children = getattr(owner, "_modules", None)
+        found = children.get(last) if isinstance(children, dict) else None
+        if isinstance(found, nn.Module):
+            found = strip_compiled(found)
+    memo[name] = found
+    return found
+
+
+def attribute_path(name: str) -> str:
+    """``"layers.0.fc"`` as the code that reaches it writes it: ``model.layers[0].fc``."""
+    if not name:
+        return "model"
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in name.split("."))
+
+
+def _describe_place(name: str, hooked: Any, now: Any, is_param: bool) -> str:
+    """What the model holds at ``name`` instead of ``hooked`` (a dead reference: ``None``)."""
+    where = attribute_path(name)
+    if now is None:
+        return f"{where} is no longer in the model"
+    if is_param:
+        return f"{where} is now another {type(now).__name__} (shape {tuple(now.shape)})"
+    if hooked is None:
+        return f"{where} is now another module, a {type(now).__name__}"
+    if type(now) is type(hooked):
+        return f"{where} is now another {type(now).__name__}"
+    return f"{where} is now a {type(now).__name__}, not the {type(hooked).__name__} hooked there"
+
+
+def note_stripped(removed: Mapping[int, set[str]]) -> None:
+    """``hs.remove_hooks`` took the hooks ``{scope id: layers}``: each active scope of those ids
+    remembers it (:attr:`HookScope.stripped`), so what it says later of those layers (nothing
+    recorded, nothing edited) names the cause instead of "never ran"."""
+    if not removed:
+        return
+    with _RUNS_LOCK:
+        scopes = [s for s in list(_LIVE) if s.id in removed]
+    for s in scopes:
+        s._note_stripped(removed[s.id])
 
 
 def locate_errors(model: nn.Module) -> HookScope:

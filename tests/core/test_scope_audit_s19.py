@@ -1,0 +1,248 @@
+"""Audit s19: a scope whose hooks stop seeing a layer's calls while it is open says so.
+
+Two ways a scope's hooks stop seeing a layer while the scope is open: the model gets another
+module at the layer's name (``model.fc = nn.Linear(...)``, ``model.layers[0] = ...``: the
+hooks stay on the module it replaced), or ``hs.remove_hooks(model)`` takes them. Before, a
+capture read then said the layer "never ran" (false), or gave the replaced module's value (or
+the one recorded before ``remove_hooks``) as the layer's last call without a word; an edit warned
+"never ran", or nothing at all when the replaced module had run before. Each test checks the
+message (the layer, the cause, the fix), and the normal paths give the exact values of a plain
+hook written by hand.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+        self.layers = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+        self.seq = nn.Sequential(nn.Linear(3, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.fc(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.seq(x)
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 3, generator=torch.Generator().manual_seed(1))
+
+
+def _hand(model: nn.Module, name: str, x: torch.Tensor) -> torch.Tensor:
+    """The output of ``name`` in ``model(x)``, by a plain forward hook written by hand."""
+    got: list[torch.Tensor] = []
+    h = model.get_submodule(name).register_forward_hook(
+        lambda m, i, o: got.append(o.detach().clone())
+    )
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        h.remove()
+    assert len(got) == 1
+    return got[0]
+
+
+def _new_linear() -> nn.Linear:
+    torch.manual_seed(5)
+    return nn.Linear(3, 3)
+
+
+# -- a module replaced while a capture is open ------------------------------------------------
+
+
+def test_capture_of_a_module_replaced_inside_the_scope_names_it_and_the_fix() -> None:
+    # before: LayerNotRunError "'fc' ... never called through module(...)", which was false
+    model, x = _net(), _x()
+    with hs.capture(model, ["fc"]) as cap:
+        model.fc = _new_linear()
+        model(x)
+    with pytest.raises(
+        hs.LayerNotRunError,
+        match=r"layer 'fc' was replaced while this capture was open \(model\.fc is now another "
+        r"module, a Linear\).*calls of the new module are not recorded.*open the capture after "
+        r"replacing model\.fc",
+    ):
+        cap["fc"]
+    with pytest.raises(hs.LayerNotRunError, match="replaced while this capture was open"):
+        cap.calls("fc")
+
+
+def test_capture_of_a_module_replaced_after_it_ran_refuses_the_stale_value() -> None:
+    # before: cap["fc"] silently gave the replaced module's output of the first run as the
+    # layer's last call, though the model's last run called the new module
+    model, x = _net(), _x()
+    old = model.fc
+    with hs.capture(model, "fc") as cap:
+        model(x)
+        model.fc = _new_linear()
+        model(x + 1)
+    with pytest.raises(
+        hs.LayerNotRunError,
+        match=r"layer 'fc' was replaced while this capture was open \(model\.fc is now another "
+        r"Linear\).*what was recorded is the replaced module's; open the capture after "
+        r"replacing model\.fc",
+    ):
+        cap["fc"]
+    assert old is not model.fc
+
+
+def test_capture_glob_with_a_module_list_item_replaced_names_the_item() -> None:
+    model, x = _net(), _x()
+    old = model.layers[0]  # (held: the message names the class it replaced)
+    with hs.capture(model, "layers.*") as cap:
+        model.layers[0] = nn.Dropout(0.0)
+        model(x)
+    with pytest.raises(
+        hs.LayerNotRunError,
+        match=r"layer 'layers\.0' was replaced .*\(model\.layers\[0\] is now a Dropout, not "
+        r"the Linear hooked there\).*open the capture after replacing model\.layers\[0\]",
+    ):
+        cap["layers.0"]
+    assert old is not model.layers[0]
+    # the other layer of the glob is exact
+    torch.testing.assert_close(cap["layers.1"], _hand(model, "layers.1", x), rtol=0, atol=0)
+
+
+def test_capture_of_a_sequential_item_replaced() -> None:
+    model, x = _net(), _x()
+    with hs.capture(model, "seq.0") as cap:
+        model.seq[0] = _new_linear()
+        model(x)
+    with pytest.raises(hs.LayerNotRunError, match=r"model\.seq\[0\] is now another module"):
+        cap["seq.0"]
+
+
+def test_capture_inputs_of_a_replaced_module() -> None:
+    model, x = _net(), _x()
+    with hs.capture(model, "fc", inputs=True) as cap:
+        model.fc = _new_linear()
+        model(x)
+    with pytest.raises(hs.LayerNotRunError, match="layer 'fc' was replaced"):
+        cap.inputs["fc"]
+    with pytest.raises(hs.LayerNotRunError, match="layer 'fc' was replaced"):
+        cap.grads["fc"]
+
+
+def test_capture_stop_of_a_replaced_module_says_so_at_exit() -> None:
+    # before: "capture(stop=True): layer(s) 'fc' of Net never ran ..."
+    model, x = _net(), _x()
+    with (
+        pytest.raises(
+            hs.LayerNotRunError,
+            match=r"capture\(stop=True\): layer 'fc' was replaced while this capture was open.*"
+            r"open the capture after replacing model\.fc",
+        ),
+        hs.capture(model, "fc", stop=True),
+    ):
+        model.fc = _new_linear()
+        model(x)
+
+
+def test_capture_read_after_a_replacement_made_once_the_scope_closed_is_exact() -> None:
+    model, x = _net(), _x()
+    want = _hand(model, "fc", x)
+    with hs.capture(model, "fc") as cap:
+        model(x)
+    model.fc = _new_linear()  # after the scope: what it recorded is the layer's own call
+    torch.testing.assert_close(cap["fc"], want, rtol=0, atol=0)
+
+
+def test_selection_built_before_a_replacement_hooks_the_new_module() -> None:
+    # hs.find's {name: module} is resolved again by name when the scope opens: the new module
+    model, x = _net(), _x()
+    chosen = hs.find(model, "fc")
+    model.fc = _new_linear()
+    with hs.capture(model, chosen) as cap:
+        model(x)
+    torch.testing.assert_close(cap["fc"], _hand(model, "fc", x), rtol=0, atol=0)
+
+
+def test_capture_with_nothing_replaced_is_exact_and_quiet() -> None:
+    model, x = _net(), _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hs.capture(model, ["fc", "layers.0", "seq.0"]) as cap:
+            model(x)
+        for name in ("fc", "layers.0", "seq.0"):
+            torch.testing.assert_close(cap[name], _hand(model, name, x), rtol=0, atol=0)
+
+
+# -- hs.remove_hooks while a capture is open ---------------------------------------------------
+
+
+def test_capture_whose_hooks_remove_hooks_took_says_so_not_never_ran() -> None:
+    model, x = _net(), _x()
+    with hs.capture(model, "fc") as cap:
+        assert hs.remove_hooks(model) == 1
+        model(x)
+    with pytest.raises(
+        hs.LayerNotRunError,
+        match=r"the hooks of this capture were removed by hs\.remove_hooks\(\.\.\.\) while it "
+        r"was open, so 'fc' recorded nothing after that \(and nothing before\): keep "
+        r"hs\.remove_hooks for scopes that were never closed",
+    ) as info:
+        cap["fc"]
+    assert "never called" not in str(info.value)
+
+
+def test_capture_read_after_remove_hooks_warns_that_later_calls_are_missing() -> None:
+    # before: the first run's value, silently, though the model ran again after the removal
+    model, x = _net(), _x()
+    want = _hand(model, "fc", x)
+    with hs.capture(model, "fc") as cap:
+        model(x)
+        hs.remove_hooks(model)
+        model(x + 1)
+    with pytest.warns(
+        hs.HookscopeWarning,
+        match=r"removed by hs\.remove_hooks\(\.\.\.\) while it was open, so 'fc' recorded "
+        r"nothing after that: the values read are those recorded before it",
+    ):
+        got = cap["fc"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the value recorded, exact
+
+
+def test_capture_stop_whose_hooks_remove_hooks_took() -> None:
+    model, x = _net(), _x()
+    with (
+        pytest.raises(
+            hs.LayerNotRunError,
+            match=r"capture\(stop=True\): the hooks of this capture were removed by "
+            r"hs\.remove_hooks",
+        ),
+        hs.capture(model, "fc", stop=True),
+    ):
+        hs.remove_hooks(model)
+        model(x)
+
+
+def test_remove_hooks_on_a_scope_never_closed_is_quiet() -> None:
+    # its documented use: no warning when it removes, and the values recorded stay readable
+    # (a read of a layer it took hooks from warns, once: calls after it are missing)
+    model, x = _net(), _x()
+    want = _hand(model, "layers.1", x)
+    cap = hs.capture(model, "layers.1")
+    model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hs.remove_hooks(model) == 1
+    with pytest.warns(hs.HookscopeWarning, match="'layers.1' recorded nothing after that"):
+        torch.testing.assert_close(cap["layers.1"], want, rtol=0, atol=0)
+    cap.remove()
