@@ -246,3 +246,171 @@ def test_remove_hooks_on_a_scope_never_closed_is_quiet() -> None:
     with pytest.warns(hs.HookscopeWarning, match="'layers.1' recorded nothing after that"):
         torch.testing.assert_close(cap["layers.1"], want, rtol=0, atol=0)
     cap.remove()
+
+
+# -- edit, edit_grads, clip_grads ---------------------------------------------------------------
+
+
+def test_edit_of_a_module_replaced_inside_the_scope_warns_naming_it() -> None:
+    # before: "edit: layer(s) 'fc' never ran while the scope was open ..."
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"edit: layer\(s\) 'fc' were replaced while the scope was open \(model\.fc is "
+            r"now another module, a Linear\), so the new one was not edited.*open the scope after "
+            r"replacing model\.fc",
+        ) as rec,
+        hs.edit(model, {"fc": hs.ops.zero()}),
+    ):
+        model.fc = _new_linear()
+        with torch.no_grad():
+            out = model(x)
+    assert not any("never ran" in str(w.message) for w in rec)
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)  # not edited, as said
+
+
+def test_edit_of_a_module_replaced_after_it_ran_warns() -> None:
+    # before: silent (the replaced module had been edited once, so no "never ran")
+    model, x = _net(), _x()
+    with pytest.warns(
+        hs.HookscopeWarning,
+        match=r"edit: layer\(s\) 'layers\.0' were replaced while the scope was open "
+        r"\(model\.layers\[0\] is now another Linear\)",
+    ):
+        keep = model.layers[0]
+        with hs.edit(model, {"layers.0": hs.ops.zero()}):
+            model(x)
+            model.layers[0] = _new_linear()
+            model(x)
+    assert keep is not model.layers[0]
+
+
+def test_edit_whose_hooks_remove_hooks_took_says_so_not_never_ran() -> None:
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"edit: the hooks of this edit were removed by hs\.remove_hooks\(\.\.\.\) while "
+            r"it was open, so layer\(s\) 'fc' were not edited after that \(nor before that\); keep "
+            r"hs\.remove_hooks for scopes that were never closed, or open a new edit after it",
+        ) as rec,
+        hs.edit(model, {"fc": hs.ops.zero()}),
+    ):
+        hs.remove_hooks(model)
+        model(x)
+    assert not any("never ran" in str(w.message) for w in rec)
+
+
+def test_edit_remove_hooks_after_a_call_says_it_was_edited_before() -> None:
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"'fc' were not edited after that \('fc' edited before that\)",
+        ),
+        hs.edit(model, {"fc": hs.ops.zero()}),
+    ):
+        model(x)
+        hs.remove_hooks(model)
+        model(x)
+
+
+def test_edit_with_nothing_replaced_is_exact_and_quiet() -> None:
+    model, x = _net(), _x()
+    h = model.fc.register_forward_hook(lambda m, i, o: torch.zeros_like(o))
+    with torch.no_grad():
+        want = model(x)
+    h.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hs.edit(model, {"fc": hs.ops.zero()}), torch.no_grad():
+            got = model(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_edit_grads_of_a_replaced_module_and_of_removed_hooks() -> None:
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"edit_grads: layer\(s\) 'fc' were replaced while the scope was open",
+        ) as rec,
+        hs.edit_grads(model, {"fc": hs.ops.zero()}),
+    ):
+        model.fc = _new_linear()
+        model(x).sum().backward()
+    assert not any("never ran" in str(w.message) for w in rec)
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"edit_grads: the hooks of this edit_grads were removed by hs\.remove_hooks",
+        ) as rec,
+        hs.edit_grads(model, {"fc": hs.ops.zero()}),
+    ):
+        hs.remove_hooks(model)
+        model(x).sum().backward()
+    assert not any("never ran" in str(w.message) for w in rec)
+
+
+def test_edit_grads_of_a_parameter_whose_hook_remove_hooks_took() -> None:
+    # before: "parameter(s) 'fc.bias' got no gradient while the scope was open" (it got one)
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"edit_grads: the hooks of this edit_grads were removed by hs\.remove_hooks"
+            r"\(\.\.\.\) while it was open, so parameter\(s\) 'fc\.bias' were not edited after that;",
+        ) as rec,
+        hs.edit_grads(model, {"fc.bias": hs.ops.zero()}),
+    ):
+        hs.remove_hooks(model)
+        model(x).sum().backward()
+    assert not any("got no gradient" in str(w.message) for w in rec)
+    assert model.fc.bias.grad.abs().sum() > 0  # not edited, as said
+
+
+def test_clip_grads_of_a_replaced_parameter_warns() -> None:
+    # before: silent; the new parameter's gradient was not clipped
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"clip_grads: parameter\(s\) 'fc\.weight' were replaced while the scope was open "
+            r"\(model\.fc\.weight is now another Parameter \(shape \(3, 3\)\)\), so the new one was "
+            r"not clipped.*open the scope after replacing model\.fc\.weight",
+        ),
+        hs.clip_grads(model, value=1e-3),
+    ):
+        model.fc.weight = nn.Parameter(torch.ones(3, 3))
+        (model(x) * 100).sum().backward()
+    assert model.fc.weight.grad.abs().max() > 1e-3  # not clipped, as said
+    assert model.fc.bias.grad.abs().max() <= 1e-3  # the others are
+
+
+def test_clip_grads_whose_hooks_remove_hooks_took_says_so() -> None:
+    # before: "no parameter got a gradient while the scope was open" (each got one)
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"clip_grads: the hooks of this clip_grads were removed by hs\.remove_hooks",
+        ) as rec,
+        hs.clip_grads(model, value=1e-3),
+    ):
+        hs.remove_hooks(model)
+        model(x).sum().backward()
+    assert not any("no parameter got a gradient" in str(w.message) for w in rec)
+
+
+def test_clip_grads_with_nothing_replaced_is_exact_and_quiet() -> None:
+    model, x = _net(), _x()
+    ref = _net()
+    (ref(x) * 100).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hs.clip_grads(model, value=1e-3):
+            (model(x) * 100).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad.clamp(-1e-3, 1e-3), rtol=0, atol=0, msg=name)

@@ -19,7 +19,7 @@ from ._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_
 from ._gradcheck import FireCheck
 from ._nested import iter_tensors
 from ._recompute import Replays
-from ._scope import HookScope, check_model
+from ._scope import HookScope, attribute_path, check_model
 from ._select import find, resolve, suggest
 from ._sharded import add_param_grad_editor, check_tensor_type, is_dtensor, warn_tp_shards
 
@@ -47,14 +47,75 @@ NEVER_RAN = (
 
 class _Reached:
     """Counts the calls an edit acted on, per layer; when its scope closes without an exception,
-    warns (:class:`HookscopeWarning`) naming the layers it never acted on."""
+    warns (:class:`HookscopeWarning`) naming the layers it never acted on, and first the layers
+    and parameters whose hooks stopped acting while it was open (:meth:`track`): the model holds
+    another module or parameter at that name now, or ``hs.remove_hooks`` took them."""
 
-    __slots__ = ("counts", "owner", "scope", "what")
+    __slots__ = ("counts", "lost", "names", "owner", "scope", "what")
 
     def __init__(self, scope: HookScope, owner: str, what: str) -> None:
         self.scope, self.owner, self.what = scope, owner, what
         self.counts: dict[str, int] = {}
+        self.names: set[str] = set()  # the tracked layers and parameters
+        self.lost: set[str] = set()  # those whose hooks stopped acting (set at removal)
+        scope.on_remove(self._check_lost)  # (first: the other checks leave these names out)
         scope.on_remove(self._check)
+
+    def track(
+        self,
+        model: nn.Module | None,
+        modules: Mapping[str, nn.Module] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Watch where the hooks of these layers and parameters sit (:meth:`HookScope.track`)."""
+        if model is None:
+            return
+        self.scope.track(model, modules, params)
+        self.names.update(modules or ())
+        self.names.update(params or ())
+
+    def _check_lost(self) -> None:
+        if self.scope.failed or sys.exc_info()[1] is not None:
+            return
+        scope, owner, verb = self.scope, self.owner, self.verb
+        replaced = {n: v for n, v in scope.replaced_all().items() if n in self.names}
+        stripped = sorted(n for n in scope.stripped if n in self.names and n not in replaced)
+        self.lost = {*replaced, *stripped}
+        if replaced:
+            first = next(iter(replaced))
+            warnings.warn(
+                f"{owner}: {self._kind(replaced)} {some_names(list(replaced))} were replaced while "
+                f"the scope was open ({replaced[first]}), so the new one was not {verb}: the "
+                "scope's hooks stay on what it replaced; open the scope after replacing "
+                f"{attribute_path(first)}",
+                HookscopeWarning,
+                stacklevel=4,
+            )
+        if stripped:
+            acted = [n for n in stripped if self.counts.get(n)]
+            before = (
+                f" ({some_names(acted)} {verb} before that)"
+                if acted
+                else " (nor before that)"
+                if any(n in self.counts for n in stripped)
+                else ""  # (parameters: counted by the gradient check, not here)
+            )
+            warnings.warn(
+                f"{owner}: the hooks of this {owner} were removed by hs.remove_hooks(...) while "
+                f"it was open, so {self._kind(stripped)} {some_names(stripped)} were not {verb} "
+                f"after that{before}; keep hs.remove_hooks for scopes that were never closed, "
+                f"or open a new {owner} after it",
+                HookscopeWarning,
+                stacklevel=4,
+            )
+
+    @property
+    def verb(self) -> str:
+        return "clipped" if self.owner == "clip_grads" else "edited"
+
+    def _kind(self, names: Any) -> str:
+        """``layer(s)`` or ``parameter(s)``: what ``names`` are."""
+        return "layer(s)" if any(n in self.counts for n in names) else "parameter(s)"
 
     def watch(self, name: str) -> dict[str, int]:
         """The counts; the hook of ``name`` adds 1 to ``counts[name]`` for each call it acts on."""
@@ -73,7 +134,7 @@ class _Reached:
     def _check_grads(self, hooked: dict[str, int], got: dict[str, int]) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return
-        never = [n for n, c in hooked.items() if c and not got.get(n)]
+        never = [n for n, c in hooked.items() if c and not got.get(n) and n not in self.lost]
         if never:
             warnings.warn(
                 f"{self.owner}: the output of layer(s) {some_names(never)} got no gradient while "
@@ -90,6 +151,8 @@ class _Reached:
 
     def _check_none(self, check: FireCheck, owner: str) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
+            return
+        if self.lost:  # (its hooks were replaced or removed: said at once)
             return
         if not any(check.count.values()) and not check.reported:  # (reported: already loud)
             which = (
@@ -111,7 +174,11 @@ class _Reached:
     def _check_params(self, check: FireCheck, names: list[str]) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return
-        never = [n for n in names if not check.count.get(n) and n not in check.reported]
+        never = [
+            n
+            for n in names
+            if not check.count.get(n) and n not in check.reported and n not in self.lost
+        ]
         if never:
             warnings.warn(
                 f"{self.owner}: parameter(s) {some_names(never)} got no gradient while the scope "
@@ -124,7 +191,7 @@ class _Reached:
     def _check(self) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return  # an exception is on its way: it says more than a warning
-        never = [n for n, c in self.counts.items() if not c]
+        never = [n for n, c in self.counts.items() if not c and n not in self.lost]
         if never:
             warnings.warn(
                 f"{self.owner}: layer(s) {some_names(never)} {self.what}, so nothing was edited "
@@ -197,6 +264,7 @@ def edit(
     scope = HookScope("edit")
     try:
         reached = _Reached(scope, "edit", "never ran while the scope was open")
+        reached.track(model, {name: module for name, module, _ in plan})
         replays = Replays(scope, "edit")  # exact under activation checkpointing
         for name, module, fn in plan:
             ran = reached.watch(name)
@@ -402,6 +470,7 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                 ran = reached.watch(name)
                 editor = _output_grad_editor(scope, name, fn, (ran, hooked, got))
                 scope.add_forward(module, editor, layer=name)
+                reached.track(model, {name: module})
                 if not _elementwise(fn):
                     whole[name] = module
             for name, t in tensors.items():
@@ -415,6 +484,8 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                     scope, model, name, t, _grad_editor(fn, f"the gradient of {name}"), check
                 )
                 named_params.append(name)
+                if not isinstance(key, torch.Tensor):  # (a tensor key is the user's own tensor)
+                    reached.track(model, params={name: t})
         if check is not None:
             reached.params(check, named_params)
         if whole and model is not None:  # tensor parallel: a shard's gradient is a shard
@@ -574,6 +645,7 @@ def clip_grads(
                     on_grad = _accumulation_check(scope, name, p, clip, said, what)
                 add_param_grad_editor(scope, model, name, p, on_grad, check)
         reached = _Reached(scope, "clip_grads", "")
+        reached.track(model, params={n: p for n, p in named.items() if p.requires_grad})
         if params is not None:  # named: each should get a gradient (all of them: some may not)
             reached.params(check, [n for n, p in named.items() if p.requires_grad])
         else:  # the whole model: at least one parameter should get a gradient
