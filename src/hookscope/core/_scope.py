@@ -751,13 +751,20 @@ class HookScope:
                 if ref is None:
                     continue
             hooked = ref()
-            if is_param:
-                parent, _, last = name.rpartition(".")
+            parent, _, last = name.rpartition(".")
+            owner = memo.get(parent, _NOT_FOUND)
+            if owner is _NOT_FOUND:
                 owner = _module_at(model, parent, memo)
+            if is_param:
                 kept = getattr(owner, "_parameters", None)
                 now = kept.get(last) if isinstance(kept, dict) else None
+            elif name:
+                kept = getattr(owner, "_modules", None)
+                now = kept.get(last) if isinstance(kept, dict) else None
+                if now is not hooked and now is not None:  # (a torch.compile wrapper: its module)
+                    now = strip_compiled(now)
             else:
-                now = _module_at(model, name, memo)
+                now = strip_compiled(model)
             if now is hooked and hooked is not None:
                 continue
             if not full:  # a class that names its parts in its own way: ask it
@@ -817,20 +824,24 @@ class HookScope:
         return f"<{type(self).__name__} {self.owner!r} #{self.id} {state}, {self.num_hooks} hooks>"
 
 
+_NOT_FOUND = object()
+
+
 def _module_at(model: nn.Module, name: str, memo: dict[str, Any]) -> Any:
     """The module at dotted ``name`` of ``model`` (hookscope's names: a ``torch.compile``
     wrapper and the module it wraps share one), through each module's ``_modules``; ``None``
     when there is none. ``memo`` keeps the modules found, by name, for the next names."""
-    if name in memo:
-        return memo[name]
+    found = memo.get(name, _NOT_FOUND)
+    if found is not _NOT_FOUND:
+        return found
     if not name:
-        found: Any = strip_compiled(model)
+        found = strip_compiled(model)
     else:
         parent, _, last = name.rpartition(".")
         owner = _module_at(model, parent, memo)
         children = getattr(owner, "_modules", None)
         found = children.get(last) if isinstance(children, dict) else None
-        if isinstance(found, nn.Module):
+        if found is not None and found.__class__.__name__ == "OptimizedModule":
             found = strip_compiled(found)
     memo[name] = found
     return found
