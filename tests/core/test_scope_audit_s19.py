@@ -414,3 +414,21 @@ def test_clip_grads_with_nothing_replaced_is_exact_and_quiet() -> None:
             (model(x) * 100).sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad.clamp(-1e-3, 1e-3), rtol=0, atol=0, msg=name)
+
+
+def test_edit_grads_of_a_replaced_parameter_warns() -> None:
+    # before: "parameter(s) 'fc.bias' got no gradient while the scope was open" (the new one got one)
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"edit_grads: parameter\(s\) 'fc\.bias' were replaced while the scope was open "
+            r"\(model\.fc\.bias is now another Parameter \(shape \(3,\)\)\), so the new one was not "
+            r"edited.*open the scope after replacing model\.fc\.bias",
+        ) as rec,
+        hs.edit_grads(model, {"fc.bias": hs.ops.zero()}),
+    ):
+        model.fc.bias = nn.Parameter(torch.zeros(3))
+        model(x).sum().backward()
+    assert not any("got no gradient" in str(w.message) for w in rec)
+    assert all(w.filename == __file__ for w in rec)  # (points at the with block)

@@ -19,7 +19,7 @@ from ._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_
 from ._gradcheck import FireCheck
 from ._nested import iter_tensors
 from ._recompute import Replays
-from ._scope import HookScope, attribute_path, check_model
+from ._scope import HookScope, check_model, warn_lost
 from ._select import find, resolve, suggest
 from ._sharded import add_param_grad_editor, check_tensor_type, is_dtensor, warn_tp_shards
 
@@ -75,47 +75,8 @@ class _Reached:
         self.names.update(params or ())
 
     def _check_lost(self) -> None:
-        if self.scope.failed or sys.exc_info()[1] is not None:
-            return
-        scope, owner, verb = self.scope, self.owner, self.verb
-        replaced = {n: v for n, v in scope.replaced_all().items() if n in self.names}
-        stripped = sorted(n for n in scope.stripped if n in self.names and n not in replaced)
-        self.lost = {*replaced, *stripped}
-        if replaced:
-            first = next(iter(replaced))
-            warnings.warn(
-                f"{owner}: {self._kind(replaced)} {some_names(list(replaced))} were replaced while "
-                f"the scope was open ({replaced[first]}), so the new one was not {verb}: the "
-                "scope's hooks stay on what it replaced; open the scope after replacing "
-                f"{attribute_path(first)}",
-                HookscopeWarning,
-                stacklevel=4,
-            )
-        if stripped:
-            acted = [n for n in stripped if self.counts.get(n)]
-            before = (
-                f" ({some_names(acted)} {verb} before that)"
-                if acted
-                else " (nor before that)"
-                if any(n in self.counts for n in stripped)
-                else ""  # (parameters: counted by the gradient check, not here)
-            )
-            warnings.warn(
-                f"{owner}: the hooks of this {owner} were removed by hs.remove_hooks(...) while "
-                f"it was open, so {self._kind(stripped)} {some_names(stripped)} were not {verb} "
-                f"after that{before}; keep hs.remove_hooks for scopes that were never closed, "
-                f"or open a new {owner} after it",
-                HookscopeWarning,
-                stacklevel=4,
-            )
-
-    @property
-    def verb(self) -> str:
-        return "clipped" if self.owner == "clip_grads" else "edited"
-
-    def _kind(self, names: Any) -> str:
-        """``layer(s)`` or ``parameter(s)``: what ``names`` are."""
-        return "layer(s)" if any(n in self.counts for n in names) else "parameter(s)"
+        verb = "clipped" if self.owner == "clip_grads" else "edited"
+        self.lost = warn_lost(self.scope, self.names, self.owner, verb, self.counts)
 
     def watch(self, name: str) -> dict[str, int]:
         """The counts; the hook of ``name`` adds 1 to ``counts[name]`` for each call it acts on."""

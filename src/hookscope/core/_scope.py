@@ -46,7 +46,13 @@ from ._compiled import (
     routing,
     strip_compiled,
 )
-from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError, enter_once
+from ._errors import (
+    HookConflictError,
+    HookscopeWarning,
+    UnsupportedModelError,
+    enter_once,
+    some_names,
+)
 from ._nested import describe_call, map_tensors
 
 __all__ = [
@@ -63,6 +69,7 @@ __all__ = [
     "note_stripped",
     "quiet",
     "thread_checked",
+    "warn_lost",
 ]
 
 _scope_ids = itertools.count(1)
@@ -866,6 +873,57 @@ def _describe_place(name: str, hooked: Any, now: Any, is_param: bool) -> str:
     if type(now) is type(hooked):
         return f"{where} is now another {type(now).__name__}"
     return f"{where} is now a {type(now).__name__}, not the {type(hooked).__name__} hooked there"
+
+
+def warn_lost(
+    scope: HookScope,
+    names: Iterable[str],
+    owner: str,
+    verb: str,
+    acted: Mapping[str, int] | None = None,
+) -> set[str]:
+    """At the removal of ``scope`` (an :meth:`HookScope.on_remove` callback): warn
+    (:class:`HookscopeWarning`) for the ``names`` whose hooks stopped acting while it was open,
+    and return them. A module (or parameter) the model no longer holds at that name
+    (:meth:`HookScope.replaced`: the new one ran without the hooks), or hooks that
+    ``hs.remove_hooks`` took (:attr:`HookScope.stripped`). ``verb`` says what the hooks do
+    (``"edited"``, ``"observed"``); ``acted``: the calls each layer's hook acted on, to say
+    whether it acted before ``hs.remove_hooks``. Nothing when an exception ends the scope."""
+    if scope.failed or sys.exc_info()[1] is not None:
+        return set()  # an exception is on its way: it says more than a warning
+    names = set(names)
+    replaced = {n: v for n, v in scope.replaced_all().items() if n in names}
+    stripped = sorted(n for n in scope.stripped if n in names and n not in replaced)
+    places = scope._places
+    params = places[2] if places is not None else {}
+
+    def kind(some: Iterable[str]) -> str:
+        return "parameter(s)" if all(n in params for n in some) else "layer(s)"
+
+    if replaced:
+        first = next(iter(replaced))
+        warnings.warn(
+            f"{owner}: {kind(replaced)} {some_names(list(replaced))} were replaced while the "
+            f"scope was open ({replaced[first]}), so the new one was not {verb}: the scope's "
+            f"hooks stay on what it replaced; open the scope after replacing "
+            f"{attribute_path(first)}",
+            HookscopeWarning,
+            stacklevel=5,
+        )
+    if stripped:
+        before = ""
+        if acted is not None and any(n in acted for n in stripped):
+            did = [n for n in stripped if acted.get(n)]
+            before = f" ({some_names(did)} {verb} before that)" if did else " (nor before that)"
+        warnings.warn(
+            f"{owner}: the hooks of this {owner} were removed by hs.remove_hooks(...) while it "
+            f"was open, so {kind(stripped)} {some_names(stripped)} were not {verb} after "
+            f"that{before}; keep hs.remove_hooks for scopes that were never closed, or open a "
+            f"new {owner} after it",
+            HookscopeWarning,
+            stacklevel=5,
+        )
+    return {*replaced, *stripped}
 
 
 def note_stripped(removed: Mapping[int, set[str]]) -> None:
