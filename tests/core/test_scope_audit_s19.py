@@ -432,3 +432,69 @@ def test_edit_grads_of_a_replaced_parameter_warns() -> None:
         model(x).sum().backward()
     assert not any("got no gradient" in str(w.message) for w in rec)
     assert all(w.filename == __file__ for w in rec)  # (points at the with block)
+
+
+# -- observe and trace: calls of the new module were missed without a word ---------------------
+
+
+def test_observe_of_a_module_replaced_after_it_ran_warns() -> None:
+    # before: silent; fn saw the first run's 'fc' call and never the new module's
+    model, x = _net(), _x()
+    seen: list[tuple[str, torch.Tensor]] = []
+    with pytest.warns(
+        hs.HookscopeWarning,
+        match=r"observe: layer\(s\) 'fc' were replaced while the scope was open \(model\.fc is "
+        r"now another Linear\), so the new one was not observed.*open the scope after replacing "
+        r"model\.fc",
+    ):
+        old = model.fc
+        with hs.observe(model, ["fc", "seq.0"], lambda c: seen.append((c.layer, c.output))):
+            model(x)
+            model.fc = _new_linear()
+            model(x)
+    assert old is not model.fc
+    assert [n for n, _ in seen] == ["fc", "seq.0", "seq.0"]
+    torch.testing.assert_close(seen[2][1].detach(), _hand(model, "seq.0", x), rtol=0, atol=0)
+
+
+def test_observe_whose_hooks_remove_hooks_took_warns() -> None:
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"observe: the hooks of this observe were removed by hs\.remove_hooks\(\.\.\.\) "
+            r"while it was open, so layer\(s\) 'fc' were not observed after that \(nor before that\)",
+        ),
+        hs.observe(model, "fc", lambda c: None),
+    ):
+        hs.remove_hooks(model)
+        model(x)
+
+
+def test_trace_of_every_module_with_one_replaced_warns() -> None:
+    model, x = _net(), _x()
+    old = model.layers[1]  # (held: the message names it)
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"trace: layer\(s\) 'layers\.1' were replaced while the scope was open "
+            r"\(model\.layers\[1\] is now another Linear\), so the new one was not traced",
+        ),
+        hs.trace(model, quiet=True) as tr,
+    ):
+        model.layers[1] = _new_linear()
+        model(x)
+    assert old is not model.layers[1]
+    assert [e.layer for e in tr.events] == ["", "fc", "layers.0", "seq", "seq.0"]
+
+
+def test_observe_and_trace_with_nothing_replaced_are_exact_and_quiet() -> None:
+    model, x = _net(), _x()
+    seen: list[torch.Tensor] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        obs = hs.observe(model, "layers.1", lambda c: seen.append(c.output.detach().clone()))
+        with obs, hs.trace(model, quiet=True) as tr, torch.no_grad():
+            model(x)
+    torch.testing.assert_close(seen[0], _hand(model, "layers.1", x), rtol=0, atol=0)
+    assert [e.layer for e in tr.events] == ["", "fc", "layers.0", "layers.1", "seq", "seq.0"]
