@@ -498,3 +498,58 @@ def test_observe_and_trace_with_nothing_replaced_are_exact_and_quiet() -> None:
             model(x)
     torch.testing.assert_close(seen[0], _hand(model, "layers.1", x), rtol=0, atol=0)
     assert [e.layer for e in tr.events] == ["", "fc", "layers.0", "layers.1", "seq", "seq.0"]
+
+
+# -- steer (a product on HookScope): its "did not run" / "never ran" were false ----------------
+
+
+def test_steer_of_a_module_replaced_inside_the_scope_warns_naming_it() -> None:
+    # before: "steer: layers 'fc' did not run during model call 0 ... A compiled forward ..."
+    model, x = _net(), _x()
+    old = model.fc
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"steer: layer\(s\) 'fc' were replaced while the scope was open \(model\.fc is now "
+            r"another Linear\), so the new one was not steered.*open the scope after replacing "
+            r"model\.fc",
+        ) as rec,
+        hs.steer(model, {"fc": torch.ones(3)}),
+        torch.no_grad(),
+    ):
+        model(x)
+        model.fc = _new_linear()
+        out = model(x)
+        model(x)
+    assert old is not model.fc
+    assert len(rec) == 1, [str(w.message) for w in rec]
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x), rtol=0, atol=0)  # not steered, as said
+
+
+def test_steer_whose_hooks_remove_hooks_took_says_so_not_never_ran() -> None:
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"steer: the hooks of this steer were removed by hs\.remove_hooks\(\.\.\.\) while "
+            r"it was open, so layer\(s\) 'fc' were not steered after that \(nor before that\)",
+        ) as rec,
+        hs.steer(model, {"fc": torch.ones(3)}),
+    ):
+        hs.remove_hooks(model)
+        model(x)
+    assert len(rec) == 1, [str(w.message) for w in rec]
+
+
+def test_steer_with_nothing_replaced_is_exact_and_quiet() -> None:
+    model, x = _net(), _x()
+    h = model.fc.register_forward_hook(lambda m, i, o: o + torch.ones(3))
+    with torch.no_grad():
+        want = model(x)
+    h.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hs.steer(model, {"fc": torch.ones(3)}), torch.no_grad():
+            got = model(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

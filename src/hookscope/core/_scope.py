@@ -881,6 +881,7 @@ def warn_lost(
     owner: str,
     verb: str,
     acted: Mapping[str, int] | None = None,
+    stacklevel: int = 5,
 ) -> set[str]:
     """At the removal of ``scope`` (an :meth:`HookScope.on_remove` callback): warn
     (:class:`HookscopeWarning`) for the ``names`` whose hooks stopped acting while it was open,
@@ -888,7 +889,9 @@ def warn_lost(
     (:meth:`HookScope.replaced`: the new one ran without the hooks), or hooks that
     ``hs.remove_hooks`` took (:attr:`HookScope.stripped`). ``verb`` says what the hooks do
     (``"edited"``, ``"observed"``); ``acted``: the calls each layer's hook acted on, to say
-    whether it acted before ``hs.remove_hooks``. Nothing when an exception ends the scope."""
+    whether it acted before ``hs.remove_hooks``; ``stacklevel``: the user's frame, as
+    :func:`warnings.warn` counts from here (5: an ``on_remove`` callback of a ``with`` block's
+    exit). Nothing when an exception ends the scope."""
     if scope.failed or sys.exc_info()[1] is not None:
         return set()  # an exception is on its way: it says more than a warning
     names = set(names)
@@ -908,7 +911,7 @@ def warn_lost(
             f"hooks stay on what it replaced; open the scope after replacing "
             f"{attribute_path(first)}",
             HookscopeWarning,
-            stacklevel=5,
+            stacklevel=stacklevel,
         )
     if stripped:
         before = ""
@@ -921,7 +924,7 @@ def warn_lost(
             f"that{before}; keep hs.remove_hooks for scopes that were never closed, or open a "
             f"new {owner} after it",
             HookscopeWarning,
-            stacklevel=5,
+            stacklevel=stacklevel,
         )
     return {*replaced, *stripped}
 
