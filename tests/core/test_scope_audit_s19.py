@@ -553,3 +553,54 @@ def test_steer_with_nothing_replaced_is_exact_and_quiet() -> None:
         with hs.steer(model, {"fc": torch.ones(3)}), torch.no_grad():
             got = model(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_clip_grads_of_a_parameter_moved_by_a_parametrization_is_exact_and_quiet() -> None:
+    # not replaced: register_parametrization moves fc.weight to
+    # fc.parametrizations.weight.original, the same tensor, whose hook still clips
+    class Same(nn.Module):
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return w
+
+    model, x = _net(), _x()
+    ref = _net()
+    (ref(x) * 100).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hs.clip_grads(model, value=1e-3):
+            torch.nn.utils.parametrize.register_parametrization(model.fc, "weight", Same())
+            (model(x) * 100).sum().backward()
+    moved = model.fc.parametrizations.weight.original
+    torch.testing.assert_close(moved.grad, ref.fc.weight.grad.clamp(-1e-3, 1e-3), rtol=0, atol=0)
+
+
+def test_edit_of_a_layer_removed_from_the_model_says_removed() -> None:
+    # before: "never ran while the scope was open" (it was taken out of the model)
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"edit: layer\(s\) 'seq\.0' were removed from the model while the scope was open "
+            r"\(model\.seq\[0\] is no longer in the model\), so its later uses were not edited.*open "
+            r"the scope after removing model\.seq\[0\]",
+        ) as rec,
+        hs.edit(model, {"seq.0": hs.ops.zero()}),
+    ):
+        del model.seq[0]
+        model(x)
+    assert len(rec) == 1, [str(w.message) for w in rec]
+
+
+def test_capture_of_a_layer_removed_from_the_model_says_removed() -> None:
+    model, x = _net(), _x()
+    with hs.capture(model, "seq.0") as cap:
+        model(x)
+        del model.seq[0]
+        model(x)
+    with pytest.raises(
+        hs.LayerNotRunError,
+        match=r"layer 'seq\.0' was removed from the model while this capture was open "
+        r"\(model\.seq\[0\] is no longer in the model\): what was recorded is of the module "
+        r"that was there; open the capture after removing model\.seq\[0\]",
+    ):
+        cap["seq.0"]

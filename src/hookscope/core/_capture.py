@@ -15,6 +15,7 @@ from ._errors import HookscopeWarning, LayerNotFoundError, LayerNotRunError
 from ._nested import iter_tensors, map_tensors, object_copier
 from ._recompute import REENTRANT_HINT, Recomputes
 from ._scope import (
+    _GONE,
     HookScope,
     _Hook,
     acts_here,
@@ -498,6 +499,17 @@ class Capture(Mapping[str, Any]):
         if now is None:
             return None
         where = attribute_path(layer)
+        if now.endswith(_GONE):  # taken out of the model: nothing runs at that name
+            return (
+                f"layer {layer!r} was removed from the model while this capture was open "
+                f"({now})"
+                + (
+                    ": what was recorded is of the module that was there"
+                    if recorded
+                    else ", and it never ran in the scope before that"
+                )
+                + f"; open the capture after removing {where}"
+            )
         return (
             f"layer {layer!r} was replaced while this capture was open ({now}): the capture's "
             "hooks stay on the module it replaced, so calls of the new module are not recorded"

@@ -780,6 +780,8 @@ class HookScope:
             now = full["p" if is_param else "m"].get(name)
             if now is hooked and hooked is not None:
                 continue
+            if is_param and now is None and any(p is hooked for p in full["p"].values()):
+                continue  # moved, not replaced (a parametrization's .original): its hook acts
             found[name] = _describe_place(name, hooked, now, is_param)
         return found
 
@@ -861,11 +863,14 @@ def attribute_path(name: str) -> str:
     return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in name.split("."))
 
 
+_GONE = " is no longer in the model"
+
+
 def _describe_place(name: str, hooked: Any, now: Any, is_param: bool) -> str:
     """What the model holds at ``name`` instead of ``hooked`` (a dead reference: ``None``)."""
     where = attribute_path(name)
     if now is None:
-        return f"{where} is no longer in the model"
+        return f"{where}{_GONE}"
     if is_param:
         return f"{where} is now another {type(now).__name__} (shape {tuple(now.shape)})"
     if hooked is None:
@@ -905,11 +910,14 @@ def warn_lost(
 
     if replaced:
         first = next(iter(replaced))
+        gone = replaced[first].endswith(_GONE)  # (removed, not replaced: nothing runs there)
         warnings.warn(
-            f"{owner}: {kind(replaced)} {some_names(list(replaced))} were replaced while the "
-            f"scope was open ({replaced[first]}), so the new one was not {verb}: the scope's "
-            f"hooks stay on what it replaced; open the scope after replacing "
-            f"{attribute_path(first)}",
+            f"{owner}: {kind(replaced)} {some_names(list(replaced))} were "
+            f"{'removed from the model' if gone else 'replaced'} while the scope was open "
+            f"({replaced[first]}), so "
+            f"{'its later uses were' if gone else 'the new one was'} not {verb}: the scope's "
+            f"hooks stay on what was there; open the scope after "
+            f"{'removing' if gone else 'replacing'} {attribute_path(first)}",
             HookscopeWarning,
             stacklevel=stacklevel,
         )
