@@ -12,6 +12,7 @@ hook written by hand.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -604,3 +605,49 @@ def test_capture_of_a_layer_removed_from_the_model_says_removed() -> None:
         r"that was there; open the capture after removing model\.seq\[0\]",
     ):
         cap["seq.0"]
+
+
+# -- a deep copy ran the layer: "never called through module(...)" was false -------------------
+
+
+def test_capture_of_a_layer_only_a_deep_copy_ran_says_so() -> None:
+    model, x = _net(), _x()
+    with hs.capture(model, "fc") as cap:
+        twin = copy.deepcopy(model)  # its hooks are inert copies
+        twin(x)
+    with pytest.raises(
+        hs.LayerNotRunError,
+        match=r"layer 'fc' was selected but nothing was recorded: a deep copy of the model "
+        r"\(copy\.deepcopy, made while the capture was open\) called 'fc', and a copy's hooks "
+        r"are inert: capture the copy",
+    ):
+        cap["fc"]
+    assert hs.remove_hooks(twin) == 1  # (the inert copy)
+
+
+def test_edit_of_a_layer_only_a_deep_copy_ran_says_so() -> None:
+    model, x = _net(), _x()
+    with (
+        pytest.warns(
+            hs.HookscopeWarning,
+            match=r"edit: layer\(s\) 'fc' ran only in a deep copy of the model \(copy\.deepcopy, "
+            r"made while the scope was open\), whose hooks are inert, so nothing was edited there: "
+            r"open the edit on the copy",
+        ) as rec,
+        hs.edit(model, {"fc": hs.ops.zero()}),
+    ):
+        twin = copy.deepcopy(model)
+        twin(x)
+    assert len(rec) == 1, [str(w.message) for w in rec]
+    hs.remove_hooks(twin)
+
+
+def test_capture_of_the_model_beside_a_deep_copy_is_exact() -> None:
+    model, x = _net(), _x()
+    with hs.capture(model, "fc") as cap:
+        twin = copy.deepcopy(model)
+        twin(x + 1)
+        model(x)
+    torch.testing.assert_close(cap["fc"], _hand(model, "fc", x), rtol=0, atol=0)
+    assert len(cap.calls("fc")) == 1
+    hs.remove_hooks(twin)

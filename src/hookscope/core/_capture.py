@@ -26,6 +26,7 @@ from ._scope import (
     identity_views,
     in_backward,
     quiet,
+    ran_in_copy,
     thread_checked,
     warn_once,
 )
@@ -437,7 +438,8 @@ class Capture(Mapping[str, Any]):
             if missing:
                 raise LayerNotRunError(
                     f"capture(stop=True): layer(s) {', '.join(map(repr, missing))} of {self._model_type} "
-                    f"never ran, so the forward pass was not stopped early; {_NEVER_RAN_HINT}"
+                    f"never ran, so the forward pass was not stopped early; "
+                    f"{self._never_ran(missing)}"
                 )
         return suppressed
 
@@ -469,7 +471,7 @@ class Capture(Mapping[str, Any]):
         calls = self._rec.materialize(layer)
         if not calls:
             raise LayerNotRunError(
-                f"layer {layer!r} was selected but nothing was recorded: {_NEVER_RAN_HINT}"
+                f"layer {layer!r} was selected but nothing was recorded: {self._never_ran([layer])}"
             )
         return calls[-1]
 
@@ -482,6 +484,18 @@ class Capture(Mapping[str, Any]):
                     repr(x) for x in suggest(layer, self.layers)
                 )
             raise LayerNotFoundError(f"{layer!r} is not a captured layer; {listed}")
+
+    def _never_ran(self, layers: list[str]) -> str:
+        """Why ``layers`` recorded nothing: a deep copy of the model ran them (its hooks are
+        inert), or the usual causes."""
+        copied = [n for n in layers if ran_in_copy(self._scope, n)]
+        if not copied:
+            return _NEVER_RAN_HINT
+        return (
+            f"a deep copy of the model (copy.deepcopy, made while the capture was open) called "
+            f"{', '.join(map(repr, copied))}, and a copy's hooks are inert: capture the copy "
+            "(hs.capture(the_copy, ...)), or call the model the capture was opened on"
+        )
 
     def _lost(self, layer: str) -> str | None:
         """Why the hooks of ``layer`` stopped seeing its calls while the scope was open (the

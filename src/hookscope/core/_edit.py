@@ -19,7 +19,7 @@ from ._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_
 from ._gradcheck import FireCheck
 from ._nested import iter_tensors
 from ._recompute import Replays
-from ._scope import HookScope, check_model, warn_lost
+from ._scope import HookScope, check_model, ran_in_copy, warn_lost
 from ._select import find, resolve, suggest
 from ._sharded import add_param_grad_editor, check_tensor_type, is_dtensor, warn_tp_shards
 
@@ -153,6 +153,17 @@ class _Reached:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return  # an exception is on its way: it says more than a warning
         never = [n for n, c in self.counts.items() if not c and n not in self.lost]
+        copied = [n for n in never if ran_in_copy(self.scope, n)]
+        if copied:  # (a deep copy of the model ran them: the copy's hooks are inert)
+            never = [n for n in never if n not in copied]
+            warnings.warn(
+                f"{self.owner}: layer(s) {some_names(copied)} ran only in a deep copy of the "
+                "model (copy.deepcopy, made while the scope was open), whose hooks are inert, "
+                f"so nothing was edited there: open the {self.owner} on the copy, or call the "
+                "model the scope was opened on",
+                HookscopeWarning,
+                stacklevel=4,
+            )
         if never:
             warnings.warn(
                 f"{self.owner}: layer(s) {some_names(never)} {self.what}, so nothing was edited "

@@ -68,6 +68,7 @@ __all__ = [
     "note_exception",
     "note_stripped",
     "quiet",
+    "ran_in_copy",
     "thread_checked",
     "warn_lost",
 ]
@@ -184,18 +185,43 @@ def acts_here(thread: int, kind: str = "forward") -> bool:
 
 
 class _InertHook:
-    """What a hookscope hook becomes in a deep copy or a pickle: does nothing, returns None."""
+    """What a hookscope hook becomes in a deep copy or a pickle: does nothing, returns None.
 
-    __slots__ = ("kind", "layer", "owner")
+    A deep copy's inert hook keeps its scope's id and notes, on its first call, that a copy ran
+    the layer (:func:`ran_in_copy`), so a scope whose layer never ran can say that a copy did;
+    one made by unpickling has no scope (ids are this process's).
+    """
 
-    def __init__(self, owner: str, kind: str, layer: str) -> None:
-        self.owner, self.kind, self.layer = owner, kind, layer
+    __slots__ = ("kind", "layer", "owner", "scope_id")
+
+    def __init__(self, owner: str, kind: str, layer: str, scope_id: int | None = None) -> None:
+        self.owner, self.kind, self.layer, self.scope_id = owner, kind, layer, scope_id
 
     def __call__(self, *args: Any) -> None:
+        sid = self.scope_id
+        if sid is not None and not torch.compiler.is_compiling():
+            self.scope_id = None  # (noted once per hook: the scopes are looked up once)
+            with _RUNS_LOCK:
+                scopes = [s for s in list(_LIVE) if s.id == sid and s.active]
+            for s in scopes:
+                s.copy_ran.add(self.layer)
         return None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
+        return _InertHook(self.owner, self.kind, self.layer, self.scope_id)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_InertHook, (self.owner, self.kind, self.layer))
 
     def __repr__(self) -> str:
         return f"<inert hookscope {self.kind} hook of {self.owner} on {self.layer!r}>"
+
+
+def ran_in_copy(scope: HookScope, layer: str) -> bool:
+    """Whether a deep copy of the model (made while ``scope`` held its hooks: the copy's hooks
+    are inert) called ``layer`` while ``scope`` was active: what a layer that "never ran" in
+    the model may have done in a copy."""
+    return layer in scope.copy_ran
 
 
 class _Hook:
@@ -229,7 +255,7 @@ class _Hook:
         return self.fn(*args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
-        return _InertHook(self.owner, self.kind, self.layer)
+        return _InertHook(self.owner, self.kind, self.layer, self.scope_id)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_InertHook, (self.owner, self.kind, self.layer))
@@ -465,6 +491,8 @@ class HookScope:
         self._replaced_at_removal: dict[str, str] = {}  # replaced(), as it was at removal
         # layers whose hooks hs.remove_hooks took while the scope was active (see stripped)
         self.stripped: set[str] = set()
+        # layers a deep copy of the model ran while the scope was active (see ran_in_copy)
+        self.copy_ran: set[str] = set()
 
     # -- registration -------------------------------------------------------------------------
     def _wrap(self, fn: Callable[..., Any], kind: str, layer: str) -> _Hook:
