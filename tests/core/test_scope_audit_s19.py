@@ -651,3 +651,27 @@ def test_capture_of_the_model_beside_a_deep_copy_is_exact() -> None:
     torch.testing.assert_close(cap["fc"], _hand(model, "fc", x), rtol=0, atol=0)
     assert len(cap.calls("fc")) == 1
     hs.remove_hooks(twin)
+
+
+# -- what an open scope says of itself after hs.remove_hooks -------------------------------------
+
+
+def test_scope_after_remove_hooks_reports_no_hooks_held() -> None:
+    # before: cap.active was True and the scope counted 2 hooks that were gone
+    model, x = _net(), _x()
+    cap = hs.capture(model, ["fc", "seq.0"])
+    scope = cap._scope
+    assert cap.active and scope.num_hooks == 2
+    hs.remove_hooks(model.fc)
+    assert cap.active and scope.num_hooks == 1  # seq.0's is still there
+    hs.remove_hooks(model)
+    assert not cap.active and scope.num_hooks == 0
+    assert "0 hooks" in repr(scope) and "closed" in repr(cap)
+    cap.remove()
+    with hs.capture(model, "fc", inputs=True) as cap:  # (handles, not direct hooks)
+        assert cap._scope.num_hooks == 2
+        model(x)
+        hs.remove_hooks(model)
+        assert not cap.active and cap._scope.num_hooks == 0
+    with pytest.warns(hs.HookscopeWarning, match="'fc' recorded nothing after that"):
+        torch.testing.assert_close(cap.inputs["fc"].args[0], x, rtol=0, atol=0)

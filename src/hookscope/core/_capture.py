@@ -449,8 +449,9 @@ class Capture(Mapping[str, Any]):
 
     @property
     def active(self) -> bool:
-        """Whether the hooks are still attached."""
-        return self._scope.active
+        """Whether the hooks are still attached (``False`` once closed, or once
+        ``hs.remove_hooks`` took them all)."""
+        return self._scope.active and self._scope.num_hooks > 0
 
     # -- reading --------------------------------------------------------------------------------
     @property

@@ -821,8 +821,13 @@ class HookScope:
     # -- lifecycle -------------------------------------------------------------------------------
     @property
     def num_hooks(self) -> int:
-        """Number of hooks this scope holds on modules and parameters."""
-        return len(self._handles) + len(self._direct)
+        """Number of hooks this scope holds on modules and parameters (those still registered:
+        ``hs.remove_hooks`` may have taken some while the scope was open)."""
+        held = 0
+        for h in self._handles:
+            d = h.hooks_dict_ref()
+            held += d is not None and h.id in d
+        return held + sum(1 for d, hid in self._direct if hid in d)
 
     def stop_signal(self) -> _StopSignal:
         """The exception a hook raises to end the forward pass early; this scope swallows it."""
