@@ -13,7 +13,9 @@ hook written by hand.
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -675,3 +677,28 @@ def test_scope_after_remove_hooks_reports_no_hooks_held() -> None:
         assert not cap.active and cap._scope.num_hooks == 0
     with pytest.warns(hs.HookscopeWarning, match="'fc' recorded nothing after that"):
         torch.testing.assert_close(cap.inputs["fc"].args[0], x, rtol=0, atol=0)
+
+
+def test_tracking_scopes_do_not_keep_the_model_alive() -> None:
+    # the scopes remember where their hooks sit by weak references and names: `del model`
+    # frees it by reference counting alone (docs/pitfalls.md §21), with every kind open
+    gc.disable()
+    try:
+        model, x = _net(), _x()
+        ref = weakref.ref(model)
+        scopes = [
+            hs.capture(model, ["fc", "seq.0"], inputs=True),
+            hs.edit(model, {"fc": hs.ops.scale(1.0)}),
+            hs.edit_grads(model, {"fc": hs.ops.scale(1.0), "fc.bias": hs.ops.scale(1.0)}),
+            hs.clip_grads(model, value=1.0),
+            hs.observe(model, "fc", lambda c: None),
+            hs.trace(model, quiet=True),
+            hs.steer(model, {"fc": torch.zeros(3)}),
+        ]
+        model(x).sum().backward()
+        del model
+        assert ref() is None, "the model outlived `del` (a reference held by a scope)"
+        for s in scopes:
+            s.remove()  # (the model is gone: nothing to say of where the hooks sat)
+    finally:
+        gc.enable()

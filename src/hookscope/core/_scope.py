@@ -9,6 +9,11 @@ freed by reference counting alone) and turns into an inert no-op when the model 
 pickled (so ``copy.deepcopy(model)`` does not write into the original's store and
 ``torch.save(model)`` works while hooks are attached).
 
+A scope told where its hooks sit (:meth:`HookScope.track`) says, at a read and once at removal,
+when the model holds another module at a layer's name (``model.fc = nn.Linear(...)`` while it is
+open: the new module runs without its hooks); :func:`remove_hooks` marks the open scopes whose
+hooks it takes (:func:`note_stripped`); :func:`warn_lost` is the warning the scopes give at exit.
+
 Threads: a scope acts only on the calls made by the thread that created it (see
 :func:`acts_here`): another thread calling the same model meanwhile runs it as if the scope were
 not there, so two threads capturing, editing or steering one model never see each other's calls.
@@ -461,6 +466,12 @@ class HookScope:
     Features (capture, edit, trace, summary, monitor, CAM) are thin clients: they create a scope
     and register through its ``add_*`` methods, which accept plain functions with PyTorch's hook
     signatures.
+
+    A scope also knows when its hooks stopped seeing a layer's calls while it was open, so that
+    a feature can say why instead of "never ran": :meth:`track` / :meth:`replaced` (the model
+    holds another module at the layer's name now), :attr:`stripped` (layers whose hooks
+    :func:`remove_hooks` took) and :attr:`copy_ran` (layers a deep copy of the model ran, its
+    hooks inert). None of it adds work to a hook's call.
 
     Example:
         >>> import torch, torch.nn as nn

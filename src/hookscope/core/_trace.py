@@ -229,8 +229,10 @@ def trace(
 
     scope.on_remove(lines.finish)  # calls that never returned (hooks removed mid-call)
     # a layer replaced while open, or hooks hs.remove_hooks took: its calls are missing (warned)
+    # (names only: the scope holds no module, so the model is freed by reference counting)
     scope.track(model, named)
+    names = tuple(named)
     scope.on_remove(
-        lambda: warn_lost(scope, named, "trace", "traced", {n: counts.get(n, 0) for n in named})
+        lambda: warn_lost(scope, names, "trace", "traced", {n: counts.get(n, 0) for n in names})
     )
     return scope
