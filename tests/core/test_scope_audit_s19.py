@@ -702,3 +702,61 @@ def test_tracking_scopes_do_not_keep_the_model_alive() -> None:
             s.remove()  # (the model is gone: nothing to say of where the hooks sat)
     finally:
         gc.enable()
+
+
+# -- Monitor (a product on HookScope): a replaced layer's statistics went missing silently -------
+
+
+def test_monitor_of_a_layer_replaced_between_steps_warns_once() -> None:
+    # before: from step 1 on the record silently had no '0' (its hooks were on the old module)
+    model, x = _net(), _x()
+    seq = nn.Sequential(model.fc, nn.ReLU(), nn.Linear(3, 1))
+    with pytest.warns(
+        hs.MonitorWarning,
+        match=r"step 1: layer\(s\) '0' were replaced in the model while the Monitor watched it "
+        r"\(model\[0\] is now another Linear\): .*statistics are missing from this step on; "
+        r"create the Monitor after replacing model\[0\]",
+    ) as rec:
+        old = seq[0]
+        mon = hs.Monitor(seq, every=1, stats="activations")
+        records = []
+        for step in range(3):
+            if step == 1:
+                seq[0] = _new_linear()
+            seq(x).sum().backward()
+            records.append(mon.step())
+        mon.close()
+    assert old is not seq[0]
+    assert len([w for w in rec if "replaced" in str(w.message)]) == 1  # once, not per step
+    assert "0" in records[0].layers and "0" not in records[2].layers
+
+
+def test_monitor_step_whose_hooks_remove_hooks_took_says_so() -> None:
+    # before: "step 0: no monitored layer ran ... was the model called ...?" (it was)
+    model, x = _net(), _x()
+    with pytest.warns(
+        hs.MonitorWarning,
+        match=r"step 0: the hooks of this Monitor were removed by hs\.remove_hooks\(\.\.\.\) "
+        r"during the step, so layer\(s\) 'fc', 'layers\.0', 'layers\.1' \.\.\. recorded nothing "
+        r"after that; the Monitor places them again at its next logged step",
+    ) as rec:
+        mon = hs.Monitor(model, every=1, stats="activations")
+        hs.remove_hooks(model)
+        model(x).sum().backward()
+        mon.step()
+        mon.close()
+    assert not any("no monitored layer ran" in str(w.message) for w in rec)
+
+
+def test_monitor_statistics_with_nothing_replaced_are_exact() -> None:
+    model, x = _net(), _x()
+    want = _hand(model, "layers.0", x).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mon = hs.Monitor(model, every=1, stats="activations")
+        model(x).sum().backward()
+        record = mon.step()
+        mon.close()
+    got = record.layers["layers.0"]
+    assert got["absmax"] == pytest.approx(want.abs().max().item(), rel=0, abs=0)
+    assert got["mean"] == pytest.approx(want.mean().item(), rel=1e-6)
