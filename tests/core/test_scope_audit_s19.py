@@ -760,3 +760,30 @@ def test_monitor_statistics_with_nothing_replaced_are_exact() -> None:
     got = record.layers["layers.0"]
     assert got["absmax"] == pytest.approx(want.abs().max().item(), rel=0, abs=0)
     assert got["mean"] == pytest.approx(want.mean().item(), rel=1e-6)
+
+
+# -- FeatureExtractor: its selection is kept between calls ---------------------------------------
+
+
+def test_feature_extractor_follows_a_layer_replaced_after_it_was_made() -> None:
+    # before: LayerNotRunError "layer(s) 'fc' ... never ran during this forward pass" (false:
+    # the extractor hooked the module it found when it was made, which the model no longer calls)
+    model, x = _net(), _x()
+    fx = hs.FeatureExtractor(model, ["fc", "layers.1"], detach=True)
+    first = fx(x)
+    torch.testing.assert_close(first["fc"], _hand(model, "fc", x), rtol=0, atol=0)
+    model.fc = _new_linear()
+    model.layers[1] = _new_linear()
+    got = fx(x)
+    for name in ("fc", "layers.1"):
+        torch.testing.assert_close(got[name], _hand(model, name, x), rtol=0, atol=0)
+    assert not torch.equal(got["fc"], first["fc"])
+    assert fx._named["fc"] is model.fc
+
+
+def test_feature_extractor_of_a_layer_deleted_after_it_was_made_names_it() -> None:
+    model, x = _net(), _x()
+    fx = hs.FeatureExtractor(model, "seq.0")
+    del model.seq[0]
+    with pytest.raises(hs.LayerNotFoundError, match=r"no layer named 'seq\.0'"):
+        fx(x)

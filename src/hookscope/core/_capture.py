@@ -306,6 +306,7 @@ class Capture(Mapping[str, Any]):
         recorder: _Recorder,
         stop: bool,
         sequence: bool = False,
+        track: bool = True,
     ) -> None:
         self._model_type = type(model).__name__
         self._rec = recorder
@@ -318,7 +319,8 @@ class Capture(Mapping[str, Any]):
         self._tokens: TokenTracker | None = None
         try:
             self._register(named)
-            self._scope.track(model, named)  # a module replaced while open: said when read
+            if track:  # a module replaced while open: said when read
+                self._scope.track(model, named)
             warn_tp_shards(self._scope, model, named)
             if sequence:
                 self._tokens = TokenTracker(
