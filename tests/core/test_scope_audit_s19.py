@@ -787,3 +787,43 @@ def test_feature_extractor_of_a_layer_deleted_after_it_was_made_names_it() -> No
     del model.seq[0]
     with pytest.raises(hs.LayerNotFoundError, match=r"no layer named 'seq\.0'"):
         fx(x)
+
+
+# -- a CAM keeps its layers between calls, as FeatureExtractor does ------------------------------
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).mean((2, 3)))
+
+
+def _hand_grad_cam(model: _ConvNet, x: torch.Tensor, target: int) -> torch.Tensor:
+    """Grad-CAM by plain hooks: relu(sum_c mean_hw(dS/dA_c) * A_c), before hookscope's resize."""
+    kept: list[torch.Tensor] = []
+    h = model.conv.register_forward_hook(lambda m, i, o: kept.append(o))
+    try:
+        score = model(x)[:, target].sum()
+    finally:
+        h.remove()
+    (grad,) = torch.autograd.grad(score, kept[0])
+    return torch.relu((grad.mean((2, 3), keepdim=True) * kept[0]).sum(1)).detach()
+
+
+def test_cam_follows_a_target_layer_replaced_after_it_was_made() -> None:
+    # before: CAMError "layer(s) 'conv' never ran during the forward pass" (false: the CAM
+    # hooked the module it found when made, which the model no longer calls)
+    torch.manual_seed(0)
+    model, x = _ConvNet(), torch.randn(2, 3, 6, 6)
+    cam = hs.GradCAM(model, "conv", raw=True)
+    torch.manual_seed(3)
+    model.conv = nn.Conv2d(3, 4, 3, padding=1)
+    got = cam(x, target=1)
+    torch.testing.assert_close(got, _hand_grad_cam(model, x, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        got, hs.GradCAM(model, "conv", raw=True)(x, target=1), rtol=0, atol=0
+    )
