@@ -28,7 +28,7 @@ from ..core._compiled import named_modules
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import describe, first_tensor, iter_tensors, replace_first
 from ..core._random import draw_fix, draw_place, random_draws
-from ..core._scope import HookScope, check_model, in_backward, internal_run
+from ..core._scope import HookScope, check_model, in_backward, internal_run, stale_names
 from ..core._select import resolve
 from ._tokens import Reshape, to_grid
 
@@ -352,6 +352,10 @@ class CAM:
 
         Without ``full`` the forward pass stops once every layer has run.
         """
+        if stale_names(self.model, self.layers):
+            # a layer replaced since the CAM was made (model.layer4 = ...): its hooks would sit
+            # on the old module, which the model no longer calls; take what each name holds now
+            self.layers = resolve(self.model, list(self.layers))
         acts: dict[str, torch.Tensor] = {}
         scope = HookScope("cam")
         wanted = len(self.layers)

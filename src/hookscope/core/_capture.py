@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
@@ -10,19 +11,22 @@ import torch
 import torch.nn as nn
 
 from ._call import Call, Inputs, _GradSlots, _nograd_reason
-from ._errors import LayerNotFoundError, LayerNotRunError
+from ._errors import HookscopeWarning, LayerNotFoundError, LayerNotRunError
 from ._nested import iter_tensors, map_tensors, object_copier
 from ._recompute import REENTRANT_HINT, Recomputes
 from ._scope import (
+    _GONE,
     HookScope,
     _Hook,
     acts_here,
+    attribute_path,
     check_model,
     get_ident,
     graph_task_id,
     identity_views,
     in_backward,
     quiet,
+    ran_in_copy,
     thread_checked,
     warn_once,
 )
@@ -302,6 +306,7 @@ class Capture(Mapping[str, Any]):
         recorder: _Recorder,
         stop: bool,
         sequence: bool = False,
+        track: bool = True,
     ) -> None:
         self._model_type = type(model).__name__
         self._rec = recorder
@@ -314,6 +319,8 @@ class Capture(Mapping[str, Any]):
         self._tokens: TokenTracker | None = None
         try:
             self._register(named)
+            if track:  # a module replaced while open: said when read
+                self._scope.track(model, named)
             warn_tp_shards(self._scope, model, named)
             if sequence:
                 self._tokens = TokenTracker(
@@ -428,10 +435,13 @@ class Capture(Mapping[str, Any]):
         self.stopped = self.stopped or bool(suppressed)
         if self._stop and exc is None:
             missing = self.missing
+            for name in missing:  # (one whose hooks were replaced or removed: say so)
+                self._check_hooked(name, "capture(stop=True): ")
             if missing:
                 raise LayerNotRunError(
                     f"capture(stop=True): layer(s) {', '.join(map(repr, missing))} of {self._model_type} "
-                    f"never ran, so the forward pass was not stopped early; {_NEVER_RAN_HINT}"
+                    f"never ran, so the forward pass was not stopped early; "
+                    f"{self._never_ran(missing)}"
                 )
         return suppressed
 
@@ -441,8 +451,9 @@ class Capture(Mapping[str, Any]):
 
     @property
     def active(self) -> bool:
-        """Whether the hooks are still attached."""
-        return self._scope.active
+        """Whether the hooks are still attached (``False`` once closed, or once
+        ``hs.remove_hooks`` took them all)."""
+        return self._scope.active and self._scope.num_hooks > 0
 
     # -- reading --------------------------------------------------------------------------------
     @property
@@ -453,15 +464,17 @@ class Capture(Mapping[str, Any]):
     def calls(self, layer: str) -> list[Call]:
         """Every recorded call of ``layer``, in order (a module used twice gives two)."""
         self._check(layer)
+        self._check_hooked(layer)
         return list(self._rec.materialize(layer))
 
     def last(self, layer: str) -> Call:
         """The last recorded call of ``layer``."""
         self._check(layer)
+        self._check_hooked(layer)
         calls = self._rec.materialize(layer)
         if not calls:
             raise LayerNotRunError(
-                f"layer {layer!r} was selected but nothing was recorded: {_NEVER_RAN_HINT}"
+                f"layer {layer!r} was selected but nothing was recorded: {self._never_ran([layer])}"
             )
         return calls[-1]
 
@@ -474,6 +487,82 @@ class Capture(Mapping[str, Any]):
                     repr(x) for x in suggest(layer, self.layers)
                 )
             raise LayerNotFoundError(f"{layer!r} is not a captured layer; {listed}")
+
+    def _never_ran(self, layers: list[str]) -> str:
+        """Why ``layers`` recorded nothing: a deep copy of the model ran them (its hooks are
+        inert), or the usual causes."""
+        copied = [n for n in layers if ran_in_copy(self._scope, n)]
+        if not copied:
+            return _NEVER_RAN_HINT
+        return (
+            f"a deep copy of the model (copy.deepcopy, made while the capture was open) called "
+            f"{', '.join(map(repr, copied))}, and a copy's hooks are inert: capture the copy "
+            "(hs.capture(the_copy, ...)), or call the model the capture was opened on"
+        )
+
+    def _lost(self, layer: str) -> str | None:
+        """Why the hooks of ``layer`` stopped seeing its calls while the scope was open (the
+        message's first part), if they did: the model holds another module at that name now, or
+        ``hs.remove_hooks`` took them. ``None`` when they saw every call."""
+        scope = self._scope
+        recorded = bool(self._rec.calls.get(layer))
+        if layer in scope.stripped:
+            return (
+                "the hooks of this capture were removed by hs.remove_hooks(...) while it was open, "
+                f"so {layer!r} recorded nothing after that"
+                + ("" if recorded else " (and nothing before)")
+            )
+        now = scope.replaced(layer)
+        if now is None:
+            return None
+        where = attribute_path(layer)
+        if now.endswith(_GONE):  # taken out of the model: nothing runs at that name
+            return (
+                f"layer {layer!r} was removed from the model while this capture was open "
+                f"({now})"
+                + (
+                    ": what was recorded is of the module that was there"
+                    if recorded
+                    else ", and it never ran in the scope before that"
+                )
+                + f"; open the capture after removing {where}"
+            )
+        return (
+            f"layer {layer!r} was replaced while this capture was open ({now}): the capture's "
+            "hooks stay on the module it replaced, so calls of the new module are not recorded"
+            + (
+                " and what was recorded is the replaced module's"
+                if recorded
+                else " (and the replaced one never ran in the scope)"
+            )
+            + f"; open the capture after replacing {where}"
+        )
+
+    def _check_hooked(self, layer: str, prefix: str = "") -> None:
+        """Refuse a read of ``layer`` whose hooks stopped seeing its calls while the scope was
+        open (see :meth:`_lost`): a replaced module raises, as does a layer ``hs.remove_hooks``
+        left with nothing recorded; calls recorded before ``hs.remove_hooks`` (its use: cleaning
+        up a scope never closed) are read with a warning that later calls are missing."""
+        lost = self._lost(layer)
+        if lost is None:
+            return
+        if layer not in self._scope.stripped:
+            raise LayerNotRunError(prefix + lost)
+        if not self._rec.calls.get(layer):
+            raise LayerNotRunError(
+                f"{prefix}{lost}: keep hs.remove_hooks for scopes that were never closed, or "
+                "open a new capture after it"
+            )
+        key = "stripped\0" + layer
+        if key not in self._rec.warned:
+            self._rec.warned.add(key)
+            warnings.warn(
+                f"{lost}: the values read are those recorded before it, and a call after it is "
+                "not among them; close a capture you still read with `with` or .remove(), not "
+                "hs.remove_hooks",
+                HookscopeWarning,
+                stacklevel=4,
+            )
 
     def clear(self) -> None:
         """Drop every recorded call (keeps the hooks)."""
@@ -506,6 +595,7 @@ class Capture(Mapping[str, Any]):
             (torch.Size([1, 3, 3]), [[True, True, True]], [[4, 5, 6]])
         """
         self._check(layer)
+        self._check_hooked(layer)
         if self._tokens is None:
             raise SequenceError(
                 f"sequence({layer!r}) needs the token positions of each model call: open the "

@@ -19,7 +19,7 @@ from ._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_
 from ._gradcheck import FireCheck
 from ._nested import iter_tensors
 from ._recompute import Replays
-from ._scope import HookScope, check_model
+from ._scope import HookScope, check_model, ran_in_copy, warn_lost
 from ._select import find, resolve, suggest
 from ._sharded import add_param_grad_editor, check_tensor_type, is_dtensor, warn_tp_shards
 
@@ -47,14 +47,36 @@ NEVER_RAN = (
 
 class _Reached:
     """Counts the calls an edit acted on, per layer; when its scope closes without an exception,
-    warns (:class:`HookscopeWarning`) naming the layers it never acted on."""
+    warns (:class:`HookscopeWarning`) naming the layers it never acted on, and first the layers
+    and parameters whose hooks stopped acting while it was open (:meth:`track`): the model holds
+    another module or parameter at that name now, or ``hs.remove_hooks`` took them."""
 
-    __slots__ = ("counts", "owner", "scope", "what")
+    __slots__ = ("counts", "lost", "names", "owner", "scope", "what")
 
     def __init__(self, scope: HookScope, owner: str, what: str) -> None:
         self.scope, self.owner, self.what = scope, owner, what
         self.counts: dict[str, int] = {}
+        self.names: set[str] = set()  # the tracked layers and parameters
+        self.lost: set[str] = set()  # those whose hooks stopped acting (set at removal)
+        scope.on_remove(self._check_lost)  # (first: the other checks leave these names out)
         scope.on_remove(self._check)
+
+    def track(
+        self,
+        model: nn.Module | None,
+        modules: Mapping[str, nn.Module] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Watch where the hooks of these layers and parameters sit (:meth:`HookScope.track`)."""
+        if model is None:
+            return
+        self.scope.track(model, modules, params)
+        self.names.update(modules or ())
+        self.names.update(params or ())
+
+    def _check_lost(self) -> None:
+        verb = "clipped" if self.owner == "clip_grads" else "edited"
+        self.lost = warn_lost(self.scope, self.names, self.owner, verb, self.counts)
 
     def watch(self, name: str) -> dict[str, int]:
         """The counts; the hook of ``name`` adds 1 to ``counts[name]`` for each call it acts on."""
@@ -73,7 +95,7 @@ class _Reached:
     def _check_grads(self, hooked: dict[str, int], got: dict[str, int]) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return
-        never = [n for n, c in hooked.items() if c and not got.get(n)]
+        never = [n for n, c in hooked.items() if c and not got.get(n) and n not in self.lost]
         if never:
             warnings.warn(
                 f"{self.owner}: the output of layer(s) {some_names(never)} got no gradient while "
@@ -90,6 +112,8 @@ class _Reached:
 
     def _check_none(self, check: FireCheck, owner: str) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
+            return
+        if self.lost:  # (its hooks were replaced or removed: said at once)
             return
         if not any(check.count.values()) and not check.reported:  # (reported: already loud)
             which = (
@@ -111,7 +135,11 @@ class _Reached:
     def _check_params(self, check: FireCheck, names: list[str]) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return
-        never = [n for n in names if not check.count.get(n) and n not in check.reported]
+        never = [
+            n
+            for n in names
+            if not check.count.get(n) and n not in check.reported and n not in self.lost
+        ]
         if never:
             warnings.warn(
                 f"{self.owner}: parameter(s) {some_names(never)} got no gradient while the scope "
@@ -124,7 +152,18 @@ class _Reached:
     def _check(self) -> None:
         if self.scope.failed or sys.exc_info()[1] is not None:
             return  # an exception is on its way: it says more than a warning
-        never = [n for n, c in self.counts.items() if not c]
+        never = [n for n, c in self.counts.items() if not c and n not in self.lost]
+        copied = [n for n in never if ran_in_copy(self.scope, n)]
+        if copied:  # (a deep copy of the model ran them: the copy's hooks are inert)
+            never = [n for n in never if n not in copied]
+            warnings.warn(
+                f"{self.owner}: layer(s) {some_names(copied)} ran only in a deep copy of the "
+                "model (copy.deepcopy, made while the scope was open), whose hooks are inert, "
+                f"so nothing was edited there: open the {self.owner} on the copy, or call the "
+                "model the scope was opened on",
+                HookscopeWarning,
+                stacklevel=4,
+            )
         if never:
             warnings.warn(
                 f"{self.owner}: layer(s) {some_names(never)} {self.what}, so nothing was edited "
@@ -197,6 +236,7 @@ def edit(
     scope = HookScope("edit")
     try:
         reached = _Reached(scope, "edit", "never ran while the scope was open")
+        reached.track(model, {name: module for name, module, _ in plan})
         replays = Replays(scope, "edit")  # exact under activation checkpointing
         for name, module, fn in plan:
             ran = reached.watch(name)
@@ -402,6 +442,7 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                 ran = reached.watch(name)
                 editor = _output_grad_editor(scope, name, fn, (ran, hooked, got))
                 scope.add_forward(module, editor, layer=name)
+                reached.track(model, {name: module})
                 if not _elementwise(fn):
                     whole[name] = module
             for name, t in tensors.items():
@@ -415,6 +456,8 @@ def edit_grads(model: nn.Module | None, edits: Mapping[Any, Edit]) -> HookScope:
                     scope, model, name, t, _grad_editor(fn, f"the gradient of {name}"), check
                 )
                 named_params.append(name)
+                if not isinstance(key, torch.Tensor):  # (a tensor key is the user's own tensor)
+                    reached.track(model, params={name: t})
         if check is not None:
             reached.params(check, named_params)
         if whole and model is not None:  # tensor parallel: a shard's gradient is a shard
@@ -574,6 +617,7 @@ def clip_grads(
                     on_grad = _accumulation_check(scope, name, p, clip, said, what)
                 add_param_grad_editor(scope, model, name, p, on_grad, check)
         reached = _Reached(scope, "clip_grads", "")
+        reached.track(model, params={n: p for n, p in named.items() if p.requires_grad})
         if params is not None:  # named: each should get a gradient (all of them: some may not)
             reached.params(check, [n for n, p in named.items() if p.requires_grad])
         else:  # the whole model: at least one parameter should get a gradient

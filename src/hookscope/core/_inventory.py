@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.nn.modules import module as _module_mod
 
 from ._compiled import clean_name
-from ._scope import _Hook, _InertHook
+from ._scope import _Hook, _InertHook, note_stripped
 
 __all__ = ["HookInfo", "has_global_hooks", "hooks_on", "module_hooks", "remove_hooks"]
 
@@ -136,7 +136,9 @@ def module_hooks(module: nn.Module) -> Iterator[Any]:
 def remove_hooks(model: nn.Module) -> int:
     """Remove every hook hookscope added to ``model`` (and inert copies); return how many.
 
-    Hooks from PyTorch, DDP, FSDP, checkpointing or the user are left in place.
+    Hooks from PyTorch, DDP, FSDP, checkpointing or the user are left in place. A scope still
+    open whose hooks this takes remembers it: a later read of a ``capture`` (or the warning of an
+    ``edit`` at its exit) says its hooks were removed here, not that the layer never ran.
 
     Example:
         >>> import torch.nn as nn
@@ -149,11 +151,15 @@ def remove_hooks(model: nn.Module) -> int:
         >>> mine.remove()
     """
     removed = 0
+    stripped: dict[int, set[str]] = {}  # {scope id: layers} of the hooks of open scopes
     for container, attr, _kind, _layer, hid in _iter(model):
         d = getattr(container, attr)
         fn = d.get(hid)
         if isinstance(fn, (_Hook, _InertHook)):
             del d[hid]
+            scope_id = getattr(fn, "scope_id", None)
+            if scope_id is not None:
+                stripped.setdefault(scope_id, set()).add(fn.layer)
             release = getattr(fn, "release", None)  # a hook inside a compiled region
             if release is not None:
                 release()
@@ -165,4 +171,5 @@ def remove_hooks(model: nn.Module) -> int:
                     else:
                         table.discard(hid)
             removed += 1
+    note_stripped(stripped)
     return removed

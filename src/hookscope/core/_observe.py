@@ -11,7 +11,7 @@ import torch.nn as nn
 from ._capture import Call, Inputs
 from ._errors import HookscopeError, NoGradientError
 from ._nested import iter_tensors, map_tensors
-from ._scope import HookScope, check_model
+from ._scope import HookScope, check_model, warn_lost
 from ._select import resolve
 
 __all__ = ["TensorGrads", "observe", "tensor_grads"]
@@ -84,6 +84,13 @@ def observe(model: nn.Module, layers: Any, fn: Callable[[Call], Any]) -> HookSco
 
         scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
         scope.add_forward(module, hook, layer=name, with_kwargs=True)
+    # a layer replaced while open, or hooks hs.remove_hooks took: fn missed its calls (warned)
+    # (names only: the scope holds no module, so the model is freed by reference counting)
+    scope.track(model, named)
+    names = tuple(named)
+    scope.on_remove(
+        lambda: warn_lost(scope, names, "observe", "observed", {n: counts.get(n, 0) for n in names})
+    )
     return scope
 
 

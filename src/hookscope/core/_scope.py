@@ -9,6 +9,11 @@ freed by reference counting alone) and turns into an inert no-op when the model 
 pickled (so ``copy.deepcopy(model)`` does not write into the original's store and
 ``torch.save(model)`` works while hooks are attached).
 
+A scope told where its hooks sit (:meth:`HookScope.track`) says, at a read and once at removal,
+when the model holds another module at a layer's name (``model.fc = nn.Linear(...)`` while it is
+open: the new module runs without its hooks); :func:`remove_hooks` marks the open scopes whose
+hooks it takes (:func:`note_stripped`); :func:`warn_lost` is the warning the scopes give at exit.
+
 Threads: a scope acts only on the calls made by the thread that created it (see
 :func:`acts_here`): another thread calling the same model meanwhile runs it as if the scope were
 not there, so two threads capturing, editing or steering one model never see each other's calls.
@@ -28,7 +33,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,15 +46,24 @@ from ._compiled import (
     generate_guard,
     index_generate,
     named_modules,
+    named_parameters,
     region_of,
     routing,
+    strip_compiled,
 )
-from ._errors import HookConflictError, HookscopeWarning, UnsupportedModelError, enter_once
+from ._errors import (
+    HookConflictError,
+    HookscopeWarning,
+    UnsupportedModelError,
+    enter_once,
+    some_names,
+)
 from ._nested import describe_call, map_tensors
 
 __all__ = [
     "HookScope",
     "acts_here",
+    "attribute_path",
     "check_model",
     "get_ident",
     "graph_task_id",
@@ -57,8 +71,12 @@ __all__ = [
     "internal_run",
     "locate_errors",
     "note_exception",
+    "note_stripped",
     "quiet",
+    "ran_in_copy",
+    "stale_names",
     "thread_checked",
+    "warn_lost",
 ]
 
 _scope_ids = itertools.count(1)
@@ -173,18 +191,43 @@ def acts_here(thread: int, kind: str = "forward") -> bool:
 
 
 class _InertHook:
-    """What a hookscope hook becomes in a deep copy or a pickle: does nothing, returns None."""
+    """What a hookscope hook becomes in a deep copy or a pickle: does nothing, returns None.
 
-    __slots__ = ("kind", "layer", "owner")
+    A deep copy's inert hook keeps its scope's id and notes, on its first call, that a copy ran
+    the layer (:func:`ran_in_copy`), so a scope whose layer never ran can say that a copy did;
+    one made by unpickling has no scope (ids are this process's).
+    """
 
-    def __init__(self, owner: str, kind: str, layer: str) -> None:
-        self.owner, self.kind, self.layer = owner, kind, layer
+    __slots__ = ("kind", "layer", "owner", "scope_id")
+
+    def __init__(self, owner: str, kind: str, layer: str, scope_id: int | None = None) -> None:
+        self.owner, self.kind, self.layer, self.scope_id = owner, kind, layer, scope_id
 
     def __call__(self, *args: Any) -> None:
+        sid = self.scope_id
+        if sid is not None and not torch.compiler.is_compiling():
+            self.scope_id = None  # (noted once per hook: the scopes are looked up once)
+            with _RUNS_LOCK:
+                scopes = [s for s in list(_LIVE) if s.id == sid and s.active]
+            for s in scopes:
+                s.copy_ran.add(self.layer)
         return None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
+        return _InertHook(self.owner, self.kind, self.layer, self.scope_id)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_InertHook, (self.owner, self.kind, self.layer))
 
     def __repr__(self) -> str:
         return f"<inert hookscope {self.kind} hook of {self.owner} on {self.layer!r}>"
+
+
+def ran_in_copy(scope: HookScope, layer: str) -> bool:
+    """Whether a deep copy of the model (made while ``scope`` held its hooks: the copy's hooks
+    are inert) called ``layer`` while ``scope`` was active: what a layer that "never ran" in
+    the model may have done in a copy."""
+    return layer in scope.copy_ran
 
 
 class _Hook:
@@ -218,7 +261,7 @@ class _Hook:
         return self.fn(*args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _InertHook:
-        return _InertHook(self.owner, self.kind, self.layer)
+        return _InertHook(self.owner, self.kind, self.layer, self.scope_id)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_InertHook, (self.owner, self.kind, self.layer))
@@ -425,6 +468,12 @@ class HookScope:
     and register through its ``add_*`` methods, which accept plain functions with PyTorch's hook
     signatures.
 
+    A scope also knows when its hooks stopped seeing a layer's calls while it was open, so that
+    a feature can say why instead of "never ran": :meth:`track` / :meth:`replaced` (the model
+    holds another module at the layer's name now), :attr:`stripped` (layers whose hooks
+    :func:`remove_hooks` took) and :attr:`copy_ran` (layers a deep copy of the model ran, its
+    hooks inert). None of it adds work to a hook's call.
+
     Example:
         >>> import torch, torch.nn as nn
         >>> from hookscope import HookScope, hooks_on
@@ -449,6 +498,13 @@ class HookScope:
         # hooks placed by add_forward_many: (the module's hook dict, the hook's id)
         self._direct: list[tuple[dict[int, Any], int]] = []
         self._on_remove: list[Callable[[], None]] = []
+        # where the hooks sit (track): the model, {name: module}, {name: parameter}, held weakly
+        self._places: tuple[Any, dict[str, Any], dict[str, Any]] | None = None
+        self._replaced_at_removal: dict[str, str] = {}  # replaced(), as it was at removal
+        # layers whose hooks hs.remove_hooks took while the scope was active (see stripped)
+        self.stripped: set[str] = set()
+        # layers a deep copy of the model ran while the scope was active (see ran_in_copy)
+        self.copy_ran: set[str] = set()
 
     # -- registration -------------------------------------------------------------------------
     def _wrap(self, fn: Callable[..., Any], kind: str, layer: str) -> _Hook:
@@ -684,11 +740,106 @@ class HookScope:
         """Run ``fn()`` when the scope is removed (release per-scope state)."""
         self._on_remove.append(fn)
 
+    # -- where the hooks sit ----------------------------------------------------------------------
+    def track(
+        self,
+        model: nn.Module,
+        modules: Mapping[str, nn.Module] | None = None,
+        params: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Remember that this scope's hooks of layer ``name`` sit on ``modules[name]`` (and those
+        of parameter ``name`` on ``params[name]``), found at that name in ``model``, so that
+        :meth:`replaced` can tell when the model holds another object there now (``model.fc =
+        nn.Linear(...)`` while the scope is open: the new module runs without its hooks). Held
+        weakly; nothing is added to the hooks' path: the check runs when asked and once at
+        removal (:meth:`replaced` of a removed scope answers as it was then)."""
+        if self._places is None:
+            self._places = (weakref.ref(model), {}, {})
+        mods, prms = self._places[1], self._places[2]
+        for name, module in (modules or {}).items():
+            mods[name] = weakref.ref(module)
+        for name, p in (params or {}).items():
+            prms[name] = weakref.ref(p)
+
+    def replaced(self, name: str) -> str | None:
+        """If the model no longer holds, at ``name``, the module (or parameter) this scope hooked
+        there (see :meth:`track`): what it holds now, for a message (``"model.fc is now another
+        Linear"``); else ``None``. For a removed scope: as it was when it was removed."""
+        if not self.active:
+            return self._replaced_at_removal.get(name)
+        if self._places is None:
+            return None
+        return self._check_places([name], {}).get(name)
+
+    def replaced_all(self) -> dict[str, str]:
+        """:meth:`replaced` of every tracked name, ``{name: what the model holds there now}``,
+        for those whose module (or parameter) is not the one hooked."""
+        if not self.active:
+            return dict(self._replaced_at_removal)
+        if self._places is None:
+            return {}
+        return self._check_places([*self._places[1], *self._places[2]], {})
+
+    def _check_places(self, names: Iterable[str], memo: dict[str, Any]) -> dict[str, str]:
+        """:meth:`replaced` for each of ``names`` (the tracked ones), walking the model's own
+        ``_modules`` / ``_parameters`` by name (``memo``: the modules found so far, by name)."""
+        places = self._places
+        model = places[0]() if places is not None else None
+        if model is None or places is None:  # (the model is gone: nothing runs unhooked)
+            return {}
+        mods, prms = places[1], places[2]
+        found: dict[str, str] = {}
+        full: dict[str, Any] = {}  # named_modules / named_parameters, built on a first mismatch
+        for name in names:
+            ref = mods.get(name)
+            is_param = ref is None
+            if is_param:
+                ref = prms.get(name)
+                if ref is None:
+                    continue
+            hooked = ref()
+            parent, _, last = name.rpartition(".")
+            owner = memo.get(parent, _NOT_FOUND)
+            if owner is _NOT_FOUND:
+                owner = _module_at(model, parent, memo)
+            if is_param:
+                kept = getattr(owner, "_parameters", None)
+                now = kept.get(last) if isinstance(kept, dict) else None
+            elif name:
+                kept = getattr(owner, "_modules", None)
+                now = kept.get(last) if isinstance(kept, dict) else None
+                if now is not hooked and now is not None:  # (a torch.compile wrapper: its module)
+                    now = strip_compiled(now)
+            else:
+                now = strip_compiled(model)
+            if now is hooked and hooked is not None:
+                continue
+            if not full:  # a class that names its parts in its own way: ask it
+                full["m"] = dict(named_modules(model))
+                full["p"] = dict(named_parameters(model))
+            now = full["p" if is_param else "m"].get(name)
+            if now is hooked and hooked is not None:
+                continue
+            if is_param and now is None and any(p is hooked for p in full["p"].values()):
+                continue  # moved, not replaced (a parametrization's .original): its hook acts
+            found[name] = _describe_place(name, hooked, now, is_param)
+        return found
+
+    def _note_stripped(self, layers: Iterable[str]) -> None:
+        """hs.remove_hooks took this scope's hooks of ``layers`` while it was active."""
+        if self.active:
+            self.stripped.update(layers)
+
     # -- lifecycle -------------------------------------------------------------------------------
     @property
     def num_hooks(self) -> int:
-        """Number of hooks this scope holds on modules and parameters."""
-        return len(self._handles) + len(self._direct)
+        """Number of hooks this scope holds on modules and parameters (those still registered:
+        ``hs.remove_hooks`` may have taken some while the scope was open)."""
+        held = 0
+        for h in self._handles:
+            d = h.hooks_dict_ref()
+            held += d is not None and h.id in d
+        return held + sum(1 for d, hid in self._direct if hid in d)
 
     def stop_signal(self) -> _StopSignal:
         """The exception a hook raises to end the forward pass early; this scope swallows it."""
@@ -698,6 +849,7 @@ class HookScope:
         """Remove every hook of this scope. Safe to call several times."""
         if not self.active:
             return
+        self._replaced_at_removal = self.replaced_all()  # what replaced() says from now on
         self.active = False
         handles, self._handles = self._handles, []
         for h in handles:
@@ -724,6 +876,147 @@ class HookScope:
     def __repr__(self) -> str:
         state = "active" if self.active else "removed"
         return f"<{type(self).__name__} {self.owner!r} #{self.id} {state}, {self.num_hooks} hooks>"
+
+
+_NOT_FOUND = object()
+
+
+def _module_at(model: nn.Module, name: str, memo: dict[str, Any]) -> Any:
+    """The module at dotted ``name`` of ``model`` (hookscope's names: a ``torch.compile``
+    wrapper and the module it wraps share one), through each module's ``_modules``; ``None``
+    when there is none. ``memo`` keeps the modules found, by name, for the next names."""
+    found = memo.get(name, _NOT_FOUND)
+    if found is not _NOT_FOUND:
+        return found
+    if not name:
+        found = strip_compiled(model)
+    else:
+        parent, _, last = name.rpartition(".")
+        owner = _module_at(model, parent, memo)
+        children = getattr(owner, "_modules", None)
+        found = children.get(last) if isinstance(children, dict) else None
+        if found is not None and found.__class__.__name__ == "OptimizedModule":
+            found = strip_compiled(found)
+    memo[name] = found
+    return found
+
+
+def attribute_path(name: str) -> str:
+    """``"layers.0.fc"`` as the code that reaches it writes it: ``model.layers[0].fc``."""
+    if not name:
+        return "model"
+    return "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in name.split("."))
+
+
+def stale_names(model: nn.Module, named: Mapping[str, nn.Module]) -> list[str]:
+    """The names of ``named`` (``{name: module}`` found in ``model`` earlier) at which ``model``
+    holds another module now, or none (``model.fc = nn.Linear(...)`` since): a selection kept
+    between scopes (``FeatureExtractor``'s) is resolved again when one is stale. One dict
+    lookup per name (the model's own ``_modules``), ``named_modules`` only on a mismatch."""
+    root = strip_compiled(model)
+    stale = []
+    for name, module in named.items():
+        now: Any = root
+        if name:
+            for part in name.split("."):
+                children = getattr(now, "_modules", None)
+                now = children.get(part) if isinstance(children, dict) else None
+                if now is None:
+                    break
+                if now.__class__.__name__ == "OptimizedModule":
+                    now = strip_compiled(now)
+        if now is not module:
+            stale.append(name)
+    if stale:  # a class that names its parts in its own way: ask it
+        everything = dict(named_modules(model))
+        stale = [n for n in stale if everything.get(n) is not named[n]]
+    return stale
+
+
+_GONE = " is no longer in the model"
+
+
+def _describe_place(name: str, hooked: Any, now: Any, is_param: bool) -> str:
+    """What the model holds at ``name`` instead of ``hooked`` (a dead reference: ``None``)."""
+    where = attribute_path(name)
+    if now is None:
+        return f"{where}{_GONE}"
+    if is_param:
+        return f"{where} is now another {type(now).__name__} (shape {tuple(now.shape)})"
+    if hooked is None:
+        return f"{where} is now another module, a {type(now).__name__}"
+    if type(now) is type(hooked):
+        return f"{where} is now another {type(now).__name__}"
+    return f"{where} is now a {type(now).__name__}, not the {type(hooked).__name__} hooked there"
+
+
+def warn_lost(
+    scope: HookScope,
+    names: Iterable[str],
+    owner: str,
+    verb: str,
+    acted: Mapping[str, int] | None = None,
+    stacklevel: int = 5,
+) -> set[str]:
+    """At the removal of ``scope`` (an :meth:`HookScope.on_remove` callback): warn
+    (:class:`HookscopeWarning`) for the ``names`` whose hooks stopped acting while it was open,
+    and return them. A module (or parameter) the model no longer holds at that name
+    (:meth:`HookScope.replaced`: the new one ran without the hooks), or hooks that
+    ``hs.remove_hooks`` took (:attr:`HookScope.stripped`). ``verb`` says what the hooks do
+    (``"edited"``, ``"observed"``); ``acted``: the calls each layer's hook acted on, to say
+    whether it acted before ``hs.remove_hooks``; ``stacklevel``: the user's frame, as
+    :func:`warnings.warn` counts from here (5: an ``on_remove`` callback of a ``with`` block's
+    exit). Nothing when an exception ends the scope."""
+    if scope.failed or sys.exc_info()[1] is not None:
+        return set()  # an exception is on its way: it says more than a warning
+    names = set(names)
+    replaced = {n: v for n, v in scope.replaced_all().items() if n in names}
+    stripped = sorted(n for n in scope.stripped if n in names and n not in replaced)
+    places = scope._places
+    params = places[2] if places is not None else {}
+
+    def kind(some: Iterable[str]) -> str:
+        return "parameter(s)" if all(n in params for n in some) else "layer(s)"
+
+    if replaced:
+        first = next(iter(replaced))
+        gone = replaced[first].endswith(_GONE)  # (removed, not replaced: nothing runs there)
+        warnings.warn(
+            f"{owner}: {kind(replaced)} {some_names(list(replaced))} were "
+            f"{'removed from the model' if gone else 'replaced'} while the scope was open "
+            f"({replaced[first]}), so "
+            f"{'its later uses were' if gone else 'the new one was'} not {verb}: the scope's "
+            f"hooks stay on what was there; open the scope after "
+            f"{'removing' if gone else 'replacing'} {attribute_path(first)}",
+            HookscopeWarning,
+            stacklevel=stacklevel,
+        )
+    if stripped:
+        before = ""
+        if acted is not None and any(n in acted for n in stripped):
+            did = [n for n in stripped if acted.get(n)]
+            before = f" ({some_names(did)} {verb} before that)" if did else " (nor before that)"
+        warnings.warn(
+            f"{owner}: the hooks of this {owner} were removed by hs.remove_hooks(...) while it "
+            f"was open, so {kind(stripped)} {some_names(stripped)} were not {verb} after "
+            f"that{before}; keep hs.remove_hooks for scopes that were never closed, or open a "
+            f"new {owner} after it",
+            HookscopeWarning,
+            stacklevel=stacklevel,
+        )
+    return {*replaced, *stripped}
+
+
+def note_stripped(removed: Mapping[int, set[str]]) -> None:
+    """``hs.remove_hooks`` took the hooks ``{scope id: layers}``: each active scope of those ids
+    remembers it (:attr:`HookScope.stripped`), so what it says later of those layers (nothing
+    recorded, nothing edited) names the cause instead of "never ran"."""
+    if not removed:
+        return
+    with _RUNS_LOCK:
+        scopes = [s for s in list(_LIVE) if s.id in removed]
+    for s in scopes:
+        s._note_stripped(removed[s.id])
 
 
 def locate_errors(model: nn.Module) -> HookScope:

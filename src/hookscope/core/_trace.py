@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ._nested import Shapes, call_shapes, first_tensor, format_shapes, shapes
-from ._scope import HookScope, check_model, note_exception
+from ._scope import HookScope, check_model, note_exception, warn_lost
 from ._select import resolve
 
 __all__ = ["Trace", "TraceEvent", "trace"]
@@ -228,4 +228,11 @@ def trace(
         scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
 
     scope.on_remove(lines.finish)  # calls that never returned (hooks removed mid-call)
+    # a layer replaced while open, or hooks hs.remove_hooks took: its calls are missing (warned)
+    # (names only: the scope holds no module, so the model is freed by reference counting)
+    scope.track(model, named)
+    names = tuple(named)
+    scope.on_remove(
+        lambda: warn_lost(scope, names, "trace", "traced", {n: counts.get(n, 0) for n in names})
+    )
     return scope

@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ..core._capture import Capture, _Recorder
 from ..core._errors import HookscopeError, LayerNotRunError
-from ..core._scope import check_model
+from ..core._scope import check_model, stale_names
 from ..core._select import resolve
 
 __all__ = ["FeatureExtractor"]
@@ -54,10 +54,16 @@ class FeatureExtractor(nn.Module):
         self.stop = stop
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        if stale_names(self.model, self._named):
+            # a layer replaced since the extractor was made (model.fc = nn.Linear(...)): its
+            # hooks would sit on the old module, which the model no longer calls; the layers are
+            # named, so the extractor takes the module each name holds now
+            self._named = resolve(self.model, self.layers)
         rec = _Recorder(
             inputs=False, grads=False, detach=self.detach, clone=self.clone, to=None, keep="last"
         )
-        cap = Capture(self.model, self._named, rec, stop=self.stop)
+        # (checked above, once per call: the scope, open for this call alone, tracks nothing)
+        cap = Capture(self.model, self._named, rec, stop=self.stop, track=False)
         with cap:
             self.model(*args, **kwargs)
         missing = cap.missing

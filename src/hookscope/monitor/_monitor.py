@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ..core._compiled import named_parameters
 from ..core._errors import UnsupportedTensorError, enter_once, some_names
-from ..core._scope import HookScope, check_model, get_ident
+from ..core._scope import HookScope, attribute_path, check_model, get_ident
 from ..core._select import find, resolve
 from ..core._sharded import FSDP2_INSTEAD, fsdp1_loaded, fsdp1_marked, fsdp1_wrappers, local
 from ._diagnose import MonitorWarning, NonFiniteWarning, Thresholds, diagnose
@@ -164,6 +164,7 @@ class Monitor:
         self._warned_shares = False  # unequal batch shares across ranks, said once
         self._warned_hist_micro = False  # histograms of the first micro-batch only, said once
         self._said: set[tuple[str, str]] = set()  # (what, parameter) said once (see _say)
+        self._said_replaced: set[str] = set()  # layers said replaced in the model (once each)
         self._params = []
         # every parameter of the watched layers; each logged step records those that train
         # (requires_grad) then: one frozen at creation and unfrozen later (fine-tuning) was
@@ -309,6 +310,7 @@ class Monitor:
             (module, LayerHook(hooks, name, self._bounds.get(name)), name)
             for name, module in self.named.items()
         )
+        scope.track(self.model, self.named)  # (a layer replaced in the model: said at step())
         if self._layouts is not None:  # modules the plan names mark their outputs' layout
             monitored = {id(m) for m in self.named.values()}
             for name, module in self._layouts.plan_modules(self.model):
@@ -359,8 +361,10 @@ class Monitor:
         origin = self._sentinel_check() if self._tracker is not None else None
         record = None
         if logged:
-            self._check_layers_ran(step)
+            scope = self._scope
             self._detach()
+            if not self._check_layers_hooked(step, scope):
+                self._check_layers_ran(step, scope)
             record = self._record(step, optimizer)
             record.nonfinite = origin
         elif origin is not None:
@@ -377,10 +381,42 @@ class Monitor:
             self._attach()
         return record
 
-    def _check_layers_ran(self, step: int) -> None:
+    def _check_layers_hooked(self, step: int, scope: HookScope | None) -> bool:
+        """Warn for the monitored layers whose hooks stopped seeing their calls in this logged
+        step (``scope``, removed): the model holds another module at the layer's name now (said
+        once per layer: every later step misses it too), or ``hs.remove_hooks`` took the hooks
+        (placed again at the next logged step). Whether every layer was lost."""
+        if scope is None:
+            return False
+        replaced = scope.replaced_all()
+        stripped = [n for n in self.named if n in scope.stripped and n not in replaced]
+        new = [n for n in replaced if n not in self._said_replaced]
+        if new:
+            self._said_replaced.update(new)
+            warnings.warn(
+                f"step {step}: layer(s) {some_names(new)} were replaced in the model while the "
+                f"Monitor watched it ({replaced[new[0]]}): its hooks are on the module it "
+                "replaced, so the new one's statistics are missing from this step on; create "
+                f"the Monitor after replacing {attribute_path(new[0])}",
+                MonitorWarning,
+                stacklevel=3,
+            )
+        if stripped:
+            warnings.warn(
+                f"step {step}: the hooks of this Monitor were removed by hs.remove_hooks(...) "
+                f"during the step, so layer(s) {some_names(stripped)} recorded nothing after "
+                "that; the Monitor places them again at its next logged step (keep "
+                "hs.remove_hooks for scopes that were never closed)",
+                MonitorWarning,
+                stacklevel=3,
+            )
+        lost = set(replaced) | set(stripped)
+        return bool(lost) and all(n in lost for n in self.named)
+
+    def _check_layers_ran(self, step: int, scope: HookScope | None) -> None:
         """Warn when a logged step recorded no layer although layers were asked for: the model
         did not run through ``model(...)``, or ran in a thread the step's hooks do not act on."""
-        st, scope = self._state, self._scope
+        st = self._state
         if scope is None or not self._gate[0] or not self.named:
             return
         if not ("activations" in self.stats or "gradients" in self.stats):

@@ -15,7 +15,15 @@ from ..core._compiled import strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
 from ..core._nested import replace_first
 from ..core._recompute import Replays
-from ..core._scope import HookScope, _Hook, acts_here, check_model, get_ident, thread_checked
+from ..core._scope import (
+    HookScope,
+    _Hook,
+    acts_here,
+    check_model,
+    get_ident,
+    thread_checked,
+    warn_lost,
+)
 from ..core._select import Selector, find
 from ..core._sequence import SequenceError, TokenTracker
 
@@ -72,7 +80,8 @@ class Steering(HookScope):
         if not self.model_calls or not self._seen:
             return
         missed = [h for h, c in zip(self.hooks, self._seen) if h.count == c]
-        new = [h for h in missed if h.name not in self._skipped]
+        # (a layer replaced in the model, or whose hook hs.remove_hooks took: said at exit)
+        new = [h for h in missed if h.name not in self._skipped and not self._lost(h.name)]
         if new:
             self._skipped.update(h.name for h in new)
             away = next((h for h in new if h.elsewhere), None)
@@ -95,6 +104,11 @@ class Steering(HookScope):
                 HookscopeWarning,
                 stacklevel=stacklevel,
             )
+
+    def _lost(self, name: str) -> bool:
+        """Whether the hook of ``name`` stopped acting: the model holds another module there
+        now, or ``hs.remove_hooks`` took it (:func:`warn_lost` says so at exit)."""
+        return name in self.stripped or self.replaced(name) is not None
 
     def _check_never(self, stacklevel: int) -> None:
         """At exit: warn for the steered layers that never ran in the scope's thread."""
@@ -162,6 +176,8 @@ class Steering(HookScope):
         )  # the warnings' frame: the with statement, or remove()'s caller
         super().remove()
         if check:
+            counts = {h.name: h.count for h in self.hooks}
+            self._skipped.update(warn_lost(self, self.layers, "steer", "steered", counts, up + 1))
             self._check_ran(up + 1)
             self._check_never(up + 1)
             self._check_unseen(up + 1)
@@ -565,6 +581,7 @@ def steer(
             hook = _SteerHook(name, vec, scale, mode, select, scope)
             scope.hooks.append(hook)
             scope.add_forward(module, hook, layer=name)
+        scope.track(model, {name: module for name, module, _ in plan})  # (replaced: warned)
     except BaseException:
         scope.remove()
         raise
