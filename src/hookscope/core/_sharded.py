@@ -231,6 +231,13 @@ def _layouts_kind(layouts: Any) -> str | None:
     return "replicate" if first.is_replicate() else "shard"
 
 
+def _dist_initialized() -> bool:
+    """Whether a ``torch.distributed`` process group is initialised (a tensor-parallel plan's
+    device mesh needs one)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
 def declared_output(module: nn.Module) -> str | None:
     """The layout a tensor-parallel plan declares for ``module``'s output: ``"shard"``,
     ``"replicate"`` (or ``"partial"``), read from the output hook that ``parallelize_module``
@@ -350,8 +357,8 @@ def warn_tp_shards(
     what the plan declares (:class:`TPLayouts`), as the monitor does. A ``DTensor`` output is
     kept as one (``.full_tensor()`` gives the full output) and is not warned about. No hook is
     added to a model without a tensor-parallel plan."""
-    if dtensor_class() is None:
-        return
+    if dtensor_class() is None or not _dist_initialized():
+        return  # (a plan needs a device mesh, so a process group: none, no walk of the model)
     layouts = TPLayouts(model)
     if not layouts.declared:
         return
