@@ -776,9 +776,30 @@ class HookScope:
         for those whose module (or parameter) is not the one hooked."""
         if not self.active:
             return dict(self._replaced_at_removal)
-        if self._places is None:
+        places = self._places
+        if places is None:
             return {}
-        return self._check_places([*self._places[1], *self._places[2]], {})
+        model = places[0]()
+        if model is None:
+            return {}
+        # the common case, nothing replaced: each name's parent found once (memo), then one
+        # identity per name; only the names that differ take the full check
+        memo: dict[str, Any] = {}
+        differ = []
+        for table, attr in ((places[1], "_modules"), (places[2], "_parameters")):
+            for name, ref in table.items():
+                if not name:
+                    differ.append(name)  # (the model itself: a compiled wrapper's module)
+                    continue
+                parent, _, last = name.rpartition(".")
+                owner = memo.get(parent, _NOT_FOUND)
+                if owner is _NOT_FOUND:
+                    owner = _module_at(model, parent, memo)
+                kept = getattr(owner, attr, None)
+                now = kept.get(last) if isinstance(kept, dict) else None
+                if now is None or now is not ref():
+                    differ.append(name)
+        return self._check_places(differ, memo) if differ else {}
 
     def _check_places(self, names: Iterable[str], memo: dict[str, Any]) -> dict[str, str]:
         """:meth:`replaced` for each of ``names`` (the tracked ones), walking the model's own
