@@ -756,10 +756,10 @@ class HookScope:
         if self._places is None:
             self._places = (weakref.ref(model), {}, {})
         mods, prms = self._places[1], self._places[2]
-        for name, module in (modules or {}).items():
-            mods[name] = weakref.ref(module)
-        for name, p in (params or {}).items():
-            prms[name] = weakref.ref(p)
+        if modules:
+            mods.update(zip(modules, map(weakref.ref, modules.values())))
+        if params:
+            prms.update(zip(params, map(weakref.ref, params.values())))
 
     def replaced(self, name: str) -> str | None:
         """If the model no longer holds, at ``name``, the module (or parameter) this scope hooked
