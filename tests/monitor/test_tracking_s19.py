@@ -1,0 +1,177 @@
+"""Audit s19: find_nonfinite when a module it hooked is replaced in the model, added to it, or
+has its hooks taken by ``hs.remove_hooks`` while it runs the model.
+
+Before, the sentinel kept its hooks on the modules it found when the Monitor was made: a NaN made
+by a module put in the model later was blamed on the layer that called it (the root) without a
+word, and after ``hs.remove_hooks(model)`` the sentinel saw nothing for the rest of the run (a
+NaN blamed on the last layer through its parameter gradient). Each test checks the warning's
+content (the layer, what the model holds there now, the fix) and, on the normal path, the origin
+against a hand reference: the first layer whose output is NaN while its input is finite.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+
+
+class Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))
+
+
+def _negative(net: nn.Sequential) -> None:
+    """Layer 0 maps ones to -1: a log after it makes NaN."""
+    with torch.no_grad():
+        net[0].weight.copy_(-torch.eye(2))
+        net[0].bias.zero_()
+
+
+def _positive(net: nn.Sequential) -> None:
+    """Layer 0 maps ones to 2: a log after it stays finite."""
+    with torch.no_grad():
+        net[0].weight.copy_(torch.eye(2))
+        net[0].bias.fill_(1.0)
+
+
+def _hand_origin(net: nn.Sequential, x: torch.Tensor) -> tuple[str, str]:
+    """The first top-level layer whose output holds a NaN while its input does not (by hand)."""
+    with torch.no_grad():
+        for name, module in net.named_children():
+            y = module(x)
+            if y.isnan().any() and not x.isnan().any():
+                return name, type(module).__name__
+            x = y
+    raise AssertionError("no NaN")
+
+
+def _step(mon: hs.Monitor, net: nn.Module, x: torch.Tensor) -> tuple[object, list[str]]:
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        net(x).sum().backward()
+        rec = mon.step()
+    net.zero_grad()
+    return rec, [str(w.message) for w in got if issubclass(w.category, hs.MonitorWarning)]
+
+
+X = torch.ones(4, 2)
+
+
+class Grows(nn.Module):
+    """Builds its activation on its first call (a module added to the model by its forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "act"):
+            self.act = Log()
+        return self.act(self.fc(x))
+
+
+def _grows() -> nn.Sequential:
+    torch.manual_seed(0)
+    net = nn.Sequential(Grows(), nn.Linear(2, 1))
+    with torch.no_grad():  # fc maps ones to -1: the log makes NaN
+        net[0].fc.weight.copy_(-torch.eye(2))
+        net[0].fc.bias.zero_()
+    return net
+
+
+def _hand_inner(net: nn.Sequential, x: torch.Tensor) -> tuple[str, str]:
+    """By hand, for ``_grows()``: fc's output is finite, the log's NaN."""
+    with torch.no_grad():
+        h = net[0].fc(x)
+        assert h.isfinite().all() and net[0].act(h).isnan().any()
+    return "0.act", type(net[0].act).__name__
+
+
+# -- find_nonfinite -------------------------------------------------------------------------------
+def _find(net: nn.Module, x: torch.Tensor) -> tuple[object, list[str]]:
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        origin = hs.find_nonfinite(net, x)
+    return origin, [str(w.message) for w in got if issubclass(w.category, hs.HookscopeWarning)]
+
+
+def test_find_nonfinite_normal_path_matches_the_hand_origin() -> None:
+    net = _net()
+    net[1] = Log()
+    _negative(net)
+    origin, said = _find(net, X)
+    assert said == []
+    assert (origin.layer, origin.module_type) == _hand_origin(net, X) == ("1", "Log")
+
+
+def test_find_nonfinite_module_built_by_the_forward_is_named() -> None:
+    # before: origin '0' (Grows), nothing said (its Log was built during the run, unhooked)
+    net = _grows()
+    origin, said = _find(net, X)
+    assert origin.layer == "0"
+    assert len(said) == 1
+    assert re.search(
+        r"find_nonfinite: layer\(s\) '0\.act' changed in the model while find_nonfinite ran it "
+        r"\(model\[0\]\.act was added to the model \(a Log\)\), so its hooks did not see "
+        r"their calls: the origin found \(layer '0' \(Grows\), forward pass\) may be wrong.*"
+        r"run the model once before find_nonfinite",
+        said[0],
+    ), said[0]
+    origin, said = _find(net, X)  # the model as built now: exact
+    assert said == []
+    assert (origin.layer, origin.module_type) == _hand_inner(net, X)
+
+
+def test_find_nonfinite_module_replaced_by_the_forward_is_named() -> None:
+    class Swaps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = nn.Tanh()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if isinstance(self.act, nn.Tanh):
+                self.act = Log()
+            return self.act(x)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 2), Swaps(), nn.Linear(2, 1))
+    _negative(net)
+    origin, said = _find(net, X)
+    assert origin.layer == "1"
+    assert len(said) == 1
+    assert "layer(s) '1.act' changed in the model while find_nonfinite ran it" in said[0]
+    assert "(model[1].act is now a Log, not the Tanh hooked there)" in said[0]
+    assert "the origin found (layer '1' (Swaps), forward pass) may be wrong" in said[0]
+    origin, said = _find(net, X)
+    assert said == [] and (origin.layer, origin.module_type) == ("1.act", "Log")
+
+
+def test_find_nonfinite_hooks_removed_by_the_forward_are_named() -> None:
+    class Strips(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hs.remove_hooks(self)
+            return torch.log(x)
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 2), Strips(), nn.Linear(2, 1))
+    _negative(net)
+    origin, said = _find(net, X)
+    assert origin.layer == ""  # what the hooks left could see: the root
+    assert len(said) == 1
+    assert re.search(
+        r"find_nonfinite: its hooks on 1 layer\(s\) \('1'\) were removed by "
+        r"hs\.remove_hooks\(\.\.\.\) while it ran.*do not call hs\.remove_hooks in the "
+        r"model's forward or loss_fn",
+        said[0],
+    ), said[0]
+    assert not hs.hooks_on(net)
