@@ -1,5 +1,5 @@
-"""Audit s19: find_nonfinite when a module it hooked is replaced in the model, added to it, or
-has its hooks taken by ``hs.remove_hooks`` while it runs the model.
+"""Audit s19: the NaN sentinel and find_nonfinite when a module they hooked is replaced in the
+model, added to it, or has its hooks taken by ``hs.remove_hooks`` while they watch it.
 
 Before, the sentinel kept its hooks on the modules it found when the Monitor was made: a NaN made
 by a module put in the model later was blamed on the layer that called it (the root) without a
@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import warnings
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -95,6 +96,139 @@ def _hand_inner(net: nn.Sequential, x: torch.Tensor) -> tuple[str, str]:
         h = net[0].fc(x)
         assert h.isfinite().all() and net[0].act(h).isnan().any()
     return "0.act", type(net[0].act).__name__
+
+
+def test_sentinel_normal_path_matches_the_hand_origin() -> None:
+    net = _net()
+    net[1] = Log()
+    _negative(net)
+    with hs.Monitor(net, sentinel=True, stats=(), alerts="off") as mon:
+        rec, said = _step(mon, net, X)
+    assert said == []
+    assert (rec.nonfinite.layer, rec.nonfinite.module_type) == _hand_origin(net, X) == ("1", "Log")
+    assert rec.nonfinite.phase == "forward" and rec.nonfinite.kind == "nan"
+
+
+def test_sentinel_module_replaced_in_the_nan_step_says_the_origin_may_be_wrong() -> None:
+    # before: origin '<root>' (Sequential), nothing said (the Log ran without the sentinel's hooks)
+    net = _net()
+    _positive(net)
+    with hs.Monitor(net, sentinel=True, stats=(), alerts="off") as mon:
+        rec, said = _step(mon, net, X)
+        assert rec.nonfinite is None and said == []
+        net[1] = Log()
+        _negative(net)
+        rec, said = _step(mon, net, X)
+        assert rec.nonfinite.layer == ""  # what the old hooks could see: the root
+        assert len(said) == 1
+        assert re.search(
+            r"step 1: layer\(s\) '1' changed in the model while the Monitor's sentinel watched "
+            r"it \(model\[1\] is now a Log, not the Tanh hooked there\).*the NaN/Inf origin found "
+            r"\(layer '<root>' \(Sequential\), forward pass\) may be wrong.*create the Monitor "
+            r"after replacing model\[1\]",
+            said[0],
+        ), said[0]
+        # the sentinel watches the model as it is now: the next NaN's origin is exact
+        rec, said = _step(mon, net, X)
+        assert said == []
+        assert (rec.nonfinite.layer, rec.nonfinite.module_type) == _hand_origin(net, X)
+
+
+def test_sentinel_module_replaced_between_nan_free_steps_is_said_once_and_followed() -> None:
+    # before: nothing said, and the NaN of a later step blamed on '<root>' (Sequential)
+    net = _net()
+    with hs.Monitor(net, sentinel=True, stats=(), alerts="off") as mon:
+        _positive(net)
+        _step(mon, net, X)
+        net[1] = Log()  # finite on positive inputs: no NaN this step
+        rec, said = _step(mon, net, X)
+        assert rec.nonfinite is None
+        assert len(said) == 1 and "layer(s) '1' changed in the model" in said[0]
+        assert "model[1] is now a Log, not the Tanh hooked there" in said[0]
+        assert "create the Monitor after replacing model[1]" in said[0]
+        rec, said = _step(mon, net, X)
+        assert said == [] and rec.nonfinite is None  # said once
+        _negative(net)
+        rec, said = _step(mon, net, X)
+        assert said == []
+        assert (rec.nonfinite.layer, rec.nonfinite.module_type) == _hand_origin(net, X)
+
+
+def test_sentinel_unlogged_step_checks_when_an_origin_is_found() -> None:
+    # every=4: step 1 is not logged; the replacement is found with the origin (its step)
+    net = _net()
+    with hs.Monitor(net, sentinel=True, stats=("parameters",), every=4, alerts="off") as mon:
+        _step(mon, net, X)
+        net[1] = Log()
+        _negative(net)
+        rec, said = _step(mon, net, X)
+        assert rec.nonfinite.layer == ""
+        assert len(said) == 1 and "may be wrong" in said[0] and "model[1] is now a Log" in said[0]
+        rec, said = _step(mon, net, X)
+        assert (rec.nonfinite.layer, rec.nonfinite.module_type) == ("1", "Log")
+
+
+def test_sentinel_module_added_in_the_nan_step_is_named() -> None:
+    # a module built in the model's forward (new attribute): unhooked, its NaN blamed on the
+    # parent; before, nothing said
+    net = _grows()
+    with hs.Monitor(net, sentinel=True, stats=(), alerts="off") as mon:
+        rec, said = _step(mon, net, X)
+        assert rec.nonfinite.layer == "0"  # the parent (Grows), all the old hooks could see
+        assert len(said) == 1
+        assert "layer(s) '0.act' changed in the model" in said[0]
+        assert "model[0].act was added to the model (a Log)" in said[0]
+        assert "may be wrong" in said[0]
+        assert "create the Monitor after adding model[0].act" in said[0]
+        rec, said = _step(mon, net, X)
+        assert said == []
+        assert (rec.nonfinite.layer, rec.nonfinite.module_type) == ("0.act", "Log")
+
+
+def test_sentinel_hooks_taken_by_remove_hooks_are_said_and_placed_again() -> None:
+    # before: origin '2' (Linear) through its parameter gradient, nothing said, and the
+    # sentinel saw nothing for the rest of the run
+    net = _net()
+    net[1] = Log()
+    with hs.Monitor(net, sentinel=True, stats=(), alerts="off") as mon:
+        hs.remove_hooks(net)
+        _negative(net)
+        rec, said = _step(mon, net, X)
+        assert len(said) == 1
+        assert re.search(
+            r"step 0: the sentinel's hooks on 4 layer\(s\) \('<root>', '0', '1' \.\.\.\) were "
+            r"removed by hs\.remove_hooks\(\.\.\.\), so the sentinel did not see their calls.*"
+            r"the NaN/Inf origin found \(layer '2' \(Linear\), backward pass\) may be wrong.*"
+            r"keep hs\.remove_hooks for scopes that were never closed",
+            said[0],
+        ), said[0]
+        rec, said = _step(mon, net, X)
+        assert said == []
+        assert (rec.nonfinite.layer, rec.nonfinite.module_type) == _hand_origin(net, X)
+        assert hs.hooks_on(net)  # placed again
+    assert not hs.hooks_on(net)
+
+
+def test_sentinel_hooks_taken_in_a_nan_free_step_say_nothing_was_looked_for() -> None:
+    net = _net()
+    with hs.Monitor(net, sentinel=True, stats=(), alerts="off", every=3) as mon:
+        _positive(net)
+        _step(mon, net, X)  # step 0 is logged
+        hs.remove_hooks(net[1])  # one layer's hooks
+        rec, said = _step(mon, net, X)  # step 1: not logged, the taken hooks are seen anyway
+        assert rec is None
+        assert len(said) == 1
+        assert "the sentinel's hooks on 1 layer(s) ('1') were removed" in said[0]
+        assert "a NaN/Inf made after that was not looked for" in said[0]
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_sentinel_steps_without_change_say_nothing(every: int) -> None:
+    net = _net()
+    with hs.Monitor(net, sentinel=True, every=every, alerts="off") as mon:
+        for _ in range(6):
+            _, said = _step(mon, net, X)
+            assert said == []
 
 
 # -- find_nonfinite -------------------------------------------------------------------------------
