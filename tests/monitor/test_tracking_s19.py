@@ -1,5 +1,6 @@
-"""Audit s19: the NaN sentinel and find_nonfinite when a module they hooked is replaced in the
-model, added to it, or has its hooks taken by ``hs.remove_hooks`` while they watch it.
+"""Audit s19: the NaN sentinel, find_nonfinite (and extract, summary: the other products that
+run the model under hooks on its modules) when a module they hooked is replaced in the model,
+added to it, or has its hooks taken by ``hs.remove_hooks`` while they watch it.
 
 Before, the sentinel kept its hooks on the modules it found when the Monitor was made: a NaN made
 by a module put in the model later was blamed on the layer that called it (the root) without a
@@ -14,9 +15,11 @@ from __future__ import annotations
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils.data import TensorDataset
 
 import hookscope as hs
 
@@ -309,3 +312,45 @@ def test_find_nonfinite_hooks_removed_by_the_forward_are_named() -> None:
         said[0],
     ), said[0]
     assert not hs.hooks_on(net)
+
+
+# -- other product scopes that run the model themselves: extract, summary -----------------------
+class Swaps(nn.Module):
+    """Rebuilds ``fc`` for the width of its input (a replacement during the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fc.in_features != x.shape[-1]:
+            self.fc = nn.Linear(x.shape[-1], 4)
+        return torch.tanh(self.fc(x))
+
+
+def _swaps() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Swaps(), nn.Linear(4, 1))
+
+
+def _rows(n: int = 8) -> TensorDataset:
+    return TensorDataset(torch.randn(n, 6, generator=torch.Generator().manual_seed(2)))
+
+
+def test_extract_of_a_layer_the_forward_replaced_names_it(tmp_path) -> None:
+    # before: LayerNotRunError "never ran during the forward pass (called via .forward()
+    # directly, or not on this input's path)" (false: the forward replaced it)
+    net = _swaps()
+    with pytest.raises(
+        hs.LayerNotRunError,
+        match=r"extract: layer\(s\) '0\.fc' changed in the model during the forward pass "
+        r"\(model\[0\]\.fc is now another Linear\), so the new module ran without extract's "
+        r"hook; run the model once before extract",
+    ):
+        hs.extract(net, _rows(), "0.fc", tmp_path / "a", batch_size=4, progress=False)
+    assert not hs.hooks_on(net)
+    # the fix, and the values against a hand forward
+    feats = hs.extract(net, _rows(), "0.fc", tmp_path / "b", batch_size=4, progress=False)
+    with torch.no_grad():
+        want = net[0].fc(_rows().tensors[0]).numpy()
+    np.testing.assert_allclose(feats["0.fc"], want, rtol=1e-6, atol=1e-7)
