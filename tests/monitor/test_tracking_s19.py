@@ -354,3 +354,30 @@ def test_extract_of_a_layer_the_forward_replaced_names_it(tmp_path) -> None:
     with torch.no_grad():
         want = net[0].fc(_rows().tensors[0]).numpy()
     np.testing.assert_allclose(feats["0.fc"], want, rtol=1e-6, atol=1e-7)
+
+
+def test_summary_of_a_layer_the_forward_built_names_it() -> None:
+    # before: "Never called through __call__ (1; counted in their parent): 0.fc" (false: it
+    # was called, built by the forward after the summary's hooks were placed), no warning
+    net = nn.Sequential(Grows(), nn.Linear(2, 1))
+    x = torch.ones(3, 2)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        s = hs.summary(net, x)
+    said = [str(w.message) for w in got if issubclass(w.category, hs.HookscopeWarning)]
+    assert len(said) == 1
+    assert re.search(
+        r"summary: layer\(s\) '0\.act' changed in the model during its forward \(model\[0\]\.act "
+        r"was added to the model \(a Log\)\), so they ran without the summary's hooks.*counted "
+        r"in the row of the layer that called them; run the model once before summary",
+        said[0],
+    ), said[0]
+    assert "0.act" not in s.never_called
+    # the fix: every row, FLOPs against a hand count (fc: 2 * 3 * 2 * 2 multiply-adds)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        s = hs.summary(net, x)
+    assert [w for w in got if issubclass(w.category, hs.HookscopeWarning)] == []
+    rows = {r.name: r for r in s.rows}
+    assert {"0.fc", "0.act"} <= set(rows) and s.never_called == []
+    assert rows["0.fc"].flops == 2 * 3 * 2 * 2
