@@ -10,9 +10,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..core._errors import LayerNotRunError
+from ..core._errors import LayerNotRunError, some_names
 from ..core._nested import describe, first_tensor
-from ..core._scope import HookScope, model_device
+from ..core._scope import HookScope, attribute_path, model_device
 from ..core._transfer import move, ready
 from ._featstore import ExtractError
 
@@ -155,8 +155,25 @@ class Runner:
         with HookScope("extract") as scope:
             for name, module in self.named.items():
                 scope.add_forward(module, self._hook(name, got, pending, scope), layer=name)
+            scope.track(self.model, self.named)  # (asked only when a layer did not run)
             self._forward(data)
         if pending:
+            lost = {n: v for n, v in scope.replaced_all().items() if n in pending}
+            taken = sorted(n for n in scope.stripped if n in pending and n not in lost)
+            if lost:
+                first = next(iter(lost))
+                raise LayerNotRunError(
+                    f"extract: layer(s) {some_names(list(lost))} changed in the model during "
+                    f"the forward pass ({lost[first]}), so the new module ran without "
+                    f"extract's hook; run the model once before extract (a forward that builds "
+                    f"{attribute_path(first)} builds it then), or make the change before"
+                )
+            if taken:
+                raise LayerNotRunError(
+                    f"extract: the hooks on layer(s) {some_names(taken)} were removed by "
+                    "hs.remove_hooks(...) during the forward pass; do not call hs.remove_hooks "
+                    "while extract runs"
+                )
             raise LayerNotRunError(
                 f"extract: layer(s) {', '.join(map(repr, sorted(pending)))} of {type(self.model).__name__} never "
                 "ran during the forward pass (called via .forward() directly, or not on this input's path)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,9 +13,9 @@ import torch.nn as nn
 
 from ..core._buffers import Attributes, buffers_kept
 from ..core._compiled import compiled_regions, named_modules, strip_compiled
-from ..core._errors import HookscopeError, LayerNotFoundError
+from ..core._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_names
 from ..core._nested import iter_tensors
-from ..core._scope import check_model
+from ..core._scope import attribute_path, check_model
 from ..core._select import suggest
 from ._saved import CallInputs, SavedTensors, SaveEvent
 
@@ -332,7 +333,42 @@ def memory_profile(
     _check_data(model, inputs, kwargs)
     regions = compiled_regions(model)
     rec = run_step(model, inputs, kwargs, loss_fn, ops=not regions, backward_ops=backward_peak)
+    if rec.lost:
+        _say_lost(rec.lost)
     return build_profile(model, rec, per_region=bool(regions))
+
+
+def _say_lost(lost: dict[str, str]) -> None:
+    """Warn that the step's hooks missed the calls of ``lost`` (``{layer: what happened}``):
+    what those modules saved and computed is charged to the module that called them."""
+    taken = [n for n, v in lost.items() if v.endswith("hs.remove_hooks")]
+    moved = [n for n in lost if n not in taken]
+    if moved:
+        first = moved[0]
+        caller = first.rpartition(".")[0]
+        while caller and caller in lost:
+            caller = caller.rpartition(".")[0]
+        warnings.warn(
+            f"memory_profile: layer(s) {some_names(moved)} changed in the model during the "
+            f"profiled step ({lost[first]}), so the profile's hooks did not see their calls: "
+            f"what they saved for backward and their FLOPs are charged to the module that "
+            f"called them ({caller or '<root>'!r} for {first!r}), and their rows count only "
+            f"what the module hooked there did. Call the model once before memory_profile (a "
+            f"forward that builds {attribute_path(first)} builds it then), or make the change "
+            "before profiling",
+            HookscopeWarning,
+            stacklevel=3,
+        )
+    if taken:
+        warnings.warn(
+            f"memory_profile: its hooks on {len(taken)} layer(s) "
+            f"({some_names([n or '<root>' for n in taken])}) were removed by "
+            "hs.remove_hooks(...) during the profiled step, so what those layers saved after "
+            "that is charged to the module that called them (or to no module); do not call "
+            "hs.remove_hooks while memory_profile runs (in the model's forward or loss_fn)",
+            HookscopeWarning,
+            stacklevel=3,
+        )
 
 
 def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> MemoryProfile:

@@ -196,21 +196,22 @@ class Monitor:
         allow = [allow] if isinstance(allow, (str, type)) else list(allow)
         sel = [a for a in allow if a != NonFiniteOrigin.INPUT]
         self._allowed = set(find(inner, *sel)) if sel else set()
-        self._tracker = (
-            _Tracker(
-                inner,
-                allow,
-                skip_safe=True,
-                owner="monitor.sentinel",
-                gate=self._gate,
-                skip_evaluations=True,
-            )
-            if sentinel
-            else None
-        )
+        self._allow = allow
+        self._tracker = self._new_tracker() if sentinel else None
         # the sentinel's ranks agree on a NaN's origin where the gradients are reduced across them
         self._reduced = sentinel and grads_reduced(self.model)
         self._attach()
+
+    def _new_tracker(self) -> _Tracker:
+        """The sentinel: every module of the model as it is now hooked (its own scope)."""
+        return _Tracker(
+            self.model,
+            self._allow,
+            skip_safe=True,
+            owner="monitor.sentinel",
+            gate=self._gate,
+            skip_evaluations=True,
+        )
 
     # -- selection -----------------------------------------------------------------------------
     def _select_params(self) -> list[tuple[str, nn.Parameter]]:
@@ -358,7 +359,7 @@ class Monitor:
         if optimizer is not None:
             optimizer = self._inner_optimizer(optimizer)
         step, logged = self._step, self._logged(self._step)
-        origin = self._sentinel_check() if self._tracker is not None else None
+        origin = self._sentinel_check(logged) if self._tracker is not None else None
         record = None
         if logged:
             scope = self._scope
@@ -802,7 +803,7 @@ class Monitor:
             )
         return params
 
-    def _sentinel_check(self) -> NonFiniteOrigin | None:
+    def _sentinel_check(self, logged: bool) -> NonFiniteOrigin | None:
         tracker = self._tracker
         assert tracker is not None
         grads = [p.grad for _, p in self._sentinel_params() if p.grad is not None]
@@ -839,12 +840,74 @@ class Monitor:
                 tracker.types.get(layer, ""),
                 {"param_grad_absmax": v},
             )
-        tracker.reset()
+        # modules the sentinel no longer sees (replaced, added, hooks hs.remove_hooks took):
+        # asked at a logged step, when an origin was found, or when hooks were taken (one set
+        # read on the other steps); said, and the sentinel hooks the model anew
+        lost = (
+            tracker.lost(added=origin is not None)
+            if logged or origin is not None or tracker.scope.stripped
+            else None
+        )
+        if lost:
+            self._sentinel_lost(lost, origin)
+            tracker.scope.remove()
+            self._tracker = self._new_tracker()
+        else:
+            tracker.reset()
         # distributed: a NaN another rank made arrives here through the gradient reduction
         origin, self._origin_rank = origin_across_ranks(origin, own, self._reduced, self._step)
         if origin is not None and self.nonfinite is None:
             self.nonfinite = origin
         return origin
+
+    def _sentinel_lost(self, lost: dict[str, str], origin: NonFiniteOrigin | None) -> None:
+        """Warn that the sentinel missed the calls of ``lost`` (``{layer: what happened}``) in
+        this step: a NaN/Inf made there is blamed on the layer that called them, so ``origin``
+        (when one was found) may be wrong; it watches the model as it is now from the next
+        step (the caller hooks it anew)."""
+        taken = [n for n, v in lost.items() if v.endswith("hs.remove_hooks")]
+        moved = [n for n in lost if n not in taken]
+        what, fix = [], []
+        if moved:
+            first = lost[moved[0]]
+            change = (
+                "adding"
+                if "was added" in first
+                else ("removing" if first.endswith("no longer in the model") else "replacing")
+            )
+            what.append(
+                f"layer(s) {some_names(moved)} changed in the model while the Monitor's sentinel "
+                f"watched it ({first})"
+            )
+            fix.append(f"create the Monitor after {change} {attribute_path(moved[0])}")
+        if taken:
+            what.append(
+                f"the sentinel's hooks on {len(taken)} layer(s) "
+                f"({some_names([n or '<root>' for n in taken])}) were removed by "
+                "hs.remove_hooks(...)"
+            )
+            fix.append("keep hs.remove_hooks for scopes that were never closed")
+        if origin is None:
+            said = "a NaN/Inf made there is blamed on the layer that called them"
+            if taken:
+                said = "a NaN/Inf made after that was not looked for"
+        else:
+            where = (
+                origin.layer
+                if origin.layer in (NonFiniteOrigin.INPUT, NonFiniteOrigin.LOSS)
+                else f"layer {origin.layer or '<root>'!r} ({origin.module_type})"
+            )
+            said = (
+                f"the NaN/Inf origin found ({where}, {origin.phase} pass) may be wrong: one "
+                "made there is blamed on the layer that called them, or on a later layer"
+            )
+        warnings.warn(
+            f"step {self._step}: {'; '.join(what)}, so the sentinel did not see their calls in "
+            f"this step ({said}); it watches the model as it is now from the next step on "
+            f"({'; '.join(fix)})",
+            MonitorWarning,
+            stacklevel=4,
+        )
 
     def _sentinel_params(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in named_parameters(self.model) if p.requires_grad]

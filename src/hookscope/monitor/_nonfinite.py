@@ -28,10 +28,17 @@ import torch.nn as nn
 
 from ..core._buffers import state_kept
 from ..core._compiled import named_modules, named_parameters
-from ..core._errors import HookscopeWarning
+from ..core._errors import HookscopeWarning, some_names
 from ..core._nested import continuous, first_tensor, iter_tensors, map_tensors, real_parts
 from ..core._recompute import in_reentrant_checkpoint
-from ..core._scope import HookScope, check_model, identity_views, in_backward, internal_run
+from ..core._scope import (
+    HookScope,
+    attribute_path,
+    check_model,
+    identity_views,
+    in_backward,
+    internal_run,
+)
 from ..core._select import find
 from ..core._sharded import is_dtensor, local
 from ._stats import minmax
@@ -190,16 +197,40 @@ class _Tracker:
         self.gate = gate if gate is not None else [True]
         self.skip_evaluations = skip_evaluations
         self.evaluating = False
-        self.types = {name: type(m).__name__ for name, m in named_modules(model)}
+        named = dict(named_modules(model))
+        self.types = {name: type(m).__name__ for name, m in named.items()}
         self.scope = HookScope(owner)
         self.warned_reentrant = False
         self.reset()
         try:
-            for name, module in named_modules(model):
+            for name, module in named.items():
                 self._register(name, module)
         except BaseException:
             self.scope.remove()
             raise
+        # where the hooks sit (weakly): a module replaced in (or added to) the model later runs
+        # unhooked, its NaN blamed on its caller; asked by lost(), never in the hooks
+        self.scope.track(model, named)
+        self._model = weakref.ref(model)
+
+    def lost(self, added: bool = False) -> dict[str, str]:
+        """The modules whose calls this tracker no longer sees: ``{name: what happened}`` for a
+        module the model holds no longer at its name (replaced: the new one runs unhooked;
+        removed), hooks ``hs.remove_hooks`` took, and with ``added`` a module put in the model
+        since (a walk of the model: asked only when an origin was found). Not from the hooks."""
+        scope = self.scope
+        found = scope.replaced_all()
+        for name in sorted(scope.stripped):
+            if name not in found:
+                found[name] = f"the hooks on {attribute_path(name)} were removed by hs.remove_hooks"
+        model = self._model()
+        if added and model is not None:
+            for name, module in named_modules(model):
+                if name not in self.types:
+                    found[name] = (
+                        f"{attribute_path(name)} was added to the model (a {type(module).__name__})"
+                    )
+        return found
 
     def reset(self) -> None:
         self.evaluating = False
@@ -495,9 +526,53 @@ def _agreed(model: nn.Module, origin: NonFiniteOrigin | None, backward: bool) ->
         "the ranks): this rank's forward pass is finite, its backward pass was not checked. "
         "Run find_nonfinite again on the inputs of the rank that found it",
         HookscopeWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
     return _SKIP
+
+
+def _say_lost(lost: dict[str, str], origin: NonFiniteOrigin | None) -> None:
+    """Warn that :func:`find_nonfinite`'s hooks missed the calls of ``lost`` (``{layer: what
+    happened}``: a module the model's forward replaced or built, hooks ``hs.remove_hooks``
+    took): a NaN/Inf made there is blamed on the layer that called them."""
+    taken = [n for n, v in lost.items() if v.endswith("hs.remove_hooks")]
+    moved = [n for n in lost if n not in taken]
+    first = (moved or taken)[0]
+    if origin is None:
+        said = (
+            "a NaN/Inf made in them would have been blamed on the layer that called them, or "
+            "missed if that layer's output was finite"
+        )
+    else:
+        where = (
+            origin.layer
+            if origin.layer in (INPUT, LOSS)
+            else f"layer {origin.layer or '<root>'!r} ({origin.module_type})"
+        )
+        said = (
+            f"the origin found ({where}, {origin.phase} pass) may be wrong: a NaN/Inf made in "
+            "them is blamed on the layer that called them, or on a later layer"
+        )
+    if moved:
+        what = (
+            f"layer(s) {some_names(moved)} changed in the model while find_nonfinite ran it "
+            f"({lost[moved[0]]})"
+        )
+        fix = (
+            f"run the model once before find_nonfinite (a forward that builds "
+            f"{attribute_path(first)} builds it then), or make the change before"
+        )
+    else:
+        what = (
+            f"its hooks on {len(taken)} layer(s) ({some_names([n or '<root>' for n in taken])}) "
+            "were removed by hs.remove_hooks(...) while it ran"
+        )
+        fix = "do not call hs.remove_hooks in the model's forward or loss_fn"
+    warnings.warn(
+        f"find_nonfinite: {what}, so its hooks did not see their calls: {said}; {fix}",
+        HookscopeWarning,
+        stacklevel=3,
+    )
 
 
 def _cuda_devices(model: nn.Module, *values: Any) -> list[int]:
@@ -508,6 +583,67 @@ def _cuda_devices(model: nn.Module, *values: Any) -> list[int]:
     if found and torch.cuda.is_available():
         found.add(torch.cuda.current_device())
     return sorted(i for i in found if i is not None)
+
+
+def _run_located(
+    model: nn.Module,
+    tracker: _Tracker,
+    inputs: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    backward: bool,
+) -> NonFiniteOrigin | None:
+    """:func:`find_nonfinite`'s run under ``tracker``'s hooks: the origin, or None."""
+    args = map_tensors(
+        lambda t: t.detach().requires_grad_() if backward and continuous(t) else t,
+        inputs,
+    )
+    kw = map_tensors(
+        lambda t: t.detach().requires_grad_() if backward and continuous(t) else t,
+        kwargs,
+    )
+    with torch.enable_grad() if backward else torch.no_grad():
+        out = model(*args, **kw)
+        loss = loss_fn(out) if loss_fn is not None else None
+    origin, _ = tracker.locate()
+    if origin is not None or not backward:
+        return _agreed(model, origin, backward)
+    if loss is None:
+        t = first_tensor(out)
+        loss = t.sum() if t is not None else None
+    else:
+        lt = _absmax(loss)
+        lv = _absmax_host(lt.tolist()) if lt is not None else 0.0
+        if not math.isfinite(lv):
+            return _agreed(
+                model,
+                NonFiniteOrigin(
+                    LOSS,
+                    "forward",
+                    0,
+                    "nan" if math.isnan(lv) else "inf",
+                    "",
+                    {"loss_absmax": lv},
+                ),
+                backward,
+            )
+    if _agreed(model, None, backward) is _SKIP or loss is None:
+        return None
+    if not loss.requires_grad:
+        return None
+    params = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
+    order: list[int] = []  # the parameters in the order autograd reached them
+    for j, (n, p) in enumerate(params):
+        tracker.scope.add_tensor_hook(p, lambda g, j=j: order.append(j), layer=n.rpartition(".")[0])
+    leaves = [p for _, p in params]
+    leaves += [t for _, t in iter_tensors((args, kw)) if t.requires_grad]
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    zero = torch.zeros(2)
+    pmax = [(_absmax(g) if g is not None else None) for g in grads[: len(params)]]
+    origin, pvals = tracker.locate([v if v is not None else zero for v in pmax])
+    if origin is None:
+        origin = _param_origin(tracker, params, order, pvals)
+    return origin
 
 
 def find_nonfinite(
@@ -563,58 +699,11 @@ def find_nonfinite(
         tracker = _Tracker(model, allow, detail=True, owner="find_nonfinite")
         try:
             with tracker.scope:
-                args = map_tensors(
-                    lambda t: t.detach().requires_grad_() if backward and continuous(t) else t,
-                    inputs,
-                )
-                kw = map_tensors(
-                    lambda t: t.detach().requires_grad_() if backward and continuous(t) else t,
-                    kwargs,
-                )
-                with torch.enable_grad() if backward else torch.no_grad():
-                    out = model(*args, **kw)
-                    loss = loss_fn(out) if loss_fn is not None else None
-                origin, _ = tracker.locate()
-                if origin is not None or not backward:
-                    return _agreed(model, origin, backward)
-                if loss is None:
-                    t = first_tensor(out)
-                    loss = t.sum() if t is not None else None
-                else:
-                    lt = _absmax(loss)
-                    lv = _absmax_host(lt.tolist()) if lt is not None else 0.0
-                    if not math.isfinite(lv):
-                        return _agreed(
-                            model,
-                            NonFiniteOrigin(
-                                LOSS,
-                                "forward",
-                                0,
-                                "nan" if math.isnan(lv) else "inf",
-                                "",
-                                {"loss_absmax": lv},
-                            ),
-                            backward,
-                        )
-                if _agreed(model, None, backward) is _SKIP or loss is None:
-                    return None
-                if not loss.requires_grad:
-                    return None
-                params = [(n, p) for n, p in named_parameters(model) if p.requires_grad]
-                order: list[int] = []  # the parameters in the order autograd reached them
-                for j, (n, p) in enumerate(params):
-                    tracker.scope.add_tensor_hook(
-                        p, lambda g, j=j: order.append(j), layer=n.rpartition(".")[0]
-                    )
-                leaves = [p for _, p in params]
-                leaves += [t for _, t in iter_tensors((args, kw)) if t.requires_grad]
-                grads = torch.autograd.grad(loss, leaves, allow_unused=True)
-                zero = torch.zeros(2)
-                pmax = [(_absmax(g) if g is not None else None) for g in grads[: len(params)]]
-                origin, pvals = tracker.locate([v if v is not None else zero for v in pmax])
-                if origin is None:
-                    origin = _param_origin(tracker, params, order, pvals)
-                return origin
+                origin = _run_located(model, tracker, inputs, kwargs, loss_fn, backward)
+                lost = tracker.lost(added=True)  # (a module the forward built or replaced)
+            if lost:
+                _say_lost(lost, origin)
+            return origin
         finally:
             tracker.scope.remove()
             saved.close()

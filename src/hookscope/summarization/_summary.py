@@ -21,6 +21,7 @@ from ..core._scope import (
     HookScope,
     _Hook,
     acts_here,
+    attribute_path,
     check_model,
     get_ident,
     in_backward,
@@ -305,10 +306,12 @@ def summary(
         # leaf layers that may run natively, decided before our own hooks are on them
         rules = {} if has_global_hooks() else {id(m): native_rule(m) for m in model.modules()}
         with HookScope("summary") as scope:
-            for name, module in named_modules(model):
+            hooked = dict(named_modules(model))
+            for name, module in hooked.items():
                 pre, post = rec.hooks(name, module, rules.get(id(module)))
                 scope.add_forward_pre(module, pre, layer=name, with_kwargs=True)
                 scope.add_forward(module, post, layer=name, with_kwargs=True, always_call=True)
+            scope.track(model, hooked)  # (a module the forward builds or replaces: said after)
             with _state_kept(model), torch.no_grad():
                 before = 0
                 if rec.cuda:
@@ -352,8 +355,35 @@ def summary(
         )
         ran = {id(c.module) for c in calls}
         containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+        # a module the forward built or replaced ran without the hooks: not "never called"
+        lost = scope.replaced_all()
+        now = dict(named_modules(model))
+        lost.update(
+            (n, f"{attribute_path(n)} was added to the model (a {type(m).__name__})")
+            for n, m in now.items()
+            if n not in hooked and n not in lost
+        )
+        lost.update(
+            (n, f"the hooks on {attribute_path(n)} were removed by hs.remove_hooks")
+            for n in sorted(scope.stripped)
+            if n not in lost
+        )
+        lost = {n: v for n, v in lost.items() if n in now and id(now[n]) not in ran}
+        if lost:
+            first = next(iter(lost))
+            warnings.warn(
+                f"summary: layer(s) {some_names(list(lost))} changed in the model during its "
+                f"forward ({lost[first]}), so they ran without the summary's hooks: they have "
+                "no row, and their FLOPs and time are counted in the row of the layer that "
+                f"called them; run the model once before summary (a forward that builds "
+                f"{attribute_path(first)} builds it then), or make the change before",
+                HookscopeWarning,
+                stacklevel=2,
+            )
         never = [
-            n for n, m in named_modules(model) if id(m) not in ran and not isinstance(m, containers)
+            n
+            for n, m in now.items()
+            if id(m) not in ran and not isinstance(m, containers) and n not in lost
         ]
         if depth is not None:
             rows = collapse(rows, depth)
