@@ -24,6 +24,8 @@ pre-hook on the root model that reads, for each model call, where its tokens sit
 * a **reorder** of the rows between calls (beam search): the cache's ``reorder_cache`` is
   wrapped while the scope is open, so the exact ``beam_idx`` of every reorder is known
   (also with a sliding window, whose cache no longer holds the early tokens);
+  without a cache (``use_cache=False``: each call re-runs the sequence) a call whose rows each
+  continue a row of the previous call (tokens and padding) is that re-run, rows reordered;
 * the **prompt**: the first call of a sequence, or, while ``generate()`` runs (the model's
   ``generate`` is wrapped while the scope is open), the width of the ``input_ids`` it was given:
   prompt-lookup and assisted decoding run the prompt and the first candidates in one call.
@@ -293,7 +295,8 @@ class TokenTracker:
         else:
             start = 0
         tokens = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
-        new_seq = start == 0 and not self._recompute(prev, batch, n, tokens)
+        rerun = self._recompute(prev, batch, n, tokens, mask) if start == 0 else False
+        new_seq = start == 0 and rerun is False
         before_scope = prev is None and start > 0 and not self.steps
         # generate()'s first call holds the prompt and, with prompt-lookup or assisted decoding,
         # the first candidates after it; given a cache that holds the prompt's first tokens, it
@@ -323,7 +326,14 @@ class TokenTracker:
         step.tokens = tokens.detach().clone() if tokens is not None else None
         step.marks = {name: count() for name, count in self.marks.items()}
         pending, self._pending = self._pending, None
-        if pending is not None and prev is not None and start > 0 and pending.numel() == batch:
+        if isinstance(rerun, torch.Tensor):  # a re-run whose rows beam search reordered
+            pending = rerun if pending is None else pending.to(rerun.device)[rerun]
+        if (
+            pending is not None
+            and prev is not None
+            and (start > 0 or isinstance(rerun, torch.Tensor))
+            and pending.numel() == batch
+        ):
             step.perm = pending
             rows = self._prompt_rows
             self._prompt_rows = pending if rows is None else rows.to(pending.device)[pending]
@@ -427,12 +437,32 @@ class TokenTracker:
     def _reordered(self, idx: torch.Tensor) -> None:
         self._pending = idx if self._pending is None else self._pending.to(idx.device)[idx]
 
-    def _recompute(self, prev: _Step | None, batch: int, n: int, tokens: Any) -> bool:
-        """A call from column 0 that re-runs the current sequence (``use_cache=False``)."""
+    def _recompute(
+        self, prev: _Step | None, batch: int, n: int, tokens: Any, mask: Any
+    ) -> bool | torch.Tensor:
+        """A call from column 0 that re-runs the current sequence (``use_cache=False``): True,
+        or, where beam search reordered the rows since (without a cache nothing tells it how),
+        ``rows`` with row ``r`` of the call continuing row ``rows[r]`` of the previous one (rows
+        whose tokens and padding are the same are alike: the first is taken); else False."""
         if prev is None or prev.batch != batch or n <= prev.end - 1 or tokens is None:
             return False
         known = _tokens_upto(self.steps, prev.seq, prev.end)
-        return known is not None and torch.equal(tokens[:, : known.shape[1]], known)
+        if known is None:
+            return False
+        width = known.shape[1]
+        new = tokens[:, :width].to(known.device)
+        if torch.equal(new, known):
+            return True
+        # beam search without a cache: each row must continue some row of the previous call,
+        # its padding too where both calls have a 2-D mask
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and prev.mask2d is not None:
+            pad = prev.mask2d[:, :width].to(known.device) == 0
+            known = known.masked_fill(pad, -1)
+            new = new.masked_fill(mask[:, :width].to(known.device) == 0, -1)
+        same = (new[:, None] == known[None]).all(-1)  # [call's rows, previous rows]
+        if not bool(same.any(1).all()):
+            return False
+        return same.int().argmax(1)
 
     # -- per call (steering) --------------------------------------------------------------------
     def positions(self) -> tuple[torch.Tensor, torch.Tensor | None, Any] | None:

@@ -1,0 +1,168 @@
+"""Steering and ``capture(sequence=True)`` on architectures beyond the GPT-2/Llama family, each
+checked against a plain PyTorch hook written by hand on the same run, or a forward without the
+cache (random weights, CPU, nothing downloaded)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hookscope as hs
+from helpers.lm import EOS, PAD, PROMPTS, WORDS, final_forward_inputs, tiny_gpt2, word_tokenizer
+
+NEW = 5  # tokens generated
+
+
+def _build(config: str, model: str, **fields):
+    import transformers
+
+    common = dict(vocab_size=len(WORDS), bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
+    cfg = getattr(transformers, config)(**(common | fields), attn_implementation="eager")
+    torch.manual_seed(0)
+    return getattr(transformers, model)(cfg).eval()
+
+
+def tiny_mpt():
+    """MPT: ALiBi, and ``use_cache=False`` in its config: every ``generate`` step re-runs the
+    whole sequence (beam search reorders the rows between those calls, no cache says how)."""
+    return _build("MptConfig", "MptForCausalLM", d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
+
+
+def _vector(model):
+    return torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+
+
+class _HandSteer:
+    """A plain forward hook adding ``2 * v`` at the positions that ``positions`` names, read from
+    the 2-D attention mask of each model call (``generate`` passes one over the whole sequence
+    so far, also without a cache): the reference, written without hookscope."""
+
+    def __init__(self, model, layer, v, positions, prompt_mask):
+        self.v, self.positions = v, positions
+        self.width = prompt_mask.shape[1]
+        self.prompt_len = prompt_mask.sum(1)
+        self.handles = [
+            model.register_forward_pre_hook(self.pre, with_kwargs=True),
+            model.get_submodule(layer).register_forward_hook(self.add),
+        ]
+
+    def pre(self, module, args, kwargs):
+        self.mask, self.n = kwargs["attention_mask"], kwargs["input_ids"].shape[1]
+
+    def add(self, module, args, out):
+        mask = self.mask
+        real, pos = mask.bool(), mask.cumsum(1) - 1  # pos: real tokens before each column
+        col = torch.arange(mask.shape[1])[None]
+        p = self.positions
+        if p == "generated":
+            chosen = (col >= self.width).expand_as(real)
+        elif p == "prompt":
+            chosen = (col < self.width) & real
+        else:  # -k: each prompt's last k real tokens, then every generated token
+            rows = mask.shape[0] // len(self.prompt_len)
+            chosen = (pos >= self.prompt_len.repeat_interleave(rows)[:, None] + p) & real
+        chosen = chosen[:, mask.shape[1] - self.n :]
+        h = out[0] if isinstance(out, tuple) else out
+        h = h + 2.0 * self.v * chosen[..., None]
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def _beams(model, enc, **kw):
+    return model.generate(
+        **enc,
+        max_new_tokens=NEW,
+        num_beams=2,
+        do_sample=False,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("positions", ["generated", "prompt", -2])
+@pytest.mark.parametrize("arch", ["mpt", "gpt2_no_cache"])
+def test_steer_in_beam_search_without_a_cache_equals_a_hand_hook(arch, positions):
+    # Without a cache each beam-search step re-runs the whole sequence with its rows reordered:
+    # the call was taken for a new prompt (its tokens did not continue the previous call row by
+    # row), so 'generated' steered only the first step, 'prompt' steered the generated tokens
+    # too, and -2 the last 2 tokens of each call. MPT decodes so by default (use_cache=False).
+    model = tiny_mpt() if arch == "mpt" else tiny_gpt2(n_layer=2)
+    kw = {} if arch == "mpt" else {"use_cache": False}
+    layer = "transformer.blocks.0" if arch == "mpt" else "transformer.h.0"
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    v = _vector(model)
+    with hs.steer(model, {layer: v}, scale=2.0, positions=positions):
+        got = _beams(model, enc, **kw)
+    hand = _HandSteer(model, layer, v, positions, enc["attention_mask"])
+    try:
+        ref = _beams(model, enc, **kw)
+    finally:
+        hand.remove()
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.scores, ref.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    plain = _beams(model, enc, **kw)  # the steering changed the scores
+    assert any((a - b).abs().max() > 1e-2 for a, b in zip(plain.scores, ref.scores))
+
+
+@pytest.mark.parametrize("arch", ["mpt", "gpt2_no_cache"])
+def test_capture_sequence_in_beam_search_without_a_cache_equals_each_beams_forward(arch):
+    # the same calls were taken for separate sequences: sequence() refused ("the capture saw 6
+    # separate sequences (e.g. two generate() calls)") though one generate() ran
+    model = tiny_mpt() if arch == "mpt" else tiny_gpt2(n_layer=2)
+    kw = {} if arch == "mpt" else {"use_cache": False}
+    read = "transformer.blocks.1" if arch == "mpt" else "transformer.h.1"
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    with hs.capture(model, read, sequence=True) as cap:
+        _beams(model, enc, **kw)
+    seq = cap.sequence(read)
+    assert seq.values.shape[0] == 4
+    for b in range(4):
+        tokens = seq.tokens[b][seq.mask[b]]
+        with hs.capture(model, read) as ref:
+            model(input_ids=tokens[None])
+        out = ref[read][0] if isinstance(ref[read], tuple) else ref[read]  # MPT: a tuple
+        torch.testing.assert_close(seq.values[b][seq.mask[b]], out[0], atol=1e-5, rtol=0)
+    assert seq.mask.sum(1).tolist() == [6 + NEW - 1] * 2 + [2 + NEW - 1] * 2
+
+
+def test_mpt_greedy_without_a_cache_equals_one_hand_hooked_forward():
+    # greedy MPT (no cache: each step re-runs the sequence) steered at 'generated' equals one
+    # forward over the final sequence with a hand hook (exact before and after the fix)
+    model = tiny_mpt()
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    v = _vector(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hs.HookscopeWarning)
+        with hs.steer(model, {"transformer.blocks.0": v}, scale=2.0, positions="generated"):
+            out = model.generate(
+                **enc,
+                max_new_tokens=NEW,
+                do_sample=False,
+                eos_token_id=None,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+    n = enc["input_ids"].shape[1]
+    chosen = torch.arange(out.sequences.shape[1] - 1)[None] >= n
+
+    def add(m, a, o):
+        h = (o[0] if isinstance(o, tuple) else o) + 2.0 * v * chosen[..., None]
+        return (h, *o[1:]) if isinstance(o, tuple) else h
+
+    h = model.get_submodule("transformer.blocks.0").register_forward_hook(add)
+    try:
+        with torch.no_grad():
+            kw = final_forward_inputs(model, out.sequences, enc["attention_mask"])
+            ref = model(**kw).logits
+    finally:
+        h.remove()
+    for i, lg in enumerate(out.logits):
+        torch.testing.assert_close(lg, ref[:, n - 1 + i], atol=1e-5, rtol=0)
