@@ -166,3 +166,63 @@ def test_mpt_greedy_without_a_cache_equals_one_hand_hooked_forward():
         h.remove()
     for i, lg in enumerate(out.logits):
         torch.testing.assert_close(lg, ref[:, n - 1 + i], atol=1e-5, rtol=0)
+
+
+def tiny_mamba2():
+    return _build(
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        hidden_size=64,
+        num_hidden_layers=2,
+        state_size=8,
+        expand=2,
+        head_dim=16,
+        num_heads=8,
+        n_groups=1,
+        chunk_size=8,
+    )
+
+
+def _returned_cache(out):
+    cache = getattr(out, "past_key_values", None)  # Mamba-2 returns it so, Mamba as cache_params
+    return cache if cache is not None else out.cache_params
+
+
+@pytest.mark.parametrize("arch", ["mamba", "mamba2"])
+def test_steer_a_hand_loop_of_cached_calls_on_a_state_space_model(arch):
+    # A state-space model's cache has no length, and the decode calls pass no mask: a call was
+    # placed after the previous one only when that one was given the same cache object. The
+    # loop's first call is given none (the model makes it and returns it), so every later call
+    # was taken for a new sequence from position 0: positions=3 steered none of the decode
+    # calls, silently (logits 1e-2 to 1e-1 off the hand hook), and sequence() refused ("saw 2
+    # separate sequences"). The cache a call returns is now the one the next call continues.
+    from helpers.lm import tiny_mamba
+
+    model = tiny_mamba() if arch == "mamba" else tiny_mamba2()
+    layer, read = "backbone.layers.0", "backbone.layers.1"
+    ids = torch.tensor([[3, 5, 11, 12, 3, 14, 15, 4, 16, 17]])
+    v = _vector(model)
+    with (
+        hs.steer(model, {layer: v}, scale=2.0, positions=3),
+        hs.capture(model, read, sequence=True) as cap,
+        torch.no_grad(),
+    ):
+        out = model(ids[:, :5], use_cache=True)
+        logits = [out.logits[:, -1]]
+        for t in range(5, 10):
+            out = model(ids[:, t : t + 1], cache_params=_returned_cache(out), use_cache=True)
+            logits.append(out.logits[:, -1])
+    chosen = torch.arange(10)[None] >= 3
+
+    def add(m, a, o):
+        return o + 2.0 * v * chosen[..., None]
+
+    h = model.get_submodule(layer).register_forward_hook(add)
+    try:
+        with hs.capture(model, read) as ref, torch.no_grad():
+            want = model(ids, use_cache=False).logits
+    finally:
+        h.remove()
+    for i, lg in enumerate(logits):
+        torch.testing.assert_close(lg, want[:, 4 + i], atol=1e-5, rtol=0)
+    torch.testing.assert_close(cap.sequence(read).values, ref[read], atol=1e-5, rtol=0)

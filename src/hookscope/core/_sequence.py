@@ -14,8 +14,8 @@ pre-hook on the root model that reads, for each model call, where its tokens sit
   else the length of the Hugging Face cache (``past_key_values``: dynamic, static, sliding-window,
   quantized, encoder–decoder caches count every token they were given, also past a window), else
   ``cache_position``, else, for a cache whose length cannot be read (the recurrent state of a
-  state-space model: Mamba's ``cache_params``), the end of the previous call when it got the same
-  cache object; else 0 (a full forward over a new sequence);
+  state-space model: Mamba's ``cache_params``), the end of the previous call when it got or
+  returned the same cache object; else 0 (a full forward over a new sequence);
 * which of the call's tokens are **real** (not padding): its columns of a 2-D mask, or the
   diagonal of a 4-D mask (``generate`` passes one with a static cache, alone or as a dict per
   attention kind: a query sees its own key unless it is padding, also under a sliding window);
@@ -193,6 +193,18 @@ def _cache_length(cache: Any) -> int | None:
         return None  # a state-space model's cache: linear-attention layers have no length
 
 
+def _output_cache(output: Any) -> Any:
+    """The cache a model call returned (``past_key_values``, or Mamba's ``cache_params``)."""
+    for name in ("past_key_values", "cache_params"):
+        try:
+            cache = getattr(output, name, None)
+        except Exception:  # an output type whose attributes raise: no cache read
+            return None
+        if cache is not None and not isinstance(cache, torch.Tensor):
+            return cache
+    return None
+
+
 class TokenTracker:
     """Reads the token positions of every call of a model (see the module docstring).
 
@@ -358,8 +370,15 @@ class TokenTracker:
         self.current = step
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not in_backward():
-            self.current = None
+        if in_backward():
+            return
+        if self.current is not None and get_ident() == self.thread:
+            # the cache the model made for a call given none (a state-space model's first
+            # call): the next call given that object continues this one
+            cache = _output_cache(output)
+            if cache is not None and not self._same_cache(cache):
+                self._remember(cache)
+        self.current = None
 
     def _before(self, step: _Step, prev: _Step | None) -> Any:
         """Real tokens in the columns before a call without a 2-D mask, per row."""
