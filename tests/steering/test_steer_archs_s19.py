@@ -226,3 +226,105 @@ def test_steer_a_hand_loop_of_cached_calls_on_a_state_space_model(arch):
     for i, lg in enumerate(logits):
         torch.testing.assert_close(lg, want[:, 4 + i], atol=1e-5, rtol=0)
     torch.testing.assert_close(cap.sequence(read).values, ref[read], atol=1e-5, rtol=0)
+
+
+CFG = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=64,
+)
+DECODERS = {
+    # Gemma-3: a sliding-window layer (window 4 < the sequence) and a global one, softcapping
+    "gemma3": lambda: _build(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        **CFG,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
+    "mixtral": lambda: _build(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        **CFG,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ),
+    # Falcon with ALiBi and multi-query attention (parallel attention and MLP)
+    "falcon_alibi": lambda: _build(
+        "FalconConfig",
+        "FalconForCausalLM",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        alibi=True,
+        multi_query=True,
+        parallel_attn=True,
+    ),
+    # Phi-3: partial rotary embeddings
+    "phi3": lambda: _build(
+        "Phi3Config", "Phi3ForCausalLM", **CFG, num_key_value_heads=2, partial_rotary_factor=0.5
+    ),
+    "mamba2": tiny_mamba2,
+}
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("arch", sorted(DECODERS))
+def test_steer_and_sequence_in_generate_equal_one_hand_hooked_forward(arch, cache):
+    # exact before and after the fixes above: what these architectures were checked for
+    if arch == "falcon_alibi" and cache == "static":
+        pytest.skip("Falcon's ALiBi does not run with a static cache in transformers")
+    model = DECODERS[arch]()
+    blocks = list(hs.blocks(model))
+    layer, read = blocks[0], blocks[-1]
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    n = enc["input_ids"].shape[1]
+    v = _vector(model)
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[0, [1, 4, 7]] = mask[1, [0, 3, 5]] = True  # row b's p-th real token
+    kw = {"cache_implementation": "static"} if cache == "static" else {}
+    for positions in (-2, mask):
+        with (
+            hs.steer(model, {layer: v}, scale=2.0, positions=positions),
+            hs.capture(model, read, sequence=True) as cap,
+        ):
+            out = model.generate(
+                **enc,
+                max_new_tokens=NEW,
+                do_sample=False,
+                eos_token_id=None,
+                output_logits=True,
+                return_dict_in_generate=True,
+                **kw,
+            )
+        ref_kw = final_forward_inputs(model, out.sequences, enc["attention_mask"])
+        real = ref_kw["attention_mask"].bool()
+        pos = ref_kw["attention_mask"].cumsum(1) - 1  # real tokens before each column
+        if isinstance(positions, int):
+            chosen = real & (pos >= enc["attention_mask"].sum(1, keepdim=True) + positions)
+        else:
+            chosen = real & mask.gather(1, pos.clamp(0, 11)) & (pos < 12)
+
+        def add(m, a, o, chosen=chosen):
+            h = (o[0] if isinstance(o, tuple) else o) + 2.0 * v * chosen[..., None]
+            return (h, *o[1:]) if isinstance(o, tuple) else h
+
+        h = model.get_submodule(layer).register_forward_hook(add)
+        try:
+            with hs.capture(model, read) as ref, torch.no_grad():
+                want = model(**ref_kw, use_cache=False).logits
+        finally:
+            h.remove()
+        for i, lg in enumerate(out.logits):
+            torch.testing.assert_close(lg, want[:, n - 1 + i], atol=1e-5, rtol=0)
+        seq = cap.sequence(read)
+        r = ref[read][0] if isinstance(ref[read], tuple) else ref[read]
+        for b in range(2):
+            torch.testing.assert_close(seq.values[b][seq.mask[b]], r[b][real[b]], atol=1e-5, rtol=0)
