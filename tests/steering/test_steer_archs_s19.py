@@ -60,6 +60,8 @@ class _HandSteer:
             chosen = (col >= self.width).expand_as(real)
         elif p == "prompt":
             chosen = (col < self.width) & real
+        elif p >= 0:  # k: each row's k-th real token and later
+            chosen = (pos >= p) & real
         else:  # -k: each prompt's last k real tokens, then every generated token
             rows = mask.shape[0] // len(self.prompt_len)
             chosen = (pos >= self.prompt_len.repeat_interleave(rows)[:, None] + p) & real
@@ -328,3 +330,78 @@ def test_steer_and_sequence_in_generate_equal_one_hand_hooked_forward(arch, cach
         r = ref[read][0] if isinstance(ref[read], tuple) else ref[read]
         for b in range(2):
             torch.testing.assert_close(seq.values[b][seq.mask[b]], r[b][real[b]], atol=1e-5, rtol=0)
+
+
+def tiny_minimax():
+    """MiniMax: a linear-attention ("lightning") layer, then a full-attention one; its cache
+    reads its length from layer 0, which holds no keys (``get_seq_length()`` is always 0)."""
+    return _build(
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        **CFG,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        block_size=4,
+    )
+
+
+def _greedy(model, enc):
+    return model.generate(
+        **enc,
+        max_new_tokens=NEW,
+        do_sample=False,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+
+
+def test_minimax_cache_length_is_read_from_its_attention_layers():
+    # MiniMax's cache said it held 0 tokens at every call: in generate() each decode call was
+    # refused ("its attention mask is 7 columns wide for 1 new tokens, but the KV cache held 0
+    # tokens": blaming a mask that was right), and in a hand loop without a mask every call was
+    # taken for a new sequence at position 0 (steer(positions=3) steered no decode call,
+    # silently). The length is now the longest of the cache's layers when layer 0 says 0.
+    model = tiny_minimax()
+    layer = "model.layers.0"
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    v = _vector(model)
+    with hs.steer(model, {layer: v}, scale=2.0, positions=3):
+        got = _greedy(model, enc)
+    hand = _HandSteer(model, layer, v, 3, enc["attention_mask"])
+    try:
+        ref = _greedy(model, enc)
+    finally:
+        hand.remove()
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.scores, ref.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+    ids = torch.tensor([[3, 5, 11, 12, 3, 14, 15, 4]])
+
+    def loop():
+        with torch.no_grad():
+            out = model(ids[:, :4], use_cache=True)
+            logits = [out.logits[:, -1]]
+            for t in range(4, 8):
+                out = model(ids[:, t : t + 1], past_key_values=out.past_key_values)
+                logits.append(out.logits[:, -1])
+        return torch.stack(logits)
+
+    with hs.steer(model, {layer: v}, scale=2.0, positions=3):
+        steered = loop()
+    cols = iter([torch.arange(4), *(torch.tensor([t]) for t in range(4, 8))])
+
+    def add(m, a, o):
+        chosen = next(cols) >= 3  # the columns of this call of the loop
+        return o + 2.0 * v * chosen[None, :, None]  # (MiniMax's layers return a tensor)
+
+    h = model.get_submodule(layer).register_forward_hook(add)
+    try:
+        want = loop()
+    finally:
+        h.remove()
+    torch.testing.assert_close(steered, want, atol=1e-5, rtol=0)

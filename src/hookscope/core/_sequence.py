@@ -188,9 +188,19 @@ def _cache_length(cache: Any) -> int | None:
     if not callable(fn):
         return None
     try:
-        return int(fn())
+        n = int(fn())
     except (ValueError, TypeError, AttributeError, IndexError, NotImplementedError):
         return None  # a state-space model's cache: linear-attention layers have no length
+    layers = getattr(cache, "layers", None)
+    if n == 0 and isinstance(layers, (list, tuple)):
+        # a hybrid cache that reads its length from layer 0, which holds no keys when it is a
+        # linear-attention layer (MiniMax): the length of the layers that do
+        for i in range(1, len(layers)):
+            try:
+                n = max(n, int(fn(i)))
+            except (ValueError, TypeError, AttributeError, IndexError, NotImplementedError):
+                continue
+    return n
 
 
 def _output_cache(output: Any) -> Any:
