@@ -348,9 +348,10 @@ def tiny_minimax():
     )
 
 
-def _greedy(model, enc):
+def _greedy(model, enc, **kw):
     return model.generate(
         **enc,
+        **kw,
         max_new_tokens=NEW,
         do_sample=False,
         eos_token_id=None,
@@ -405,3 +406,26 @@ def test_minimax_cache_length_is_read_from_its_attention_layers():
     finally:
         h.remove()
     torch.testing.assert_close(steered, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_steer_prompt_leaves_the_left_padding_alone(cache):
+    # positions='prompt' steered every slot of the prompt's call, its left padding too: a
+    # linear-attention layer (MiniMax's) carries a padding slot's value into the state the
+    # decode steps read, so the generated tokens' scores were 5e-3 off a hand hook that steers
+    # the prompt's real tokens (positions count real tokens, padding taken out)
+    model = tiny_minimax()
+    layer = "model.layers.0"
+    enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
+    assert (enc["attention_mask"] == 0).any()
+    v = _vector(model)
+    with hs.steer(model, {layer: v}, scale=2.0, positions="prompt"):
+        got = _greedy(model, enc, use_cache=cache)
+    hand = _HandSteer(model, layer, v, "prompt", enc["attention_mask"])
+    try:
+        ref = _greedy(model, enc, use_cache=cache)
+    finally:
+        hand.remove()
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.scores, ref.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
