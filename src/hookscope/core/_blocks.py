@@ -94,9 +94,9 @@ def blocks(
     The blocks are the children of one class of a module (at least two of them, or any number
     for a ``ModuleList``/``Sequential`` of one class), or every child of a ``ModuleList`` of
     several classes that all hold parameters (a hybrid stack: Jamba), that, among such modules,
-    hold the most parameters. An encoder–decoder model gives the blocks of both stacks, the encoder's first
-    (``encoder.block.0``, ..., ``decoder.block.0``, ...); ``within="decoder"`` (any submodule
-    name) looks only under that module, names staying those of ``model``.
+    hold the most parameters. An encoder–decoder model gives the blocks of both stacks, the
+    encoder's first (``encoder.block.0``, ..., ``decoder.block.0``, ...); ``within="decoder"``
+    (any submodule name) looks only under that module, names staying those of ``model``.
 
     Raises:
         LayerNotFoundError: no module repeats in ``model`` (or under ``within``), or a block lacks
