@@ -2,8 +2,9 @@
 
 A glob's ``*`` spans dots, so ``"transformer.h.*"`` selects every module under the blocks, not
 the blocks. A sweep "over layers" needs exactly the repeated blocks: :func:`blocks` finds them
-(the container whose children of one class hold the most parameters) and, given a child name,
-that child of each block (``blocks(model, "attn")``).
+(the container whose children of one class hold the most parameters; a ``ModuleList`` of layers
+of several classes, a hybrid such as Jamba's Mamba and attention layers, counts whole) and, given
+a child name, that child of each block (``blocks(model, "attn")``).
 
 An encoder–decoder model (T5, BART) has two stacks of blocks: :func:`blocks` gives the blocks of
 each, the encoder's then the decoder's (``within="decoder"`` asks for one stack). The stacks are
@@ -52,6 +53,13 @@ def _best(modules: dict[str, nn.Module], within: str) -> tuple[str, list[str]]:
             size = sum(_params(modules[s]) for s in same)
             if size > best[0]:
                 best = (size, name, same)
+        # a ModuleList of layers of several classes (a hybrid: Jamba's Mamba and attention
+        # layers) is one stack: all of it, not the layers of its largest class
+        if isinstance(m, nn.ModuleList) and len(counts) > 1 and len(kids) > 1:
+            same = [f"{name}.{k}" if name else k for k, _ in kids]
+            sizes = [_params(modules[s]) if s in modules else 0 for s in same]
+            if all(sizes) and sum(sizes) > best[0]:
+                best = (sum(sizes), name, same)
     return best[1], best[2]
 
 
@@ -84,10 +92,11 @@ def blocks(
     submodule of every block (``"attn"`` gives ``{"transformer.h.0.attn": ..., ...}``).
 
     The blocks are the children of one class of a module (at least two of them, or any number
-    for a ``ModuleList``/``Sequential`` of one class) that, among such modules, hold the most
-    parameters. An encoder–decoder model gives the blocks of both stacks, the encoder's first
-    (``encoder.block.0``, ..., ``decoder.block.0``, ...); ``within="decoder"`` (any submodule
-    name) looks only under that module, names staying those of ``model``.
+    for a ``ModuleList``/``Sequential`` of one class), or every child of a ``ModuleList`` of
+    several classes that all hold parameters (a hybrid stack: Jamba), that, among such modules,
+    hold the most parameters. An encoder–decoder model gives the blocks of both stacks, the
+    encoder's first (``encoder.block.0``, ..., ``decoder.block.0``, ...); ``within="decoder"``
+    (any submodule name) looks only under that module, names staying those of ``model``.
 
     Raises:
         LayerNotFoundError: no module repeats in ``model`` (or under ``within``), or a block lacks

@@ -14,8 +14,8 @@ pre-hook on the root model that reads, for each model call, where its tokens sit
   else the length of the Hugging Face cache (``past_key_values``: dynamic, static, sliding-window,
   quantized, encoder–decoder caches count every token they were given, also past a window), else
   ``cache_position``, else, for a cache whose length cannot be read (the recurrent state of a
-  state-space model: Mamba's ``cache_params``), the end of the previous call when it got the same
-  cache object; else 0 (a full forward over a new sequence);
+  state-space model: Mamba's ``cache_params``), the end of the previous call when it got or
+  returned the same cache object; else 0 (a full forward over a new sequence);
 * which of the call's tokens are **real** (not padding): its columns of a 2-D mask, or the
   diagonal of a 4-D mask (``generate`` passes one with a static cache, alone or as a dict per
   attention kind: a query sees its own key unless it is padding, also under a sliding window);
@@ -24,6 +24,8 @@ pre-hook on the root model that reads, for each model call, where its tokens sit
 * a **reorder** of the rows between calls (beam search): the cache's ``reorder_cache`` is
   wrapped while the scope is open, so the exact ``beam_idx`` of every reorder is known
   (also with a sliding window, whose cache no longer holds the early tokens);
+  without a cache (``use_cache=False``: each call re-runs the sequence) a call whose rows each
+  continue a row of the previous call (tokens and padding) is that re-run, rows reordered;
 * the **prompt**: the first call of a sequence, or, while ``generate()`` runs (the model's
   ``generate`` is wrapped while the scope is open), the width of the ``input_ids`` it was given:
   prompt-lookup and assisted decoding run the prompt and the first candidates in one call.
@@ -186,9 +188,31 @@ def _cache_length(cache: Any) -> int | None:
     if not callable(fn):
         return None
     try:
-        return int(fn())
+        n = int(fn())
     except (ValueError, TypeError, AttributeError, IndexError, NotImplementedError):
         return None  # a state-space model's cache: linear-attention layers have no length
+    layers = getattr(cache, "layers", None)
+    if n == 0 and isinstance(layers, (list, tuple)):
+        # a hybrid cache that reads its length from layer 0, which holds no keys when it is a
+        # linear-attention layer (MiniMax): the length of the layers that do
+        for i in range(1, len(layers)):
+            try:
+                n = max(n, int(fn(i)))
+            except (ValueError, TypeError, AttributeError, IndexError, NotImplementedError):
+                continue
+    return n
+
+
+def _output_cache(output: Any) -> Any:
+    """The cache a model call returned (``past_key_values``, or Mamba's ``cache_params``)."""
+    for name in ("past_key_values", "cache_params"):
+        try:
+            cache = getattr(output, name, None)
+        except Exception:  # an output type whose attributes raise: no cache read
+            return None
+        if cache is not None and not isinstance(cache, torch.Tensor):
+            return cache
+    return None
 
 
 class TokenTracker:
@@ -293,7 +317,8 @@ class TokenTracker:
         else:
             start = 0
         tokens = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
-        new_seq = start == 0 and not self._recompute(prev, batch, n, tokens)
+        rerun = self._recompute(prev, batch, n, tokens, mask) if start == 0 else False
+        new_seq = start == 0 and rerun is False
         before_scope = prev is None and start > 0 and not self.steps
         # generate()'s first call holds the prompt and, with prompt-lookup or assisted decoding,
         # the first candidates after it; given a cache that holds the prompt's first tokens, it
@@ -323,7 +348,14 @@ class TokenTracker:
         step.tokens = tokens.detach().clone() if tokens is not None else None
         step.marks = {name: count() for name, count in self.marks.items()}
         pending, self._pending = self._pending, None
-        if pending is not None and prev is not None and start > 0 and pending.numel() == batch:
+        if isinstance(rerun, torch.Tensor):  # a re-run whose rows beam search reordered
+            pending = rerun if pending is None else pending.to(rerun.device)[rerun]
+        if (
+            pending is not None
+            and prev is not None
+            and (start > 0 or isinstance(rerun, torch.Tensor))
+            and pending.numel() == batch
+        ):
             step.perm = pending
             rows = self._prompt_rows
             self._prompt_rows = pending if rows is None else rows.to(pending.device)[pending]
@@ -348,8 +380,15 @@ class TokenTracker:
         self.current = step
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not in_backward():
-            self.current = None
+        if in_backward():
+            return
+        if self.current is not None and get_ident() == self.thread:
+            # the cache the model made for a call given none (a state-space model's first
+            # call): the next call given that object continues this one
+            cache = _output_cache(output)
+            if cache is not None and not self._same_cache(cache):
+                self._remember(cache)
+        self.current = None
 
     def _before(self, step: _Step, prev: _Step | None) -> Any:
         """Real tokens in the columns before a call without a 2-D mask, per row."""
@@ -427,12 +466,32 @@ class TokenTracker:
     def _reordered(self, idx: torch.Tensor) -> None:
         self._pending = idx if self._pending is None else self._pending.to(idx.device)[idx]
 
-    def _recompute(self, prev: _Step | None, batch: int, n: int, tokens: Any) -> bool:
-        """A call from column 0 that re-runs the current sequence (``use_cache=False``)."""
+    def _recompute(
+        self, prev: _Step | None, batch: int, n: int, tokens: Any, mask: Any
+    ) -> bool | torch.Tensor:
+        """A call from column 0 that re-runs the current sequence (``use_cache=False``): True,
+        or, where beam search reordered the rows since (without a cache nothing tells it how),
+        ``rows`` with row ``r`` of the call continuing row ``rows[r]`` of the previous one (rows
+        whose tokens and padding are the same are alike: the first is taken); else False."""
         if prev is None or prev.batch != batch or n <= prev.end - 1 or tokens is None:
             return False
         known = _tokens_upto(self.steps, prev.seq, prev.end)
-        return known is not None and torch.equal(tokens[:, : known.shape[1]], known)
+        if known is None:
+            return False
+        width = known.shape[1]
+        new = tokens[:, :width].to(known.device)
+        if torch.equal(new, known):
+            return True
+        # beam search without a cache: each row must continue some row of the previous call,
+        # its padding too where both calls have a 2-D mask
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and prev.mask2d is not None:
+            pad = prev.mask2d[:, :width].to(known.device) == 0
+            known = known.masked_fill(pad, -1)
+            new = new.masked_fill(mask[:, :width].to(known.device) == 0, -1)
+        same = (new[:, None] == known[None]).all(-1)  # [call's rows, previous rows]
+        if not bool(same.any(1).all()):
+            return False
+        return same.int().argmax(1)
 
     # -- per call (steering) --------------------------------------------------------------------
     def positions(self) -> tuple[torch.Tensor, torch.Tensor | None, Any] | None:

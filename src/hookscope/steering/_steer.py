@@ -333,12 +333,18 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
             raise _no_tokens(positions, tracker)
         end = tracker.prompt_end
         if step.end <= end:  # prompt tokens only
-            return None if positions == "prompt" else False
+            if positions != "prompt":
+                return False
+            # the prompt's real tokens, not its padding: a linear-attention layer (MiniMax)
+            # carries what a padding slot holds into its state, so later tokens would see it
+            own = step.own
+            return None if own is None else own.to(_dev(step))
         if step.start >= end:
             return False if positions == "prompt" else None
         cols = torch.arange(step.start, step.end, device=_dev(step))
-        sel = (cols < end) if positions == "prompt" else (cols >= end)
-        return sel.expand(step.batch, step.n)
+        sel = ((cols < end) if positions == "prompt" else (cols >= end)).expand(step.batch, step.n)
+        own = step.own if positions == "prompt" else None
+        return sel if own is None else sel & own.to(sel.device)
 
     def current() -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         try:
