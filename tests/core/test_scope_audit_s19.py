@@ -707,15 +707,18 @@ def test_tracking_scopes_do_not_keep_the_model_alive() -> None:
 # -- Monitor (a product on HookScope): a replaced layer's statistics went missing silently -------
 
 
-def test_monitor_of_a_layer_replaced_between_steps_warns_once() -> None:
-    # before: from step 1 on the record silently had no '0' (its hooks were on the old module)
+def test_monitor_of_a_layer_replaced_between_steps_warns_once_and_follows_it() -> None:
+    # before: from step 1 on the record silently had no '0' (its hooks were on the old module);
+    # then (this session) said, but missing for the rest of the run: now the next logged step
+    # watches the module the model holds, its statistics those of a hand forward
     model, x = _net(), _x()
     seq = nn.Sequential(model.fc, nn.ReLU(), nn.Linear(3, 1))
     with pytest.warns(
         hs.MonitorWarning,
         match=r"step 1: layer\(s\) '0' were replaced in the model while the Monitor watched it "
-        r"\(model\[0\] is now another Linear\): .*statistics are missing from this step on; "
-        r"create the Monitor after replacing model\[0\]",
+        r"\(model\[0\] is now another Linear\): .*statistics are missing from this step and "
+        r"are recorded from the next logged step on.*create the Monitor after replacing "
+        r"model\[0\] to have them from the start",
     ) as rec:
         old = seq[0]
         mon = hs.Monitor(seq, every=1, stats="activations")
@@ -728,7 +731,12 @@ def test_monitor_of_a_layer_replaced_between_steps_warns_once() -> None:
         mon.close()
     assert old is not seq[0]
     assert len([w for w in rec if "replaced" in str(w.message)]) == 1  # once, not per step
-    assert "0" in records[0].layers and "0" not in records[2].layers
+    assert "0" in records[0].layers and "0" not in records[1].layers
+    with torch.no_grad():
+        out = seq[0](x)  # the new module, by hand (no optimizer: the same weights as in step 2)
+    got = records[2].layers["0"]
+    assert got["absmax"] == pytest.approx(float(out.abs().max()), rel=1e-6)
+    assert got["mean"] == pytest.approx(float(out.double().mean()), rel=1e-6, abs=1e-9)
 
 
 def test_monitor_step_whose_hooks_remove_hooks_took_says_so() -> None:
@@ -827,3 +835,38 @@ def test_cam_follows_a_target_layer_replaced_after_it_was_made() -> None:
     torch.testing.assert_close(
         got, hs.GradCAM(model, "conv", raw=True)(x, target=1), rtol=0, atol=0
     )
+
+
+def test_monitor_of_a_layer_removed_from_the_model_warns_once_without_following() -> None:
+    """A monitored layer deleted from the model (del model.head) has nothing to follow: said once,
+    missing from that step on; the other layers' statistics stay those of a hand forward."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.head = nn.Linear(4, 3), nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.body(x)
+            return self.head(h) if hasattr(self, "head") else h
+
+    net, x = Net(), torch.randn(5, 4, generator=torch.Generator().manual_seed(3))
+    with pytest.warns(
+        hs.MonitorWarning,
+        match=r"step 1: layer\(s\) 'head' were replaced in the model.*no longer in the model.*"
+        r"statistics are missing from this step on;",
+    ) as rec:
+        mon = hs.Monitor(net, every=1, stats="activations")
+        records = []
+        for step in range(3):
+            if step == 1:
+                del net.head
+            net(x).sum().backward()
+            records.append(mon.step())
+        mon.close()
+    assert len([w for w in rec if "'head'" in str(w.message)]) == 1
+    assert "head" not in records[2].layers
+    with torch.no_grad():
+        out = net.body(x)
+    assert records[2].layers["body"]["absmax"] == pytest.approx(float(out.abs().max()), rel=1e-6)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..core._compiled import named_parameters
+from ..core._compiled import named_modules, named_parameters
 from ..core._errors import UnsupportedTensorError, enter_once, some_names
 from ..core._scope import HookScope, attribute_path, check_model, get_ident
 from ..core._select import find, resolve
@@ -393,12 +393,25 @@ class Monitor:
         stripped = [n for n in self.named if n in scope.stripped and n not in replaced]
         new = [n for n in replaced if n not in self._said_replaced]
         if new:
-            self._said_replaced.update(new)
+            # a module at the layer's name now: watched from the next logged step on (its hooks
+            # are placed anew then); a layer removed from the model: said once
+            now = dict(named_modules(self.model))
+            followed = [n for n in new if isinstance(now.get(n), nn.Module)]
+            for n in followed:
+                self.named[n] = now[n]
+                self._bounds[n] = saturation_bounds(now[n])
+            self._said_replaced.update(n for n in new if n not in followed)
+            what = (
+                "the new one's statistics are missing from this step and are recorded from the "
+                "next logged step on (the Monitor hooks the module the model holds now)"
+                if len(followed) == len(new)
+                else "the new one's statistics are missing from this step on"
+            )
             warnings.warn(
                 f"step {step}: layer(s) {some_names(new)} were replaced in the model while the "
-                f"Monitor watched it ({replaced[new[0]]}): its hooks are on the module it "
-                "replaced, so the new one's statistics are missing from this step on; create "
-                f"the Monitor after replacing {attribute_path(new[0])}",
+                f"Monitor watched it ({replaced[new[0]]}): its hooks were on the module it "
+                f"replaced, so {what}; create the Monitor after replacing "
+                f"{attribute_path(new[0])} to have them from the start",
                 MonitorWarning,
                 stacklevel=3,
             )
