@@ -251,6 +251,45 @@ _DECODERS = {
         {"num_key_value_heads": 2, "sliding_window": 4},
     ),
     "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    # Gemma-3: a sliding-window layer (window 4) and a global one, logit softcapping
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 30.0,
+            "attn_logit_softcapping": 50.0,
+        },
+    ),
+    # Mixtral: a mixture of 4 experts, 2 per token
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    # Phi-3: partial rotary embeddings
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"num_key_value_heads": 2, "partial_rotary_factor": 0.5},
+    ),
+    # MiniMax: a linear-attention ("lightning") layer, then a full-attention one; its cache
+    # reads its length from layer 0, which holds no keys (get_seq_length() is always 0)
+    "minimax": (
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        {
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_local_experts": 2,
+            "num_experts_per_tok": 1,
+            "block_size": 4,
+        },
+    ),
 }
 
 
@@ -280,6 +319,69 @@ def tiny_mamba(seed: int = 0):
         state_size=8,
         expand=2,
         conv_kernel=4,
+    )
+
+
+def tiny_mamba2(seed: int = 0):
+    """A random-weight ``Mamba2ForCausalLM`` (state-space, multi-head; cache ``cache_params``)."""
+    return _build(
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        seed,
+        hidden_size=64,
+        num_hidden_layers=2,
+        state_size=8,
+        expand=2,
+        head_dim=16,
+        num_heads=8,
+        n_groups=1,
+        chunk_size=8,
+    )
+
+
+def tiny_falcon_alibi(seed: int = 0):
+    """A random-weight Falcon with ALiBi and multi-query attention (parallel attention and MLP)."""
+    return _build(
+        "FalconConfig",
+        "FalconForCausalLM",
+        seed,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        alibi=True,
+        multi_query=True,
+        parallel_attn=True,
+    )
+
+
+def tiny_mpt(seed: int = 0):
+    """A random-weight MPT (ALiBi; ``use_cache=False`` in its config, so ``generate`` runs
+    without a cache by default)."""
+    return _build(
+        "MptConfig", "MptForCausalLM", seed, d_model=64, n_layers=2, n_heads=4, max_seq_len=64
+    )
+
+
+def tiny_jamba(layers: int = 4, seed: int = 0):
+    """A random-weight Jamba: Mamba layers and attention layers alternate in one ``ModuleList``."""
+    return _build(
+        "JambaConfig",
+        "JambaForCausalLM",
+        seed,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        num_key_value_heads=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        mamba_d_state=8,
+        mamba_expand=2,
+        mamba_dt_rank=8,
     )
 
 

@@ -8,87 +8,14 @@ import pytest
 import torch
 
 import hookscope as hs
-from helpers.lm import EOS, PAD, WORDS
+from helpers.lm import WORDS, tiny_decoder, tiny_falcon_alibi, tiny_jamba, tiny_mamba2
 from helpers.patch_refs import by_position, hand_sweep
 
-CFG = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=128,
-    max_position_embeddings=64,
-)
-
-
-def _build(config: str, model: str, **fields):
-    import transformers
-
-    common = dict(vocab_size=len(WORDS), bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
-    cfg = getattr(transformers, config)(**(common | fields), attn_implementation="eager")
-    torch.manual_seed(0)
-    return getattr(transformers, model)(cfg).eval()
-
-
-def tiny_jamba(layers: int = 4):
-    """Jamba: Mamba layers and attention layers alternate in one ``ModuleList``."""
-    return _build(
-        "JambaConfig",
-        "JambaForCausalLM",
-        **(CFG | {"num_hidden_layers": layers}),
-        num_key_value_heads=2,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=1,
-        num_experts=2,
-        mamba_d_state=8,
-        mamba_expand=2,
-        mamba_dt_rank=8,
-    )
-
-
 ARCHS = {
-    # Gemma-3: a sliding-window layer (window 4) and a global one, logit softcapping
-    "gemma3": lambda: _build(
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        **CFG,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
-        final_logit_softcapping=30.0,
-    ),
-    "mixtral": lambda: _build(
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        **CFG,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    ),
-    "falcon_alibi": lambda: _build(
-        "FalconConfig",
-        "FalconForCausalLM",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        alibi=True,
-        multi_query=True,
-        parallel_attn=True,
-    ),
-    "mamba2": lambda: _build(
-        "Mamba2Config",
-        "Mamba2ForCausalLM",
-        hidden_size=64,
-        num_hidden_layers=2,
-        state_size=8,
-        expand=2,
-        head_dim=16,
-        num_heads=8,
-        n_groups=1,
-        chunk_size=8,
-    ),
+    "gemma3": lambda: tiny_decoder("gemma3"),
+    "mixtral": lambda: tiny_decoder("mixtral"),
+    "falcon_alibi": tiny_falcon_alibi,
+    "mamba2": tiny_mamba2,
 }
 
 G = torch.Generator().manual_seed(3)

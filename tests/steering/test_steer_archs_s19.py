@@ -10,24 +10,18 @@ import pytest
 import torch
 
 import hookscope as hs
-from helpers.lm import EOS, PAD, PROMPTS, WORDS, final_forward_inputs, tiny_gpt2, word_tokenizer
+from helpers.lm import (
+    PROMPTS,
+    final_forward_inputs,
+    tiny_decoder,
+    tiny_falcon_alibi,
+    tiny_gpt2,
+    tiny_mamba2,
+    tiny_mpt,
+    word_tokenizer,
+)
 
 NEW = 5  # tokens generated
-
-
-def _build(config: str, model: str, **fields):
-    import transformers
-
-    common = dict(vocab_size=len(WORDS), bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD)
-    cfg = getattr(transformers, config)(**(common | fields), attn_implementation="eager")
-    torch.manual_seed(0)
-    return getattr(transformers, model)(cfg).eval()
-
-
-def tiny_mpt():
-    """MPT: ALiBi, and ``use_cache=False`` in its config: every ``generate`` step re-runs the
-    whole sequence (beam search reorders the rows between those calls, no cache says how)."""
-    return _build("MptConfig", "MptForCausalLM", d_model=64, n_layers=2, n_heads=4, max_seq_len=64)
 
 
 def _vector(model):
@@ -170,21 +164,6 @@ def test_mpt_greedy_without_a_cache_equals_one_hand_hooked_forward():
         torch.testing.assert_close(lg, ref[:, n - 1 + i], atol=1e-5, rtol=0)
 
 
-def tiny_mamba2():
-    return _build(
-        "Mamba2Config",
-        "Mamba2ForCausalLM",
-        hidden_size=64,
-        num_hidden_layers=2,
-        state_size=8,
-        expand=2,
-        head_dim=16,
-        num_heads=8,
-        n_groups=1,
-        chunk_size=8,
-    )
-
-
 def _returned_cache(out):
     cache = getattr(out, "past_key_values", None)  # Mamba-2 returns it so, Mamba as cache_params
     return cache if cache is not None else out.cache_params
@@ -230,49 +209,12 @@ def test_steer_a_hand_loop_of_cached_calls_on_a_state_space_model(arch):
     torch.testing.assert_close(cap.sequence(read).values, ref[read], atol=1e-5, rtol=0)
 
 
-CFG = dict(
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    intermediate_size=128,
-    max_position_embeddings=64,
-)
 DECODERS = {
     # Gemma-3: a sliding-window layer (window 4 < the sequence) and a global one, softcapping
-    "gemma3": lambda: _build(
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        **CFG,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
-        final_logit_softcapping=30.0,
-        attn_logit_softcapping=50.0,
-    ),
-    "mixtral": lambda: _build(
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        **CFG,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    ),
-    # Falcon with ALiBi and multi-query attention (parallel attention and MLP)
-    "falcon_alibi": lambda: _build(
-        "FalconConfig",
-        "FalconForCausalLM",
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        alibi=True,
-        multi_query=True,
-        parallel_attn=True,
-    ),
-    # Phi-3: partial rotary embeddings
-    "phi3": lambda: _build(
-        "Phi3Config", "Phi3ForCausalLM", **CFG, num_key_value_heads=2, partial_rotary_factor=0.5
-    ),
+    "gemma3": lambda: tiny_decoder("gemma3"),
+    "mixtral": lambda: tiny_decoder("mixtral"),
+    "falcon_alibi": tiny_falcon_alibi,
+    "phi3": lambda: tiny_decoder("phi3"),
     "mamba2": tiny_mamba2,
 }
 
@@ -332,22 +274,6 @@ def test_steer_and_sequence_in_generate_equal_one_hand_hooked_forward(arch, cach
             torch.testing.assert_close(seq.values[b][seq.mask[b]], r[b][real[b]], atol=1e-5, rtol=0)
 
 
-def tiny_minimax():
-    """MiniMax: a linear-attention ("lightning") layer, then a full-attention one; its cache
-    reads its length from layer 0, which holds no keys (``get_seq_length()`` is always 0)."""
-    return _build(
-        "MiniMaxConfig",
-        "MiniMaxForCausalLM",
-        **CFG,
-        num_key_value_heads=2,
-        head_dim=16,
-        layer_types=["linear_attention", "full_attention"],
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        block_size=4,
-    )
-
-
 def _greedy(model, enc, **kw):
     return model.generate(
         **enc,
@@ -366,7 +292,7 @@ def test_minimax_cache_length_is_read_from_its_attention_layers():
     # tokens": blaming a mask that was right), and in a hand loop without a mask every call was
     # taken for a new sequence at position 0 (steer(positions=3) steered no decode call,
     # silently). The length is now the longest of the cache's layers when layer 0 says 0.
-    model = tiny_minimax()
+    model = tiny_decoder("minimax")
     layer = "model.layers.0"
     enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
     v = _vector(model)
@@ -414,7 +340,7 @@ def test_steer_prompt_leaves_the_left_padding_alone(cache):
     # linear-attention layer (MiniMax's) carries a padding slot's value into the state the
     # decode steps read, so the generated tokens' scores were 5e-3 off a hand hook that steers
     # the prompt's real tokens (positions count real tokens, padding taken out)
-    model = tiny_minimax()
+    model = tiny_decoder("minimax")
     layer = "model.layers.0"
     enc = word_tokenizer("left")(PROMPTS, return_tensors="pt", padding=True)
     assert (enc["attention_mask"] == 0).any()
