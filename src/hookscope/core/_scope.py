@@ -70,6 +70,7 @@ __all__ = [
     "in_backward",
     "internal_run",
     "locate_errors",
+    "lost_layers",
     "note_exception",
     "note_stripped",
     "quiet",
@@ -776,30 +777,9 @@ class HookScope:
         for those whose module (or parameter) is not the one hooked."""
         if not self.active:
             return dict(self._replaced_at_removal)
-        places = self._places
-        if places is None:
+        if self._places is None:
             return {}
-        model = places[0]()
-        if model is None:
-            return {}
-        # the common case, nothing replaced: each name's parent found once (memo), then one
-        # identity per name; only the names that differ take the full check
-        memo: dict[str, Any] = {}
-        differ = []
-        for table, attr in ((places[1], "_modules"), (places[2], "_parameters")):
-            for name, ref in table.items():
-                if not name:
-                    differ.append(name)  # (the model itself: a compiled wrapper's module)
-                    continue
-                parent, _, last = name.rpartition(".")
-                owner = memo.get(parent, _NOT_FOUND)
-                if owner is _NOT_FOUND:
-                    owner = _module_at(model, parent, memo)
-                kept = getattr(owner, attr, None)
-                now = kept.get(last) if isinstance(kept, dict) else None
-                if now is None or now is not ref():
-                    differ.append(name)
-        return self._check_places(differ, memo) if differ else {}
+        return self._check_places([*self._places[1], *self._places[2]], {})
 
     def _check_places(self, names: Iterable[str], memo: dict[str, Any]) -> dict[str, str]:
         """:meth:`replaced` for each of ``names`` (the tracked ones), walking the model's own
@@ -955,6 +935,33 @@ def stale_names(model: nn.Module, named: Mapping[str, nn.Module]) -> list[str]:
 
 
 _GONE = " is no longer in the model"
+
+
+def lost_layers(
+    scope: HookScope,
+    known: Iterable[str] | None = None,
+    watch: Callable[[nn.Module], bool] | None = None,
+) -> dict[str, str]:
+    """The layers whose calls ``scope``'s hooks no longer see, ``{name: what happened}``: a
+    module the tracked model (:meth:`HookScope.track`) holds no longer at its name
+    (:meth:`HookScope.replaced_all`: the new one runs unhooked), hooks ``hs.remove_hooks`` took
+    (:attr:`HookScope.stripped`; the text ends with ``"hs.remove_hooks"``) and, with ``known``
+    (the model's module names when the hooks were placed), a module added to the model since
+    (one walk of the model; ``watch(module)``: whether such a module would have been hooked).
+    Asked once a run is over, never from the hooks."""
+    found = scope.replaced_all()
+    for name in sorted(scope.stripped):
+        if name not in found:
+            found[name] = f"the hooks on {attribute_path(name)} were removed by hs.remove_hooks"
+    model = scope._places[0]() if known is not None and scope._places is not None else None
+    if model is not None:
+        known = set(known)  # type: ignore[arg-type]
+        for name, module in named_modules(model):
+            if name not in known and name not in found and (watch is None or watch(module)):
+                found[name] = (
+                    f"{attribute_path(name)} was added to the model (a {type(module).__name__})"
+                )
+    return found
 
 
 def _describe_place(name: str, hooked: Any, now: Any, is_param: bool) -> str:

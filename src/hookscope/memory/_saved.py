@@ -37,9 +37,15 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, region_of
 from ..core._nested import iter_tensors
-from ..core._scope import HookScope, _Hook, attribute_path, graph_task_id
+from ..core._scope import HookScope, _Hook, graph_task_id, lost_layers
 
 __all__ = ["CallInputs", "SaveEvent", "SavedTensors", "storage_key"]
+
+
+def _outside_regions(module: nn.Module) -> bool:
+    """Whether ``module`` is hooked by the profile: not inside a compiled region (its root is)."""
+    region = region_of(module)
+    return region is None or region.root is module
 
 
 def storage_key(t: torch.Tensor) -> tuple[tuple[torch.device, int], int] | None:
@@ -141,44 +147,26 @@ class SavedTensors:
         self._next_gen = 1
         self._mode: Any = None
         self._hooks: Any = None
-        self._hooked: set[str] = set()  # the modules hooked (by name)
-        self._skipped: set[str] = set()  # modules left unhooked on purpose (compiled regions)
+        self._known: set[str] = set()  # the model's modules when hooked (by name)
         self.lost: dict[str, str] = {}  # modules whose calls the hooks missed (see _lost)
 
     # -- module stack -----------------------------------------------------------------------------
     def _attach(self) -> None:
-        hooks = []
-        for name, module in named_modules(self.model):
-            region = region_of(module)
-            if region is not None and region.root is not module:
-                continue  # inside a compiled region: a hook there would break its graph
-            hooks.append((module, name))
+        # (a module inside a compiled region is not hooked: a hook there would break its graph)
+        hooks = [(m, name) for name, m in named_modules(self.model) if _outside_regions(m)]
         self.scope.add_forward_many([(m, _Pre(self, n), n) for m, n in hooks], pre=True)
         self.scope.add_forward_many([(m, _Post(self, n), n) for m, n in hooks], always_call=True)
         # where the hooks sit (weakly): a module the step replaces (or adds) runs unhooked; its
         # saves charged to its caller (see lost), checked once at the end, never in the hooks
         self.scope.track(self.model, {n: m for m, n in hooks})
-        self._hooked = {n for _, n in hooks}
-        self._skipped = {n for n, _ in named_modules(self.model)} - self._hooked
+        self._known = {n for n, _ in named_modules(self.model)}
 
     def _lost(self) -> dict[str, str]:
-        """The modules whose calls the step's hooks did not see: ``{name: what happened}``
-        for a module the model holds no longer at its name (replaced during the step: the new
-        one ran unhooked), one added to the model during the step, and hooks
-        ``hs.remove_hooks`` took. Asked once, when the step is over."""
-        scope = self.scope
-        found = scope.replaced_all()
-        for name in sorted(scope.stripped):
-            if name not in found:
-                found[name] = f"the hooks on {attribute_path(name)} were removed by hs.remove_hooks"
-        for name, module in named_modules(self.model):
-            if name not in self._hooked and name not in self._skipped and name not in found:
-                region = region_of(module)
-                if region is None or region.root is module:
-                    found[name] = (
-                        f"{attribute_path(name)} was added to the model (a {type(module).__name__})"
-                    )
-        return found
+        """The modules whose calls the step's hooks did not see (core's :func:`lost_layers`: a
+        module replaced or added during the step ran unhooked, hooks ``hs.remove_hooks`` took;
+        one added inside a compiled region would not have been hooked). Asked once, when the
+        step is over."""
+        return lost_layers(self.scope, self._known, _outside_regions)
 
     def _enter_call(self, name: str, args: Any) -> None:
         self.stack.append(name)

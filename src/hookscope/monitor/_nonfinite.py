@@ -38,6 +38,7 @@ from ..core._scope import (
     identity_views,
     in_backward,
     internal_run,
+    lost_layers,
 )
 from ..core._select import find
 from ..core._sharded import is_dtensor, local
@@ -211,26 +212,13 @@ class _Tracker:
         # where the hooks sit (weakly): a module replaced in (or added to) the model later runs
         # unhooked, its NaN blamed on its caller; asked by lost(), never in the hooks
         self.scope.track(model, named)
-        self._model = weakref.ref(model)
 
     def lost(self, added: bool = False) -> dict[str, str]:
-        """The modules whose calls this tracker no longer sees: ``{name: what happened}`` for a
-        module the model holds no longer at its name (replaced: the new one runs unhooked;
-        removed), hooks ``hs.remove_hooks`` took, and with ``added`` a module put in the model
-        since (a walk of the model: asked only when an origin was found). Not from the hooks."""
-        scope = self.scope
-        found = scope.replaced_all()
-        for name in sorted(scope.stripped):
-            if name not in found:
-                found[name] = f"the hooks on {attribute_path(name)} were removed by hs.remove_hooks"
-        model = self._model()
-        if added and model is not None:
-            for name, module in named_modules(model):
-                if name not in self.types:
-                    found[name] = (
-                        f"{attribute_path(name)} was added to the model (a {type(module).__name__})"
-                    )
-        return found
+        """The modules whose calls this tracker no longer sees (core's :func:`lost_layers`: a
+        module replaced or removed, hooks ``hs.remove_hooks`` took, and with ``added`` a module
+        put in the model since: a walk of the model, asked only when an origin was found). Not
+        from the hooks."""
+        return lost_layers(self.scope, self.types if added else None)
 
     def reset(self) -> None:
         self.evaluating = False
