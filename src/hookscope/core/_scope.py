@@ -914,20 +914,8 @@ def stale_names(model: nn.Module, named: Mapping[str, nn.Module]) -> list[str]:
     holds another module now, or none (``model.fc = nn.Linear(...)`` since): a selection kept
     between scopes (``FeatureExtractor``'s) is resolved again when one is stale. One dict
     lookup per name (the model's own ``_modules``), ``named_modules`` only on a mismatch."""
-    root = strip_compiled(model)
-    stale = []
-    for name, module in named.items():
-        now: Any = root
-        if name:
-            for part in name.split("."):
-                children = getattr(now, "_modules", None)
-                now = children.get(part) if isinstance(children, dict) else None
-                if now is None:
-                    break
-                if now.__class__.__name__ == "OptimizedModule":
-                    now = strip_compiled(now)
-        if now is not module:
-            stale.append(name)
+    memo: dict[str, Any] = {}
+    stale = [name for name, module in named.items() if _module_at(model, name, memo) is not module]
     if stale:  # a class that names its parts in its own way: ask it
         everything = dict(named_modules(model))
         stale = [n for n in stale if everything.get(n) is not named[n]]
