@@ -418,3 +418,80 @@ def tiny_bart(seed: int = 0):
         forced_bos_token_id=None,
         forced_eos_token_id=None,
     )
+
+
+class HandCacheLM(torch.nn.Module):
+    """A small causal LM of its own (no Hugging Face classes) with a hand-written KV cache, in one
+    of three styles: ``"dict"`` (the caller passes a dict that each attention fills, as nanoGPT-like
+    code does), ``"returned"`` (the model returns ``(logits, cache)`` and the caller passes that
+    cache back) or ``"modules"`` (each attention keeps preallocated key/value tensors and writes
+    them in place at ``start``, as Meta's reference Llama does). ``start`` is the position of the
+    call's first token (the learned position embedding reads it)."""
+
+    class Attn(torch.nn.Module):
+        def __init__(self, d: int, style: str) -> None:
+            super().__init__()
+            self.qkv, self.o, self.style = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), style
+            if style == "modules":
+                self.cache_k = torch.zeros(4, 32, d)
+                self.cache_v = torch.zeros(4, 32, d)
+
+        def forward(self, x, cache=None, start=0):
+            q, k, v = self.qkv(x).chunk(3, -1)
+            b, t = x.shape[:2]
+            if self.style == "modules":
+                self.cache_k[:b, start : start + t] = k.detach()
+                self.cache_v[:b, start : start + t] = v.detach()
+                k, v = self.cache_k[:b, : start + t], self.cache_v[:b, : start + t]
+            elif cache is not None:
+                if id(self) in cache:
+                    pk, pv = cache[id(self)]
+                    k, v = torch.cat([pk, k], 1), torch.cat([pv, v], 1)
+                cache[id(self)] = (k, v)
+            s = k.shape[1]
+            keep = torch.ones(t, s, dtype=torch.bool).tril(s - t)
+            att = (q @ k.transpose(1, 2) / 4).masked_fill(~keep, float("-inf")).softmax(-1)
+            return self.o(att @ v)
+
+    class Block(torch.nn.Module):
+        def __init__(self, d: int, style: str) -> None:
+            super().__init__()
+            self.attn, self.mlp = HandCacheLM.Attn(d, style), torch.nn.Linear(d, d)
+
+        def forward(self, x, cache=None, start=0):
+            x = x + self.attn(x, cache=cache, start=start)
+            return x + self.mlp(x)
+
+    def __init__(self, style: str = "dict", d: int = 16, vocab: int = 20, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.style = style
+        self.emb, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(32, d)
+        self.blocks = torch.nn.ModuleList([HandCacheLM.Block(d, style) for _ in range(2)])
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, input_ids, cache=None, start=0):
+        x = self.emb(input_ids) + self.pos(torch.arange(start, start + input_ids.shape[1]))
+        if self.style == "returned":
+            cache = {} if cache is None else cache
+        for block in self.blocks:
+            x = block(x, cache=cache, start=start)
+        logits = self.head(x)
+        return (logits, cache) if self.style == "returned" else logits
+
+    def decode(self, ids: torch.Tensor, steps: int, cached: bool = True) -> torch.Tensor:
+        """Greedy decoding by hand: the prompt, then one call per new token with the cache
+        (``cached``), or the whole sequence again at every step without it."""
+        seq, cache = ids, ({} if self.style == "dict" else None)
+        with torch.no_grad():
+            for i in range(steps):
+                if not cached:
+                    out = self(seq)
+                elif i == 0:
+                    out = self(seq, cache=cache)
+                else:
+                    out = self(seq[:, -1:], cache=cache, start=seq.shape[1] - 1)
+                if self.style == "returned":
+                    out, cache = out
+                seq = torch.cat([seq, out[:, -1].argmax(-1, keepdim=True)], 1)
+        return seq

@@ -44,6 +44,7 @@ from __future__ import annotations
 import itertools
 import threading
 import types
+import warnings
 import weakref
 from typing import Any, NamedTuple
 
@@ -51,8 +52,8 @@ import torch
 import torch.nn as nn
 
 from ._compiled import strip_compiled
-from ._errors import HookscopeError
-from ._nested import first_tensor
+from ._errors import HookscopeError, HookscopeWarning
+from ._nested import SCALARS, first_tensor, hidden_tensors, tensors_of
 from ._scope import HookScope, _Hook, acts_here, get_ident, in_backward, quiet, thread_checked
 
 __all__ = ["SequenceError", "TokenSequence", "TokenTracker", "assemble"]
@@ -86,6 +87,7 @@ class _Step:
         "_before",
         "_own",
         "batch",
+        "carried",
         "conflict",
         "device",
         "marks",
@@ -100,6 +102,9 @@ class _Step:
     def __init__(self, start: int, n: int, batch: int, seq: int) -> None:
         self.start, self.n, self.batch, self.seq = start, n, batch, seq
         self.conflict: str | None = None  # why the call cannot be placed exactly
+        # why a call read as a new sequence may continue the one before (state carried from it
+        # in an object hookscope does not read): refused where the column matters
+        self.carried: str | None = None
         self.device = torch.device("cpu")  # where the call's inputs are
         self.mask2d: torch.Tensor | None = None  # a 2-D mask over columns 0..end (read lazily)
         self._own: Any = None  # [batch, n] bool: real tokens (None: all)
@@ -247,12 +252,23 @@ class TokenTracker:
         # passed in held already, computed before the scope (nothing acted on them)
         self.unseen = 0
         self.unseen_prompt_end = 0  # the prompt's end then (what -k counts back from)
+        # the last call read as a new sequence without anything saying so (no mask, cache or
+        # cache_position): (its step, its argument objects and their tensors' fingerprints,
+        # what it returned, the model's buffers and tensor attributes with their versions), so
+        # that the next such call can tell whether state was carried from it (see _carried)
+        self._state: tuple[Any, ...] | None = None
+        self._root: Any = None  # weak reference to the model
+        self._warned_held = False  # the warning of _carried about the model's own tensors
+        # only the positions within each call are read (steer's negative positions): where a
+        # call starts does not matter, nor whether it continues the one before
+        self.within = False
 
     def attach(self, scope: HookScope, model: nn.Module, *, reorders: bool = True) -> None:
         """Add the pre-hook and post-hook to the root model; caches met in the calls get their
         ``reorder_cache`` wrapped until the scope is removed (``reorders`` is kept for callers:
         rows are always followed)."""
         root = strip_compiled(model)
+        self._root = weakref.ref(root)
         cfg = getattr(root, "config", None)
         self.encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False))
         scope.add_forward_pre(root, _TrackerHook(self), layer="", with_kwargs=True)
@@ -270,6 +286,7 @@ class TokenTracker:
         self._prompt_step, self._prompt_rows = None, None
         self.returned.clear()
         self._cropped.clear()
+        self._state = None
 
     # -- hooks ----------------------------------------------------------------------------------
     def _inputs(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -291,6 +308,7 @@ class TokenTracker:
             self.current = None
             return
         batch, n = x.shape[0], x.shape[1]
+        unmarked = False
         cache = kwargs.get("past_key_values")
         if cache is None:
             cache = kwargs.get("cache_params")
@@ -316,6 +334,7 @@ class TokenTracker:
             start = prev.end  # a recurrent state (Mamba): the calls continue one another
         else:
             start = 0
+            unmarked = True  # nothing says where its tokens sit: see _carried
         tokens = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
         rerun = self._recompute(prev, batch, n, tokens, mask) if start == 0 else False
         new_seq = start == 0 and rerun is False
@@ -375,6 +394,11 @@ class TokenTracker:
                 conflict = conflict or why
             step._own = own
         step.conflict = conflict
+        state, self._state = self._state, None
+        if unmarked and not self.within:
+            if new_seq and state is not None and state[0] is prev:
+                step.carried = self._carried(state, args, kwargs, n)
+            self._state = (step, *self._snapshot(args, kwargs))
         self._remember(cache)
         self.steps.append(step)
         self.current = step
@@ -382,6 +406,10 @@ class TokenTracker:
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
             return
+        state = self._state
+        if state is not None and state[0] is self.current and get_ident() == self.thread:
+            # what the call returned: an object the next call is given continues this one
+            self._state = (*state[:2], _carriers(output), state[3])
         if self.current is not None and get_ident() == self.thread:
             # the cache the model made for a call given none (a state-space model's first
             # call): the next call given that object continues this one
@@ -389,6 +417,71 @@ class TokenTracker:
             if cache is not None and not self._same_cache(cache):
                 self._remember(cache)
         self.current = None
+
+    def _snapshot(self, args: Any, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """What a call read as a new sequence is given and holds, to compare with the next such
+        call (:meth:`_carried`): its argument objects with their tensors' fingerprints, nothing
+        returned yet, the model's buffers and tensor attributes with their versions."""
+        given = [(v, _fingerprint(v)) for v in _carriers([*args, *kwargs.values()])]
+        root = self._root() if self._root is not None else None
+        held: list[tuple[str, str, torch.Tensor, int]] = []
+        if root is not None:
+            for name, m in root.named_modules():
+                for k, t in itertools.chain(
+                    m._buffers.items(),
+                    ((k, v) for k, v in m.__dict__.items() if v.__class__ is torch.Tensor),
+                ):
+                    if t is not None and not t.is_inference():
+                        held.append((name, k, t, t._version))
+        return given, [], held
+
+    def _carried(
+        self, state: tuple[Any, ...], args: Any, kwargs: dict[str, Any], n: int
+    ) -> str | None:
+        """Why a call read as a new sequence (nothing says where its tokens sit) continues the
+        call before, ``None`` when nothing shows it: it is given an object that call returned or
+        changed and that holds tensors (a hand-written KV cache: a dict, a list, an object of the
+        model's own). Where instead that call changed the model's own buffers or tensor
+        attributes in place (a cache the modules keep, as Meta's reference Llama does: a new
+        prompt at 0 and a decoding step look alike), a warning says so, once."""
+        _, given, returned, held = state
+        what = None
+        for v in _carriers([*args, *kwargs.values()]):
+            if not _state_tensors(v):
+                continue
+            if any(v is r for r in returned):
+                what = f"a {type(v).__name__} the call before returned"
+                break
+            if any(g is v and _fingerprint(v) != fp for g, fp in given):
+                what = f"a {type(v).__name__} given to the call before, which changed it"
+                break
+        fix = (
+            "pass an attention_mask covering the cached and the new tokens, cache_position, or "
+            "a Hugging Face Cache as past_key_values (steer's positions='all' and negative "
+            "positions count within each call)"
+        )
+        if what is not None:
+            return (
+                f"it reads as the start of a new sequence (no attention mask, Hugging Face cache "
+                f"or cache_position says where its {n} token(s) sit), yet it is given {what}, as "
+                "a hand-written KV cache carries the tokens before it: its positions are not "
+                f"known; {fix}"
+            )
+        moved = [f"{m}.{k}" if m else k for m, k, t, version in held if t._version != version]
+        if moved and not self._warned_held:
+            self._warned_held = True
+            shown = ", ".join(moved[:3]) + (" ..." if len(moved) > 3 else "")
+            warnings.warn(
+                f"hookscope: model call {len(self.steps)} ({n} token(s)) is read as a new "
+                "sequence starting at position 0 (no attention mask, Hugging Face cache or "
+                f"cache_position says where its tokens sit), but the call before changed the "
+                f"model's own tensors in place ({shown}), as a KV cache the modules keep does: "
+                "if the call continues the one before, its positions (and steer's positions "
+                f"from the start, 'prompt', 'generated') are off by the tokens before it; {fix}",
+                HookscopeWarning,
+                stacklevel=4,
+            )
+        return None
 
     def _before(self, step: _Step, prev: _Step | None) -> Any:
         """Real tokens in the columns before a call without a 2-D mask, per row."""
@@ -494,14 +587,20 @@ class TokenTracker:
         return same.int().argmax(1)
 
     # -- per call (steering) --------------------------------------------------------------------
-    def positions(self) -> tuple[torch.Tensor, torch.Tensor | None, Any] | None:
+    def positions(
+        self, within: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any] | None:
         """``(position ids [batch, n], real [batch, n] or None, real tokens up to the call's end
-        per row)`` of the current call; raises when the call cannot be placed exactly."""
+        per row)`` of the current call; raises when the call cannot be placed exactly.
+        ``within``: only the positions within the call are read (steer's negative positions):
+        a call that may continue the one before (:attr:`_Step.carried`) is not refused."""
         step = self.current
         if step is None:
             return None
         if step.conflict is not None:
             raise SequenceError(f"model call {len(self.steps) - 1}: {step.conflict}")
+        if step.carried is not None and not within:
+            raise SequenceError(f"model call {len(self.steps) - 1}: {step.carried}")
         before = step.before
         if isinstance(before, torch.Tensor):
             before = before.to(step.device)[:, None]
@@ -569,6 +668,40 @@ class TokenTracker:
             if not present.trackers:
                 del root.__dict__["generate"]
         self._generate_of = None
+
+
+def _carriers(value: Any) -> list[Any]:
+    """The objects in a call's output that may carry state to the next call: the output itself,
+    or the items of its tuple or list, or the values of its mapping (a ``ModelOutput``), that
+    are neither tensors nor plain values (a dict, a list, an object)."""
+    if isinstance(value, (tuple, list)):
+        items = list(value)
+    elif isinstance(value, dict):
+        items = list(value.values())
+    else:
+        items = [value]
+    return [
+        v
+        for v in items
+        if v.__class__ not in SCALARS
+        and not isinstance(v, (torch.Tensor, nn.Module, type))
+        and not callable(v)
+    ]
+
+
+def _state_tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors an argument object holds (nested containers, and inside objects)."""
+    return tensors_of(obj) + hidden_tensors(obj, depth=6)[0]
+
+
+def _fingerprint(obj: Any) -> tuple[Any, ...]:
+    """What an argument object holds, to see it changed: its tensors (identity, version,
+    shape), and its length where it has one (a list of per-layer caches appended to)."""
+    try:
+        size = len(obj)
+    except Exception:  # an object without a length
+        size = None
+    return size, tuple((id(t), t._version, tuple(t.shape)) for t in _state_tensors(obj))
 
 
 class _TrackerHook(_Hook):
@@ -691,10 +824,10 @@ def _tokens_upto(steps: list[_Step], seq: int, end: int) -> torch.Tensor | None:
 def assemble(tracker: TokenTracker, name: str, outputs: list[Any]) -> TokenSequence:
     """Put the recorded calls of layer ``name`` (``outputs``, in order) into one sequence."""
     for i, step in enumerate(tracker.steps):
-        if step.conflict is not None:
+        why = step.conflict or step.carried
+        if why is not None:
             raise SequenceError(
-                f"sequence({name!r}): model call {i} cannot be placed in the sequence: "
-                f"{step.conflict}"
+                f"sequence({name!r}): model call {i} cannot be placed in the sequence: {why}"
             )
     seqs = sorted({s.seq for s in tracker.steps})
     if not seqs:

@@ -331,6 +331,11 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
         step = tracker.current
         if step is None:
             raise _no_tokens(positions, tracker)
+        if step.carried is not None:
+            raise HookscopeError(
+                f"steer(positions={_show(positions)}): model call {len(tracker.steps) - 1}: "
+                f"{step.carried}"
+            )
         end = tracker.prompt_end
         if step.end <= end:  # prompt tokens only
             if positions != "prompt":
@@ -346,9 +351,9 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
         own = step.own if positions == "prompt" else None
         return sel if own is None else sel & own.to(sel.device)
 
-    def current() -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    def current(within: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         try:
-            got = tracker.positions()
+            got = tracker.positions(within)
         except SequenceError as e:
             raise HookscopeError(f"steer(positions={_show(positions)}): {e}") from None
         if got is None:
@@ -356,7 +361,7 @@ def _selector(positions: Any, tracker: TokenTracker | None) -> Callable[[], Any]
         return got
 
     def from_k() -> Any:
-        pos, real, total = current()
+        pos, real, total = current(within=positions < 0)
         if positions >= 0:
             sel = pos >= positions
         else:  # the last -positions tokens of each row so far
@@ -580,6 +585,8 @@ def steer(
         tracker = None
         if not (isinstance(positions, str) and positions == "all"):
             tracker = scope.tracker = TokenTracker()
+            # negative positions count within each call: where the call starts does not matter
+            tracker.within = isinstance(positions, int) and positions < 0
             tracker.attach(scope, model, reorders=False)
         select = _selector(positions, tracker)
         scope.add_forward_pre(strip_compiled(model), scope._on_model_call, layer="")
