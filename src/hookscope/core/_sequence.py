@@ -34,9 +34,13 @@ A token's *position* is the number of real tokens before it in its row (what ``g
 as ``position_ids``). What cannot be placed exactly is refused, naming the call: a 2-D mask
 whose width disagrees with the cache's length, an unreadable mask over padded rows, a call
 that starts neither at 0 nor where the previous one ended without a mask to say where its
-real tokens are. Limits: a model called with neither a mask, a cache nor ``cache_position`` is
-taken to start a new sequence at each call; a cache without ``reorder_cache`` (not a Hugging
-Face ``Cache``) cannot be followed through beam search.
+real tokens are, and a call read as a new sequence (neither a mask, a Hugging Face cache nor
+``cache_position``) that is given an object the call before returned or changed and that holds
+tensors (a hand-written KV cache). Limits: such a call is otherwise taken to start a new
+sequence; where the call before changed the model's own tensors in place instead (a cache the
+modules keep, as Meta's reference Llama does: a decoding step and a new prompt at 0 look
+alike), a warning says so once; a cache without ``reorder_cache`` (not a Hugging Face
+``Cache``) cannot be followed through beam search.
 """
 
 from __future__ import annotations
