@@ -115,6 +115,9 @@ def _wide_sumsq(c: np.ndarray) -> float:
 
 
 _ONES = np.ones(_BLOCK, dtype=np.float32)
+# a block's fp32 sum of squares below this: its values all below ~1e-15, whose squares lose
+# bits in fp32 (subnormal below ~1e-19, 0 below ~1e-23): summed in float64 instead
+_TINY = 2.0**-100
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # NaN if any NaN; bound: called per block
 
 
@@ -257,11 +260,13 @@ def _fused_stats(a: np.ndarray, scratch: Scratch) -> tuple[float, float, float, 
             bs = float(dot(ab, ones if m == _BLOCK else ones[:m]))  # BLAS: faster than a sum
             bq = float(dot(ab, ab))
         if (
-            not (math.isfinite(bs) and math.isfinite(bq))
+            (not (math.isfinite(bs) and math.isfinite(bq)) or (bq < _TINY and (lo or hi)))
             and math.isfinite(lo)
             and math.isfinite(hi)
         ):
-            # finite values whose fp32 sums overflow (near 1e19 and beyond): in float64
+            # finite values whose fp32 sums overflow (near 1e19 and beyond), or whose squares
+            # underflow (all below ~1e-15: their fp32 squares lose their bits, 0 below ~1e-23,
+            # a std of 0): in float64
             w = ab.astype(np.float64)
             bs, bq = float(w.sum()), float(np.dot(w, w))
         s += bs
@@ -307,8 +312,15 @@ def _centred_sumsq(a: np.ndarray, c: float, buf: np.ndarray) -> float:
         ab = a[i : i + _BLOCK]
         m = ab.shape[0]
         d = np.subtract(ab, c32, out=buf[:m])
-        s += float(np.dot(d, _ONES[:m]))
-        q += float(np.dot(d, d))
+        with np.errstate(over="ignore", invalid="ignore"):
+            bs, bq = float(np.dot(d, _ONES[:m])), float(np.dot(d, d))
+        if not (math.isfinite(bs) and math.isfinite(bq)) or (bq < _TINY and np.any(d)):
+            # deviations whose fp32 squares overflow (a spread near 1e19 and beyond) or
+            # underflow (all below ~1e-15): in float64, as in _fused_stats
+            w = ab.astype(np.float64) - float(c32)
+            bs, bq = float(w.sum()), float(np.dot(w, w))
+        s += bs
+        q += bq
     return max(q - s * s / a.shape[0], 0.0)
 
 
