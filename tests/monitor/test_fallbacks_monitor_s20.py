@@ -48,3 +48,22 @@ def test_activation_std_of_values_far_from_one_equals_torch(k, c):
     assert math.isclose(
         got["mean"], float(ref.mean()), rel_tol=1e-6, abs_tol=1e-6 * float(ref.std())
     )
+
+
+def test_a_vanishing_gradient_s_norm_equals_torch():
+    """Gradients near 1e-25 (a vanishing gradient): their fp32 squares underflowed to 0, and the
+    layer's and the parameter's grad_norm read 0, a dead layer's reading. Reference: the norm
+    of the gradient computed by hand, in float64."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), _Scaled(1.0, 0.0))
+    x = torch.randn(8, 16)
+    with hs.Monitor(net, alerts="off") as mon:
+        out = net(x)
+        out.retain_grad()
+        (out.sum() * 1e-25).backward()
+        rec = mon.step()
+    g_out = out.grad.double()
+    g_w = net[0].weight.grad.double()
+    net.zero_grad()
+    assert math.isclose(rec.layers["1"]["grad_norm"], float(g_out.norm()), rel_tol=1e-6)
+    assert math.isclose(rec.params["0.weight"]["grad_norm"], float(g_w.norm()), rel_tol=1e-6)

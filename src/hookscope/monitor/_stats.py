@@ -101,15 +101,15 @@ def _sumsq(a: np.ndarray) -> float:
         for i in _blocks(a.shape[0]):
             c = a[i : i + _BLOCK]
             v = float(dot(c, c))
-            if not math.isfinite(v) and bool(np.isfinite(c).all()):
-                v = _wide_sumsq(c)  # finite values whose fp32 square sum overflows
+            if (not math.isfinite(v) and bool(np.isfinite(c).all())) or (v < _TINY and c.any()):
+                v = _wide_sumsq(c)  # finite values whose fp32 squares overflow or underflow
             q += v
     return q
 
 
 def _wide_sumsq(c: np.ndarray) -> float:
-    """``sum(c * c)`` of finite values in float64 (where the fp32 dot overflowed: values near
-    1e19 and beyond; float64 holds their squares)."""
+    """``sum(c * c)`` of finite values in float64 (where the fp32 dot overflowed, values near
+    1e19 and beyond, or underflowed, all below ~1e-15; float64 holds their squares)."""
     w = c.astype(np.float64)
     return float(np.dot(w, w))
 
@@ -336,9 +336,14 @@ def grad_stats(g: torch.Tensor) -> Vec:
             lo, hi = float(_MIN(ab)), float(_MAX(ab))
             with np.errstate(over="ignore", invalid="ignore"):
                 v = float(dot(ab, ab))
-            if not math.isfinite(v) and math.isfinite(lo) and math.isfinite(hi):
+            if (
+                (not math.isfinite(v) or (v < _TINY and (lo or hi)))
+                and math.isfinite(lo)
+                and math.isfinite(hi)
+            ):
                 # finite values whose fp32 square sum overflows (near 1e19 and beyond: the
-                # output gradient of a step scaled by a GradScaler): in float64
+                # output gradient of a step scaled by a GradScaler), or whose squares underflow
+                # (all below ~1e-15: a vanishing gradient read as a norm of 0): in float64
                 v = _wide_sumsq(ab)
             q += v
             mn, mx = _lower(mn, lo), _upper(mx, hi)
