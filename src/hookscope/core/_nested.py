@@ -8,6 +8,7 @@ type is supported everywhere at once.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import warnings
@@ -144,20 +145,73 @@ def map_tensors(
         vals = [map_tensors(fn, v, other) for v in obj]
         return type(obj)(*vals) if _is_namedtuple(obj) else type(obj)(vals)
     if isinstance(obj, Mapping):
-        new = {k: map_tensors(fn, v, other) for k, v in obj.items()}
-        try:
-            out = copy.copy(obj)
-            for k, v in new.items():
-                out[k] = v  # type: ignore[index]
-            return out
-        except Exception:  # an immutable or exotic mapping: fall back to a plain dict
-            return new
+        return _rebuilt_mapping(obj, {k: map_tensors(fn, v, other) for k, v in obj.items()})
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = copy.copy(obj)
         for f in dataclasses.fields(obj):
             object.__setattr__(out, f.name, map_tensors(fn, getattr(obj, f.name), other))
         return out
     return obj if other is None or obj is None else other(obj)
+
+
+def _rebuilt_mapping(obj: Mapping[Any, Any], new: dict[Any, Any]) -> Any:
+    """``obj``'s type holding ``new``'s values, ``obj`` itself unchanged.
+
+    A shallow copy written to, where that leaves ``obj`` as it was: a mapping keeping its items
+    in a container of its own (``self._d``) shares that container with its shallow copy, so its
+    containers are copied too; else its class called on the items (``MappingProxyType``, a
+    read-only mapping). Where none gives ``obj``'s type with exactly those items, a plain dict
+    with a warning naming the class: code that checks the type would read another value."""
+    old = dict(obj.items())
+    # (a mapping making its items on each read cannot be checked by identity: copy, write)
+    stable = all(obj[k] is v for k, v in old.items())
+
+    def holds(out: Any) -> bool:
+        return type(out) is type(obj) and (
+            not stable
+            or (
+                list(out.keys()) == list(new)
+                and all(out[k] is v for k, v in new.items())
+                and all(obj[k] is v for k, v in old.items())
+            )
+        )
+
+    def put_back() -> None:  # a write that reached obj's own storage is undone
+        if stable:
+            with contextlib.suppress(Exception):
+                for k, v in old.items():
+                    if obj[k] is not v:
+                        obj[k] = v  # type: ignore[index]
+
+    for deeper in (False, True):
+        try:
+            out = copy.copy(obj)
+            state = getattr(out, "__dict__", None)
+            if deeper and isinstance(state, dict):
+                for a, v in list(state.items()):
+                    if v.__class__ in (dict, list) or isinstance(v, Mapping):
+                        state[a] = copy.copy(v)
+            for k, v in new.items():
+                out[k] = v  # type: ignore[index]
+        except Exception:
+            put_back()
+            continue
+        if holds(out):
+            return out
+        put_back()
+    with contextlib.suppress(Exception):
+        out = type(obj)(new)  # type: ignore[call-arg]
+        if holds(out):
+            return out
+    warnings.warn(
+        f"hookscope: a {type(obj).__name__} among a layer's values could not be rebuilt with "
+        "new values without changing it (no copy of it can be written to): a plain dict with "
+        f"the same items stands for it; code that checks for a {type(obj).__name__} reads "
+        "another value. Return a dict, a ModelOutput or a dataclass from the layer",
+        HookscopeWarning,
+        stacklevel=3,
+    )
+    return new
 
 
 def first_tensor(obj: Any) -> torch.Tensor | None:

@@ -144,13 +144,22 @@ def _weights(model: nn.Module) -> str:
         h.update(f"{k}:{tuple(v.shape)}:{v.dtype}:".encode())
         if not v.numel() or v.is_meta:
             continue
-        t = v.detach().cpu().contiguous()
-        try:
-            data = t.reshape(-1).view(torch.uint8).numpy()
-        except (RuntimeError, TypeError):  # a tensor of another kind (quantized, sparse)
-            data = np.frombuffer(repr(t).encode(), dtype=np.uint8)
-        h.update(zlib.crc32(data).to_bytes(4, "little"))
+        for data in _tensor_bytes(v.detach().cpu()):
+            h.update(zlib.crc32(data).to_bytes(4, "little"))
     return h.hexdigest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> list[np.ndarray]:
+    """Every value of ``t`` as bytes: a quantized tensor's integers and the values they stand
+    for (its integers alone missed a scale changed), a sparse tensor's dense values (its bytes
+    cannot be viewed)."""
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    if t.is_quantized:
+        parts = [t.int_repr(), t.dequantize()]
+    else:
+        parts = [t]
+    return [p.contiguous().reshape(-1).view(torch.uint8).numpy() for p in parts]
 
 
 _SETTING = (bool, int, float, str, type(None))

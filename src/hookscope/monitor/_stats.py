@@ -101,20 +101,23 @@ def _sumsq(a: np.ndarray) -> float:
         for i in _blocks(a.shape[0]):
             c = a[i : i + _BLOCK]
             v = float(dot(c, c))
-            if not math.isfinite(v) and bool(np.isfinite(c).all()):
-                v = _wide_sumsq(c)  # finite values whose fp32 square sum overflows
+            if (not math.isfinite(v) and bool(np.isfinite(c).all())) or (v < _TINY and c.any()):
+                v = _wide_sumsq(c)  # finite values whose fp32 squares overflow or underflow
             q += v
     return q
 
 
 def _wide_sumsq(c: np.ndarray) -> float:
-    """``sum(c * c)`` of finite values in float64 (where the fp32 dot overflowed: values near
-    1e19 and beyond; float64 holds their squares)."""
+    """``sum(c * c)`` of finite values in float64 (where the fp32 dot overflowed, values near
+    1e19 and beyond, or underflowed, all below ~1e-15; float64 holds their squares)."""
     w = c.astype(np.float64)
     return float(np.dot(w, w))
 
 
 _ONES = np.ones(_BLOCK, dtype=np.float32)
+# a block's fp32 sum of squares below this: its values all below ~1e-15, whose squares lose
+# bits in fp32 (subnormal below ~1e-19, 0 below ~1e-23): summed in float64 instead
+_TINY = 2.0**-100
 _MIN, _MAX = np.minimum.reduce, np.maximum.reduce  # NaN if any NaN; bound: called per block
 
 
@@ -257,11 +260,13 @@ def _fused_stats(a: np.ndarray, scratch: Scratch) -> tuple[float, float, float, 
             bs = float(dot(ab, ones if m == _BLOCK else ones[:m]))  # BLAS: faster than a sum
             bq = float(dot(ab, ab))
         if (
-            not (math.isfinite(bs) and math.isfinite(bq))
+            (not (math.isfinite(bs) and math.isfinite(bq)) or (bq < _TINY and (lo or hi)))
             and math.isfinite(lo)
             and math.isfinite(hi)
         ):
-            # finite values whose fp32 sums overflow (near 1e19 and beyond): in float64
+            # finite values whose fp32 sums overflow (near 1e19 and beyond), or whose squares
+            # underflow (all below ~1e-15: their fp32 squares lose their bits, 0 below ~1e-23,
+            # a std of 0): in float64
             w = ab.astype(np.float64)
             bs, bq = float(w.sum()), float(np.dot(w, w))
         s += bs
@@ -307,8 +312,15 @@ def _centred_sumsq(a: np.ndarray, c: float, buf: np.ndarray) -> float:
         ab = a[i : i + _BLOCK]
         m = ab.shape[0]
         d = np.subtract(ab, c32, out=buf[:m])
-        s += float(np.dot(d, _ONES[:m]))
-        q += float(np.dot(d, d))
+        with np.errstate(over="ignore", invalid="ignore"):
+            bs, bq = float(np.dot(d, _ONES[:m])), float(np.dot(d, d))
+        if not (math.isfinite(bs) and math.isfinite(bq)) or (bq < _TINY and np.any(d)):
+            # deviations whose fp32 squares overflow (a spread near 1e19 and beyond) or
+            # underflow (all below ~1e-15): in float64, as in _fused_stats
+            w = ab.astype(np.float64) - float(c32)
+            bs, bq = float(w.sum()), float(np.dot(w, w))
+        s += bs
+        q += bq
     return max(q - s * s / a.shape[0], 0.0)
 
 
@@ -324,9 +336,14 @@ def grad_stats(g: torch.Tensor) -> Vec:
             lo, hi = float(_MIN(ab)), float(_MAX(ab))
             with np.errstate(over="ignore", invalid="ignore"):
                 v = float(dot(ab, ab))
-            if not math.isfinite(v) and math.isfinite(lo) and math.isfinite(hi):
+            if (
+                (not math.isfinite(v) or (v < _TINY and (lo or hi)))
+                and math.isfinite(lo)
+                and math.isfinite(hi)
+            ):
                 # finite values whose fp32 square sum overflows (near 1e19 and beyond: the
-                # output gradient of a step scaled by a GradScaler): in float64
+                # output gradient of a step scaled by a GradScaler), or whose squares underflow
+                # (all below ~1e-15: a vanishing gradient read as a norm of 0): in float64
                 v = _wide_sumsq(ab)
             q += v
             mn, mx = _lower(mn, lo), _upper(mx, hi)
