@@ -1,10 +1,12 @@
 """Audit s20 of memory_profile: figures against hand counts where the step frees a graph during
-forward."""
+forward, or runs a layer in another thread."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -76,3 +78,65 @@ def test_a_graph_freed_during_forward_is_freed_under_the_profile_and_not_counted
     # forward's locals); the forward peak is at c's output: h, tanh's output and c's output
     assert prof.live_bytes_end_forward == 4 * 256 * 4 + 4 * 1024 * 4 + 4
     assert prof.peak_forward_bytes == 2 * 4 * 256 * 4 + 4 * 1024 * 4
+
+
+class Threaded(nn.Module):
+    """A forward that runs its middle block in a thread of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 64)
+        self.b = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
+        self.c = nn.Linear(64, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        out: list[torch.Tensor] = []
+        worker = threading.Thread(target=lambda: out.append(self.b(h)))
+        worker.start()
+        worker.join()
+        return self.c(out[0])
+
+
+def _saved_in_every_thread(model: Threaded, x: torch.Tensor) -> int:
+    """Bytes of the unique non-parameter storages saved in the step, with a pack hook opened in
+    the worker thread too (``saved_tensors_hooks`` is per thread)."""
+    own = {t.untyped_storage().data_ptr() for t in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            seen[st.data_ptr()] = st.nbytes()
+        return t.detach()
+
+    block = model.b.forward
+
+    def hooked(*args):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return block(*args)
+
+    model.b.forward = hooked
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x).sum().backward()
+    finally:
+        del model.b.forward
+        model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
+def test_a_layer_run_in_another_thread_is_named_not_left_out_silently() -> None:
+    model, x = Threaded(), torch.randn(3, 8)
+    # x (3*8 floats), h (3*64) saved by b.0, tanh's output (3*64) saved by b.1 and c
+    assert _saved_in_every_thread(model, x) == 4 * (3 * 8 + 2 * 3 * 64)
+    with pytest.warns(hs.HookscopeWarning) as got:
+        prof = hs.memory_profile(model, x)
+    (w,) = [w for w in got if "thread" in str(w.message)]
+    text = str(w.message)
+    assert "'b'" in text and "'b.0'" not in text  # the outermost layer, once
+    assert "calling thread" in text  # the fix
+    # what the hooks of the calling thread saw: the worker's saves are in no row
+    assert prof.total_saved_bytes == 4 * (3 * 8 + 3 * 64)
+    assert prof["b"].calls == 0

@@ -335,6 +335,8 @@ def memory_profile(
     rec = run_step(model, inputs, kwargs, loss_fn, ops=not regions, backward_ops=backward_peak)
     if rec.lost:
         _say_lost(rec.lost)
+    if rec.elsewhere:
+        _say_elsewhere(list(rec.elsewhere))
     return build_profile(model, rec, per_region=bool(regions))
 
 
@@ -369,6 +371,31 @@ def _say_lost(lost: dict[str, str]) -> None:
             HookscopeWarning,
             stacklevel=3,
         )
+
+
+def _say_elsewhere(names: list[str]) -> None:
+    """Warn that ``names`` were called from another thread during the step: what they saved,
+    computed and allocated is in no row nor total (hooks, ``saved_tensors_hooks`` and the
+    dispatch mode act in the calling thread only)."""
+    called = set(names)
+    outer = [n for n in names if not any(p in called for p in _parents(n))]
+    warnings.warn(
+        f"memory_profile: layer(s) {some_names(outer)} ran in another thread than the one "
+        "that called memory_profile (a thread the forward starts, nn.DataParallel's replicas), "
+        "where its saved_tensors_hooks and dispatch mode do not reach: what they saved for "
+        "backward, their FLOPs and their bytes are in no row nor total, so the profile counts "
+        "less than the step keeps. Run those layers in the calling thread while profiling (for "
+        "nn.DataParallel, profile model.module on one device)",
+        HookscopeWarning,
+        stacklevel=3,
+    )
+
+
+def _parents(name: str) -> Iterator[str]:
+    """The names of the modules above ``name`` (``''``, the root, included)."""
+    while name:
+        name = name.rpartition(".")[0]
+        yield name
 
 
 def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> MemoryProfile:

@@ -40,7 +40,15 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, region_of
 from ..core._nested import iter_tensors
-from ..core._scope import HookScope, _Hook, graph_task_id, lost_layers
+from ..core._scope import (
+    HookScope,
+    _Hook,
+    get_ident,
+    graph_task_id,
+    lost_layers,
+    quiet,
+    thread_checked,
+)
 
 __all__ = ["CallInputs", "SaveEvent", "SavedTensors", "storage_key"]
 
@@ -84,15 +92,22 @@ class CallInputs:
 
 
 class _Pre(_Hook):
-    """Forward pre-hook: push the module on the stack and note its positional inputs."""
+    """Forward pre-hook: push the module on the stack and note its positional inputs. A call
+    from another thread is only noted (:attr:`SavedTensors.elsewhere`): ``saved_tensors_hooks``
+    and the dispatch mode are per thread, so nothing it saves or computes is seen."""
 
     __slots__ = ("name", "rec")
 
     def __init__(self, rec: SavedTensors, name: str) -> None:
         self.rec, self.name, self.fn = rec, name, None
 
+    @thread_checked
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if graph_task_id() == -1:  # not a recompute (activation checkpointing) in backward
+        if graph_task_id() != -1:  # a recompute (activation checkpointing) in backward
+            return
+        if get_ident() != self.thread:  # a thread the forward started, DataParallel's replicas
+            self.rec.elsewhere.setdefault(self.name, None)
+        elif not quiet(self.scope_id):
             self.rec._enter_call(self.name, args)
 
 
@@ -153,6 +168,7 @@ class SavedTensors:
         self._hooks: Any = None
         self._known: set[str] = set()  # the model's modules when hooked (by name)
         self.lost: dict[str, str] = {}  # modules whose calls the hooks missed (see _lost)
+        self.elsewhere: dict[str, None] = {}  # modules called from another thread (see _Pre)
 
     # -- module stack -----------------------------------------------------------------------------
     def _attach(self) -> None:
