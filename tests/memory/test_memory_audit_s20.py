@@ -140,3 +140,19 @@ def test_a_layer_run_in_another_thread_is_named_not_left_out_silently() -> None:
     # what the hooks of the calling thread saw: the worker's saves are in no row
     assert prof.total_saved_bytes == 4 * (3 * 8 + 3 * 64)
     assert prof["b"].calls == 0
+
+
+def test_a_capture_open_around_the_profile_neither_sees_its_step_nor_adds_to_its_peaks() -> None:
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2)), torch.randn(3, 8)
+    # by hand, alive when the loss is computed (also the forward peak): Linear 0's output (saved
+    # by GELU), GELU's output (saved by Linear 2), the output, the loss
+    by_hand = 3 * 16 * 4 + 3 * 16 * 4 + 3 * 2 * 4 + 4
+    with hs.capture(model, "*") as cap:
+        prof = hs.memory_profile(model, x)
+        assert (prof.peak_forward_bytes, prof.live_bytes_end_forward) == (by_hand, by_hand)
+        assert prof.total_saved_bytes == 3 * 8 * 4 + 2 * 3 * 16 * 4
+        with pytest.raises(hs.HookscopeError, match="'0'"):
+            cap["0"]  # the profile's step is its own run, not one of the user's calls
+        out = model(x)
+        assert torch.equal(cap["2"], out)  # the user's own call is captured

@@ -15,7 +15,7 @@ from ..core._buffers import Attributes, buffers_kept
 from ..core._compiled import compiled_regions, named_modules, strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_names
 from ..core._nested import iter_tensors
-from ..core._scope import attribute_path, check_model
+from ..core._scope import attribute_path, check_model, internal_run
 from ..core._select import suggest
 from ._saved import CallInputs, SavedTensors, SaveEvent
 
@@ -222,7 +222,9 @@ def run_step(
     rng = torch.random.fork_rng(devices=_cuda_devices(model, inputs, kwargs))
     rng.__enter__()  # the random generators are put back: dropout draws leave no trace
     try:
-        with SavedTensors(model, ops=ops, backward_ops=backward_ops) as rec:
+        # a product's own run (see core._scope.internal_run): a capture or monitor open around
+        # the profile neither records its step nor adds its copies to the profile's bytes
+        with internal_run(), SavedTensors(model, ops=ops, backward_ops=backward_ops) as rec:
             output = model(*inputs, **kwargs)
             loss = (loss_fn or _default_loss)(output)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
