@@ -123,7 +123,7 @@ def quiet(scope_id: int) -> bool:
 def internal_run() -> Iterator[None]:
     """A product running the model for its own work (``hs.compare``'s runs and replays, a
     summary's forward, a CAM's, ``find_nonfinite``'s, a patching sweep's, ``steering_vector``'s,
-    ``extract``'s; each enters it in its own body): the watching scopes active now
+    ``extract``'s, ``memory_profile``'s step; each enters it in its own body): the watching scopes active now
     (:data:`WATCHING`) do not see it, in this thread, until it ends. A capture or a monitor open around
     ``hs.compare(model, ...)`` kept compare's runs as the model's own (a monitor's step
     statistics were those of compare's inputs; ``cap[name]`` its last run's output)."""

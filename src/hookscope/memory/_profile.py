@@ -15,7 +15,7 @@ from ..core._buffers import Attributes, buffers_kept
 from ..core._compiled import compiled_regions, named_modules, strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_names
 from ..core._nested import iter_tensors
-from ..core._scope import attribute_path, check_model
+from ..core._scope import attribute_path, check_model, internal_run
 from ..core._select import suggest
 from ._saved import CallInputs, SavedTensors, SaveEvent
 
@@ -222,7 +222,9 @@ def run_step(
     rng = torch.random.fork_rng(devices=_cuda_devices(model, inputs, kwargs))
     rng.__enter__()  # the random generators are put back: dropout draws leave no trace
     try:
-        with SavedTensors(model, ops=ops, backward_ops=backward_ops) as rec:
+        # a product's own run (see core._scope.internal_run): a capture or monitor open around
+        # the profile neither records its step nor adds its copies to the profile's bytes
+        with internal_run(), SavedTensors(model, ops=ops, backward_ops=backward_ops) as rec:
             output = model(*inputs, **kwargs)
             loss = (loss_fn or _default_loss)(output)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -335,6 +337,8 @@ def memory_profile(
     rec = run_step(model, inputs, kwargs, loss_fn, ops=not regions, backward_ops=backward_peak)
     if rec.lost:
         _say_lost(rec.lost)
+    if rec.elsewhere:
+        _say_elsewhere(list(rec.elsewhere))
     return build_profile(model, rec, per_region=bool(regions))
 
 
@@ -369,6 +373,31 @@ def _say_lost(lost: dict[str, str]) -> None:
             HookscopeWarning,
             stacklevel=3,
         )
+
+
+def _say_elsewhere(names: list[str]) -> None:
+    """Warn that ``names`` were called from another thread during the step: what they saved,
+    computed and allocated is in no row nor total (hooks, ``saved_tensors_hooks`` and the
+    dispatch mode act in the calling thread only)."""
+    called = set(names)
+    outer = [n for n in names if not any(p in called for p in _parents(n))]
+    warnings.warn(
+        f"memory_profile: layer(s) {some_names(outer)} ran in another thread than the one "
+        "that called memory_profile (a thread the forward starts, nn.DataParallel's replicas), "
+        "where its saved_tensors_hooks and dispatch mode do not reach: what they saved for "
+        "backward, their FLOPs and their bytes are in no row nor total, so the profile counts "
+        "less than the step keeps. Run those layers in the calling thread while profiling (for "
+        "nn.DataParallel, profile model.module on one device)",
+        HookscopeWarning,
+        stacklevel=3,
+    )
+
+
+def _parents(name: str) -> Iterator[str]:
+    """The names of the modules above ``name`` (``''``, the root, included)."""
+    while name:
+        name = name.rpartition(".")[0]
+        yield name
 
 
 def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> MemoryProfile:

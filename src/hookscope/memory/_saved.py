@@ -22,8 +22,11 @@ its module hooks through core's :class:`~hookscope.core._scope.HookScope` like e
   of storages created during the step that are alive at once (forward and backward peaks), with a
   weak reference per new storage.
 
-Parameters and buffers are told apart by storage. A pack hook returns the tensor itself: nothing
-about the run changes.
+Parameters and buffers are told apart by storage. The pack hook returns a detached alias of the
+tensor (the tensor itself would close a reference cycle through a saved output's node, keeping a
+graph freed during forward alive): nothing about the run changes. A save whose graph is freed
+before the forward ends (a statistic computed with autograd on and kept as a number) is dropped at
+:meth:`SavedTensors.forward_done`: nothing keeps it for backward.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ import torch.nn as nn
 
 from ..core._compiled import named_modules, region_of
 from ..core._nested import iter_tensors
-from ..core._scope import HookScope, _Hook, graph_task_id, lost_layers
+from ..core._scope import (
+    HookScope,
+    _Hook,
+    get_ident,
+    graph_task_id,
+    lost_layers,
+    quiet,
+    thread_checked,
+)
 
 __all__ = ["CallInputs", "SaveEvent", "SavedTensors", "storage_key"]
 
@@ -81,15 +92,22 @@ class CallInputs:
 
 
 class _Pre(_Hook):
-    """Forward pre-hook: push the module on the stack and note its positional inputs."""
+    """Forward pre-hook: push the module on the stack and note its positional inputs. A call
+    from another thread is only noted (:attr:`SavedTensors.elsewhere`): ``saved_tensors_hooks``
+    and the dispatch mode are per thread, so nothing it saves or computes is seen."""
 
     __slots__ = ("name", "rec")
 
     def __init__(self, rec: SavedTensors, name: str) -> None:
         self.rec, self.name, self.fn = rec, name, None
 
+    @thread_checked
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if graph_task_id() == -1:  # not a recompute (activation checkpointing) in backward
+        if graph_task_id() != -1:  # a recompute (activation checkpointing) in backward
+            return
+        if get_ident() != self.thread:  # a thread the forward started, DataParallel's replicas
+            self.rec.elsewhere.setdefault(self.name, None)
+        elif not quiet(self.scope_id):
             self.rec._enter_call(self.name, args)
 
 
@@ -117,6 +135,7 @@ class SavedTensors:
     def __init__(self, model: nn.Module, *, ops: bool = False, backward_ops: bool = False) -> None:
         self.model = model
         self.events: list[SaveEvent] = []
+        self._packed: list[Any] = []  # per event: a weak reference to what the pack hook returned
         self.calls: list[CallInputs] = []
         self.call_counts: dict[str, int] = {}
         self.flops: dict[str, int] = {}
@@ -149,6 +168,7 @@ class SavedTensors:
         self._hooks: Any = None
         self._known: set[str] = set()  # the model's modules when hooked (by name)
         self.lost: dict[str, str] = {}  # modules whose calls the hooks missed (see _lost)
+        self.elsewhere: dict[str, None] = {}  # modules called from another thread (see _Pre)
 
     # -- module stack -----------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -219,12 +239,19 @@ class SavedTensors:
 
     # -- saved tensors ----------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # a detached alias, as PyTorch's docs ask: ``t`` itself would close a reference cycle
+        # (a saved output holds its node, which holds it), keeping a graph freed during forward
+        # alive until Python's garbage collector runs: live bytes and peaks the plain step
+        # does not have
+        packed = t.detach()
         if graph_task_id() == -1:
             k = storage_key(t)
             if k is not None:
                 key = (*k[0], self._gen.get(k[0], 0))
                 self.events.append(SaveEvent(key, k[1], tuple(self.stack), k[0] in self.param_keys))
-        return t
+                # alive exactly as long as the graph node that saved it (see forward_done)
+                self._packed.append(weakref.ref(packed))
+        return packed
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:
@@ -234,6 +261,10 @@ class SavedTensors:
     def forward_done(self) -> None:
         """Mark the end of the forward pass (the loss is computed); backward follows. Without
         ``backward_ops`` the dispatch mode ends here (it costs a Python call per operation)."""
+        # what a graph freed during forward saved (a statistic computed with autograd on and
+        # kept as a number) is not kept for backward: only the saves whose node is alive count
+        packed, self._packed = self._packed, []
+        self.events = [e for e, r in zip(self.events, packed) if r() is not None]
         self.live_end_forward = self.live
         self.phase = "backward"
         self.peak_backward = self.live
@@ -269,6 +300,7 @@ class SavedTensors:
                 self.lost = self._lost()
             self.scope.remove()
             self._seen.clear()  # the weak references die with them: no callback after this
+            self._packed.clear()
             self._refs.clear()
             self._gen.clear()
 
