@@ -458,9 +458,9 @@ def test_sequence_error_for_a_layer_the_model_runs_in_a_thread_of_its_own_names_
     with hs.capture(net, "lin", sequence=True) as cap:
         net(torch.tensor([[1, 2, 3]]))
     with pytest.raises(
-        hs.SequenceError,
-        match=r"'lin' ran 0 times during model call 0.*acts only on the calls of the thread "
-        r"that created it",
+        hs.LayerNotRunError,
+        match=r"'lin' ran in thread .*, which the model's forward started and waited on.*acts "
+        r"only on the calls of the thread that opened it",
     ):
         cap.sequence("lin")
 

@@ -463,7 +463,7 @@ class _Pre(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             hooks = self.hooks
             if hooks.stack and self.name not in hooks.elsewhere:
                 hooks.elsewhere[self.name] = threading.current_thread().name
@@ -484,7 +484,7 @@ class _Post(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             return None
         if quiet(self.scope_id):  # a product's own run of the model
             return None
@@ -504,7 +504,7 @@ class _Count(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             return
         if quiet(self.scope_id):  # a product's own run of the model
             return None

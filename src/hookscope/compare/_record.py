@@ -524,7 +524,7 @@ class _RootPre(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             self.watch.foreign.add(threading.current_thread().name)
             self.watch.foreign_grad |= torch.is_grad_enabled()
             return
@@ -543,7 +543,7 @@ class _RootPost(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             return
         if quiet(self.scope_id):  # a product's own run of the model
             return None

@@ -200,7 +200,7 @@ class _OutputHook(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             return None  # another thread's call (see acts_here)
         if quiet(self.scope_id):  # a product's own run of the model
             return None
@@ -545,6 +545,27 @@ class Capture(Mapping[str, Any]):
         up a scope never closed) are read with a warning that later calls are missing."""
         lost = self._lost(layer)
         if lost is None:
+            away = self._scope.elsewhere.get(layer)
+            if away is None:
+                return
+            # calls a worker thread the forward started made: not recorded
+            why = (
+                f"layer {layer!r} ran in thread {away!r}, which the model's forward started and "
+                "waited on, while the capture was open: a scope acts only on the calls of the "
+                "thread that opened it (docs/guide/core.md, Threads), so those calls were not "
+                "recorded"
+            )
+            fix = "; run the layer in the forward's own thread (or open the capture in the worker)"
+            if not self._rec.calls.get(layer):
+                raise LayerNotRunError(prefix + why + fix)
+            key = "elsewhere\0" + layer
+            if key not in self._rec.warned:
+                self._rec.warned.add(key)
+                warnings.warn(
+                    f"{why}: the values read are its calls in this thread only{fix}",
+                    HookscopeWarning,
+                    stacklevel=4,
+                )
             return
         if layer not in self._scope.stripped:
             raise LayerNotRunError(prefix + lost)

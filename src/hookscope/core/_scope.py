@@ -63,6 +63,7 @@ from ._nested import describe_call, map_tensors
 __all__ = [
     "HookScope",
     "acts_here",
+    "ancestors",
     "attribute_path",
     "check_model",
     "get_ident",
@@ -77,6 +78,7 @@ __all__ = [
     "ran_in_copy",
     "stale_names",
     "thread_checked",
+    "warn_elsewhere",
     "warn_lost",
 ]
 
@@ -170,14 +172,18 @@ def _worker_of(thread: int) -> bool:
 _GRAD_KINDS = frozenset(("tensor", "post_accumulate_grad"))
 
 
-def acts_here(thread: int, kind: str = "forward") -> bool:
+def acts_here(thread: int, kind: str = "forward", hook: Any = None, module: Any = None) -> bool:
     """For a hook of a scope opened by ``thread``, called from another thread: whether it acts.
 
     A gradient hook on a tensor (``kind`` ``"tensor"`` or ``"post_accumulate_grad"``) always does.
     A module hook does in ``nn.DataParallel``'s worker threads started by ``thread``'s call, and in
     autograd's own threads during a backward pass (a recompute for activation checkpointing on
     CUDA); in any other thread it does nothing. Only called off the opening thread (the fast path compares
-    :func:`get_ident` with the hook's ``thread``). The verdict is kept per thread.
+    :func:`get_ident` with the hook's ``thread``). The verdict is kept per thread. ``hook`` (a
+    :class:`_Hook`) and ``module`` (the module called): where it does nothing and the call is
+    part of a call of ``thread``'s (a worker thread the model's forward started and waits on:
+    see :func:`_waits_on`), the hook's scope notes the layer and the thread
+    (:attr:`HookScope.elsewhere`), so that what the scope reports can say what it left out.
     """
     if kind in _GRAD_KINDS:
         return True
@@ -188,7 +194,59 @@ def acts_here(thread: int, kind: str = "forward") -> bool:
     if verdict:
         return True
     # a thread Python did not start (autograd's device threads) shows as a "dummy" thread
-    return in_backward() and type(threading.current_thread()).__name__ == "_DummyThread"
+    if in_backward() and type(threading.current_thread()).__name__ == "_DummyThread":
+        return True
+    if hook is not None:
+        _note_elsewhere(hook, thread, module)
+    return False
+
+
+_WAITS = ("threading.py", "queue.py", "_base.py", "thread.py", "process.py")
+
+
+def _waits_on(thread: int, module: Any) -> bool:
+    """Whether ``thread`` now waits (a thread's ``join``, a queue, a future's ``result``) inside a
+    call of a module holding ``module`` (any module when ``None``): this thread's call of
+    ``module`` is then part of that call, a worker the model's forward started (not another
+    thread running the model by itself, whose calls are its own)."""
+    frame = sys._current_frames().get(thread)
+    depth = 0
+    while frame is not None and depth < 12:  # the innermost frames: a wait of the standard library
+        code = frame.f_code
+        if code.co_filename.endswith(_WAITS) and (
+            "threading" in code.co_filename
+            or "queue" in code.co_filename
+            or "concurrent" in code.co_filename
+        ):
+            break
+        frame, depth = frame.f_back, depth + 1
+    else:
+        return False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_call_impl" and code.co_filename.endswith("module.py"):
+            outer = frame.f_locals.get("self")
+            if isinstance(outer, nn.Module) and (
+                module is None or any(m is module for m in outer.modules())
+            ):
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _note_elsewhere(hook: Any, thread: int, module: Any) -> None:
+    """A module hook of ``hook``'s scope was called from a thread it does not act on: where the
+    call is part of a call of the scope's thread (:func:`_waits_on`), the scope notes the layer
+    and the thread's name (the first one met)."""
+    sid, layer = getattr(hook, "scope_id", None), getattr(hook, "layer", None)
+    if sid is None or layer is None or not _waits_on(thread, module):
+        return
+    name = threading.current_thread().name
+    with _RUNS_LOCK:
+        scopes = [s for s in list(_LIVE) if s.id == sid and s.active]
+    for s in scopes:
+        if layer not in s.elsewhere:
+            s.elsewhere[layer] = name
 
 
 class _InertHook:
@@ -237,7 +295,8 @@ class _Hook:
     Hot paths subclass it and override ``__call__`` to skip the indirection through ``fn``. A
     subclass's ``__call__`` is wrapped so that it runs only for the scope's own thread (see
     :func:`acts_here`), unless it is marked ``thread_checked`` (it makes the check itself, inline:
-    ``if get_ident() != self.thread and not acts_here(self.thread, self.kind): return None``).
+    ``if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
+    return None``).
     """
 
     __slots__ = ("fn", "kind", "layer", "owner", "scope_id", "thread")
@@ -255,7 +314,9 @@ class _Hook:
             cls.__call__ = _thread_checked(call)  # type: ignore[method-assign]
 
     def __call__(self, *args: Any) -> Any:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(
+            self.thread, self.kind, self, args[0] if args else None
+        ):
             return None
         if _RUNS[0] and self.scope_id in _QUIET.ids:
             return None
@@ -275,7 +336,9 @@ def _thread_checked(call: Callable[..., Any]) -> Callable[..., Any]:
     """``call`` of a :class:`_Hook` subclass, run only for its scope's thread (:func:`acts_here`)."""
 
     def checked(self: _Hook, *args: Any) -> Any:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(
+            self.thread, self.kind, self, args[0] if args else None
+        ):
             return None
         if _RUNS[0] and self.scope_id in _QUIET.ids:
             return None
@@ -506,6 +569,10 @@ class HookScope:
         self.stripped: set[str] = set()
         # layers a deep copy of the model ran while the scope was active (see ran_in_copy)
         self.copy_ran: set[str] = set()
+        # layer -> the name of a thread that called it while the scope was active, whose calls
+        # the hooks left alone (see acts_here): a worker thread the model's forward starts, or
+        # another thread running the model meanwhile
+        self.elsewhere: dict[str, str] = {}
 
     # -- registration -------------------------------------------------------------------------
     def _wrap(self, fn: Callable[..., Any], kind: str, layer: str) -> _Hook:
@@ -973,6 +1040,7 @@ def warn_lost(
     verb: str,
     acted: Mapping[str, int] | None = None,
     stacklevel: int = 5,
+    threads: bool = True,
 ) -> set[str]:
     """At the removal of ``scope`` (an :meth:`HookScope.on_remove` callback): warn
     (:class:`HookscopeWarning`) for the ``names`` whose hooks stopped acting while it was open,
@@ -982,7 +1050,8 @@ def warn_lost(
     (``"edited"``, ``"observed"``); ``acted``: the calls each layer's hook acted on, to say
     whether it acted before ``hs.remove_hooks``; ``stacklevel``: the user's frame, as
     :func:`warnings.warn` counts from here (5: an ``on_remove`` callback of a ``with`` block's
-    exit). Nothing when an exception ends the scope."""
+    exit). With ``threads``, also the layers a worker thread the forward started ran
+    (:func:`warn_elsewhere`). Nothing when an exception ends the scope."""
     if scope.failed or sys.exc_info()[1] is not None:
         return set()  # an exception is on its way: it says more than a warning
     names = set(names)
@@ -1020,7 +1089,51 @@ def warn_lost(
             HookscopeWarning,
             stacklevel=stacklevel,
         )
-    return {*replaced, *stripped}
+    away = (
+        warn_elsewhere(
+            scope, names - set(replaced) - set(stripped), owner, verb, acted, stacklevel + 1
+        )
+        if threads
+        else []
+    )
+    return {*replaced, *stripped, *away}
+
+
+def warn_elsewhere(
+    scope: HookScope,
+    names: Iterable[str],
+    owner: str,
+    verb: str,
+    acted: Mapping[str, int] | None = None,
+    stacklevel: int = 6,
+) -> list[str]:
+    """Warn (:class:`HookscopeWarning`) for the ``names`` that a worker thread the model's
+    forward started ran while ``scope`` was open (:attr:`HookScope.elsewhere`): the scope's
+    hooks left those calls alone, so they were not ``verb``; return the outermost such names.
+    ``acted``: the calls each layer's hook acted on (in the scope's own thread)."""
+    away = {n: t for n, t in scope.elsewhere.items() if n in set(names)}
+    if not away:
+        return []
+    outer = [n for n in away if not any(p in away for p in ancestors(n))]
+    also = [n for n in outer if acted and acted.get(n)]
+    warnings.warn(
+        f"{owner}: {some_names(outer)} ran in thread {away[outer[0]]!r}, which the model's "
+        f"forward started and waited on, while the {owner} was open: a scope acts only on the "
+        "calls of the thread that opened it (docs/guide/core.md, Threads), so those calls were "
+        f"not {verb}"
+        + (f" ({some_names(also)} were, in this thread)" if also else "")
+        + "; run them in the forward's own thread (or open the scope inside the worker)",
+        HookscopeWarning,
+        stacklevel=stacklevel,
+    )
+    return outer
+
+
+def ancestors(name: str) -> Iterator[str]:
+    """The dotted names above ``name`` (``''``, the root, included)."""
+    while name:
+        name = name.rpartition(".")[0]
+        yield name
 
 
 def note_stripped(removed: Mapping[int, set[str]]) -> None:

@@ -720,7 +720,7 @@ class _TrackerHook(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             if self.tracker.elsewhere is None:
                 self.tracker.elsewhere = threading.current_thread().name
             return None

@@ -15,7 +15,7 @@ from ..core._buffers import Attributes, buffers_kept
 from ..core._compiled import compiled_regions, named_modules, strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_names
 from ..core._nested import iter_tensors
-from ..core._scope import attribute_path, check_model, internal_run
+from ..core._scope import ancestors, attribute_path, check_model, internal_run
 from ..core._select import suggest
 from ._saved import CallInputs, SavedTensors, SaveEvent
 
@@ -380,7 +380,7 @@ def _say_elsewhere(names: list[str]) -> None:
     computed and allocated is in no row nor total (hooks, ``saved_tensors_hooks`` and the
     dispatch mode act in the calling thread only)."""
     called = set(names)
-    outer = [n for n in names if not any(p in called for p in _parents(n))]
+    outer = [n for n in names if not any(p in called for p in ancestors(n))]
     warnings.warn(
         f"memory_profile: layer(s) {some_names(outer)} ran in another thread than the one "
         "that called memory_profile (a thread the forward starts, nn.DataParallel's replicas), "
@@ -391,13 +391,6 @@ def _say_elsewhere(names: list[str]) -> None:
         HookscopeWarning,
         stacklevel=3,
     )
-
-
-def _parents(name: str) -> Iterator[str]:
-    """The names of the modules above ``name`` (``''``, the root, included)."""
-    while name:
-        name = name.rpartition(".")[0]
-        yield name
 
 
 def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> MemoryProfile:

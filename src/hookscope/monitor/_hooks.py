@@ -127,7 +127,7 @@ class LayerHook(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             return None  # another thread's call (see acts_here)
         if quiet(self.scope_id):  # a product's own run of the model
             return None
@@ -210,7 +210,7 @@ class PassHook(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             return None  # another thread's call (see acts_here)
         if quiet(self.scope_id):  # a product's own run of the model
             return None
@@ -246,7 +246,7 @@ class EndPassHook(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             return None  # another thread's call (see acts_here)
         if quiet(self.scope_id):  # a product's own run of the model
             return None

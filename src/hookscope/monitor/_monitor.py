@@ -366,6 +366,19 @@ class Monitor:
             self._detach()
             if not self._check_layers_hooked(step, scope):
                 self._check_layers_ran(step, scope)
+            if scope is not None and scope.elsewhere:
+                away = [n for n in self.named if n in scope.elsewhere]
+                if away:
+                    thread = scope.elsewhere[away[0]]
+                    self._say(
+                        "thread",
+                        away,
+                        "layer(s) {} ran in thread "
+                        f"{thread!r}, which the model's forward started and waited on: the "
+                        "Monitor's hooks act only on the calls of the thread that trains "
+                        "(docs/guide/core.md, Threads), so those calls are in no record (from "
+                        f"step {step} on); run those layers in the forward's own thread",
+                    )
             record = self._record(step, optimizer)
             record.nonfinite = origin
         elif origin is not None:

@@ -33,6 +33,7 @@ from ..core._nested import continuous, first_tensor, iter_tensors, map_tensors, 
 from ..core._recompute import in_reentrant_checkpoint
 from ..core._scope import (
     HookScope,
+    ancestors,
     attribute_path,
     check_model,
     identity_views,
@@ -519,6 +520,40 @@ def _agreed(model: nn.Module, origin: NonFiniteOrigin | None, backward: bool) ->
     return _SKIP
 
 
+def _blamed(origin: NonFiniteOrigin | None) -> str:
+    """What a NaN/Inf made in calls the hooks did not see does to the verdict ``origin``."""
+    if origin is None:
+        return (
+            "a NaN/Inf made in them would have been blamed on the layer that called them, or "
+            "missed if that layer's output was finite"
+        )
+    where = (
+        origin.layer
+        if origin.layer in (INPUT, LOSS)
+        else f"layer {origin.layer or '<root>'!r} ({origin.module_type})"
+    )
+    return (
+        f"the origin found ({where}, {origin.phase} pass) may be wrong: a NaN/Inf made in "
+        "them is blamed on the layer that called them, or on a later layer"
+    )
+
+
+def _say_elsewhere(away: dict[str, str], origin: NonFiniteOrigin | None) -> None:
+    """Warn that :func:`find_nonfinite`'s hooks left alone the calls of ``away`` (``{layer:
+    thread}``), made by a worker thread the model's forward started (hooks act on the calling
+    thread's calls only): a NaN/Inf made there is blamed on the layer that called them."""
+    outer = [n for n in away if not any(p in away for p in ancestors(n))]
+    warnings.warn(
+        f"find_nonfinite: layer(s) {some_names([n or '<root>' for n in outer])} ran in thread "
+        f"{away[outer[0]]!r}, which the model's forward started and waited on, and its hooks "
+        "act only on the calls of the thread that called find_nonfinite (docs/guide/core.md, "
+        f"Threads), so they did not see those calls: {_blamed(origin)}; run those layers in "
+        "the forward's own thread",
+        HookscopeWarning,
+        stacklevel=3,
+    )
+
+
 def _say_lost(lost: dict[str, str], origin: NonFiniteOrigin | None) -> None:
     """Warn that :func:`find_nonfinite`'s hooks missed the calls of ``lost`` (``{layer: what
     happened}``: a module the model's forward replaced or built, hooks ``hs.remove_hooks``
@@ -526,21 +561,7 @@ def _say_lost(lost: dict[str, str], origin: NonFiniteOrigin | None) -> None:
     taken = [n for n, v in lost.items() if v.endswith("hs.remove_hooks")]
     moved = [n for n in lost if n not in taken]
     first = (moved or taken)[0]
-    if origin is None:
-        said = (
-            "a NaN/Inf made in them would have been blamed on the layer that called them, or "
-            "missed if that layer's output was finite"
-        )
-    else:
-        where = (
-            origin.layer
-            if origin.layer in (INPUT, LOSS)
-            else f"layer {origin.layer or '<root>'!r} ({origin.module_type})"
-        )
-        said = (
-            f"the origin found ({where}, {origin.phase} pass) may be wrong: a NaN/Inf made in "
-            "them is blamed on the layer that called them, or on a later layer"
-        )
+    said = _blamed(origin)
     if moved:
         what = (
             f"layer(s) {some_names(moved)} changed in the model while find_nonfinite ran it "
@@ -691,6 +712,8 @@ def find_nonfinite(
                 lost = tracker.lost(added=True)  # (a module the forward built or replaced)
             if lost:
                 _say_lost(lost, origin)
+            if tracker.scope.elsewhere:
+                _say_elsewhere(tracker.scope.elsewhere, origin)
             return origin
         finally:
             tracker.scope.remove()

@@ -22,6 +22,7 @@ from ..core._scope import (
     check_model,
     get_ident,
     thread_checked,
+    warn_elsewhere,
     warn_lost,
 )
 from ..core._select import Selector, find
@@ -177,9 +178,14 @@ class Steering(HookScope):
         super().remove()
         if check:
             counts = {h.name: h.count for h in self.hooks}
-            self._skipped.update(warn_lost(self, self.layers, "steer", "steered", counts, up + 1))
+            self._skipped.update(
+                warn_lost(self, self.layers, "steer", "steered", counts, up + 1, threads=False)
+            )
             self._check_ran(up + 1)
             self._check_never(up + 1)
+            # (a layer that never ran here is said above; one that ran in both threads here)
+            ran_here = [n for n in self.layers if counts.get(n) and n not in self._skipped]
+            warn_elsewhere(self, ran_here, "steer", "steered", counts, up + 1)
             self._check_unseen(up + 1)
         # one host sync at exit: did a per-token selection choose any token?
         chosen = self.chosen is not None and bool(self.chosen)
@@ -265,7 +271,7 @@ class _SteerHook(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             self._away()  # another thread's call: left alone (see acts_here)
             return None
         replays = self.scope_.replays

@@ -21,6 +21,7 @@ from ..core._scope import (
     HookScope,
     _Hook,
     acts_here,
+    ancestors,
     attribute_path,
     check_model,
     get_ident,
@@ -106,7 +107,7 @@ class _PreHook(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, kw: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             return  # another thread's call (see acts_here)
         self.fn(module, args, kw, self.name, self.rule)
 
@@ -120,7 +121,7 @@ class _PostHook(_Hook):
 
     @thread_checked
     def __call__(self, module: nn.Module, args: Any, kw: Any, output: Any) -> None:
-        if get_ident() != self.thread and not acts_here(self.thread, self.kind):
+        if get_ident() != self.thread and not acts_here(self.thread, self.kind, self, module):
             return  # another thread's call (see acts_here)
         self.fn(module, args, kw, output, self.name)
 
@@ -380,10 +381,27 @@ def summary(
                 HookscopeWarning,
                 stacklevel=2,
             )
+        # calls a worker thread the forward started made: the hooks and the FLOP counter act in
+        # the calling thread only, so those calls are in no row and no total
+        away = {n: t for n, t in scope.elsewhere.items() if n in now}
+        if away:
+            outer = [n for n in away if not any(p in away for p in ancestors(n))]
+            warnings.warn(
+                f"summary: layer(s) {some_names(outer)} ran in thread {away[outer[0]]!r}, which "
+                "the model's forward started and waited on: the summary's hooks and FLOP counter "
+                "act only in the thread that called summary (docs/guide/core.md, Threads), so "
+                "those calls have no row and their FLOPs, time and memory are in no total (the "
+                "totals are short by them); run those layers in the forward's own thread",
+                HookscopeWarning,
+                stacklevel=2,
+            )
         never = [
             n
             for n, m in now.items()
-            if id(m) not in ran and not isinstance(m, containers) and n not in lost
+            if id(m) not in ran
+            and not isinstance(m, containers)
+            and n not in lost
+            and n not in away
         ]
         if depth is not None:
             rows = collapse(rows, depth)
