@@ -34,7 +34,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from ..core._buffers import INTERNALS, plain_attributes, state_kept
-from ..core._errors import HookscopeWarning
+from ..core._errors import HookscopeWarning, some_names
 from ..core._progress import progress_bar
 from ..core._random import random_draws, training_modules
 from ..core._sharded import fsdp1_found, is_dtensor
@@ -279,6 +279,29 @@ def fingerprint_changes(before: Any, now: dict[str, Any]) -> str:
     if not parts:
         return "settings this hookscope does not know (the folder was written by another version)"
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package: the code that called extract."""
+    here = str(Path(__file__).parent)
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(here):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _warn_dropped(dropped: dict[str, str]) -> None:
+    """Say which layers return several tensors, of which extract saves only the first."""
+    first = next(iter(dropped))
+    more = f" (and {some_names(list(dropped)[1:])} likewise)" if len(dropped) > 1 else ""
+    warnings.warn(
+        f"extract: layer {first!r} returns {dropped[first]}{more}, and extract saves only the "
+        "first tensor of a layer's output; the others are not in the files. Select the modules "
+        "that return the tensors you want (one layer each), or call hs.FeatureExtractor, "
+        "which returns the whole output",
+        HookscopeWarning,
+        stacklevel=_caller_level(),
+    )
 
 
 @dataclass(frozen=True)
@@ -690,6 +713,9 @@ class Job:
         with random_draws(runner.model, data) as draws:
             feats = runner(data)
         self.checked_draws = True
+        runner.watch = False
+        if runner.dropped:
+            _warn_dropped(runner.dropped)
         if draws.drew:
             modes = ", ".join(map(repr, training_modules(self.model)))
             raise ExtractError(
