@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import hookscope as hs
+from hookscope.extraction import ExtractError
 
 
 class _Pyramid(nn.Module):
@@ -111,3 +112,54 @@ def test_a_resume_warns_again_and_one_tensor_layers_do_not(tmp_path, recwarn):
     with pytest.warns(hs.HookscopeWarning, match="'body' returns 2 tensors"):
         feats = hs.extract(model, data, ["body"], tmp_path / "c", batch_size=4, progress=False)
     np.testing.assert_array_equal(feats["body"], _hand(model, x, "body", 4)["0"])
+
+
+def _convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).eval()
+
+
+def _eager(model: nn.Module, x: torch.Tensor, batch: int) -> np.ndarray:
+    with torch.no_grad():
+        return torch.cat([model(x[i : i + batch]).float() for i in range(0, len(x), batch)]).numpy()
+
+
+def test_a_finished_float32_folder_is_not_returned_for_an_autocast_call(tmp_path):
+    model, x = _convnet(), torch.randn(8, 3, 12, 12)
+    data = TensorDataset(x)
+    hs.extract(model, data, ["2"], tmp_path, batch_size=4, progress=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _eager(model, x, 4)
+        with pytest.raises(ExtractError, match=r"autocast \(None there, cpu bfloat16 here\)"):
+            hs.extract(model, data, ["2"], tmp_path, batch_size=4, progress=False)
+        feats = hs.extract(model, data, ["2"], tmp_path / "ac", batch_size=4, progress=False)
+    np.testing.assert_array_equal(feats["2"], ref)  # the autocast run's features, exactly
+    assert np.abs(ref - _eager(model, x, 4)).max() > 1e-4  # (which float32's are not)
+    # and back without autocast: the autocast folder is not returned either
+    with pytest.raises(ExtractError, match=r"autocast \(cpu bfloat16 there, None here\)"):
+        hs.extract(model, data, ["2"], tmp_path / "ac", batch_size=4, progress=False)
+
+
+def test_an_interrupted_run_is_not_resumed_under_autocast(tmp_path):
+    model, x = _convnet(), torch.randn(8, 3, 12, 12)
+
+    class Stop(Dataset):
+        stop = True
+
+        def __len__(self):
+            return len(x)
+
+        def __getitem__(self, i):
+            if i == 4 and self.stop:
+                raise KeyboardInterrupt
+            return (x[i],)
+
+    data = Stop()
+    with pytest.raises(KeyboardInterrupt):
+        hs.extract(model, data, ["2"], tmp_path, batch_size=4, progress=False)
+    data.stop = False
+    refused = pytest.raises(ExtractError, match=r"unfinished .* autocast \(None there, cpu bf")
+    with torch.autocast("cpu", dtype=torch.bfloat16), refused:
+        hs.extract(model, data, ["2"], tmp_path, batch_size=4, progress=False)
+    feats = hs.extract(model, data, ["2"], tmp_path, batch_size=4, progress=False)
+    np.testing.assert_array_equal(feats["2"], _eager(model, x, 4))
