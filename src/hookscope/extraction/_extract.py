@@ -72,8 +72,8 @@ def extract(
     stale or mixed. A change of model weights (non-persistent buffers included), module settings
     (``LeakyReLU.negative_slope``, ``BatchNorm.eps``, a float of your own modules), layers,
     pooling (a custom ``pool`` function's code, defaults, closure values and the globals it reads,
-    an ``nn.Module`` or a function included), dtype or batch size is refused the same way, the
-    message naming what changed. A forward that draws random numbers (functional dropout, which
+    an ``nn.Module`` or a function included), dtype, ``torch.autocast`` or batch size is refused
+    the same way, the message naming what changed. A forward that draws random numbers (functional dropout, which
     ``model.eval()`` does not turn off) is refused at its first batch: its features would differ
     at every run, and a resume would mix draws.
 
@@ -97,7 +97,9 @@ def extract(
             ``DistributedSampler`` stands for the union of its replicas; rows no sampler chose
             hold NaN and are ``False`` in ``Features.valid``); or the path of an image folder (:class:`ImageFolder`, 224 px).
         layers: layer selectors (names, globs, types, see :func:`find`). A layer called several
-            times in one forward pass contributes its first call.
+            times in one forward pass contributes its first call; a layer returning several
+            tensors (a tuple, a dict of levels) contributes its first, and a
+            :class:`HookscopeWarning` names the others.
         out: output directory (created if needed).
         batch_size, num_workers: for the ``DataLoader`` built over ``data`` (unless one is given).
         pool: ``None``, ``"avg"``, ``"max"``, ``"flatten"``, ``"cls"`` or ``fn(output) -> (B, ...)``

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ..core._errors import LayerNotRunError, some_names
-from ..core._nested import describe, first_tensor
+from ..core._nested import describe, first_tensor, iter_tensors
 from ..core._scope import HookScope, attribute_path, model_device
 from ..core._transfer import move, ready
 from ._featstore import ExtractError
@@ -115,6 +115,10 @@ class Runner:
         # {layer: bool tensor}: the last call's cast to the storage dtype turned a finite value
         # into inf (float16 holds at most 65504)
         self.overflow: dict[str, Any] = {}
+        # the first call looks at each layer's whole output: {layer: its tensors, described}
+        # for a layer returning several, of which only the first is saved (said by the Job)
+        self.watch = True
+        self.dropped: dict[str, str] = {}
 
     def _hook(
         self, name: str, got: dict[str, Any], pending: set[str], scope: HookScope
@@ -127,6 +131,8 @@ class Runner:
                 raise ExtractError(
                     f"layer {name!r} returned {describe(output)}, which holds no tensor to save"
                 )
+            if self.watch and output.__class__ is not torch.Tensor:
+                self._several(name, output)
             f = self.pool(t, name)
             want = self.dtypes.get(name, torch.float32 if f.dtype == torch.bfloat16 else f.dtype)
             if f.dtype != want:
@@ -147,6 +153,19 @@ class Runner:
                 raise scope.stop_signal()
 
         return hook
+
+    def _several(self, name: str, output: Any) -> None:
+        """Note a layer whose output holds other tensors than the first, which alone is saved
+        (an FPN's dict of levels, a detection head's lists): ``'0': (2, 256, 25, 25), ...``."""
+        seen: set[int] = set()
+        parts = []
+        for path, t in iter_tensors(output):
+            if id(t) not in seen:
+                seen.add(id(t))
+                parts.append(f"{'.'.join(map(str, path)) or '<output>'!r}: {tuple(t.shape)}")
+        if len(parts) > 1:
+            shown = ", ".join(parts[:4]) + (", ..." if len(parts) > 4 else "")
+            self.dropped[name] = f"{len(parts)} tensors ({type(output).__name__}: {shown})"
 
     def __call__(self, data: Any) -> dict[str, Any]:
         got: dict[str, Any] = {}

@@ -34,9 +34,10 @@ import torch.nn as nn
 from torch.utils.data import DataLoader
 
 from ..core._buffers import INTERNALS, plain_attributes, state_kept
-from ..core._errors import HookscopeWarning
+from ..core._errors import HookscopeWarning, some_names
 from ..core._progress import progress_bar
 from ..core._random import random_draws, training_modules
+from ..core._scope import model_device
 from ..core._sharded import fsdp1_found, is_dtensor
 from ._data import (
     Batches,
@@ -198,6 +199,19 @@ def _attributes(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def _autocast(device: torch.device) -> str | None:
+    """The autocast the forward runs under on ``device`` (``"cpu bfloat16"``), or None: an
+    ``extract`` called inside ``torch.autocast`` computes its layers in that dtype, other
+    features than a run without it (bf16: ~1e-2 apart), so a resume must not mix the two."""
+    kind = device.type
+    try:
+        if not torch.is_autocast_enabled(kind):
+            return None
+        return f"{kind} {str(torch.get_autocast_dtype(kind)).removeprefix('torch.')}"
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return None
+
+
 def _code_of(model: nn.Module) -> str:
     """The ``forward`` code of every module class in ``model`` (a changed model class changes it)."""
     h = hashlib.sha256()
@@ -225,12 +239,13 @@ _FIELDS = {
     "pool": "pool",
     "pool_code": "pool function (code, defaults or closure values)",
     "dtype": "dtype",
+    "autocast": "autocast",
     "count": "number of samples",
     "batch_size": "batch size",
     "index": "sample ids (dataset or file list)",
     "rows": "rows the DataLoader's sampler chose",
 }
-_SHOWN = ("model", "layers", "pool", "dtype", "count", "batch_size")
+_SHOWN = ("model", "layers", "pool", "dtype", "autocast", "count", "batch_size")
 
 
 def _saved_as(layer: str, got: torch.dtype, want: torch.dtype) -> torch.dtype:
@@ -279,6 +294,29 @@ def fingerprint_changes(before: Any, now: dict[str, Any]) -> str:
     if not parts:
         return "settings this hookscope does not know (the folder was written by another version)"
     return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this package: the code that called extract."""
+    here = str(Path(__file__).parent)
+    f, level = sys._getframe(1), 1
+    while f is not None and f.f_code.co_filename.startswith(here):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _warn_dropped(dropped: dict[str, str]) -> None:
+    """Say which layers return several tensors, of which extract saves only the first."""
+    first = next(iter(dropped))
+    more = f" (and {some_names(list(dropped)[1:])} likewise)" if len(dropped) > 1 else ""
+    warnings.warn(
+        f"extract: layer {first!r} returns {dropped[first]}{more}, and extract saves only the "
+        "first tensor of a layer's output; the others are not in the files. Select the modules "
+        "that return the tensors you want (one layer each), or call hs.FeatureExtractor, "
+        "which returns the whole output",
+        HookscopeWarning,
+        stacklevel=_caller_level(),
+    )
 
 
 @dataclass(frozen=True)
@@ -403,6 +441,9 @@ class Job:
         }
         if src.plan is not None:  # a sampler chose the rows
             desc["rows"] = hashlib.sha256(src.plan.tobytes()).hexdigest()
+        cast = _autocast(self.options.device or model_device(self.model))
+        if cast is not None:  # (absent when off: the fingerprints of earlier folders hold)
+            desc["autocast"] = cast
         return desc
 
     # -- the steps -----------------------------------------------------------------------------------
@@ -690,6 +731,9 @@ class Job:
         with random_draws(runner.model, data) as draws:
             feats = runner(data)
         self.checked_draws = True
+        runner.watch = False
+        if runner.dropped:
+            _warn_dropped(runner.dropped)
         if draws.drew:
             modes = ", ".join(map(repr, training_modules(self.model)))
             raise ExtractError(
