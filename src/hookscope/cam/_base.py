@@ -30,7 +30,7 @@ from ..core._nested import describe, first_tensor, iter_tensors, replace_first
 from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model, in_backward, internal_run, stale_names
 from ..core._select import resolve
-from ._tokens import Reshape, to_grid
+from ._tokens import Reshape, ReshapeError, to_grid
 
 __all__ = ["CAM", "CAMError", "Target", "cam_methods", "get_cam"]
 
@@ -337,7 +337,17 @@ class CAM:
         image_hw = tuple(x.shape[-2:]) if x.ndim >= 4 else None
         maps = []
         for (name, a), g in zip(acts.items(), grads):
+            shape = tuple(a.shape)
             a = to_grid(a.detach(), self.reshape, image_hw=image_hw, layer=name).float()  # type: ignore[arg-type]
+            if a.shape[0] != x.shape[0]:
+                # sequence-first tokens (N, B, C) were read as N samples: N maps for B images
+                raise ReshapeError(
+                    f"layer {name!r} gives {shape}, read as {tuple(a.shape)} (B, C, *spatial): "
+                    f"{a.shape[0]} maps for a batch of {x.shape[0]}, so its first dimension is not "
+                    "the batch (sequence-first tokens (N, B, C), as nn.TransformerEncoderLayer "
+                    "without batch_first?); pass reshape=fn returning (B, C, h, w), e.g. "
+                    "reshape=lambda t: t[1:].permute(1, 2, 0).unflatten(2, (h, w)) for (1 + h*w, B, C)"
+                )
             if g is not None:
                 g = to_grid(g, self.reshape, image_hw=image_hw, layer=name).float()  # type: ignore[arg-type]
             with torch.no_grad():

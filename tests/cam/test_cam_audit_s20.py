@@ -1,0 +1,96 @@
+"""Audit s20 of the CAM product: each map equals its published formula computed by hand with
+plain PyTorch hooks (``register_forward_hook`` / ``register_full_backward_hook``), or the call
+is refused naming the layer and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import hookscope as hs
+
+
+def _cam(method: str, net: nn.Module, layer: str, **kw):
+    """The method's CAM object (ScoreCAM without its progress bar)."""
+    if method == "scorecam":
+        kw.setdefault("progress", False)
+    return hs.get_cam(method)(net, layer, **kw)
+
+
+def _minmax(m: torch.Tensor) -> torch.Tensor:
+    dims = tuple(range(1, m.ndim))
+    m = m - m.amin(dim=dims, keepdim=True)
+    return m / (1e-7 + m.amax(dim=dims, keepdim=True))
+
+
+def _finish(m: torch.Tensor, size: tuple[int, ...]) -> torch.Tensor:
+    """ReLU, per-sample min-max, bilinear upsampling (align_corners=False), min-max: cam.md."""
+    m = _minmax(m.clamp_min(0))
+    if tuple(m.shape[1:]) != size:
+        m = F.interpolate(m[:, None], size=size, mode="bilinear", align_corners=False)[:, 0]
+    return _minmax(m)
+
+
+def _formula(method: str, a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    if method == "gradcam":
+        return (g.mean(dim=(2, 3), keepdim=True) * a).sum(1)
+    if method == "hirescam":
+        return (g * a).sum(1)
+    assert method == "layercam"
+    return (g.clamp_min(0) * a).sum(1)
+
+
+def _hand_grad_map(model, layer, x, score, method, grid=lambda t: t):
+    """The layer's output at its call (a forward hook's copy) and the gradient of the score at
+    that output (a full backward hook's ``grad_output``), then the method's formula."""
+    seen = {}
+    h1 = layer.register_forward_hook(lambda m, i, o: seen.__setitem__("a", o.detach().clone()))
+    h2 = layer.register_full_backward_hook(lambda m, gi, go: seen.__setitem__("g", go[0]))
+    try:
+        score(model(x)).sum().backward()
+    finally:
+        h1.remove()
+        h2.remove()
+        model.zero_grad(set_to_none=True)
+    return _finish(_formula(method, grid(seen["a"]), grid(seen["g"])), tuple(x.shape[2:]))
+
+
+# -- sequence-first tokens -------------------------------------------------------------------
+
+
+class SeqFirstViT(nn.Module):
+    """Patch tokens in PyTorch's default transformer layout (N, B, C), a class token first (as
+    OpenAI's CLIP and nn.TransformerEncoderLayer without batch_first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.patch = nn.Conv2d(3, 16, 8, 8)
+        self.cls = nn.Parameter(torch.randn(1, 1, 16))
+        self.enc = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        t = self.patch(x).flatten(2).permute(2, 0, 1)  # (N, B, C)
+        t = torch.cat([self.cls.expand(1, x.shape[0], -1), t])
+        return self.head(self.enc(t)[0])
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_sequence_first_tokens_are_refused_not_read_as_the_batch(batch):
+    """(17, B, 16) tokens of a 32x32 image were read as 17 samples of B tokens (a 1x1 grid after a
+    "class token" for B=2): 17 maps of shape (32, 32) for a batch of B, silently."""
+    net = SeqFirstViT().eval()
+    x = torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    for method in ("gradcam", "eigencam", "scorecam"):
+        with pytest.raises(
+            hs.ReshapeError, match=r"layer 'enc'.*17 maps for a batch of .*reshape=fn"
+        ):
+            _cam(method, net, "enc")(x, target=2)
+    # the fix the message gives equals the hand reference
+    grid = lambda t: t[1:].permute(1, 2, 0).unflatten(2, (4, 4))  # noqa: E731
+    got = hs.GradCAM(net, "enc", reshape=grid)(x, target=2)
+    want = _hand_grad_map(net, net.enc, x, lambda out: out[:, 2], "gradcam", grid)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
