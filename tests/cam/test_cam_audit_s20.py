@@ -57,6 +57,29 @@ def _hand_grad_map(model, layer, x, score, method, grid=lambda t: t):
     return _finish(_formula(method, grid(seen["a"]), grid(seen["g"])), tuple(x.shape[2:]))
 
 
+def _hand_scorecam(model, layer, x, classes):
+    """Score-CAM: each channel's upsampled (align_corners=True), min-max normalised map masks the
+    input; the softmax of the masked inputs' class scores weighs the channels."""
+    seen = {}
+    h = layer.register_forward_hook(lambda m, i, o: seen.__setitem__("a", o.detach().clone()))
+    with torch.no_grad():
+        try:
+            model(x)
+        finally:
+            h.remove()
+        a = seen["a"]
+        w = torch.empty(a.shape[:2])
+        for i in range(a.shape[0]):
+            for c in range(a.shape[1]):
+                up = F.interpolate(
+                    a[i, c][None, None], size=x.shape[2:], mode="bilinear", align_corners=True
+                )
+                mask = (up - up.min()) / (up.max() - up.min() + 1e-8)
+                w[i, c] = model(x[i : i + 1] * mask)[0, classes[i]]
+        m = (w.softmax(1)[:, :, None, None] * a).sum(1)
+    return _finish(m, tuple(x.shape[2:]))
+
+
 # -- sequence-first tokens -------------------------------------------------------------------
 
 
@@ -94,3 +117,64 @@ def test_sequence_first_tokens_are_refused_not_read_as_the_batch(batch):
     got = hs.GradCAM(net, "enc", reshape=grid)(x, target=2)
     want = _hand_grad_map(net, net.enc, x, lambda out: out[:, 2], "gradcam", grid)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+# -- ScoreCAM and target functions -----------------------------------------------------------
+
+
+def small_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 3),
+    ).eval()  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "fn"),
+    [
+        (2, lambda out: out.gather(1, torch.tensor([[0], [2]]))[:, 0]),  # a class per sample
+        (4, lambda out: out[:, 2] - out[:, 2].mean()),  # relative to the other rows
+    ],
+    ids=["class-per-sample", "batch-relative"],
+)
+def test_scorecam_refuses_a_target_function_scoring_rows_by_position(batch_size, fn):
+    """ScoreCAM calls the target function on masked copies of one sample. ``out.gather(1,
+    classes)`` (one class per sample of the batch) with batch_size == B scored the second copy
+    against the second sample's class: 0.10 off the map of target=[0, 2]; a score relative to
+    the batch's mean scored each copy against the other copies (0.0028 off). Both silently."""
+    net = small_net()
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    cam = hs.ScoreCAM(net, "2", batch_size=batch_size, progress=False)
+    with pytest.raises(
+        hs.CAMError, match="scores the rows of a batch by their position or against each other"
+    ):
+        cam(x, target=fn)
+    want = _hand_scorecam(net, net[2], x, [0, 2])
+    torch.testing.assert_close(cam(x, target=[0, 2]), want, atol=1e-6, rtol=0)
+    # a function scoring every row alike is kept: it equals the class index
+    torch.testing.assert_close(
+        cam(x, target=lambda out: out[:, 2]),
+        _hand_scorecam(net, net[2], x, [2, 2]),
+        atol=1e-6,
+        rtol=0,
+    )
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.head = nn.Linear(3, 4)
+
+    def forward(self, x):
+        return self.head(self.conv(self.conv(x)).mean((2, 3)))
+
+
+def test_scorecam_with_a_target_function_refuses_a_layer_called_twice():
+    """With a class index it was refused; with a function the forward stopped at the layer's
+    first call and ScoreCAM weighed that call's channels, silently."""
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(hs.CAMError, match="layer 'conv' ran more than once"):
+        hs.ScoreCAM(Twice().eval(), "conv", progress=False)(x, target=lambda out: out[:, 1])

@@ -326,8 +326,11 @@ class CAM:
                 f"{type(self).__name__} needs gradients, which torch.inference_mode() forbids; call it outside"
             )
         run = _Run(self, x, target)
-        # the output is needed for gradients and for class targets (predicted, or range-checked)
-        need_output = self.uses_gradients or (self.needs_target and not callable(target))
+        # the output is needed for gradients and for class targets (predicted, or range-checked);
+        # a method with a target (ScoreCAM's callable ones too) runs the whole forward, so that a
+        # layer called again after its first call is refused, not read at that first call (ScoreCAM
+        # runs the model once per channel anyway); only EigenCAM stops at the layer
+        need_output = self.uses_gradients or self.needs_target
         acts, out = self._forward(x, grad=self.uses_gradients, full=need_output)
         if need_output:
             run.resolve_target(out)
