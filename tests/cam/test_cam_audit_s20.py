@@ -4,6 +4,7 @@ is refused naming the layer and the fix."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -178,3 +179,30 @@ def test_scorecam_with_a_target_function_refuses_a_layer_called_twice():
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     with pytest.raises(hs.CAMError, match="layer 'conv' ran more than once"):
         hs.ScoreCAM(Twice().eval(), "conv", progress=False)(x, target=lambda out: out[:, 1])
+
+
+# -- class indices ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["gradcam", "scorecam"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        torch.tensor([0.9, 2.7]),  # was read as classes 0 and 2
+        torch.tensor([True, False]),  # a mask, was read as classes 1 and 0
+        [1.5, 2],  # was read as classes 1 and 2
+        [True, 2],
+        np.float32(1.7),
+    ],
+    ids=["float-tensor", "bool-tensor", "float-list", "bool-list", "numpy-float"],
+)
+def test_non_integer_class_indices_are_refused(method, target):
+    net = small_net()
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    cam = _cam(method, net, "2")
+    with pytest.raises(hs.CAMError, match="class indices must be"):
+        cam(x, target=target)
+    # integers of every kind still work
+    want = cam(x, target=[0, 2])
+    for ok in (torch.tensor([0, 2]), np.array([0, 2]), [np.int64(0), torch.tensor(2)]):
+        torch.testing.assert_close(cam(x, target=ok), want)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import operator
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -126,6 +127,28 @@ def _minmax(m: torch.Tensor) -> torch.Tensor:
 _MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
 
+def _scalar(t: Any) -> bool:
+    return not isinstance(t, (Sequence, torch.Tensor)) and not hasattr(t, "__len__")
+
+
+def _class_index(v: Any) -> int:
+    """``v`` as a class index: an integer (Python, NumPy, 0-d integer tensor), never a bool or a
+    float (``int(2.7)`` read class 2, silently)."""
+    if not isinstance(v, (bool, numbers.Real)) and not isinstance(v, torch.Tensor):
+        kind = type(v).__name__
+    elif isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+        kind = "bool"
+    else:
+        try:
+            return operator.index(v)
+        except TypeError:
+            kind = type(v).__name__ if not isinstance(v, torch.Tensor) else str(v.dtype)
+    raise CAMError(
+        f"target: class indices must be integers, got {v!r} ({kind}); pass an int, a list of "
+        "ints, an integer tensor, or target=fn(output) -> scores"
+    )
+
+
 class _Run:
     """What one call knows: the input, the class indices (if any) and how to score an output."""
 
@@ -148,11 +171,18 @@ class _Run:
             self.index = logits.detach().argmax(dim=1)
             return
         if isinstance(t, torch.Tensor):
+            if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+                # .long() truncated 2.7 to class 2 and read a mask [True, False] as classes 1, 0
+                raise CAMError(
+                    f"target: class indices must be an integer tensor, got {t.dtype} "
+                    f"{tuple(t.shape)}; pass target=indices.long() (rounded as you mean) or "
+                    "target=fn(output) -> scores"
+                )
             idx = t.to(device=logits.device, dtype=torch.long).reshape(-1)
             if idx.numel() == 1:
                 idx = idx.expand(b)
         else:
-            vals = [int(t)] * b if isinstance(t, numbers.Integral) else [int(v) for v in t]  # type: ignore[union-attr]
+            vals = [_class_index(t)] * b if _scalar(t) else [_class_index(v) for v in t]  # type: ignore[union-attr]
             k = logits.shape[1] if logits.ndim >= 2 else 0
             bad = [v for v in vals if not 0 <= v < k]
             if bad:
