@@ -206,3 +206,48 @@ def test_non_integer_class_indices_are_refused(method, target):
     want = cam(x, target=[0, 2])
     for ok in (torch.tensor([0, 2]), np.array([0, 2]), [np.int64(0), torch.tensor(2)]):
         torch.testing.assert_close(cam(x, target=ok), want)
+
+
+# -- activations sharing memory with the layer's input ----------------------------------------
+
+
+class Tapped(nn.Module):
+    """A placeholder layer (``nn.Identity``, as timm's ``ls1``/``drop_path``/``norm_pre``) whose
+    input the parent then changes in place (``h += ...``, an in-place residual)."""
+
+    def __init__(self, inplace: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inplace = inplace
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.tap = nn.Identity()
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.conv(x)
+        y = self.tap(h)  # y is h
+        z = self.conv2(y)
+        if self.inplace:
+            h += z
+        else:
+            h = h + z
+        return self.head(h.relu().mean((2, 3)))
+
+
+@pytest.mark.parametrize("method", ["gradcam", "hirescam", "layercam", "scorecam"])
+def test_an_output_sharing_the_layer_s_input_is_read_as_the_layer_returned_it(method):
+    """The activation kept was the input's memory, which ``h += z`` changed after the layer ran:
+    the maps of ``h + conv2(h)`` instead of ``h`` (GradCAM 0.47 off the hand reference)."""
+    net = Tapped().eval()
+    twin = Tapped(inplace=False).eval()  # the same function, out of place: the hand reference's
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    cam = _cam(method, net, "tap")
+    got = cam(x, target=[0, 2])
+    if method == "scorecam":
+        want = _hand_scorecam(twin, twin.tap, x, [0, 2])
+    else:
+        want = _hand_grad_map(
+            twin, twin.tap, x, lambda o: o.gather(1, torch.tensor([[0], [2]]))[:, 0], method
+        )
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..core._buffers import state_kept
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
-from ..core._nested import describe, first_tensor, iter_tensors, replace_first
+from ..core._nested import describe, first_tensor, iter_tensors, replace_first, tensors_of
 from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model, in_backward, internal_run, stale_names
 from ..core._select import resolve
@@ -125,6 +125,17 @@ def _minmax(m: torch.Tensor) -> torch.Tensor:
 
 
 _MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
+
+
+def _aliases(t: torch.Tensor, args: Any, kwargs: Any) -> bool:
+    """Does ``t`` share memory with a tensor among a layer call's inputs?"""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+        return any(
+            i.untyped_storage().data_ptr() == ptr for i in (*tensors_of(args), *tensors_of(kwargs))
+        )
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, meta, some subclasses)
+        return True  # copy to be safe
 
 
 def _scalar(t: Any) -> bool:
@@ -404,7 +415,7 @@ class CAM:
         wanted = len(self.layers)
 
         def make_hook(name: str) -> Callable[..., Any]:
-            def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
                 if in_backward():
                     return None
                 if name in acts:  # a module reused (weights shared): which call's map?
@@ -426,11 +437,18 @@ class CAM:
                     # the rest of the forward may change this activation in place (`out += x`)
                     acts[name] = acts[name].clone()
                     return None
+                # an output sharing memory with the layer's input (an in-place activation, an
+                # identity, a view) is still reachable by the model through that input, which a
+                # later in-place op (`h += ...`) would change under the activation we read: copy it
+                alias = _aliases(t, args, kwargs)
                 if grad:
                     torch.set_grad_enabled(True)  # record autograd from here on
-                    src = t if t.requires_grad else t.detach().requires_grad_()
+                    if t.requires_grad:
+                        src = t.clone() if alias else t
+                    else:
+                        src = (t.detach().clone() if alias else t.detach()).requires_grad_()
                 else:
-                    src = t.detach()
+                    src = t.detach().clone() if alias else t.detach()
                 acts[name] = src
                 # pass on a copy: later in-place ops change the copy, not the activation we read
                 return replace_first(output, src.clone())
@@ -442,7 +460,7 @@ class CAM:
         try:
             with scope:
                 for name, module in self.layers.items():
-                    scope.add_forward(module, make_hook(name), layer=name)
+                    scope.add_forward(module, make_hook(name), layer=name, with_kwargs=True)
                 torch.set_grad_enabled(False)
                 out = self.model(x)
         finally:
