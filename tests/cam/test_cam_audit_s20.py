@@ -4,6 +4,8 @@ is refused naming the layer and the fix."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -251,3 +253,45 @@ def test_an_output_sharing_the_layer_s_input_is_read_as_the_layer_returned_it(me
             twin, twin.tap, x, lambda o: o.gather(1, torch.tensor([[0], [2]]))[:, 0], method
         )
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+# -- the command line ------------------------------------------------------------------------
+
+CLI_MODELS = """
+import torch, torch.nn as nn
+
+def Tiny():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(4, 5))
+
+def Seg():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1))
+"""
+
+
+@pytest.mark.parametrize(
+    ("model", "extra", "message"),
+    [
+        # was "only one element tensors can be converted to Python scalars"
+        ("Seg", [], r"the model gives \(1, 4, 24, 24\), not \(1, num_classes\).*--target K"),
+        # --target was dropped without a word: a class-agnostic map written as asked
+        ("Tiny", ["--method", "eigencam", "--target", "3"], "eigencam is class-agnostic"),
+    ],
+    ids=["segmentation-without-target", "eigencam-with-target"],
+)
+def test_cli_cam_bad_target_is_one_line_exit_2_and_no_file(tmp_path, capsys, model, extra, message):
+    pil = pytest.importorskip("PIL.Image")
+    pytest.importorskip("matplotlib")
+    from hookscope.cli import main
+
+    (tmp_path / "models.py").write_text(CLI_MODELS)
+    rng = np.random.default_rng(0)
+    pil.fromarray(rng.integers(0, 255, (30, 40, 3), dtype=np.uint8)).save(tmp_path / "img.png")
+    argv = ["cam", f"{tmp_path}/models.py:{model}", "--image", str(tmp_path / "img.png")]
+    argv += ["--layer", "0", "--crop", "24", "--out", str(tmp_path / "out.png"), *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1 and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img.png", "models.py"]
