@@ -108,9 +108,10 @@ class LayerCAM(CAM):
 class EigenCAM(CAM):
     """EigenCAM (Muhammad & Yeasin 2020): projection on the first principal component; no gradient.
 
-    The forward pass stops at the layer. The SVD's sign is arbitrary; hookscope fixes it so that
-    the larger magnitude is positive (Seg-Eigen-CAM eq. 13), making maps reproducible across
-    devices and LAPACK builds. ``torch.linalg.svd`` synchronises with the host on CUDA.
+    The forward pass stops at the layer's first call: a layer called again later in the forward
+    (a module reused) is read at that first call, not refused as by the other methods. The SVD's
+    sign is arbitrary; hookscope fixes it so that the larger magnitude is positive (Seg-Eigen-CAM
+    eq. 13), making maps reproducible across devices and LAPACK builds. ``torch.linalg.svd`` synchronises with the host on CUDA.
 
     Takes the arguments of :class:`CAM` (``model, layer, reshape, relu, raw``).
     """
