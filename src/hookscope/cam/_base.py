@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import operator
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -26,11 +27,11 @@ import torch.nn.functional as F
 from ..core._buffers import state_kept
 from ..core._compiled import named_modules
 from ..core._errors import HookscopeError, HookscopeWarning, some_names
-from ..core._nested import describe, first_tensor, iter_tensors, replace_first
+from ..core._nested import describe, first_tensor, iter_tensors, replace_first, tensors_of
 from ..core._random import draw_fix, draw_place, random_draws
 from ..core._scope import HookScope, check_model, in_backward, internal_run, stale_names
 from ..core._select import resolve
-from ._tokens import Reshape, to_grid
+from ._tokens import Reshape, ReshapeError, to_grid
 
 __all__ = ["CAM", "CAMError", "Target", "cam_methods", "get_cam"]
 
@@ -126,6 +127,39 @@ def _minmax(m: torch.Tensor) -> torch.Tensor:
 _MODES = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
 
+def _aliases(t: torch.Tensor, args: Any, kwargs: Any) -> bool:
+    """Does ``t`` share memory with a tensor among a layer call's inputs?"""
+    try:
+        ptr = t.untyped_storage().data_ptr()
+        return any(
+            i.untyped_storage().data_ptr() == ptr for i in (*tensors_of(args), *tensors_of(kwargs))
+        )
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, meta, some subclasses)
+        return True  # copy to be safe
+
+
+def _scalar(t: Any) -> bool:
+    return not isinstance(t, (Sequence, torch.Tensor)) and not hasattr(t, "__len__")
+
+
+def _class_index(v: Any) -> int:
+    """``v`` as a class index: an integer (Python, NumPy, 0-d integer tensor), never a bool or a
+    float (``int(2.7)`` read class 2, silently)."""
+    if not isinstance(v, (bool, numbers.Real)) and not isinstance(v, torch.Tensor):
+        kind = type(v).__name__
+    elif isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+        kind = "bool"
+    else:
+        try:
+            return operator.index(v)
+        except TypeError:
+            kind = type(v).__name__ if not isinstance(v, torch.Tensor) else str(v.dtype)
+    raise CAMError(
+        f"target: class indices must be integers, got {v!r} ({kind}); pass an int, a list of "
+        "ints, an integer tensor, or target=fn(output) -> scores"
+    )
+
+
 class _Run:
     """What one call knows: the input, the class indices (if any) and how to score an output."""
 
@@ -148,11 +182,18 @@ class _Run:
             self.index = logits.detach().argmax(dim=1)
             return
         if isinstance(t, torch.Tensor):
+            if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+                # .long() truncated 2.7 to class 2 and read a mask [True, False] as classes 1, 0
+                raise CAMError(
+                    f"target: class indices must be an integer tensor, got {t.dtype} "
+                    f"{tuple(t.shape)}; pass target=indices.long() (rounded as you mean) or "
+                    "target=fn(output) -> scores"
+                )
             idx = t.to(device=logits.device, dtype=torch.long).reshape(-1)
             if idx.numel() == 1:
                 idx = idx.expand(b)
         else:
-            vals = [int(t)] * b if isinstance(t, numbers.Integral) else [int(v) for v in t]  # type: ignore[union-attr]
+            vals = [_class_index(t)] * b if _scalar(t) else [_class_index(v) for v in t]  # type: ignore[union-attr]
             k = logits.shape[1] if logits.ndim >= 2 else 0
             bad = [v for v in vals if not 0 <= v < k]
             if bad:
@@ -326,8 +367,11 @@ class CAM:
                 f"{type(self).__name__} needs gradients, which torch.inference_mode() forbids; call it outside"
             )
         run = _Run(self, x, target)
-        # the output is needed for gradients and for class targets (predicted, or range-checked)
-        need_output = self.uses_gradients or (self.needs_target and not callable(target))
+        # the output is needed for gradients and for class targets (predicted, or range-checked);
+        # a method with a target (ScoreCAM's callable ones too) runs the whole forward, so that a
+        # layer called again after its first call is refused, not read at that first call (ScoreCAM
+        # runs the model once per channel anyway); only EigenCAM stops at the layer
+        need_output = self.uses_gradients or self.needs_target
         acts, out = self._forward(x, grad=self.uses_gradients, full=need_output)
         if need_output:
             run.resolve_target(out)
@@ -337,7 +381,17 @@ class CAM:
         image_hw = tuple(x.shape[-2:]) if x.ndim >= 4 else None
         maps = []
         for (name, a), g in zip(acts.items(), grads):
+            shape = tuple(a.shape)
             a = to_grid(a.detach(), self.reshape, image_hw=image_hw, layer=name).float()  # type: ignore[arg-type]
+            if a.shape[0] != x.shape[0]:
+                # sequence-first tokens (N, B, C) were read as N samples: N maps for B images
+                raise ReshapeError(
+                    f"layer {name!r} gives {shape}, read as {tuple(a.shape)} (B, C, *spatial): "
+                    f"{a.shape[0]} maps for a batch of {x.shape[0]}, so its first dimension is not "
+                    "the batch (sequence-first tokens (N, B, C), as nn.TransformerEncoderLayer "
+                    "without batch_first?); pass reshape=fn returning (B, C, h, w), e.g. "
+                    "reshape=lambda t: t[1:].permute(1, 2, 0).unflatten(2, (h, w)) for (1 + h*w, B, C)"
+                )
             if g is not None:
                 g = to_grid(g, self.reshape, image_hw=image_hw, layer=name).float()  # type: ignore[arg-type]
             with torch.no_grad():
@@ -361,7 +415,7 @@ class CAM:
         wanted = len(self.layers)
 
         def make_hook(name: str) -> Callable[..., Any]:
-            def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
                 if in_backward():
                     return None
                 if name in acts:  # a module reused (weights shared): which call's map?
@@ -383,11 +437,18 @@ class CAM:
                     # the rest of the forward may change this activation in place (`out += x`)
                     acts[name] = acts[name].clone()
                     return None
+                # an output sharing memory with the layer's input (an in-place activation, an
+                # identity, a view) is still reachable by the model through that input, which a
+                # later in-place op (`h += ...`) would change under the activation we read: copy it
+                alias = _aliases(t, args, kwargs)
                 if grad:
                     torch.set_grad_enabled(True)  # record autograd from here on
-                    src = t if t.requires_grad else t.detach().requires_grad_()
+                    if t.requires_grad:
+                        src = t.clone() if alias else t
+                    else:
+                        src = (t.detach().clone() if alias else t.detach()).requires_grad_()
                 else:
-                    src = t.detach()
+                    src = t.detach().clone() if alias else t.detach()
                 acts[name] = src
                 # pass on a copy: later in-place ops change the copy, not the activation we read
                 return replace_first(output, src.clone())
@@ -399,7 +460,7 @@ class CAM:
         try:
             with scope:
                 for name, module in self.layers.items():
-                    scope.add_forward(module, make_hook(name), layer=name)
+                    scope.add_forward(module, make_hook(name), layer=name, with_kwargs=True)
                 torch.set_grad_enabled(False)
                 out = self.model(x)
         finally:

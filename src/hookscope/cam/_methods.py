@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..core._nested import map_tensors
 from ..core._progress import progress_bar
 from ._base import CAM, CAMError, _Run
 from ._tokens import Reshape
@@ -107,9 +108,10 @@ class LayerCAM(CAM):
 class EigenCAM(CAM):
     """EigenCAM (Muhammad & Yeasin 2020): projection on the first principal component; no gradient.
 
-    The forward pass stops at the layer. The SVD's sign is arbitrary; hookscope fixes it so that
-    the larger magnitude is positive (Seg-Eigen-CAM eq. 13), making maps reproducible across
-    devices and LAPACK builds. ``torch.linalg.svd`` synchronises with the host on CUDA.
+    The forward pass stops at the layer's first call: a layer called again later in the forward
+    (a module reused) is read at that first call, not refused as by the other methods. The SVD's
+    sign is arbitrary; hookscope fixes it so that the larger magnitude is positive (Seg-Eigen-CAM
+    eq. 13), making maps reproducible across devices and LAPACK builds. ``torch.linalg.svd`` synchronises with the host on CUDA.
 
     Takes the arguments of :class:`CAM` (``model, layer, reshape, relu, raw``).
     """
@@ -129,15 +131,50 @@ class EigenCAM(CAM):
         return proj.reshape(a.shape[0], *a.shape[2:])
 
 
+def _check_rowwise(run: _Run, out: Any, s: torch.Tensor) -> None:
+    """A target function must score each row of a masked batch on its own: ScoreCAM hands it
+    masked copies of one sample, so a function picking a class per sample of the batch
+    (``out[range(B), classes]``) scored a copy against another sample's class whenever a batch
+    of copies had B rows, and one relative to the batch (``out[:, k] - out[:, k].mean()``)
+    scored it against the other copies, silently. Its scores of the rows reversed must be its
+    scores reversed, and of the first row alone its first score (one host sync per call)."""
+    n = s.shape[0]
+
+    def same(got: torch.Tensor, want: torch.Tensor) -> bool:
+        return got.shape == want.shape and torch.allclose(
+            got.float(), want.float(), rtol=1e-5, atol=1e-6, equal_nan=True
+        )
+
+    rows = lambda pick: map_tensors(lambda t: pick(t) if t.ndim and t.shape[0] == n else t, out)  # noqa: E731
+    try:
+        ok = same(run.score(rows(lambda t: t.flip(0))).flip(0), s) and same(
+            run.score(rows(lambda t: t[:1])), s[:1]
+        )
+    except (RuntimeError, IndexError, ValueError, TypeError):  # e.g. indices for B rows, given 1
+        ok = False
+    if not ok:
+        raise CAMError(
+            "ScoreCAM: the target function scores the rows of a batch by their position or "
+            "against each other (the rows reversed, or the first row alone, got other scores); "
+            "ScoreCAM calls it on the outputs of masked copies of one sample, not on the batch, "
+            "so a function picking a class per sample (out[range(B), classes]) scores copies "
+            "against other samples' classes. Pass target=[class per sample], or a function "
+            "scoring each row on its own (target=lambda out: out[:, k])"
+        )
+
+
 class ScoreCAM(CAM):
     """Score-CAM (Wang et al. 2020): each channel's weight is the target score of the input masked
     by that (upsampled, min-max normalised) channel, softmaxed over channels. No gradient.
 
     Costs one forward per channel and sample, run ``batch_size`` masked inputs at a time under
     ``no_grad``: memory stays bounded by ``batch_size`` forwards whatever the channel count.
-    Masks are upsampled with ``align_corners=True`` as in the reference implementation. A progress
-    bar counts the masked batches (tqdm: a widget in Jupyter, a bar on a terminal, nothing when
-    stderr is not a terminal; removed when done).
+    Masks are upsampled with ``align_corners=True`` as in the reference implementation. A target
+    function is called on the outputs of masked copies of one sample, so it must score each row
+    alike (``lambda out: out[:, k]``; per-sample classes: ``target=[...]``): it is checked once
+    per call on one masked batch, its rows reversed and its first row alone (one host sync), and
+    refused otherwise. A progress bar counts the masked batches (tqdm: a widget in Jupyter, a bar
+    on a terminal, nothing when stderr is not a terminal; removed when done).
 
     Args:
         model, layer, reshape, relu, raw: as for :class:`CAM`.
@@ -187,6 +224,7 @@ class ScoreCAM(CAM):
         bar = progress_bar(
             b * chunks, desc="ScoreCAM", unit="batch", enabled=self.progress, leave=False
         )
+        unchecked = callable(run.target)  # a target function: checked once it sees 2+ rows
         with torch.no_grad(), bar:
             for i in range(b):
                 rows = None if run.index is None else run.index[i : i + 1]
@@ -205,6 +243,9 @@ class ScoreCAM(CAM):
                             f"ScoreCAM scores {masked.shape[0]} masked copies of a sample at a time: the target "
                             f"function must return one score per row, shape ({masked.shape[0]},); got {tuple(s.shape)}"
                         )
+                    if unchecked and masked.shape[0] > 1:
+                        unchecked = False
+                        _check_rowwise(run, out, s)
                     scores[i, c0 : c0 + masked.shape[0]] = s.float()
                     bar.update(1)
         w = scores.softmax(dim=1)

@@ -234,9 +234,21 @@ def run_cam(args: argparse.Namespace) -> int:
     resolve(model, args.layer)  # unknown layer: names the closest ones
     x = x.to(next(iter(model.parameters()), x).device)
     target = args.target
+    if target is not None and not method.needs_target:  # it was dropped without a word
+        raise CLIError(
+            f"--target {target}: {method.name} is class-agnostic (the same map for every class); "
+            "drop --target, or pick a class-specific method such as gradcam"
+        )
     if target is None and method.needs_target:
         with torch.no_grad():
-            target = int(_logits(model(x)).argmax(dim=1)[0])
+            logits = _logits(model(x))
+        if logits.ndim != 2:
+            raise CLIError(
+                f"the model gives {tuple(logits.shape)}, not (1, num_classes) logits, so there is "
+                "no predicted class to explain; pass --target K (for a segmentation model: the "
+                "class whose pixels' summed score to explain)"
+            )
+        target = int(logits.argmax(dim=1)[0])
     cam = method(model, args.layer)(x, target=target)
     picture = overlay(shown, cam[0].cpu(), alpha=args.alpha, colormap=args.colormap)
 
