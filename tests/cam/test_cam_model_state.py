@@ -10,6 +10,10 @@ from torch import nn
 
 import hookscope as hs
 
+# these tests give every method a target; EigenCAM ignores it, which it says (tested in
+# test_cam_eigencam_target_s20.py)
+pytestmark = pytest.mark.filterwarnings("ignore:EigenCAM. target=.* is ignored")
+
 METHODS = sorted(hs.cam_methods())
 
 

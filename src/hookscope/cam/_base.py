@@ -336,6 +336,15 @@ class CAM:
     # -- the template -----------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, target: Target = None) -> torch.Tensor:
         """The maps of ``x`` for ``target`` (see :data:`Target`); the model is left as found."""
+        if target is not None and not self.needs_target:
+            warnings.warn(
+                f"{type(self).__name__}: target={_shown(target)} is ignored: "
+                f"{type(self).__name__} maps what the layer's activations hold, for no class "
+                "(the same map for every target); use GradCAM (or another gradient method) "
+                "for a class's map, or call it without target",
+                HookscopeWarning,
+                stacklevel=2,
+            )
         with internal_run():  # a product's own run (see core._scope.internal_run)
             batch_stats = _BatchStats(self.model)
             with state_kept(self.model), random_draws(self.model) as draws, batch_stats:
@@ -518,3 +527,11 @@ class CAM:
             ups.append(m)
         cam = ups[0] if len(ups) == 1 else torch.stack(ups).clamp_min(0).mean(dim=0)
         return _minmax(cam)
+
+
+def _shown(target: Any) -> str:
+    """A target as a warning shows it (a tensor by its shape)."""
+    if isinstance(target, torch.Tensor):
+        return f"tensor of shape {tuple(target.shape)}" if target.dim() else str(target.item())
+    text = repr(target)
+    return text if len(text) <= 40 else text[:37] + "..."
