@@ -334,6 +334,8 @@ def summary(
                     if rec.cuda
                     else rec.counter.peak_bytes
                 )
+        if rec.counter.uncounted and not rec.cuda:
+            _say_uncounted(rec.counter.uncounted)
         calls = rec.finish()
         rows = build_rows(calls)
         params = {id(p): p for p in model.parameters()}
@@ -389,3 +391,20 @@ def summary(
             rows = collapse(rows, depth)
         shown = format_shapes(call_shapes(inputs, kwargs))
         return Summary(type(model).__name__, shown, rows, totals, cols, never)
+
+
+def _say_uncounted(uncounted: dict[str | None, str]) -> None:
+    """Warn that the CPU peak leaves out tensors whose bytes cannot be read (``{layer: kind}``,
+    ``None``: created outside any module call)."""
+    layers = [n if n is not None else "<outside any layer>" for n in uncounted]
+    first = next(iter(uncounted))
+    warnings.warn(
+        f"summary: layer(s) {some_names([n or '<root>' for n in layers])} created tensors whose "
+        f"bytes cannot be read ({uncounted[first]} in {first or '<root>'!r}; not a strided, "
+        "sparse or nested tensor, nor a wrapper subclass of those), so the peak memory leaves "
+        "them out: it is under-reported by their size. Convert them to a strided tensor in the "
+        "forward (.to_dense()) while summarizing, or measure the peak on a CUDA device "
+        "(torch.cuda.max_memory_allocated counts every allocation)",
+        HookscopeWarning,
+        stacklevel=3,
+    )
