@@ -23,12 +23,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core._buffers import SPARSE_PARTS
 from ..core._inventory import module_hooks
 from ..core._scope import _Hook
 
 __all__ = [
     "EXTRA_FLOP_FORMULAS",
     "OpCounter",
+    "data_bytes",
     "flop_registry",
     "native_rule",
     "no_dispatch",
@@ -205,27 +207,31 @@ class OpCounter(TorchDispatchMode):
             self.peak_bytes = self.live_bytes
 
 
-# sparse layouts: the tensors holding their data (compressed indices, plain indices, values)
-_SPARSE_PARTS: dict[Any, tuple[str, ...]] = {
-    torch.sparse_coo: ("_indices", "_values"),
-    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
-    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
-    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
-}
-
-
 def _parts(t: torch.Tensor) -> list[torch.Tensor] | None:
     """The tensors that hold the data of ``t`` where it has a layout or class of its own: a sparse
     tensor's indices and values, a traceable wrapper subclass's inner tensors (a jagged nested
     tensor's values and offsets); None for a plain one."""
-    names = _SPARSE_PARTS.get(t.layout)
+    names = SPARSE_PARTS.get(t.layout)
     if names is not None:
         return [getattr(t, n)() for n in names]
     flatten = getattr(type(t), "__tensor_flatten__", None)
     if flatten is None:
         return None
     return [x for a in flatten(t)[0] if isinstance(x := getattr(t, a, None), torch.Tensor)]
+
+
+def data_bytes(t: torch.Tensor) -> int:
+    """Bytes of the data ``t`` holds: ``numel * element_size`` for a strided tensor; a sparse one's
+    indices and values, a wrapper subclass's inner tensors, a strided nested one's buffer and
+    size, stride and offset tensors (``numel()`` of a sparse tensor is its dense size)."""
+    if t.layout is torch.strided and not t.is_nested:
+        return t.numel() * t.element_size()
+    parts = _parts(t)
+    if parts is not None:
+        return sum(data_bytes(p) for p in parts)
+    if t.is_nested:
+        return data_bytes(t.values()) + sum(data_bytes(m) for m in _nested_metadata(t))
+    return t.numel() * t.element_size()
 
 
 def _nested_metadata(t: torch.Tensor) -> list[torch.Tensor]:

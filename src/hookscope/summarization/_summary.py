@@ -31,7 +31,7 @@ from ..core._scope import (
     thread_checked,
 )
 from ..core._sharded import fsdp1_found
-from ._flops import OpCounter, native_rule, no_dispatch, warm_up
+from ._flops import OpCounter, data_bytes, native_rule, no_dispatch, warm_up
 from ._format import parse_columns
 from ._rows import CallRecord, SummaryRow, SummaryTotals, build_rows, collapse
 from ._table import Summary
@@ -343,8 +343,8 @@ def summary(
             params=sum(p.numel() for p in params.values()),
             trainable=sum(p.numel() for p in params.values() if p.requires_grad),
             flops=rec.counter.total_flops,
-            param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
-            buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+            param_bytes=sum(data_bytes(p) for p in params.values()),
+            buffer_bytes=sum(data_bytes(b) for b in model.buffers()),  # (sparse: what it holds)
             activation_bytes=sum(r.output_bytes for r in rows if r.leaf),
             peak_memory_bytes=int(peak),
             peak_memory_measure=(
