@@ -54,9 +54,13 @@ def test_a_failed_eager_check_of_a_compiled_run_is_said() -> None:
     b = Skips()
     b.load_state_dict(Net().state_dict())
     cb = torch.compile(b, backend="aot_eager")
-    with pytest.raises(RuntimeError, match="needs autograd"), torch.no_grad():
-        with torch.compiler.set_stance("force_eager"):  # the reference: such an eager run fails
-            cb(X)
+    # the reference: such an eager run fails
+    with (
+        pytest.raises(RuntimeError, match="needs autograd"),
+        torch.no_grad(),
+        torch.compiler.set_stance("force_eager"),
+    ):
+        cb(X)
     with pytest.warns(hs.HookscopeWarning, match="could not be checked") as got:
         report = hs.compare(Net(), cb, X, loss_fn=_loss)
     assert len(got) == 1
@@ -71,6 +75,7 @@ def test_a_failed_eager_check_of_a_compiled_run_is_said() -> None:
     assert torch.equal(ref.head(h), b.head(h))
     row = report.row("head")
     assert row.local_error == 0.0 and row.error is not None and row.error > row.tol
+
 
 def test_an_eager_model_whose_check_fails_says_nothing() -> None:
     """Not compiled: its hooks run whenever their module does, the check has nothing to find."""
