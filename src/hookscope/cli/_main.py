@@ -190,10 +190,11 @@ def load(args: argparse.Namespace) -> Any:
     :func:`random_weights_note`)."""
     import torch
 
-    from ..core._scope import locate_errors
+    from ..core._scope import check_model, locate_errors
     from ._modelspec import load_model, random_weights
 
     model = load_model(args.model)
+    check_model(model)  # a TorchScript module: refused in one line, before any hook fails on it
     args.random_weights = random_weights(args.model)
     try:
         model = model.to(torch.device(getattr(args, "device", "cpu")))

@@ -105,7 +105,14 @@ def run(args: argparse.Namespace) -> int:
     inputs = make_inputs(args, model)
     try:
         s = summary(model, *inputs, depth=args.depth, columns=columns)
+    except HookscopeError:
+        raise  # hookscope's own refusal: its message is the reason (one line, exit 2)
     except Exception as e:
+        # the summary hooks every module, the model itself included, so an error the model
+        # raised names its layer; one that names none is not the model's: it is shown as it is
+        # (a bug in hookscope keeps its traceback), never as "the model failed"
+        if getattr(e, "hookscope_layer", None) is None:
+            raise
         raise _model_failed(e, "on input", inputs) from None
     if args.json:
         print(s.to_json())

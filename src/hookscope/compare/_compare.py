@@ -1349,12 +1349,17 @@ def compare(
             check_modes(ra, rb, names)
             if isinstance(a, nn.Module) and isinstance(b, nn.Module):
                 check_kinds(a, b, _name_map(names))
+            unchecked = []  # (a compiled run whose skipped hooks could not be checked)
             if isinstance(b, nn.Module):
-                check_hooks_ran(ra, rb, b, inputs, kwargs, autocast, _name_map(names), "b")
+                unchecked.append(
+                    check_hooks_ran(ra, rb, b, inputs, kwargs, autocast, _name_map(names), "b")
+                )
             if isinstance(a, nn.Module):  # (B's names back to A's)
                 to_b = _name_map(names)
                 table = {to_b(n): n for n in ra.modules or {}}
-                check_hooks_ran(rb, ra, a, inputs, kwargs, None, lambda n: table.get(n, n), "a")
+                unchecked.append(
+                    check_hooks_ran(rb, ra, a, inputs, kwargs, None, lambda n: table.get(n, n), "a")
+                )
             if (
                 isinstance(a, (str, os.PathLike))
                 and isinstance(b, (str, os.PathLike))
@@ -1369,6 +1374,7 @@ def compare(
             job = _Job(ra, rb, b if isinstance(b, nn.Module) else None, names)
             job.phase = collections.phase
             job.notes.extend(quantized)
+            job.notes.extend(why for why in unchecked if why is not None)
             with contextlib.ExitStack() as stack:
                 for m in (a, b):
                     if isinstance(m, nn.Module):

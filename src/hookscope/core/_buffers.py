@@ -4,7 +4,9 @@ Buffers (:func:`buffers_kept`): a forward can change one in two ways: in place (
 running statistics in train mode, which some kernels update without bumping the tensor's
 version) or by reassigning it (``self.steps = self.steps + 1`` replaces the tensor in the
 module's ``_buffers``, a cache is re-registered at another length). Both are undone, and a
-buffer the forward added is removed.
+buffer the forward added is removed. A buffer of another layout (a sparse adjacency matrix, a
+nested or quantized tensor) is compared by its parts (:func:`same_tensor`: ``torch.equal`` has no
+sparse kernel) and put back with ``copy_``.
 
 Plain attributes (:class:`Attributes`, :func:`state_kept`): numbers, strings, None and tensors
 held as attributes of a module (a step counter ``self.calls += 1``, a tensor cached as a plain
@@ -30,11 +32,13 @@ from ._errors import HookscopeWarning
 
 __all__ = [
     "INTERNALS",
+    "SPARSE_PARTS",
     "Attributes",
     "Containers",
     "ParamVersions",
     "buffers_kept",
     "plain_attributes",
+    "same_tensor",
     "state_kept",
     "version_of",
 ]
@@ -413,6 +417,74 @@ class ParamVersions:
                 if id(p) in moved]  # fmt: skip
 
 
+# sparse layouts: the tensors holding their data (compressed indices, plain indices, values)
+SPARSE_PARTS: dict[Any, tuple[str, ...]] = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A strided dense tensor (``torch.equal``, ``set_`` and ``copy_`` all apply)."""
+    return t.layout is torch.strided and not t.is_nested and not t.is_quantized
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same values in the same form, for any layout: a sparse
+    tensor by its indices and values (a COO one by its coalesced flag too), a strided nested one
+    by its buffer and sizes, a wrapper subclass (a jagged nested tensor) by its inner tensors;
+    ``False`` where they cannot be compared (then restoring copies anyway)."""
+    if a.layout != b.layout or a.dtype != b.dtype or a.is_nested != b.is_nested:
+        return False
+    if _plain(a):
+        return a.shape == b.shape and torch.equal(a, b)
+    try:
+        names = SPARSE_PARTS.get(a.layout)
+        if names is not None:
+            if a.shape != b.shape or (
+                a.layout is torch.sparse_coo and a.is_coalesced() != b.is_coalesced()
+            ):
+                return False
+            return all(same_tensor(getattr(a, n)(), getattr(b, n)()) for n in names)
+        flatten = getattr(type(a), "__tensor_flatten__", None)
+        if flatten is not None and type(a) is type(b):
+            attrs = flatten(a)[0]
+            return attrs == flatten(b)[0] and all(
+                same_tensor(getattr(a, n), getattr(b, n)) for n in attrs
+            )
+        if a.is_nested:
+            return torch.equal(a._nested_tensor_size(), b._nested_tensor_size()) and (
+                torch.equal(a.values(), b.values())
+            )
+        return a.shape == b.shape and torch.equal(a, b)  # quantized, opaque layouts
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
+
+
+def _put_back(module: nn.Module, name: str, b: torch.Tensor, values: torch.Tensor) -> None:
+    """Put ``values`` back into buffer ``b`` of another layout, in place; where that cannot be
+    done (a nested buffer changed in size), the buffer's slot gets the saved copy, said."""
+    try:
+        b.copy_(values)
+        if same_tensor(b, values):
+            return
+        why = "copy_ left other values"
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        why = f"{type(exc).__name__}: {exc}"
+    module._buffers[name] = values
+    warnings.warn(
+        f"hookscope: the forward changed buffer {name!r} of a {type(module).__name__} (a "
+        f"{values.layout} tensor) and it could not be put back in place ({why[:120]}); the "
+        "buffer now holds a copy with its values from before the run, so a reference to the "
+        "old tensor object kept outside the module sees the changed values",
+        HookscopeWarning,
+        stacklevel=4,
+    )
+
+
 @contextmanager
 def buffers_kept(model: nn.Module) -> Iterator[None]:
     """Restore every buffer of ``model`` on exit: the same tensor object, with the same values.
@@ -445,7 +517,10 @@ def buffers_kept(model: nn.Module) -> Iterator[None]:
                     module._buffers[name] = b  # reassigned in forward: put the original back
                 if values is None:
                     continue
-                if b.shape != values.shape:  # resized in place
+                if not _plain(b):  # sparse, nested, quantized: compared by their parts
+                    if not same_tensor(b, values):
+                        _put_back(module, name, b, values)
+                elif b.shape != values.shape:  # resized in place
                     b.set_(values)
                 elif not torch.equal(b, values):
                     b.copy_(values)

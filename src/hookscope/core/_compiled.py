@@ -49,6 +49,7 @@ import torch.nn as nn
 from ._errors import HookscopeWarning, UnsupportedModelError
 
 __all__ = [
+    "NONE_RAN",
     "GenerateGuard",
     "Region",
     "clean_name",
@@ -62,6 +63,10 @@ __all__ = [
     "routing",
     "strip_compiled",
 ]
+
+# how the warning of a routed call in which no hook of the region ran begins (Region._silent):
+# a check that runs a region to count such calls itself filters it out
+NONE_RAN = "hookscope: none of the hooks on layers"
 
 _ORIG = "_orig_mod"
 _MISSING = object()
@@ -416,7 +421,7 @@ class Region:
         """Never silent: a routed call in which no hook of the region ran."""
         names = self._names()
         warnings.warn(
-            f"hookscope: none of the hooks on layers {names} ran during this call of the compiled "
+            f"{NONE_RAN} {names} ran during this call of the compiled "
             f"region {self.name or '<root>'!r}. Either those layers are not called through "
             "module(...) for this input, or the compiled code skipped them (code compiled by an "
             "earlier call: torch._dynamo.reset() before adding the hooks recompiles it with "

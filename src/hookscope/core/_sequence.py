@@ -339,6 +339,18 @@ class TokenTracker:
         else:
             start = 0
             unmarked = True  # nothing says where its tokens sit: see _carried
+            if cache is not None and prev is None and _state_tensors(cache):
+                # a cache whose length cannot be read (a state-space model's DynamicCache of
+                # linear-attention layers raises in get_seq_length), holding state from calls
+                # made before the scope: its tokens may sit anywhere after 0
+                conflict = (
+                    f"it is given a {type(cache).__name__} that already holds state, whose "
+                    "length cannot be read (get_seq_length gives none), and no attention mask, "
+                    "cache_position or earlier call in the scope says where its "
+                    f"{n} token(s) sit: its positions are not known; pass cache_position "
+                    "(torch.arange(cached, cached + n)), or make the calls that filled the "
+                    "cache inside the scope"
+                )
         tokens = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
         rerun = self._recompute(prev, batch, n, tokens, mask) if start == 0 else False
         new_seq = start == 0 and rerun is False

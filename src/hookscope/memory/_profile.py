@@ -311,8 +311,10 @@ def memory_profile(
     training figures), and so are the random generators (CPU and CUDA: dropout draws leave no
     trace). The same dispatch mode sees in-place writes: a module that changes a tensor it did
     not create (its input) or whose input is changed later is listed in
-    :attr:`MemoryProfile.excluded`, and plans never checkpoint it. A model or input on the
-    ``meta`` device (no data) is refused.
+    :attr:`MemoryProfile.excluded`, and plans never checkpoint it. A tensor changed in place
+    after autograd saved it, which a plain step refuses in backward, raises
+    ``SavedTensorChangedError`` (a ``RuntimeError``) naming the layer that saved it and the one
+    that changed it. A model or input on the ``meta`` device (no data) is refused.
 
     Args:
         model: any ``nn.Module`` (a ``torch.compile``'d one is reported per compiled region).

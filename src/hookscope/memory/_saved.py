@@ -24,7 +24,10 @@ its module hooks through core's :class:`~hookscope.core._scope.HookScope` like e
 
 Parameters and buffers are told apart by storage. The pack hook returns a detached alias of the
 tensor (the tensor itself would close a reference cycle through a saved output's node, keeping a
-graph freed during forward alive): nothing about the run changes. A save whose graph is freed
+graph freed during forward alive): nothing about the run changes. With a pack hook in place
+autograd no longer checks that a saved tensor is unchanged when backward uses it, so the pack hook
+keeps the tensor's version with it and the unpack hook makes that check
+(:class:`SavedTensorChangedError`, naming the layer that saved it and the one that wrote it). A save whose graph is freed
 before the forward ends (a statistic computed with autograd on and kept as a number) is dropped at
 :meth:`SavedTensors.forward_done`: nothing keeps it for backward.
 """
@@ -39,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from ..core._compiled import named_modules, region_of
+from ..core._errors import HookscopeError
 from ..core._nested import iter_tensors
 from ..core._scope import (
     HookScope,
@@ -50,7 +54,13 @@ from ..core._scope import (
     thread_checked,
 )
 
-__all__ = ["CallInputs", "SaveEvent", "SavedTensors", "storage_key"]
+__all__ = ["CallInputs", "SaveEvent", "SavedTensorChangedError", "SavedTensors", "storage_key"]
+
+
+class SavedTensorChangedError(HookscopeError, RuntimeError):
+    """A tensor autograd saved for backward was changed in place before backward used it: the
+    error a plain training step raises (a ``RuntimeError``), which autograd no longer raises
+    once a ``saved_tensors_hooks`` pack hook is in place."""
 
 
 def _outside_regions(module: nn.Module) -> bool:
@@ -169,6 +179,9 @@ class SavedTensors:
         self._known: set[str] = set()  # the model's modules when hooked (by name)
         self.lost: dict[str, str] = {}  # modules whose calls the hooks missed (see _lost)
         self.elsewhere: dict[str, None] = {}  # modules called from another thread (see _Pre)
+        # storage -> the module call that last wrote it in place in forward (None: loss_fn) and
+        # the storage's version before that write
+        self.writers: dict[tuple[torch.device, int], tuple[str | None, int]] = {}
 
     # -- module stack -----------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -213,9 +226,14 @@ class SavedTensors:
         from the changed value under checkpointing: they are marked unsafe. Buffers are left out
         (``apply_checkpointing`` replays them exactly)."""
         k = storage_key(t)
-        if k is None or k[0] in self.buffer_keys:
+        if k is None:
             return
         unsafe, stack = self.unsafe, self.stack
+        # who wrote it last, and its version before that write (the dispatcher bumps it after
+        # this mode returns): named if a tensor saved for backward turns out changed (_unpack)
+        self.writers[k[0]] = (stack[-1] if stack else None, t._version)
+        if k[0] in self.buffer_keys:
+            return
         if k[0] in self.param_keys:
             for name in stack:
                 unsafe.setdefault(name, "changes a parameter in place in its forward")
@@ -238,24 +256,49 @@ class SavedTensors:
                 )
 
     # -- saved tensors ----------------------------------------------------------------------------
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int, str | None]:
         # a detached alias, as PyTorch's docs ask: ``t`` itself would close a reference cycle
         # (a saved output holds its node, which holds it), keeping a graph freed during forward
         # alive until Python's garbage collector runs: live bytes and peaks the plain step
-        # does not have
+        # does not have. With a pack hook in place autograd no longer checks the tensor's
+        # version when backward unpacks it, so the version travels with it (see _unpack), and
+        # the module whose operation saved it (to name it)
         packed = t.detach()
+        stack = self.stack
         if graph_task_id() == -1:
             k = storage_key(t)
             if k is not None:
                 key = (*k[0], self._gen.get(k[0], 0))
-                self.events.append(SaveEvent(key, k[1], tuple(self.stack), k[0] in self.param_keys))
+                self.events.append(SaveEvent(key, k[1], tuple(stack), k[0] in self.param_keys))
                 # alive exactly as long as the graph node that saved it (see forward_done)
                 self._packed.append(weakref.ref(packed))
-        return packed
+        return packed, t._version, stack[-1] if stack else None
 
-    @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
+    def _unpack(self, packed: tuple[torch.Tensor, int, str | None]) -> torch.Tensor:
+        """The saved tensor, after the check autograd makes without pack hooks: changed in place
+        since it was saved, it would give gradients of the changed value, where a plain
+        training step raises."""
+        t, version, owner = packed
+        if t._version != version:
+            raise SavedTensorChangedError(self._changed_message(t, version, owner))
         return t
+
+    def _changed_message(self, t: torch.Tensor, version: int, owner: str | None) -> str:
+        where = "the loss (loss_fn)" if owner is None else f"layer {owner or '<root>'!r}"
+        k = storage_key(t)
+        wrote = self.writers.get(k[0]) if k is not None else None
+        by = ""
+        if wrote is not None and wrote[1] >= version:  # a forward write after the save
+            by = " by the loss (loss_fn)" if wrote[0] is None else f" by {wrote[0] or '<root>'!r}"
+        return (
+            f"memory_profile: a tensor that {where} saved for backward ({t.dtype} "
+            f"{list(t.shape)}) was changed in place after it was saved{by} (version {version}, "
+            f"now {t._version}), so backward would compute gradients from the changed value; "
+            'a plain training step raises here too ("one of the variables needed for gradient '
+            'computation has been modified by an inplace operation"). Fix the model: use the '
+            "out-of-place form of that operation (y = y + 1, not y.add_(1)) or change a clone "
+            "(y = y.clone(), then y.add_(1))"
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------
     def forward_done(self) -> None:
@@ -303,6 +346,7 @@ class SavedTensors:
             self._packed.clear()
             self._refs.clear()
             self._gen.clear()
+            self.writers.clear()
 
     # -- live bytes (dispatch mode) ---------------------------------------------------------------
     def _new_storage(self, t: torch.Tensor) -> None:

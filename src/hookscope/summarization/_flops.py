@@ -23,12 +23,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core._buffers import SPARSE_PARTS
 from ..core._inventory import module_hooks
 from ..core._scope import _Hook
 
 __all__ = [
     "EXTRA_FLOP_FORMULAS",
     "OpCounter",
+    "data_bytes",
     "flop_registry",
     "native_rule",
     "no_dispatch",
@@ -98,11 +100,13 @@ class OpCounter(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}
         self._known: set[int] = set()
         self._keep_known: list[Any] = []  # strong refs so known keys stay valid during the run
+        # layer (None: outside any call) -> the kind of a tensor it created whose bytes cannot
+        # be read (an opaque layout), so the live bytes and the peak leave it out
+        self.uncounted: dict[str | None, str] = {}
         self._composite = _COMPOSITE
         self._inside = 0  # > 0 while running a decomposition
         for t in known:
-            st = _storage(t)
-            if st is not None:
+            for st in _storages(t) or ():
                 self._known.add(st._cdata)
                 self._keep_known.append(st)
 
@@ -166,9 +170,22 @@ class OpCounter(TorchDispatchMode):
     def _add(self, t: torch.Tensor) -> None:
         if t._base is not None:  # a view: no new memory
             return
-        st = _storage(t)
-        if st is None:
+        if t.__class__ is torch.Tensor and not t.is_nested:  # the common case
+            st = _storage(t)
+            if st is not None:
+                self._add_storage(st)
+                return
+        got = _storages(t)  # sparse, nested, a wrapper subclass: the tensors holding its data
+        if got is None:
+            if not isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # (no data yet)
+                # bytes that cannot be read (an opaque layout): noted under the running layer,
+                # said by the summary (the live bytes and the peak leave them out)
+                self.uncounted.setdefault(getattr(self.sink, "name", None), _what(t))
             return
+        for st in got:
+            self._add_storage(st)
+
+    def _add_storage(self, st: Any) -> None:
         key = st._cdata
         live = self._live
         if key in self._known:
@@ -188,6 +205,51 @@ class OpCounter(TorchDispatchMode):
         self.live_bytes += n
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
+
+
+def _parts(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """The tensors that hold the data of ``t`` where it has a layout or class of its own: a sparse
+    tensor's indices and values, a traceable wrapper subclass's inner tensors (a jagged nested
+    tensor's values and offsets); None for a plain one."""
+    names = SPARSE_PARTS.get(t.layout)
+    if names is not None:
+        return [getattr(t, n)() for n in names]
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return None
+    return [x for a in flatten(t)[0] if isinstance(x := getattr(t, a, None), torch.Tensor)]
+
+
+def data_bytes(t: torch.Tensor) -> int:
+    """Bytes of the data ``t`` holds: ``numel * element_size`` for a strided tensor; a sparse one's
+    indices and values, a wrapper subclass's inner tensors, a strided nested one's buffer and
+    size, stride and offset tensors (``numel()`` of a sparse tensor is its dense size)."""
+    if t.layout is torch.strided and not t.is_nested:
+        return t.numel() * t.element_size()
+    parts = _parts(t)
+    if parts is not None:
+        return sum(data_bytes(p) for p in parts)
+    if t.is_nested:
+        return data_bytes(t.values()) + sum(data_bytes(m) for m in _nested_metadata(t))
+    return t.numel() * t.element_size()
+
+
+def _nested_metadata(t: torch.Tensor) -> list[torch.Tensor]:
+    """A strided nested tensor's size, stride and offset tensors (beside its buffer)."""
+    try:
+        return [
+            t._nested_tensor_size(),
+            t._nested_tensor_strides(),
+            t._nested_tensor_storage_offsets(),
+        ]
+    except (RuntimeError, NotImplementedError, AttributeError):  # jagged: inner tensors instead
+        return []
+
+
+def _what(t: torch.Tensor) -> str:
+    """How an uncounted tensor is named in the summary's warning."""
+    kind = type(t).__name__
+    return f"{kind} ({t.layout})" if kind != "Tensor" else str(t.layout)
 
 
 _SHAPE_CODE = flop_counter.shape_wrapper(lambda: 0).__code__
@@ -234,6 +296,27 @@ def warm_up() -> None:
         with OpCounter():
             torch.zeros(1).add(1)
         _warm = True
+
+
+def _storages(t: torch.Tensor) -> list[Any] | None:
+    """The storages holding ``t``'s data: its own (with a strided nested tensor's size, stride and
+    offset tensors), or its parts' (:func:`_parts`); None where they cannot be read."""
+    try:
+        parts = _parts(t)
+    except Exception:  # (a subclass whose flattening fails: unknown)
+        return None
+    if parts is not None:
+        out: list[Any] = []
+        for p in parts:
+            got = _storages(p)
+            if got is None:
+                return None
+            out += got
+        return out
+    st = _storage(t)
+    if st is None:
+        return None
+    return [st, *(m.untyped_storage() for m in _nested_metadata(t))] if t.is_nested else [st]
 
 
 def _storage(t: torch.Tensor) -> Any:

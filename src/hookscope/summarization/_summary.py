@@ -32,7 +32,7 @@ from ..core._scope import (
     thread_checked,
 )
 from ..core._sharded import fsdp1_found
-from ._flops import OpCounter, native_rule, no_dispatch, warm_up
+from ._flops import OpCounter, data_bytes, native_rule, no_dispatch, warm_up
 from ._format import parse_columns
 from ._rows import CallRecord, SummaryRow, SummaryTotals, build_rows, collapse
 from ._table import Summary
@@ -335,6 +335,8 @@ def summary(
                     if rec.cuda
                     else rec.counter.peak_bytes
                 )
+        if rec.counter.uncounted and not rec.cuda:
+            _say_uncounted(rec.counter.uncounted)
         calls = rec.finish()
         rows = build_rows(calls)
         params = {id(p): p for p in model.parameters()}
@@ -342,8 +344,8 @@ def summary(
             params=sum(p.numel() for p in params.values()),
             trainable=sum(p.numel() for p in params.values() if p.requires_grad),
             flops=rec.counter.total_flops,
-            param_bytes=sum(p.numel() * p.element_size() for p in params.values()),
-            buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+            param_bytes=sum(data_bytes(p) for p in params.values()),
+            buffer_bytes=sum(data_bytes(b) for b in model.buffers()),  # (sparse: what it holds)
             activation_bytes=sum(r.output_bytes for r in rows if r.leaf),
             peak_memory_bytes=int(peak),
             peak_memory_measure=(
@@ -407,3 +409,20 @@ def summary(
             rows = collapse(rows, depth)
         shown = format_shapes(call_shapes(inputs, kwargs))
         return Summary(type(model).__name__, shown, rows, totals, cols, never)
+
+
+def _say_uncounted(uncounted: dict[str | None, str]) -> None:
+    """Warn that the CPU peak leaves out tensors whose bytes cannot be read (``{layer: kind}``,
+    ``None``: created outside any module call)."""
+    layers = [n if n is not None else "<outside any layer>" for n in uncounted]
+    first = next(iter(uncounted))
+    warnings.warn(
+        f"summary: layer(s) {some_names([n or '<root>' for n in layers])} created tensors whose "
+        f"bytes cannot be read ({uncounted[first]} in {first or '<root>'!r}; not a strided, "
+        "sparse or nested tensor, nor a wrapper subclass of those), so the peak memory leaves "
+        "them out: it is under-reported by their size. Convert them to a strided tensor in the "
+        "forward (.to_dense()) while summarizing, or measure the peak on a CUDA device "
+        "(torch.cuda.max_memory_allocated counts every allocation)",
+        HookscopeWarning,
+        stacklevel=3,
+    )
