@@ -46,3 +46,12 @@ def test_the_same_calls_inside_the_scope_are_placed() -> None:
     seq = cap.sequence(LAYER)
     assert seq.tokens.tolist() == IDS.tolist() and seq.mask.all()
     assert torch.equal(seq.values, torch.cat(got, 1))
+
+
+def test_steer_refuses_the_same_call_where_its_position_matters() -> None:
+    model = tiny_mamba()
+    cache = _prefilled(model)
+    vec = {LAYER: torch.ones(model.config.hidden_size)}
+    refused = pytest.raises(hs.HookscopeError, match=r"steer\(positions=2\): model call 0 .*holds")
+    with refused, hs.steer(model, vec, positions=2), torch.no_grad():
+        model(IDS[:, 4:], cache_params=cache, use_cache=True)
