@@ -52,6 +52,8 @@ def test_steer_refuses_the_same_call_where_its_position_matters() -> None:
     model = tiny_mamba()
     cache = _prefilled(model)
     vec = {LAYER: torch.ones(model.config.hidden_size)}
-    refused = pytest.raises(hs.HookscopeError, match=r"steer\(positions=2\): model call 0 .*holds")
+    refused = pytest.raises(
+        hs.HookscopeError, match=r"steer\(positions=2\): model call 0: .*already holds state"
+    )
     with refused, hs.steer(model, vec, positions=2), torch.no_grad():
         model(IDS[:, 4:], cache_params=cache, use_cache=True)
