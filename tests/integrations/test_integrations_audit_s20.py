@@ -197,3 +197,48 @@ def test_lightning_manual_optimization_zeroing_in_place_after_the_step_is_said()
     with pytest.warns(hs.MonitorWarning, match=r"'net\.0\.weight'.*changed in place.*set_to_none"):
         _trainer(cb, max_steps=2).fit(_manual_module(base, [], set_to_none=False), loader)
     assert cb.records[0].params["net.0.weight"]["grad_norm"] == 0.0
+
+
+def _auto_module(base: nn.Module, seen: list):
+    import lightning as L
+
+    class Auto(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(base)
+
+        def training_step(self, batch, i):
+            seen.append((batch[0].clone(), batch[1].clone()))
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    return Auto()
+
+
+def test_lightning_compiled_module_is_refused_with_the_lightning_fix():
+    """``trainer.fit(torch.compile(module))``: Lightning compiles the module's forward and
+    training_step as functions, which run no hook added later; the refusal told the user to
+    call ``torch.compile(model)``, which is what they did. It now says what works in Lightning,
+    and compiling the network inside the module records exactly what the eager loop does."""
+    pytest.importorskip("lightning")
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    base = _base()
+    x, y = _data(16)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    module = torch.compile(_auto_module(base, []), backend="aot_eager")
+    cb = HookscopeCallback(every=1, alerts="off")
+    with pytest.raises(hs.UnsupportedModelError, match=r"self\.net = torch\.compile\(self\.net\)"):
+        _trainer(cb, max_steps=1).fit(module, loader)
+
+    seen: list = []
+    module = _auto_module(base, seen)
+    module.net.compile(backend="aot_eager")
+    cb = HookscopeCallback(every=2, alerts="off")
+    _trainer(cb, max_steps=3, accumulate_grad_batches=2).fit(module, loader)
+    want = _reference(copy.deepcopy(base), [seen[0:2], seen[2:4], seen[4:6]], div=2)
+    assert [r.step for r in cb.records] == [0, 2]
+    _assert_matches(cb.records[0], want[0])
+    _assert_matches(cb.records[1], want[2])

@@ -45,7 +45,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..core._errors import HookscopeWarning
+from ..core._errors import HookscopeWarning, UnsupportedModelError
 from ..monitor import Monitor, MonitorRecord, MonitorWarning
 from ._common import need
 
@@ -118,7 +118,21 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
                 stacklevel=2,
             )
         kw.setdefault("first_step", _logged_step(trainer))
-        self.monitor = Monitor(pl_module, self.layers, sinks=sinks, scaler=scaler, **kw)
+        try:
+            self.monitor = Monitor(pl_module, self.layers, sinks=sinks, scaler=scaler, **kw)
+        except UnsupportedModelError as e:
+            if getattr(pl_module, "_compiler_ctx", None) is None:
+                raise
+            # trainer.fit(torch.compile(module)): Lightning compiles the module's forward and
+            # training_step as functions, which run no hook added to the modules they call
+            raise UnsupportedModelError(
+                f"trainer.fit(torch.compile({type(pl_module).__name__}(...))): Lightning "
+                "compiles the LightningModule's forward and training_step as functions, whose "
+                "compiled code runs no hook added to the modules they call, so the callback "
+                "cannot record them; compile the network inside the module instead "
+                "(self.net = torch.compile(self.net), or self.net.compile(), in __init__ or "
+                "configure_model) and pass the module uncompiled to trainer.fit"
+            ) from e
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
