@@ -242,3 +242,27 @@ def test_lightning_compiled_module_is_refused_with_the_lightning_fix():
     assert [r.step for r in cb.records] == [0, 2]
     _assert_matches(cb.records[0], want[0])
     _assert_matches(cb.records[1], want[2])
+
+
+def test_lightning_manual_optimization_zeroing_after_the_step_says_a_skipped_step():
+    """The same manual optimization under a GradScaler (``16-mixed`` on the CPU through the
+    plugin): with the gradients gone at the batch's end, the step the scaler skipped (an
+    overflow in the second step's batch) was recorded ``skipped=False``, with no gradient norm,
+    silently. Its record now says ``skipped=True`` and holds the non-finite gradients, and the
+    weights it did not move have update_ratio 0."""
+    pytest.importorskip("lightning")
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    base = _base()
+    x, y = _data(16)
+    x[8] = 1e30  # the first batch of the second optimizer step overflows in fp16
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    cb = HookscopeCallback(every=1, alerts="off")
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    _trainer(cb, max_steps=2, plugins=[plugin]).fit(_manual_module(base, [], True), loader)
+    assert [r.skipped for r in cb.records] == [False, True]
+    assert all(math.isfinite(d["grad_norm"]) for d in cb.records[0].params.values())
+    assert all(not math.isfinite(d["grad_norm"]) for d in cb.records[1].params.values())
+    assert all(d["update_ratio"] == 0.0 for d in cb.records[1].params.values())
