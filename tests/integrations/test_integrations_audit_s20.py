@@ -266,3 +266,49 @@ def test_lightning_manual_optimization_zeroing_after_the_step_says_a_skipped_ste
     assert all(math.isfinite(d["grad_norm"]) for d in cb.records[0].params.values())
     assert all(not math.isfinite(d["grad_norm"]) for d in cb.records[1].params.values())
     assert all(d["update_ratio"] == 0.0 for d in cb.records[1].params.values())
+
+
+def test_tensorboard_histogram_sums_are_those_of_the_values_binned(tmp_path):
+    """With gradient accumulation a step's histogram bins its first micro-batch (said), but
+    TensorBoardSink wrote its ``sum`` and ``sum_squares`` from the layer's mean and std over
+    every micro-batch: a histogram whose sums are not its values' (on this run 0.31x to 4.1x
+    theirs: layer 0's sum written 2.85 where its values sum to 6.09; the second micro-batch's
+    inputs being 3x the first's). Read back with TensorBoard's
+    EventAccumulator, they are now the first micro-batch's, as plain hooks give them."""
+    pytest.importorskip("lightning")
+    ea_mod = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from hookscope.integrations.lightning import HookscopeCallback
+
+    base = _base()
+    x, y = _data(16)
+    x[4:8] *= 3
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    seen: list = []
+    sink = hs.TensorBoardSink(str(tmp_path / "tb"), histograms=True)
+    cb = HookscopeCallback(every=1, alerts="off", sinks=[sink])
+    with pytest.warns(hs.MonitorWarning, match="first micro-batch only"):
+        _trainer(cb, max_steps=1, accumulate_grad_batches=2).fit(_auto_module(base, seen), loader)
+
+    outs: dict[str, torch.Tensor] = {}
+    net = copy.deepcopy(base)
+
+    def keep(name):
+        def hook(mod, a, o):
+            outs[name] = o.detach().double()
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(n)) for n, m in net.named_children()]
+    try:
+        net(seen[0][0])  # the first micro-batch
+    finally:
+        for h in handles:
+            h.remove()
+    acc = ea_mod.EventAccumulator(str(tmp_path / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    for n, v in outs.items():
+        (event,) = acc.Histograms(f"activations/net.{n}")
+        h = event.histogram_value
+        assert h.num == v.numel()
+        assert math.isclose(h.sum, v.sum().item(), rel_tol=1e-5, abs_tol=1e-6), (n, h.sum)
+        assert math.isclose(h.sum_squares, (v**2).sum().item(), rel_tol=1e-5), (n, h.sum_squares)
