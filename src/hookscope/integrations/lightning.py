@@ -8,7 +8,10 @@ micro-batch), clipped with ``gradient_clip_val`` (a warning says so), unscaled u
 ``record.skipped``; on the CPU, where Lightning turns the flag into bf16, pass
 ``plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]``). A
 training batch that steps several optimizers (manual optimization, a GAN) makes one record, read
-after the last step (a warning says so). The sentinel (``sentinel=True``) names the first layer to produce a NaN/Inf and the step, in
+after the last step (a warning says so). Under manual optimization a record's parameter
+gradients are those the optimizer step used, even where ``training_step`` zeroes them right
+after ``opt.step()`` (``zero_grad(set_to_none=False)`` there: a warning says the record
+holds zeros). The sentinel (``sentinel=True``) names the first layer to produce a NaN/Inf and the step, in
 ``record.nonfinite`` and a ``NonFiniteWarning``. Forward passes between steps (validation,
 the sanity check) are not recorded. Records go to every logger of the trainer
 (``Logger.log_metrics``: CSV, TensorBoard, W&B, MLflow, ...) at the record's step, which is
@@ -42,8 +45,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..core._errors import HookscopeWarning
-from ..monitor import Monitor, MonitorRecord
+from ..core._errors import HookscopeWarning, UnsupportedModelError
+from ..monitor import Monitor, MonitorRecord, MonitorWarning
 from ._common import need
 
 _pl = need("lightning.pytorch", "lightning")
@@ -81,6 +84,9 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
         self._stepped: Any = None
         self._steps_in_batch = 0
         self._said_steps = False
+        # manual optimization: {id(p): (p, the .grad its step used, that tensor's version)}
+        self._used: dict[int, tuple[Any, Any, int]] = {}
+        self._said_changed = False
 
     @property
     def records(self) -> list[MonitorRecord]:
@@ -112,7 +118,21 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
                 stacklevel=2,
             )
         kw.setdefault("first_step", _logged_step(trainer))
-        self.monitor = Monitor(pl_module, self.layers, sinks=sinks, scaler=scaler, **kw)
+        try:
+            self.monitor = Monitor(pl_module, self.layers, sinks=sinks, scaler=scaler, **kw)
+        except UnsupportedModelError as e:
+            if getattr(pl_module, "_compiler_ctx", None) is None:
+                raise
+            # trainer.fit(torch.compile(module)): Lightning compiles the module's forward and
+            # training_step as functions, which run no hook added to the modules they call
+            raise UnsupportedModelError(
+                f"trainer.fit(torch.compile({type(pl_module).__name__}(...))): Lightning "
+                "compiles the LightningModule's forward and training_step as functions, whose "
+                "compiled code runs no hook added to the modules they call, so the callback "
+                "cannot record them; compile the network inside the module instead "
+                "(self.net = torch.compile(self.net), or self.net.compile(), in __init__ or "
+                "configure_model) and pass the module uncompiled to trainer.fit"
+            ) from e
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
@@ -124,6 +144,20 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._stepped = optimizer  # only on the micro-batch that ends an optimizer step
         self._steps_in_batch += 1
+        mon = self.monitor
+        if (
+            mon is not None
+            and not getattr(pl_module, "automatic_optimization", True)
+            and (mon.step_index % mon.every == 0 or self.monitor_kwargs.get("sentinel"))
+        ):
+            # manual optimization: training_step may zero the gradients right after opt.step()
+            # (Lightning's own accumulation example does), before the record is read at the
+            # batch's end: keep the gradients this step uses (references, no copy)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    g = p.grad
+                    if g is not None:
+                        self._used[id(p)] = (p, g, g._version)
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
@@ -146,8 +180,46 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
                     HookscopeWarning,
                     stacklevel=2,
                 )
-            self.monitor.step(optimizer)  # reads through LightningOptimizer
+            used, self._used = self._used, {}
+            gone = self._restore_grads(used, n, batch_idx) if used else []
+            try:
+                self.monitor.step(optimizer)  # reads through LightningOptimizer
+            finally:
+                for p in gone:
+                    p.grad = None
         self.monitor.pause()  # until the next training batch: validation is not recorded
+
+    def _restore_grads(
+        self, used: dict[int, tuple[Any, Any, int]], steps: int, batch_idx: int
+    ) -> list[Any]:
+        """Manual optimization: give back, for the record, the gradients an optimizer step of
+        this batch used and ``training_step`` set to ``None`` after it (``opt.zero_grad()``
+        after ``opt.step()``: the records had no parameter ``grad_norm``, silently); warn when
+        one was changed in place since (``zero_grad(set_to_none=False)``: a ``grad_norm`` of 0).
+        Returns the parameters given back (their ``.grad`` goes back to ``None`` after)."""
+        gone, changed = [], []
+        for p, g, version in used.values():
+            if p.grad is None:
+                p.grad = g
+                gone.append(p)
+            elif p.grad is g and g._version != version and steps == 1:
+                changed.append(p)
+        if changed and not self._said_changed:
+            self._said_changed = True
+            names = {id(p): n for n, p in self.monitor.model.named_parameters()}  # type: ignore[union-attr]
+            which = [names.get(id(p), "?") for p in changed]
+            shown = ", ".join(repr(n) for n in which[:3]) + (", ..." if len(which) > 3 else "")
+            warnings.warn(
+                f"batch {batch_idx}: the gradients of parameter(s) {shown} were changed in place "
+                "after the optimizer step that used them (opt.zero_grad(set_to_none=False) after "
+                "opt.step() in training_step?), before the callback reads them at the end of the "
+                "training batch: the records' parameter grad_norm are of the changed values (0 "
+                "after a zero_grad), not the ones the step used. Call opt.zero_grad() with "
+                "set_to_none=True (the default), or before manual_backward",
+                MonitorWarning,
+                stacklevel=2,
+            )
+        return gone
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.monitor is not None:

@@ -542,7 +542,7 @@ class Monitor:
         layout = _layout(acts, grads, self._params, late, sslot, rest) if _world() > 1 else ""
         got = pack.gather(step, layout)
         scale = (got.read(sslot)[0] or 1.0) if sslot is not None else 1.0
-        layers, hists = self._layer_values(got, acts, grads, scale)
+        layers, hists, sums = self._layer_values(got, acts, grads, scale)
         params = self._param_values(got, pslot, has, scale, optimizer)
         if lslot is not None:
             params.update(self._late_values(got, lslot, late, scale, optimizer))
@@ -552,7 +552,9 @@ class Monitor:
             if rest is not None:
                 norms += [v for r in got.each(rest) for v in r]
             skipped = not all(math.isfinite(v) for v in norms)
-        rec = MonitorRecord(step, layers, params, histograms=hists, skipped=skipped)
+        rec = MonitorRecord(
+            step, layers, params, histograms=hists, skipped=skipped, histogram_sums=sums
+        )
         rec.alerts = diagnose(step, layers, params, self._prev, self.thresholds, self._allowed)
         self._prev = (layers, params)
         return rec
@@ -697,12 +699,18 @@ class Monitor:
         acts: dict[str, tuple[list[tuple[int, int]], int | None]],
         grads: dict[str, list[int]],
         scale: float,
-    ) -> tuple[dict[str, dict[str, float]], dict[str, tuple[list[float], list[float]]]]:
+    ) -> tuple[
+        dict[str, dict[str, float]],
+        dict[str, tuple[list[float], list[float]]],
+        dict[str, tuple[float, float]],
+    ]:
         """Per layer call: activation and output-gradient statistics combined over micro-batches
-        and ranks; activation histograms (of the first micro-batch, every rank's)."""
+        and ranks; activation histograms (of the first micro-batch, every rank's), and their
+        sums where the step had several micro-batches."""
         st, tp = self._state, self._tp
         layers: dict[str, dict[str, float]] = {}
         hists: dict[str, tuple[list[float], list[float]]] = {}
+        sums: dict[str, tuple[float, float]] = {}
         first = next(iter(acts), None)
         for key, (micro, hslot) in acts.items():
             ns: list[float] = []
@@ -730,6 +738,8 @@ class Monitor:
                 a, counts = self._histogram(got, key, micro[0][1], hslot)
                 edges = [a * (-1 + 2 * (j + 1) / len(counts)) for j in range(len(counts))]
                 hists[f"activations/{key}"] = (edges, counts)
+                if len(micro) > 1:  # the binned values' sums: the first micro-batch's
+                    sums[f"activations/{key}"] = self._first_sums(got, key, micro[0])
         # Under torch.distributed the ranks' losses are averaged (what DDP optimises), so each
         # rank's output gradient is divided by the world size: the same values as one process
         # running the combined batch.
@@ -747,7 +757,20 @@ class Monitor:
                     gs_k = tp_pieces([0.0] * len(gs_k), gs_k, replicated, tp[1])[1]
                 gs += gs_k
             layers.setdefault(key, {}).update(combine_grads(gs, gscale))
-        return layers, hists
+        return layers, hists, sums
+
+    def _first_sums(self, got: Packed, key: str, first: tuple[int, int]) -> tuple[float, float]:
+        """``(sum, sum of squares)`` of a layer call's first micro-batch over the ranks (the
+        values its histogram binned), from its count, mean and std."""
+        nslot, vslot = first
+        ns, vs = [r[0] for r in got.each(nslot)], got.each(vslot)
+        if self._tp:
+            replicated = self._state.kinds.get(key) == "replicate"
+            ns, vs = tp_pieces(ns, vs, replicated, self._tp[1])
+        m = combine_acts(ns, vs)
+        n = sum(ns)
+        std = m["std"] if n > 1 else 0.0
+        return m["mean"] * n, std**2 * (n - 1) + n * m["mean"] ** 2
 
     def _histogram(
         self, got: Packed, key: str, vslot: int, hslot: int

@@ -34,6 +34,9 @@ class MonitorRecord:
         alerts: diagnoses of this step (:class:`Alert`).
         nonfinite: where the first NaN/Inf came from (sentinel mode), or ``None``.
         histograms: ``{tag: (bucket_limits, counts)}`` when histograms were requested.
+        histogram_sums: ``{tag: (sum, sum of squares)}`` of the values each histogram binned
+            (those of the step's first micro-batch), where they are not the layer's
+            statistics over the whole step: a step with several micro-batches.
         skipped: with a ``GradScaler``, whether it skipped this optimizer step (non-finite
             gradients: the weights did not change); ``None`` without one.
     """
@@ -45,6 +48,7 @@ class MonitorRecord:
     nonfinite: NonFiniteOrigin | None = None
     histograms: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
     skipped: bool | None = None
+    histogram_sums: dict[str, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def scalars(self, prefix: str = "hookscope") -> dict[str, float]:
         """The record as flat scalars for a tracker: ``"{prefix}/{layer}/{stat}"`` and

@@ -101,16 +101,22 @@ class TensorBoardSink:
             num = sum(counts)
             if not num or not limits or not (limits[-1] > 0 and math.isfinite(limits[-1])):
                 continue
-            mean, std = s.get("mean", 0.0), s.get("std", 0.0)
-            if not (math.isfinite(mean) and math.isfinite(std)):
+            # the binned values' sums: the layer's statistics, or (several micro-batches: the
+            # histogram is the first one's) the record's histogram_sums
+            got = getattr(record, "histogram_sums", {}).get(tag)
+            if got is None:
+                mean, std = s.get("mean", 0.0), s.get("std", 0.0)
+                got = (mean * num, std**2 * max(num - 1, 0) + num * mean**2)
+            total, squares = got
+            if not (math.isfinite(total) and math.isfinite(squares)):
                 continue
             w.add_histogram_raw(
                 tag,
                 min=-limits[-1],
                 max=limits[-1],
                 num=num,
-                sum=mean * num,
-                sum_squares=std**2 * max(num - 1, 0) + num * mean**2,
+                sum=total,
+                sum_squares=squares,
                 bucket_limits=limits,
                 bucket_counts=counts,
                 global_step=step,
