@@ -165,6 +165,7 @@ class Monitor:
         self._warned_hist_micro = False  # histograms of the first micro-batch only, said once
         self._said: set[tuple[str, str]] = set()  # (what, parameter) said once (see _say)
         self._said_replaced: set[str] = set()  # layers said replaced in the model (once each)
+        self._warned_grads = False  # parameters' gradients gone when step() read them (once)
         self._params = []
         # every parameter of the watched layers; each logged step records those that train
         # (requires_grad) then: one frozen at creation and unfrozen later (fine-tuning) was
@@ -381,6 +382,7 @@ class Monitor:
                     )
             record = self._record(step, optimizer)
             record.nonfinite = origin
+            self._check_grads_read(record)
         elif origin is not None:
             record = MonitorRecord(step, nonfinite=origin)
         try:
@@ -439,6 +441,35 @@ class Monitor:
             )
         lost = set(replaced) | set(stripped)
         return bool(lost) and all(n in lost for n in self.named)
+
+    def _check_grads_read(self, record: MonitorRecord) -> None:
+        """Warn, once, when a step's backward reached the monitored layers (their output
+        gradients are in the record) but the parameters' gradients were gone or zeroed when
+        ``step()`` read them: ``optimizer.zero_grad()`` called before ``step()`` (their
+        ``grad_norm`` absent, or 0; under a GradScaler a skipped step then reads as not
+        skipped)."""
+        if self._warned_grads or not record.params:
+            return
+        layer = [v.get("grad_norm") for v in record.layers.values()]
+        if not any(g is not None and g > 0 for g in layer):
+            return  # no backward through the monitored layers (or all-zero gradients)
+        norms = [v.get("grad_norm") for v in record.params.values()]
+        if all(g is None for g in norms):
+            what = "none of the monitored parameters had a gradient (every .grad was None)"
+        elif all(g == 0 for g in norms if g is not None) and all(g is not None for g in norms):
+            what = "every monitored parameter's gradient was all zeros"
+        else:
+            return
+        self._warned_grads = True
+        warnings.warn(
+            f"Monitor: step {record.step}: {what} when step() read them, although the backward "
+            "reached the monitored layers (their output gradients are recorded): "
+            "optimizer.zero_grad() was called before step()? The record's parameter grad_norm "
+            "are absent or 0 (and under a GradScaler a step it skipped reads as not skipped); call "
+            "monitor.step(optimizer) after optimizer.step() and before optimizer.zero_grad()",
+            MonitorWarning,
+            stacklevel=3,
+        )
 
     def _check_layers_ran(self, step: int, scope: HookScope | None) -> None:
         """Warn when a logged step recorded no layer although layers were asked for: the model
