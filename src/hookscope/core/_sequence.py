@@ -571,6 +571,7 @@ class TokenTracker:
         self._wrapped.clear()
         self._unwrap_generate()
         self.current = None
+        self._state = None  # (what the last call was given and returned: not kept past the scope)
 
     def _reordered(self, idx: torch.Tensor) -> None:
         self._pending = idx if self._pending is None else self._pending.to(idx.device)[idx]
