@@ -206,6 +206,8 @@ class HookscopeCallback(_pl.Callback):  # type: ignore[misc, name-defined]
                 changed.append(p)
         if changed and not self._said_changed:
             self._said_changed = True
+            # (the monitor's own warning of gradients read as zeros says the same, less exactly)
+            self.monitor._warned_grads = True  # type: ignore[union-attr]
             names = {id(p): n for n, p in self.monitor.model.named_parameters()}  # type: ignore[union-attr]
             which = [names.get(id(p), "?") for p in changed]
             shown = ", ".join(repr(n) for n in which[:3]) + (", ..." if len(which) > 3 else "")
