@@ -99,3 +99,55 @@ def test_a_mixture_of_experts_dropping_tokens_past_capacity_across_the_batch_is_
         got = hs.patch_sweep(model, clean, corrupt, _logit_diff, names)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
     assert (ref[0] - ref[0, 0]).abs().max() > 0.1  # the sites differ: a real check
+
+
+class _InPlaceResidual(nn.Module):
+    """A block written with an in-place residual: the norm's input ``h`` is changed in place
+    after the norm read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.norm = nn.Linear(4, 8), nn.LayerNorm(8)
+        self.f, self.head = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        h += self.f(self.norm(h))
+        return self.head(torch.tanh(h))
+
+
+def test_attribution_of_an_input_changed_in_place_later_uses_its_value_at_the_call():
+    # attribution_patch kept a reference to the corrupted activation (x.detach()), read after
+    # the forward: the in-place residual had changed it, so clean - corrupt was taken against
+    # h + f(norm(h)). Position 2 scored +0.65 where (clean - corrupt) . d metric / d act is
+    # -0.38 (reference: autograd by hand on a copy of the input taken in the call).
+    model = _InPlaceResidual().eval()
+    g = torch.Generator().manual_seed(1)
+    clean, corrupt = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+
+    def metric(y: torch.Tensor) -> torch.Tensor:
+        return y[:, -1].sum()
+
+    got = hs.attribution_patch(model, clean, corrupt, metric, ["norm"], at="input")
+    kept: dict[str, torch.Tensor] = {}
+    h = model.norm.register_forward_pre_hook(lambda m, a: kept.__setitem__("clean", a[0].clone()))
+    try:
+        with torch.no_grad():
+            model(clean)
+    finally:
+        h.remove()
+
+    def leaf(m: nn.Module, a: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        kept["z"] = a[0].detach().clone().requires_grad_(True)
+        return (kept["z"],)
+
+    h = model.norm.register_forward_pre_hook(leaf)
+    try:
+        value = metric(model(corrupt))
+    finally:
+        h.remove()
+    (grad,) = torch.autograd.grad(value, kept["z"])
+    ref = ((kept["clean"] - kept["z"].detach()) * grad).sum(dim=(0, 2))
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(got[0], ref, atol=1e-6, rtol=1e-5)
