@@ -111,7 +111,8 @@ def attribution_patch(
             delta = deltas[layer.point]
             if g is None:
                 g = torch.zeros_like(delta)
-            prod = view(layer, delta.to(torch.float32) * g.to(torch.float32))
+            acc = torch.float64 if delta.dtype == torch.float64 else torch.float32
+            prod = view(layer, delta.to(acc) * g.to(acc))
             scores.append(per_site(layer, over_t, prod, torch.sum))
         out = stack_layers(scores, chosen).detach()
         if top_k is None:
