@@ -104,14 +104,15 @@ def attribution_patch(
         )
         with torch.no_grad():
             clean_acts, _, job.per_row = job.record(src, chosen, what="attribution_patch")
-        acts, grads, value = _gradients(job, chosen)
+        deltas, grads, value = _gradients(job, chosen, clean_acts)
         scores = []
         for layer in chosen:
             g = grads.get(layer.point)
-            delta = clean_acts[layer.point] - acts[layer.point]
+            delta = deltas[layer.point]
             if g is None:
                 g = torch.zeros_like(delta)
-            prod = view(layer, delta.to(torch.float32) * g.to(torch.float32))
+            acc = torch.float64 if delta.dtype == torch.float64 else torch.float32
+            prod = view(layer, delta.to(acc) * g.to(acc))
             scores.append(per_site(layer, over_t, prod, torch.sum))
         out = stack_layers(scores, chosen).detach()
         if top_k is None:
@@ -120,11 +121,14 @@ def attribution_patch(
 
 
 def _gradients(
-    job: SweepJob, chosen: list[PatchedLayer]
+    job: SweepJob, chosen: list[PatchedLayer], clean_acts: dict[str, torch.Tensor]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
-    """One corrupted forward and one backward: each layer's activation and the metric's gradient
-    with respect to it (missing where the metric does not depend on it), and the metric."""
-    acts: dict[str, torch.Tensor] = {}
+    """One corrupted forward and one backward: each layer's ``clean - corrupt`` activation, the
+    metric's gradient with respect to it (missing where the metric does not depend on it), and
+    the metric. The difference is taken in the hook, from the activation as the call got or made
+    it: the model may change that tensor in place later (``h += block(norm(h))`` after a
+    norm's input), which a reference to it would see."""
+    deltas: dict[str, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
     calls: dict[str, int] = {}
     zeros: list[torch.Tensor] = []
@@ -133,7 +137,13 @@ def _gradients(
 
             def track(x: torch.Tensor, s: PatchedLayer = layer) -> torch.Tensor:
                 calls[s.point] = calls.get(s.point, 0) + 1
-                acts[s.point] = x.detach()
+                clean = clean_acts[s.point]
+                if clean.shape != x.shape:
+                    raise PatchingError(
+                        f"the activation of {s.point!r} is {tuple(clean.shape)} in the clean run "
+                        f"and {tuple(x.shape)} in the corrupted run: they do not align"
+                    )
+                deltas[s.point] = clean - x.detach()
                 z = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
                 zeros.append(z)
                 a = x + z  # the same values; a tensor whose gradient is this layer's own
@@ -168,7 +178,7 @@ def _gradients(
                 "without a gradient); return a tensor computed from the output"
             )
         torch.autograd.grad(value, zeros, allow_unused=True)
-    return acts, grads, value
+    return deltas, grads, value
 
 
 def _exact_top(

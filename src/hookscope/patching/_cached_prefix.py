@@ -226,16 +226,21 @@ class CausalPrefix:
 
     def padding_from(self, full: Any, rebuilt: Any, p0: int) -> Any:
         """``full`` (a full run's output, ``B`` rows) with its padding positions before ``p0``
-        (``attention_mask`` 0) taken from ``rebuilt`` (the last :meth:`rebuild`'s structure).
+        (``attention_mask`` 0) and each row's padding before its first real token (left padding,
+        at any position) taken from ``rebuilt`` (the last :meth:`rebuild`'s structure).
 
         A position before a row's first real token attends to no real key; Hugging Face lets it
         attend to every position instead, so a full run's output there changes with a patch
-        anywhere, while a pass from ``p0`` keeps the reference's. Neither means anything; this
-        makes the two comparable on the positions that do."""
+        anywhere, while a pass from ``p0`` keeps the reference's before ``p0`` and attends to
+        what the pass holds from ``p0`` on. Neither means anything; this makes the two
+        comparable on the positions that do."""
         mask = self.kwargs.get("attention_mask")
-        if not isinstance(mask, torch.Tensor) or bool(mask[:, :p0].all()):
+        if not isinstance(mask, torch.Tensor):
             return full
-        pad = mask[:, :p0] == 0
+        pad = mask == 0
+        pad[:, p0:] &= mask.cumsum(1)[:, p0:] == 0  # from p0 on: leading padding only
+        if not bool(pad.any()):
+            return full
         got = [t for _, t in iter_tensors(rebuilt)]
         it = iter(zip(got, self.axes))
 
@@ -243,10 +248,10 @@ class CausalPrefix:
             g, d = next(it)
             if d is None or t.shape != g.shape or t.shape[0] != pad.shape[0]:
                 return t
+            if t.shape[d] != pad.shape[1]:
+                return t
             shape = [1] * t.ndim
-            shape[0], shape[d] = pad.shape[0], p0
-            where = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
-            where.narrow(d, 0, p0).copy_(pad.view(shape).expand_as(where.narrow(d, 0, p0)))
-            return torch.where(where, g, t)
+            shape[0], shape[d] = pad.shape
+            return torch.where(pad.to(t.device).view(shape).expand(t.shape), g, t)
 
         return map_tensors(one, full)

@@ -76,7 +76,8 @@ def check_calls(layer: PatchedLayer, n: int) -> None:
 
 
 def score(value: Any, layer: str) -> torch.Tensor:
-    """The metric's value as a float32 scalar; a one-line error for anything else."""
+    """The metric's value as a float32 scalar (float64 where the metric gives float64: a
+    float64 model's values are not rounded); a one-line error for anything else."""
     if isinstance(value, torch.Tensor):
         t = value
     elif isinstance(value, numbers.Real):
@@ -92,7 +93,7 @@ def score(value: Any, layer: str) -> torch.Tensor:
             f"metric must return a scalar (one number for the batch, as in TransformerLens); "
             f"it returned shape {tuple(t.shape)} at layer {layer!r}. Reduce it, e.g. .mean()"
         )
-    return t.detach().to(torch.float32)
+    return t.detach().to(torch.float64 if t.dtype == torch.float64 else torch.float32)
 
 
 @dataclass

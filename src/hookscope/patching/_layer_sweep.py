@@ -7,8 +7,10 @@ the order tried (:class:`Rows`): from later positions (a causal model: a pass ru
 layer's block), fanned out (full length, rows from the layer's block on), tiled (the model's
 inputs repeated ``k`` times), one site per pass. Each kind of pass that is not exact by
 construction (a pass from a later position; a pass of several sites) is checked the first time
-it runs: a pass from a later position against a full run of its first site (every output
-tensor), a pass of several sites against its first site run alone (the metric). A check that
+it runs, at its first and its last site (a model that mixes rows in their order, e.g. experts
+filled to capacity by the earlier copies, leaves the first copy as alone): a pass from a later
+position against a full run of the site (every output tensor), a pass of several sites against
+the site run alone (the metric, and every output tensor of the site's rows). A check that
 fails moves the layer to the next way, with one warning naming the layer and the reasons. A pass
 that runs out of memory is split in two, and the sweep's passes stay at most that size.
 """
@@ -68,13 +70,17 @@ class Rows:
 CACHED, FANNED, TILED = Rows(None, True), Rows(None), Rows("")
 
 
-def why_differ(a: Any, b: Any) -> str | None:
-    """Why two outputs differ (structure, shapes, values beyond float noise), or ``None``."""
+def why_differ(a: Any, b: Any, rows: int | None = None) -> str | None:
+    """Why two outputs differ (structure, shapes, values beyond float noise), or ``None``. With
+    ``rows``, only the tensors of ``rows`` rows in both are compared (one site's rows of a
+    batched pass: a value the pass reduced over every copy, a loss, is the metric's check)."""
     ta, tb = list(iter_tensors(a)), list(iter_tensors(b))
     if [p for p, _ in ta] != [p for p, _ in tb]:
         return "the outputs hold different tensors"
     for (path, x), (_, y) in zip(ta, tb):
         name = ".".join(map(str, path)) or "output"
+        if rows is not None and not (x.ndim and y.ndim and x.shape[0] == y.shape[0] == rows):
+            continue
         if x.shape != y.shape:
             return f"{name} is {tuple(x.shape)}, not {tuple(y.shape)}"
         if not x.is_floating_point():
@@ -248,10 +254,15 @@ class LayerSweep:
                 values.update(self._scores(p, out))
         return values
 
-    def verify(self, p: Pass, rows: Any, value: torch.Tensor) -> None:
-        """Check ``p``'s first site (its output ``rows``, its metric ``value``) against that site
-        patched alone in a full-length pass; raise :class:`Mismatch` where they differ."""
-        site = p.sites[0]
+    def verify(self, p: Pass, checked: dict[int, tuple[Any, torch.Tensor]]) -> None:
+        """Check sites of ``p`` (``checked``: a copy's index in the pass -> its output rows and
+        its metric) against each site patched alone in a full-length pass; raise
+        :class:`Mismatch` where they differ."""
+        for j, (rows, value) in checked.items():
+            self._verify_site(p, p.sites[j], rows, value)
+        self.verified |= _kinds(p)
+
+    def _verify_site(self, p: Pass, site: int, rows: Any, value: torch.Tensor) -> None:
         alone = self._forward(Pass((site,)))
         if p.cache is not None:
             ref = p.cache.padding_from(drop_cache(alone), rows, p.p0)
@@ -265,7 +276,11 @@ class LayerSweep:
                     f"the metric of site {site} was {float(value):.6g} batched and "
                     f"{float(ref):.6g} alone"
                 )
-        self.verified |= _kinds(p)
+            # every output tensor of the site's rows, not only what this metric reads: a copy
+            # changed where the metric is not sensitive is changed where another site's is
+            why = why_differ(rows, alone, rows=self.job.batch)
+            if why is not None:
+                raise Mismatch(f"site {site} batched and alone: {why}")
 
     def fall_back(self, sites: list[int]) -> dict[int, torch.Tensor]:
         """One site per pass, at full length: each pass is the reference itself."""
@@ -319,17 +334,21 @@ class LayerSweep:
         return out
 
     def _scores(self, p: Pass, out: Any) -> dict[int, torch.Tensor]:
-        """Each site's metric from ``p``'s output; the first pass of a kind is verified."""
+        """Each site's metric from ``p``'s output; the first pass of a kind is verified at its
+        first and its last copy (a model that mixes the rows of a batch in their order, e.g. a
+        mixture of experts dropping the tokens past an expert's capacity across the batch,
+        leaves the first copy as it is alone and changes the later ones)."""
         check = bool(_kinds(p) - self.verified)
-        got, first = [], None
+        ends = {0, len(p.sites) - 1} if check else set()
+        got, checked = [], {}
         for j in range(len(p.sites)):  # one site's rows at a time: a rebuilt output is a copy
             rows = self._site_rows(out, p, j)
-            if check and j == 0:
-                first = rows
             got.append(self.job.score(rows, self.layer))
+            if j in ends:
+                checked[j] = (rows, got[-1])
         del out, rows
         if check:
-            self.verify(p, first, got[0])
+            self.verify(p, checked)
         return dict(zip(p.sites, got))
 
     def _site_rows(self, out: Any, p: Pass, j: int) -> Any:

@@ -60,8 +60,9 @@ def patch_sweep(
     to ``max_bytes`` or ``rows``). A site whose clean activation equals the corrupted one exactly
     (in a causal model, every position before the first token that differs) is not run: its
     value is the corrupted run's metric. Every value returned is checked or exact by
-    construction: the first pass of several sites of each layer is compared with its first site
-    patched alone; where it differs, the layer runs with the model's inputs tiled (checked the
+    construction: the first pass of several sites of each layer is compared with its first and
+    its last site patched alone (the metric, and every output tensor of their rows); where it
+    differs, the layer runs with the model's inputs tiled (checked the
     same way), and where that differs too (a model that mixes the rows of a batch, e.g. by a
     batch statistic), one site per pass, with a warning naming the layer. A pass that runs out
     of memory is halved, with a warning; passes stay at most that size for the rest of the sweep.
