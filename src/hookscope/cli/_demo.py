@@ -4,7 +4,9 @@ self-contained HTML report (summary, feature maps, Grad-CAM, gradient flow, NaN 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,17 +69,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_report)
 
 
-def _out_dir(out: str) -> Path:
+@contextlib.contextmanager
+def _out_dir(out: str) -> Iterator[Path]:
+    """``--out`` as a directory, made (with its parents) before the work so a bad path fails
+    first; the directories made are removed again when the work fails, so a failed run leaves
+    no empty folder behind."""
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise CLIError(
             f"--out {out!r} is a file; give a directory (the report is written as DIR/report.html)"
         )
+    made = [p for p in [path, *path.parents] if not p.exists()]
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CLIError(f"cannot create directory {out!r}: {e.strerror or e}") from None
-    return path
+    try:
+        yield path
+    except BaseException:
+        for p in made:  # deepest first; only if still empty
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        raise
 
 
 def _print_summary(facts: Any, path: Path, seconds: float, note: str | None = None) -> None:
@@ -116,16 +131,17 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     t0 = time.perf_counter()
-    out = _out_dir(args.out)
-    # The demo's tensors are tiny: one intra-op thread is as fast on an idle machine and avoids
-    # OpenMP threads spinning at barriers (up to ~8x slower) when other processes share the CPUs.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        report, facts = build_demo_report(n_images=args.images, steps=args.steps)
-    finally:
-        torch.set_num_threads(threads)
-    path = report.write(out / "report.html")
+    with _out_dir(args.out) as out:
+        # The demo's tensors are tiny: one intra-op thread is as fast on an idle machine and
+        # avoids OpenMP threads spinning at barriers (up to ~8x slower) when other processes
+        # share the CPUs.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            report, facts = build_demo_report(n_images=args.images, steps=args.steps)
+        finally:
+            torch.set_num_threads(threads)
+        path = report.write(out / "report.html")
     _print_summary(facts, path, time.perf_counter() - t0)
     return 0
 
@@ -143,9 +159,9 @@ def run_report(args: argparse.Namespace) -> int:
     model = load(args)
     x, shown = load_image(args)
     x = x.to(next((p.device for p in model.parameters()), x.device))
-    out = _out_dir(args.out)
-    report, facts = build_model_report(model, x, shown, name=args.model, layer=args.layer)
-    path = report.write(out / "report.html")
+    with _out_dir(args.out) as out:
+        report, facts = build_model_report(model, x, shown, name=args.model, layer=args.layer)
+        path = report.write(out / "report.html")
     _print_summary(facts, path, time.perf_counter() - t0, random_weights_note(args))
     return 0
 

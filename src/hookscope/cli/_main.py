@@ -165,10 +165,16 @@ def make_inputs(args: argparse.Namespace, model: Any) -> list[Any]:
     high = min(100, vocabulary(model) or 100)  # token ids must be inside the vocabulary
     out = []
     for s in shapes:
-        if dtype.is_floating_point:
-            out.append(torch.randn(s, generator=gen).to(device=device, dtype=dtype))
-        else:
-            out.append(torch.randint(0, high, s, generator=gen).to(device=device, dtype=dtype))
+        try:
+            if dtype.is_floating_point:
+                out.append(torch.randn(s, generator=gen).to(device=device, dtype=dtype))
+            else:
+                out.append(torch.randint(0, high, s, generator=gen).to(device=device, dtype=dtype))
+        except RuntimeError as e:  # a dtype no input is made of (qint8): a traceback before
+            raise CLIError(
+                f"--dtype {args.dtype}: cannot make inputs of it on {args.device!r} "
+                f"({_one_line(e)}); try float32, float16, bfloat16 or long"
+            ) from None
     return out
 
 

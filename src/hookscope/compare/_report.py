@@ -206,20 +206,43 @@ class CompareReport:
             FigureCanvasAgg(fig)
             ax = fig.add_subplot()
         fig = ax.figure
-        floor = 1e-12
         xs = list(range(len(self.rows)))
+        attrs = ["error", "local_error"]
+        if any(r.local_grad_error is not None for r in self.rows):
+            attrs.append("local_grad_error")
+        drawn = [getattr(r, a) for r in self.rows for a in attrs]
+        positive = [v for v in drawn if v is not None and 0 < v < math.inf]
+        # zeros (exact rows) sit at the foot of the log axis, below every value drawn, labelled
+        # "0"; no value is raised to a floor or cut at a ceiling
+        floor = min([1e-12, *positive]) / 10 if positive and min(positive) <= 1e-12 else 1e-12
+        marks: dict[int, list[str]] = {}
 
         def ys(attr: str) -> list[float]:
             out = []
-            for r in self.rows:
+            for i, r in enumerate(self.rows):
                 v = getattr(r, attr)
-                out.append(math.nan if v is None else min(max(v, floor), 1e3))
+                if v is not None and not 0 < v < math.inf:
+                    word = "0" if v == 0 else _fmt(v) if v == math.inf else "NaN"
+                    if word not in marks.setdefault(i, []):
+                        marks[i].append(word)
+                out.append(math.nan if v is None or not v < math.inf else v if v != 0 else floor)
             return out
 
         ax.semilogy(xs, ys("error"), "o-", ms=3, label="error (full runs)")
         ax.semilogy(xs, ys("local_error"), "s", ms=3, label="local error (replayed on A's inputs)")
-        if any(r.local_grad_error is not None for r in self.rows):
+        if "local_grad_error" in attrs:
             ax.semilogy(xs, ys("local_grad_error"), "^", ms=3, label="local gradient error")
+        for i, words in marks.items():  # not drawable on a log axis: said where they are
+            ax.annotate(
+                ", ".join(words),
+                (i, 0.02),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                ha="center",
+                va="bottom",
+                fontsize=6,
+                color="black" if words == ["0"] else "red",
+            )
         ax.semilogy(xs, [r.tol for r in self.rows], "k--", lw=0.8, label="tolerance")
         for i, r in enumerate(self.rows):
             if r.flagged and r.label in self.culprits:

@@ -14,13 +14,14 @@ more same-class children that are not a list themselves and each hold a list of 
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 
 import torch.nn as nn
 
 from ._compiled import named_modules, strip_compiled
-from ._errors import LayerNotFoundError
-from ._select import suggest
+from ._errors import HookscopeWarning, LayerNotFoundError
+from ._select import aliases, suggest
 
 __all__ = ["blocks"]
 
@@ -85,6 +86,28 @@ def _stacks(model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
     return []
 
 
+def _warn_shared(model: nn.Module, names: list[str]) -> None:
+    """A block registered under several names (``nn.ModuleList([blk, blk, blk])``, ALBERT-style
+    sharing) is one module: ``named_children`` lists it once, so the blocks read as fewer than
+    the model runs. Said, not dropped without a word."""
+    seconds: dict[str, list[str]] = {}
+    for second, first in aliases(model).items():
+        if first in names:
+            seconds.setdefault(first, []).append(second)
+    if not seconds:
+        return
+    shown = "; ".join(
+        f"{first!r} is one module under {len(more) + 1} names ({', '.join(map(repr, [first, *more]))})"
+        for first, more in seconds.items()
+    )
+    warnings.warn(
+        f"blocks: {shown}: listed once, under its first name; its hooks see all its calls, in "
+        "the order they run, so a sweep over these blocks sees it as one block",
+        HookscopeWarning,
+        stacklevel=3,
+    )
+
+
 def blocks(
     model: nn.Module, child: str | None = None, *, within: str | None = None
 ) -> dict[str, nn.Module]:
@@ -129,6 +152,7 @@ def blocks(
             f"{type(strip_compiled(model)).__name__} has no repeated blocks{where} (no module "
             "with two children of one class); select layers by name or glob instead"
         )
+    _warn_shared(model, names)
     if child is None:
         return {n: modules[n] for n in names}
     out = {}

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
 import torch
 import torch.nn as nn
 
-from ._compiled import clean_name, named_modules, strip_compiled
-from ._errors import LayerNotFoundError
+from ._compiled import clean_name, is_optimized, named_modules, strip_compiled
+from ._errors import HookscopeWarning, LayerNotFoundError
 
-__all__ = ["Selector", "find", "resolve", "suggest"]
+__all__ = ["Selector", "aliases", "find", "resolve", "suggest"]
 
 Selector = Union[str, type, nn.Module, Callable[[str, nn.Module], bool]]  # noqa: UP007 (a runtime alias)
 """A layer selector: an exact dotted name (``""`` is the root), a glob (``"layer*.conv2"``), a
@@ -30,10 +31,28 @@ def _is_leaf(module: nn.Module) -> bool:
     return next(iter(module.children()), None) is None
 
 
+def _behind_wrappers(name: str, names: list[str]) -> list[str]:
+    """Names holding ``name``'s parts in order with more parts between or before them, ending
+    in its last part: ``fc`` behind a wrapper is ``module.fc`` (DistributedDataParallel,
+    DataParallel), ``layers.0.attn`` is ``layers.0._checkpoint_wrapped_module.attn``; the
+    shortest first."""
+    want = name.split(".")
+    hits = []
+    for x in names:
+        parts = x.split(".")
+        if len(parts) > len(want) and parts[-1] == want[-1]:
+            rest = iter(parts)
+            if all(p in rest for p in want):  # a subsequence, in order
+                hits.append((len(parts), x))
+    return [x for _, x in sorted(hits, key=lambda h: h[0])]
+
+
 def suggest(name: str, names: Iterable[str], n: int = 5) -> list[str]:
-    """The valid names closest to ``name`` (edit distance, then shared prefix, then siblings)."""
+    """The valid names closest to ``name`` (the name behind a wrapper's prefix, edit distance,
+    then shared prefix, then siblings)."""
     names = [x for x in names if x != ""]
-    close = difflib.get_close_matches(name, names, n=n, cutoff=0.6)
+    close = _behind_wrappers(name, names)[:n]
+    close += [x for x in difflib.get_close_matches(name, names, n=n, cutoff=0.6) if x not in close]
     if len(close) < n:
         # Names sharing the longest dotted prefix (siblings of a mistyped child).
         parts = name.split(".")
@@ -50,6 +69,37 @@ def suggest(name: str, names: Iterable[str], n: int = 5) -> list[str]:
     return close[:n]
 
 
+def aliases(model: nn.Module) -> dict[str, str]:
+    """``{second name: first name}`` of every module registered under several names (a module
+    assigned twice, a list holding one block three times), their submodules' names included.
+    ``named_modules`` lists such a module once, under its first name, which every selection
+    uses: its hooks see the calls made through every name."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    try:
+        for name, module in model.named_modules(remove_duplicate=False):
+            if is_optimized(module):
+                continue  # its _orig_mod comes next, under the same clean name
+            name = clean_name(name)
+            known = first.setdefault(id(module), name)
+            if known != name:
+                out[name] = known
+    except RecursionError:  # a module holding itself: no second names read
+        return {}
+    return out
+
+
+def _shared_note(model_name: str, seconds: dict[str, str]) -> str:
+    by_first: dict[str, list[str]] = {}
+    for second, first in seconds.items():
+        by_first.setdefault(first, []).append(second)
+    return "; ".join(
+        f"{', '.join(map(repr, names))} {'is' if len(names) == 1 else 'are'} the module named "
+        f"{first!r} in {model_name}"
+        for first, names in by_first.items()
+    )
+
+
 def _not_found(what: str, names: list[str], query: str | None) -> LayerNotFoundError:
     hint = suggest(query, names) if query is not None else []
     if hint:
@@ -64,12 +114,28 @@ def _not_found(what: str, names: list[str], query: str | None) -> LayerNotFoundE
     return LayerNotFoundError(f"{what}; {tail}")
 
 
-def _match(model_name: str, all_modules: dict[str, nn.Module], sel: Any) -> dict[str, nn.Module]:
+def _match(
+    model: nn.Module, model_name: str, all_modules: dict[str, nn.Module], sel: Any
+) -> dict[str, nn.Module]:
     if isinstance(sel, str):
         if sel in all_modules:
             return {sel: all_modules[sel]}
         if _GLOB_CHARS & set(sel):
             hit = {k: m for k, m in all_modules.items() if k and fnmatch.fnmatchcase(k, sel)}
+            seconds = {
+                k: v
+                for k, v in aliases(model).items()
+                if fnmatch.fnmatchcase(k, sel) and v in all_modules
+            }
+            if seconds:  # they were dropped without a word: named_modules lists them once
+                warnings.warn(
+                    f"pattern {sel!r}: {_shared_note(model_name, seconds)} (one module registered "
+                    "under several names): selected once, under that first name; its hooks see "
+                    "its calls through every name",
+                    HookscopeWarning,
+                    stacklevel=4,
+                )
+                hit.update({v: all_modules[v] for v in seconds.values()})
             if not hit:
                 raise _not_found(
                     f"pattern {sel!r} matched no layer of {model_name}",
@@ -77,6 +143,13 @@ def _match(model_name: str, all_modules: dict[str, nn.Module], sel: Any) -> dict
                     sel.replace("*", "").replace("?", ""),
                 )
             return hit
+        first = aliases(model).get(clean_name(sel))
+        if first is not None and first in all_modules:
+            raise LayerNotFoundError(
+                f"no layer named {sel!r} in {model_name}: {_shared_note(model_name, {sel: first})} "
+                f"(one module registered under several names, listed under its first); select "
+                f"{first!r}: its hooks see its calls through every name"
+            )
         if clean_name(sel) in all_modules and clean_name(sel) != sel:
             raise LayerNotFoundError(
                 f"no layer named {sel!r} in {model_name}: hookscope names the layers of a compiled "
@@ -137,7 +210,7 @@ def find(model: nn.Module, *selectors: Selector, leaves: bool = False) -> dict[s
     else:
         chosen_names: set[str] = set()
         for sel in selectors:
-            chosen_names.update(_match(model_name, all_modules, sel))
+            chosen_names.update(_match(model, model_name, all_modules, sel))
         chosen = {k: m for k, m in all_modules.items() if k in chosen_names}
     if leaves:
         chosen = {k: m for k, m in chosen.items() if _is_leaf(m)}

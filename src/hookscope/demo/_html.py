@@ -266,6 +266,11 @@ class Report:
         """Write the page (UTF-8) atomically: a temporary file renamed into place."""
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(self.to_html(), encoding="utf-8")
-        os.replace(tmp, path)
+        page = self.to_html()
+        try:
+            tmp.write_text(page, encoding="utf-8")
+            os.replace(tmp, path)
+        except BaseException:  # a full disk, an interrupt: no partial file left
+            tmp.unlink(missing_ok=True)
+            raise
         return path

@@ -188,6 +188,10 @@ def feature_maps(
     Returns:
         a ``matplotlib.figure.Figure`` (not registered with pyplot); ``fig.savefig("maps.png")``.
 
+    Raises:
+        HookscopeError: the activation is not one sample's ``(C, H, W)``, or holds NaN or inf
+            (no scale shows them; the message names the channels).
+
     Example:
         >>> import torch, hookscope as hs
         >>> fig = hs.feature_maps(torch.randn(6, 5, 5), max_channels=4, order="index")
@@ -216,6 +220,15 @@ def feature_maps(
             "pick a sample (activation[0]) of a convolutional layer"
         )
     c = a.shape[0]
+    bad = ~a.isfinite()
+    if bad.any():  # scaled to [0, 1] they drew blank (NaN) or flat maps (inf), without a word
+        chans = bad.flatten(1).any(dim=1).nonzero().flatten().tolist()
+        raise HookscopeError(
+            f"feature_maps: the activation holds {int(a.isnan().sum())} NaN and "
+            f"{int(a.isinf().sum())} inf values (channel {', '.join(map(str, chans[:8]))}"
+            f"{' ...' if len(chans) > 8 else ''}); a map to show must be finite: find where they "
+            "start with hs.find_nonfinite(model, x)"
+        )
     k = min(max_channels, c)
     if order == "energy":
         idx = a.pow(2).mean(dim=(1, 2)).argsort(descending=True, stable=True)[:k]
