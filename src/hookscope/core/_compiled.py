@@ -35,6 +35,7 @@ import copy
 import functools
 import itertools
 import os
+import sys
 import threading
 import types
 import warnings
@@ -62,6 +63,7 @@ __all__ = [
     "region_of",
     "routing",
     "strip_compiled",
+    "unrouted_wrapper",
 ]
 
 # how the warning of a routed call in which no hook of the region ran begins (Region._silent):
@@ -112,6 +114,28 @@ def named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     """``model.named_parameters()`` with the uncompiled model's names."""
     for name, p in model.named_parameters():
         yield clean_name(name), p
+
+
+_CALL_FRAMES = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
+
+
+def unrouted_wrapper(model: nn.Module, depth: int = 12) -> bool:
+    """Whether this call of ``model`` (asked from a hook on it, run eagerly) comes through a
+    ``torch.compile`` wrapper of it that hookscope does not route: one it was not given
+    (``cm = torch.compile(model)`` called, ``model`` handed to hookscope). That wrapper's compiled
+    code does not run hooks added after it was compiled (pytorch#117758). A walk of a few frames,
+    reading ``self`` only in ``nn.Module``'s call frames."""
+    f = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code.co_name in _CALL_FRAMES:
+            owner = f.f_locals.get("self")
+            if owner is not model and is_optimized(owner) and strip_compiled(owner) is model:
+                region = _regions.get(owner)
+                return region is None or not region.hooked
+        f = f.f_back
+    return False
 
 
 # -- regions ------------------------------------------------------------------------------------

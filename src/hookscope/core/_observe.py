@@ -88,6 +88,7 @@ def observe(model: nn.Module, layers: Any, fn: Callable[[Call], Any]) -> HookSco
     # (names only: the scope holds no module, so the model is freed by reference counting)
     scope.track(model, named)
     names = tuple(named)
+    scope.watch_unrouted(model, names, "observed")
     scope.on_remove(
         lambda: warn_lost(scope, names, "observe", "observed", {n: counts.get(n, 0) for n in names})
     )

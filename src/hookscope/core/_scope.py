@@ -45,11 +45,13 @@ from ._compiled import (
     compiled_regions,
     generate_guard,
     index_generate,
+    is_optimized,
     named_modules,
     named_parameters,
     region_of,
     routing,
     strip_compiled,
+    unrouted_wrapper,
 )
 from ._errors import (
     HookConflictError,
@@ -414,6 +416,12 @@ def _opaque(inner: _Hook, region: Any, release: Callable[[], None]) -> _OpaqueHo
         disabled = torch._dynamo.disable(_OpaqueHook.__call__, recursive=True)
         _OpaqueHook.__call__ = disabled  # type: ignore[method-assign]
     return _OpaqueHook(inner, region, release)
+
+
+def _dynamo_compiled() -> bool:
+    """Whether Dynamo compiled (or tried to compile) a frame in this process."""
+    dyn = sys.modules.get("torch._dynamo.utils")
+    return dyn is not None and bool(dyn.counters["frames"]["total"])
 
 
 def check_model(model: nn.Module) -> None:
@@ -828,6 +836,40 @@ class HookScope:
             mods.update(zip(modules, map(weakref.ref, modules.values())))
         if params:
             prms.update(zip(params, map(weakref.ref, params.values())))
+
+    def watch_unrouted(self, model: nn.Module, names: Iterable[str], what: str) -> None:
+        """Never silently nothing: warn, once, when ``model`` is called through a
+        ``torch.compile`` wrapper hookscope was not given (``cm = torch.compile(model)``; the
+        scope opened on ``model``, ``cm`` called). The wrapper's compiled code skips the hooks
+        on the layers inside (pytorch#117758): a watching product (observe, trace, the monitor)
+        would see no calls of them and say nothing. One hook on the model, checked at its calls
+        until it warned (a walk of a few frames), placed only where Dynamo compiled something
+        before the scope opened."""
+        if not _dynamo_compiled() or is_optimized(model) or region_of(model) is not None:
+            # nothing compiled yet (code compiled from now on traces the hooks in), the object
+            # called, or a compiled part hookscope routes
+            return
+        done: list[bool] = []
+        label = some_names(sorted(n for n in names if n)) if any(names) else "'<root>'"
+        owner, kind = self.owner, type(model).__name__
+
+        @torch._dynamo.disable  # (a traced hook would not see the frames it runs in)
+        def check(module: nn.Module, args: Any) -> None:
+            if done or not unrouted_wrapper(module):
+                return
+            done.append(True)
+            warnings.warn(
+                f"{owner}: {kind} was called through a torch.compile wrapper of it that "
+                f"hookscope was not given, whose compiled code skips hooks added after it was "
+                f"compiled (pytorch#117758): layers {label} are not {what} in the calls it runs "
+                f"from that code. Give hookscope the "
+                f"object you call ({owner}(compiled_model, ...), compiled_model = "
+                f"torch.compile({kind.lower()}), names unchanged), or call the model itself",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+
+        self.add_forward_pre(model, check, layer="")
 
     def replaced(self, name: str) -> str | None:
         """If the model no longer holds, at ``name``, the module (or parameter) this scope hooked

@@ -232,6 +232,7 @@ def trace(
     # (names only: the scope holds no module, so the model is freed by reference counting)
     scope.track(model, named)
     names = tuple(named)
+    scope.watch_unrouted(model, names, "traced")
     scope.on_remove(
         lambda: warn_lost(scope, names, "trace", "traced", {n: counts.get(n, 0) for n in names})
     )

@@ -273,6 +273,7 @@ class Monitor:
         try:
             if want_acts or want_grads:
                 self._attach_layers(scope, hooks)
+                scope.watch_unrouted(self.model, tuple(self.named), "monitored")
             if self.scaler is not None:
                 for pname, p in self._params:
                     scope.add_post_accumulate_grad(p, ScaleHook(hooks), layer=pname)
