@@ -108,6 +108,10 @@ class Spool:
         self.index: dict[str, tuple[int, int]] = {}
         self.again: list[str] = []  # keys written a second time (a second backward)
         self.crc = 0  # CRC-32 of every byte written, in order (index.json keeps it)
+        # the first write that failed (a full disk, a value that cannot be pickled): its key and
+        # error. The file then lacks that value (and may hold part of it), even where the caller
+        # went on after the error (an exception caught inside hs.record's block)
+        self.failed: tuple[str, BaseException] | None = None
         self._lock = threading.Lock()
         self._at = 0
         # the tensors written, by the memory they view: written once while unchanged (_same)
@@ -122,6 +126,14 @@ class Spool:
             ) from None
 
     def write(self, key: str, value: Any) -> None:
+        try:
+            self._write(key, value)
+        except BaseException as exc:
+            if self.failed is None and self._f is not None:
+                self.failed = (key, exc)
+            raise
+
+    def _write(self, key: str, value: Any) -> None:
         # dense tensors are written as they are (their bytes copied to the CPU by _raw: a
         # tensor seen again is found by the memory it views); others are pickled whole, detached
         value = map_tensors(_as_written, value)
