@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 import hookscope as hs
 from helpers.common import tiny_models_on_one_thread  # noqa: F401  (autouse fixture)
 from hookscope.compare import _store
+from hookscope.compare._record import _index_crc
 
 
 def _loss(o: torch.Tensor) -> torch.Tensor:
@@ -214,3 +216,19 @@ def test_a_buffer_that_cannot_be_flushed_when_the_block_raised_leaves_no_values_
     ):
         net(x)
     assert _listing(tmp_path / "rec") == []
+
+
+# -- a record of a later format ----------------------------------------------------------------
+def test_a_record_of_a_later_format_is_refused_naming_the_upgrade(tmp_path):
+    # before: format 3 read as format 2, whatever its fields meant
+    net, x = _net(), torch.randn(3, 4)
+    with hs.record(net, tmp_path / "rec"):
+        _loss(net(x)).backward()
+    net.zero_grad(set_to_none=True)
+    path = tmp_path / "rec" / "index.json"
+    index = json.loads(path.read_text())
+    index["version"] = 3
+    index["checksums"]["index.json"] = _index_crc(index)
+    path.write_text(json.dumps(index))
+    with pytest.raises(hs.CompareError, match="newer hookscope .*format 3.*upgrade hookscope"):
+        hs.compare(tmp_path / "rec", copy.deepcopy(net), x, loss_fn=_loss)

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from .._version import __version__
 from ..core._buffers import version_of
 from ..core._compiled import (
     compiled_regions,
@@ -825,6 +826,14 @@ def _check_index(index: dict[str, Any], path: Path) -> None:
     version = index.get("version", 1)
     if not isinstance(version, int) or isinstance(version, bool):
         raise damaged(f'has "version" {version!r}, not a number')
+    if version > _VERSION:  # a later format: its fields may mean other things than these
+        raise CompareError(
+            f"hs.compare: the record {str(path)!r} was written by a newer hookscope (record "
+            f"format {version}; this hookscope {__version__} reads formats 1 to {_VERSION}); "
+            "upgrade hookscope to read it"
+        )
+    if version < 1:
+        raise damaged(f'has "version" {version!r} (formats start at 1)')
     if index.get("dtype") not in _DTYPES:
         raise damaged(f'has "dtype" {index.get("dtype")!r}, not one of {", ".join(_DTYPES)}')
     if index.get("autocast") not in (None, *_DTYPES):
