@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import copy
 import errno
+import glob
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +235,26 @@ def test_a_record_of_a_later_format_is_refused_naming_the_upgrade(tmp_path):
     path.write_text(json.dumps(index))
     with pytest.raises(hs.CompareError, match="newer hookscope .*format 3.*upgrade hookscope"):
         hs.compare(tmp_path / "rec", copy.deepcopy(net), x, loss_fn=_loss)
+
+
+# -- spilled values of a run that raised ---------------------------------------------------------
+def _spills() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "hookscope-compare-*")))
+
+
+def test_the_spilled_values_of_a_run_that_raised_are_removed_at_once():
+    # before: a loss_fn that raised left the run's graph (its hooks holding the store) alive, and
+    # the temporary folder stayed until the process ended
+    net, x = _net(), torch.randn(3, 4)
+
+    def bad(o: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a loss that fails")
+
+    before = _spills()
+    with pytest.raises(ValueError, match="a loss that fails"):
+        hs.compare(net, copy.deepcopy(net), x, loss_fn=bad, max_bytes=0)
+    assert _spills() - before == set()
+    report = hs.compare(net, copy.deepcopy(net), x, loss_fn=_loss, max_bytes=0)
+    assert report.culprit is None
+    del report
+    assert _spills() - before == set()

@@ -358,6 +358,7 @@ class ValueStore:
         self.bytes = 0
         self.spilled = 0
         self._folder = Path(folder) if folder is not None else None
+        self._temp = False  # the folder is a temporary one this store made
         self._spool: Spool | None = None
         self._reader: SpoolReader | None = None
 
@@ -370,6 +371,7 @@ class ValueStore:
     def folder(self) -> Path:
         if self._folder is None:
             self._folder = Path(tempfile.mkdtemp(prefix="hookscope-compare-"))
+            self._temp = True
             weakref.finalize(self, shutil.rmtree, str(self._folder), True)
         return self._folder
 
@@ -397,6 +399,26 @@ class ValueStore:
         """No more values: close the file being written (values are still read)."""
         if self._spool is not None:
             self._spool.close()
+
+    def __enter__(self) -> ValueStore:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """:meth:`close`; where the run raised, the values are of no use: the temporary folder
+        is removed now (the run's graph, its hooks holding this store, may outlive the error
+        until the process ends), a record's folder is left as it is."""
+        self.close()
+        if exc is not None:
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop every value: the temporary folder and its file removed (a record's folder is
+        not this store's to remove)."""
+        self.mem.clear()
+        if self._spool is not None and self._temp:
+            shutil.rmtree(self._spool.path.parent, ignore_errors=True)
+            self._reader = None
+            self._spool = None
 
     def get(self, key: str, default: Any = None) -> Any:
         if key in self.mem:
