@@ -258,3 +258,31 @@ def test_the_spilled_values_of_a_run_that_raised_are_removed_at_once():
     assert report.culprit is None
     del report
     assert _spills() - before == set()
+
+
+# -- records of ranks ---------------------------------------------------------------------------
+def _as_ranks(one: Path, folder: Path) -> None:
+    """``folder`` made a record of 2 ranks from the one-process record ``one`` (each rank a copy
+    of it, its index saying rank r of 2): what _load_ranks reads first, without launching ranks."""
+    for r in range(2):
+        dst = folder / f"rank{r}"
+        dst.mkdir(parents=True)
+        for name in ("values.bin", "params.pt"):
+            (dst / name).write_bytes((one / name).read_bytes())
+        index = json.loads((one / "index.json").read_text())
+        index.update(rank=r, world=2, run="same")
+        index["checksums"]["index.json"] = _index_crc(index)
+        (dst / "index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("text", ["{garbage", "[1, 2]", "{}"])
+def test_a_damaged_index_of_a_later_rank_is_refused_naming_its_folder(tmp_path, text):
+    # before: a raw JSONDecodeError / AttributeError (rank0's index was checked, later ranks' not)
+    net, x = _net(), torch.randn(3, 4)
+    with hs.record(net, tmp_path / "one"):
+        _loss(net(x)).backward()
+    net.zero_grad(set_to_none=True)
+    _as_ranks(tmp_path / "one", tmp_path / "ranks")
+    (tmp_path / "ranks" / "rank1" / "index.json").write_text(text)
+    with pytest.raises(hs.CompareError, match=r"rank1' is not a record written by hs.record"):
+        hs.compare(tmp_path / "ranks", copy.deepcopy(net), torch.cat([x, x]), loss_fn=_loss)

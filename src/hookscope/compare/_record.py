@@ -924,7 +924,7 @@ def _load_ranks(path: Path, loss_reduction: str) -> RunRecord:
     runs: list[str | None] = []  # the run id of each rank's record (None: an older record)
     for r in range(world):
         folder = path / f"rank{r}"
-        index = json.loads((folder / "index.json").read_text())
+        index = _read_index(folder)
         if (index.get("rank"), index.get("world")) != (r, world) or extra:
             got = f"rank {index.get('rank')} of {index.get('world')}"
             raise CompareError(
@@ -969,7 +969,9 @@ def _check_one_run(path: Path, recs: list[RunRecord]) -> None:
                 )
 
 
-def _load_one(path: Path) -> RunRecord:
+def _read_index(path: Path) -> dict[str, Any]:
+    """The index.json of the record in ``path`` (a JSON object holding ``calls`` and ``model``),
+    else :class:`CompareError` naming the folder."""
     index_path = path / "index.json"
     if not index_path.exists():
         raise CompareError(
@@ -978,13 +980,19 @@ def _load_one(path: Path) -> RunRecord:
         )
     try:
         index = json.loads(index_path.read_text())
-        entries, model = list(index["calls"]), index["model"]
+        _ = list(index["calls"]), index["model"]  # (present, of these kinds)
     except (ValueError, KeyError, TypeError) as exc:
         raise CompareError(
             f"hs.compare: {str(path)!r} is not a record written by hs.record (its index.json "
             f"cannot be read: {type(exc).__name__}); write one with `with hs.record(model, "
             "folder): ...`"
         ) from None
+    return index  # type: ignore[no-any-return]
+
+
+def _load_one(path: Path) -> RunRecord:
+    index = _read_index(path)
+    entries, model = list(index["calls"]), index["model"]
     _check_index(index, path)
     want = (index.get("checksums") or {}).get("index.json")
     if want is not None and want != _index_crc(index):
