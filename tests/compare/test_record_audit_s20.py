@@ -286,3 +286,27 @@ def test_a_damaged_index_of_a_later_rank_is_refused_naming_its_folder(tmp_path, 
     (tmp_path / "ranks" / "rank1" / "index.json").write_text(text)
     with pytest.raises(hs.CompareError, match=r"rank1' is not a record written by hs.record"):
         hs.compare(tmp_path / "ranks", copy.deepcopy(net), torch.cat([x, x]), loss_fn=_loss)
+
+
+# -- tensors on the meta device -----------------------------------------------------------------
+class _MetaOut(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty(3, device="meta"), x * 2
+
+
+def test_a_meta_tensor_or_a_meta_model_is_refused_by_name_leaving_no_files(tmp_path):
+    # before: a raw NotImplementedError "Cannot copy out of meta tensor" from pickling, and a
+    # model on meta a raw RuntimeError from the autocast check ("unknown device type")
+    net = nn.Sequential(nn.Linear(4, 4), _MetaOut())
+    with (
+        pytest.raises(hs.CompareError, match="output of module call 2 holds a tensor on the meta"),
+        hs.record(net, tmp_path / "a"),
+    ):
+        net(torch.randn(2, 4))
+    assert _listing(tmp_path / "a") == []
+    meta = nn.Linear(4, 4, device="meta")
+    with (
+        pytest.raises(hs.CompareError, match="'weight', 'bias' are on the meta device"),
+        hs.record(meta, tmp_path / "b"),
+    ):
+        meta(torch.randn(2, 4, device="meta"))

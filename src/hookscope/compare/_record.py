@@ -118,6 +118,13 @@ class Record:
                         f"{world if world is not None else 'another number of'} ranks "
                         f"({other.parent.name}); this run has {self.world}: give an empty folder"
                     )
+        meta = [n for n, p in named_parameters(model) if p.device.type == "meta"]
+        if meta:
+            raise CompareError(
+                f"hs.record: the model's parameters {some_names(meta)} are on the meta device "
+                "(shapes without values), so its run has no values to record; make it real "
+                "first (model.to_empty(device='cpu'), then load its weights)"
+            )
         for p in model.parameters():
             if p.grad is not None:
                 raise CompareError(

@@ -148,6 +148,13 @@ class Spool:
             def reference(obj: Any) -> Any:
                 if not isinstance(obj, torch.Tensor):
                     return None
+                if obj.device.type == "meta":  # a shape without values: nothing to compare
+                    raise _compare_error(
+                        f"hookscope: {_describe(key)} holds a tensor on the meta device (shape "
+                        f"{tuple(obj.shape)}, no values), which cannot be written to "
+                        f"{str(self.path)!r}; record a model whose values exist (a meta model "
+                        "made real: model.to_empty(device='cpu'), then load its weights)"
+                    )
                 same = self._same(obj)
                 if same is not None and same[0]:
                     return same[0]
@@ -167,6 +174,8 @@ class Spool:
             pickler.persistent_id = reference  # type: ignore[method-assign]
             try:
                 pickler.dump(value)
+            except HookscopeError:
+                raise
             except (pickle.PicklingError, TypeError, AttributeError) as exc:
                 raise _compare_error(
                     f"hookscope: cannot write {_describe(key)} ({type(value).__name__}) to "
