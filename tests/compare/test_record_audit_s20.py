@@ -171,7 +171,8 @@ def test_a_disk_that_fills_when_the_record_ends_leaves_no_files(tmp_path, monkey
     monkeypatch.setattr(Path, "write_text", full)
     with (
         pytest.raises(
-            hs.CompareError, match="writing the record into .* failed .*nothing was kept"
+            hs.CompareError,
+            match="writing the record into .* failed .*no record was kept: free space",
         ),
         hs.record(net, tmp_path / "rec"),
     ):

@@ -193,18 +193,16 @@ class Record:
         try:
             kept = self._finish(hooks, spool, exc)
         except OSError as err:
+            left = _remove(written)
             raise CompareError(
                 f"hs.record: writing the record into {str(self._dir)!r} failed "
-                f"({type(err).__name__}: {err}); nothing was kept: free space (or make the "
-                "folder writable) and record again"
+                f"({type(err).__name__}: {err}); no record was kept"
+                + (f" (delete what is left of it: {', '.join(left)})" if left else "")
+                + ": free space (or make the folder writable) and record again"
             ) from err
         finally:
             if not kept:
-                for path in written:
-                    try:
-                        path.unlink(missing_ok=True)
-                    except OSError:  # (an unwritable folder: the error above says so)
-                        pass
+                _remove(written)
 
     def _finish(self, hooks: CallHooks, spool: Spool, exc: BaseException | None) -> bool:
         """Close the values and, for a block that ended normally with a run a record can hold,
@@ -365,6 +363,18 @@ class Record:
                 "backward, before changing .grad"
             )
         return None
+
+
+def _remove(paths: tuple[Path, ...]) -> list[str]:
+    """Delete these files of a record that was not kept; the names of those still there (an
+    unwritable folder)."""
+    left = []
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            left.append(path.name)
+    return left
 
 
 def _failed(watch: _Watch, spool: Spool) -> str | None:
