@@ -243,7 +243,7 @@ def _spills() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "hookscope-compare-*")))
 
 
-def test_the_spilled_values_of_a_run_that_raised_are_removed_at_once():
+def test_the_spilled_values_of_a_run_that_raised_are_removed_at_once(tmp_path, monkeypatch):
     # before: a loss_fn that raised left the run's graph (its hooks holding the store) alive, and
     # the temporary folder stayed until the process ended
     net, x = _net(), torch.randn(3, 4)
@@ -251,6 +251,7 @@ def test_the_spilled_values_of_a_run_that_raised_are_removed_at_once():
     def bad(o: torch.Tensor) -> torch.Tensor:
         raise ValueError("a loss that fails")
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # (no other process's spills)
     before = _spills()
     with pytest.raises(ValueError, match="a loss that fails"):
         hs.compare(net, copy.deepcopy(net), x, loss_fn=bad, max_bytes=0)
