@@ -16,6 +16,7 @@ import io
 import itertools
 import json
 import os
+import sys
 import threading
 import uuid
 import weakref
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from .._version import __version__
 from ..core._buffers import version_of
 from ..core._compiled import (
     compiled_regions,
@@ -116,6 +118,13 @@ class Record:
                         f"{world if world is not None else 'another number of'} ranks "
                         f"({other.parent.name}); this run has {self.world}: give an empty folder"
                     )
+        meta = [n for n, p in named_parameters(model) if p.device.type == "meta"]
+        if meta:
+            raise CompareError(
+                f"hs.record: the model's parameters {some_names(meta)} are on the meta device "
+                "(shapes without values), so its run has no values to record; make it real "
+                "first (model.to_empty(device='cpu'), then load its weights)"
+            )
         for p in model.parameters():
             if p.grad is not None:
                 raise CompareError(
@@ -176,9 +185,34 @@ class Record:
         if self._watch.outside is not None:
             self._watch.outside.ends.clear()
             self._watch.outside.handed.clear()
-        spool.close()
-        if exc is not None:  # no record: leave no half-written values behind
-            spool.path.unlink(missing_ok=True)
+        # what this record writes: removed again unless index.json, written last, is in place
+        # (a disk that filled, an interrupt while writing: never a partial record, nor files
+        # that refuse the next record into this folder as if it were running)
+        written = (spool.path, self._dir / "params.pt", self._dir / "index.json.tmp")
+        kept = False
+        try:
+            kept = self._finish(hooks, spool, exc)
+        except OSError as err:
+            left = _remove(written)
+            raise CompareError(
+                f"hs.record: writing the record into {str(self._dir)!r} failed "
+                f"({type(err).__name__}: {err}); no record was kept"
+                + (f" (delete what is left of it: {', '.join(left)})" if left else "")
+                + ": free space (or make the folder writable) and record again"
+            ) from err
+        finally:
+            if not kept:
+                _remove(written)
+
+    def _finish(self, hooks: CallHooks, spool: Spool, exc: BaseException | None) -> bool:
+        """Close the values and, for a block that ended normally with a run a record can hold,
+        write ``params.pt`` and ``index.json`` (last); whether the record was kept."""
+        try:
+            spool.close()  # (a disk that filled: the buffer's last bytes fail here)
+        except Exception:
+            if exc is None:
+                raise
+        if exc is not None:  # no record (the caller's error goes on)
             if (
                 isinstance(exc, RuntimeError)
                 and "modified by an inplace operation" in str(exc)
@@ -189,13 +223,12 @@ class Record:
                         self._model, type(strip_compiled(self._model)).__name__, "hs.record"
                     )
                 ) from exc
-            return
+            return False
         hooks.checked(None)
         why = self._refused(hooks, spool)
         if why is None and hooks.grads:
             why = self._quantized()
         if why is not None:  # no record: a run it cannot hold as one forward and its backward
-            spool.path.unlink(missing_ok=True)
             raise CompareError(f"hs.record: {why}; nothing was written to {str(self._dir)!r}")
         params = {n: _full(p.grad) for n, p in named_parameters(self._model)}
         buf = io.BytesIO()
@@ -243,6 +276,7 @@ class Record:
         tmp.write_text(json.dumps(index))
         os.replace(tmp, self._dir / "index.json")
         self.calls = len(hooks.entries)
+        return True
 
     def _quantized(self) -> str | None:
         """A backward through quantized modules: PyTorch's quantized kernels have none, so no
@@ -274,6 +308,13 @@ class Record:
     def _refused(self, hooks: CallHooks, spool: Spool) -> str | None:
         """Why the run inside the block cannot be a record (``None``: it can)."""
         watch, kind = self._watch, type(self._model).__name__
+        failed = _failed(watch, spool)
+        if failed is not None:
+            return (
+                f"{failed}, and the block went on (the exception caught inside it), so the "
+                "record would hold part of the run as if it were whole; let the exception leave "
+                "the block, or record a run that completes"
+            )
         if watch.foreign and not hooks.entries:
             return (
                 f"the model ({kind}) ran in another thread ({some_names(sorted(watch.foreign))}) "
@@ -324,6 +365,36 @@ class Record:
         return None
 
 
+def _remove(paths: tuple[Path, ...]) -> list[str]:
+    """Delete these files of a record that was not kept; the names of those still there (an
+    unwritable folder)."""
+    left = []
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            left.append(path.name)
+    return left
+
+
+def _failed(watch: _Watch, spool: Spool) -> str | None:
+    """What failed inside the block while the block itself went on: a value that could not be
+    written, the model's call that raised (or never ended), a backward that raised."""
+    if spool.failed is not None:
+        key, exc = spool.failed
+        return (
+            f"writing {_describe(key)} to {SPOOL} failed ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else ''})"
+        )
+    if watch.raised is not None:
+        return f"the model's call raised {watch.raised}"
+    if watch.depth:
+        return "the model's call never ended (an exception such as KeyboardInterrupt left it)"
+    if watch.outside is not None and watch.outside.failed is not None:
+        return f"the backward raised {watch.outside.failed}"
+    return None
+
+
 # the calls that start a backward: the loss's graph is walked first (see _Outside._walk)
 _BACKWARDS = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
 
@@ -343,6 +414,7 @@ class _Outside(TorchFunctionMode):
         self.ends: set[Any] = set()  # the autograd nodes of the model's outputs
         self.handed: dict[Any, int] = {}  # those of the values calls handed on -> the call
         self.inside: set[int] = set()  # the calls whose values the loss used, not the model's
+        self.failed: str | None = None  # the exception a backward raised (its name)
 
     def watch(self, params: Any) -> None:
         """Also note uses of these ``(name, parameter)`` (the ones the model holds after its
@@ -388,7 +460,11 @@ class _Outside(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _BACKWARDS:  # (its arguments are roots and inputs, not uses)
             self._walk((args, kwargs))
-            return func(*args, **kwargs)
+            try:
+                return func(*args, **kwargs)
+            except BaseException as exc:  # its gradients are part of the run's only
+                self.failed = self.failed or type(exc).__name__
+                raise
         if torch.is_grad_enabled():
             for a in (*args, *kwargs.values()):
                 for x in a if a.__class__ in (list, tuple) else (a,):
@@ -411,6 +487,10 @@ class _Watch:
         self.autocast: torch.dtype | None = None
         self.foreign: set[str] = set()
         self.foreign_grad = False  # one of those calls ran with gradients on
+        # the exception the caller was handling when the model's call started (``None``: none),
+        # and the name of one the call raised (its caller caught it inside the block)
+        self.handling: BaseException | None = None
+        self.raised: str | None = None
         self.order: list[str] = []  # the parameters' names, in the model's order
         # parameter name -> (its parameter, a weak reference to its .grad, that grad's _version)
         self.grads: dict[str, tuple[torch.Tensor, Any, int]] = {}
@@ -531,6 +611,8 @@ class _RootPre(_Hook):
         if quiet(self.scope_id):  # a product's own run of the model
             return None
         if graph_task_id() == -1:  # not a checkpoint's recompute in backward
+            if self.watch.depth == 0:
+                self.watch.handling = sys.exc_info()[1]
             self.watch.start((args, kwargs))
 
 
@@ -548,7 +630,14 @@ class _RootPost(_Hook):
         if quiet(self.scope_id):  # a product's own run of the model
             return None
         if graph_task_id() == -1:
-            self.watch.end(output)
+            watch = self.watch
+            if watch.depth == 1:
+                # an always-call hook: run from the module's ``except`` when the call raised (the
+                # exception being handled then is that one, not the caller's)
+                now = sys.exc_info()[1]
+                if now is not None and now is not watch.handling and watch.raised is None:
+                    watch.raised = type(now).__name__
+            watch.end(output)
 
 
 class _UsedOutside:
@@ -754,6 +843,14 @@ def _check_index(index: dict[str, Any], path: Path) -> None:
     version = index.get("version", 1)
     if not isinstance(version, int) or isinstance(version, bool):
         raise damaged(f'has "version" {version!r}, not a number')
+    if version > _VERSION:  # a later format: its fields may mean other things than these
+        raise CompareError(
+            f"hs.compare: the record {str(path)!r} was written by a newer hookscope (record "
+            f"format {version}; this hookscope {__version__} reads formats 1 to {_VERSION}); "
+            "upgrade hookscope to read it"
+        )
+    if version < 1:
+        raise damaged(f'has "version" {version!r} (formats start at 1)')
     if index.get("dtype") not in _DTYPES:
         raise damaged(f'has "dtype" {index.get("dtype")!r}, not one of {", ".join(_DTYPES)}')
     if index.get("autocast") not in (None, *_DTYPES):
@@ -844,7 +941,7 @@ def _load_ranks(path: Path, loss_reduction: str) -> RunRecord:
     runs: list[str | None] = []  # the run id of each rank's record (None: an older record)
     for r in range(world):
         folder = path / f"rank{r}"
-        index = json.loads((folder / "index.json").read_text())
+        index = _read_index(folder)
         if (index.get("rank"), index.get("world")) != (r, world) or extra:
             got = f"rank {index.get('rank')} of {index.get('world')}"
             raise CompareError(
@@ -889,7 +986,9 @@ def _check_one_run(path: Path, recs: list[RunRecord]) -> None:
                 )
 
 
-def _load_one(path: Path) -> RunRecord:
+def _read_index(path: Path) -> dict[str, Any]:
+    """The index.json of the record in ``path`` (a JSON object holding ``calls`` and ``model``),
+    else :class:`CompareError` naming the folder."""
     index_path = path / "index.json"
     if not index_path.exists():
         raise CompareError(
@@ -898,13 +997,19 @@ def _load_one(path: Path) -> RunRecord:
         )
     try:
         index = json.loads(index_path.read_text())
-        entries, model = list(index["calls"]), index["model"]
+        _ = list(index["calls"]), index["model"]  # (present, of these kinds)
     except (ValueError, KeyError, TypeError) as exc:
         raise CompareError(
             f"hs.compare: {str(path)!r} is not a record written by hs.record (its index.json "
             f"cannot be read: {type(exc).__name__}); write one with `with hs.record(model, "
             "folder): ...`"
         ) from None
+    return index  # type: ignore[no-any-return]
+
+
+def _load_one(path: Path) -> RunRecord:
+    index = _read_index(path)
+    entries, model = list(index["calls"]), index["model"]
     _check_index(index, path)
     want = (index.get("checksums") or {}).get("index.json")
     if want is not None and want != _index_crc(index):

@@ -377,7 +377,7 @@ def record_run(spec: RunSpec) -> RunRecord:
     with (
         preserved(model) as versions,
         hooks.scope,
-        contextlib.closing(store),
+        store,  # closed after the run; its temporary file removed where the run raised
         random_draws(model, args, kwargs) as draws,
     ):
         with _autocast(device, spec.autocast):

@@ -108,6 +108,10 @@ class Spool:
         self.index: dict[str, tuple[int, int]] = {}
         self.again: list[str] = []  # keys written a second time (a second backward)
         self.crc = 0  # CRC-32 of every byte written, in order (index.json keeps it)
+        # the first write that failed (a full disk, a value that cannot be pickled): its key and
+        # error. The file then lacks that value (and may hold part of it), even where the caller
+        # went on after the error (an exception caught inside hs.record's block)
+        self.failed: tuple[str, BaseException] | None = None
         self._lock = threading.Lock()
         self._at = 0
         # the tensors written, by the memory they view: written once while unchanged (_same)
@@ -122,6 +126,14 @@ class Spool:
             ) from None
 
     def write(self, key: str, value: Any) -> None:
+        try:
+            self._write(key, value)
+        except BaseException as exc:
+            if self.failed is None and self._f is not None:
+                self.failed = (key, exc)
+            raise
+
+    def _write(self, key: str, value: Any) -> None:
         # dense tensors are written as they are (their bytes copied to the CPU by _raw: a
         # tensor seen again is found by the memory it views); others are pickled whole, detached
         value = map_tensors(_as_written, value)
@@ -136,6 +148,13 @@ class Spool:
             def reference(obj: Any) -> Any:
                 if not isinstance(obj, torch.Tensor):
                     return None
+                if obj.device.type == "meta":  # a shape without values: nothing to compare
+                    raise _compare_error(
+                        f"hookscope: {_describe(key)} holds a tensor on the meta device (shape "
+                        f"{tuple(obj.shape)}, no values), which cannot be written to "
+                        f"{str(self.path)!r}; record a model whose values exist (a meta model "
+                        "made real: model.to_empty(device='cpu'), then load its weights)"
+                    )
                 same = self._same(obj)
                 if same is not None and same[0]:
                     return same[0]
@@ -155,6 +174,8 @@ class Spool:
             pickler.persistent_id = reference  # type: ignore[method-assign]
             try:
                 pickler.dump(value)
+            except HookscopeError:
+                raise
             except (pickle.PicklingError, TypeError, AttributeError) as exc:
                 raise _compare_error(
                     f"hookscope: cannot write {_describe(key)} ({type(value).__name__}) to "
@@ -346,6 +367,7 @@ class ValueStore:
         self.bytes = 0
         self.spilled = 0
         self._folder = Path(folder) if folder is not None else None
+        self._temp = False  # the folder is a temporary one this store made
         self._spool: Spool | None = None
         self._reader: SpoolReader | None = None
 
@@ -358,6 +380,7 @@ class ValueStore:
     def folder(self) -> Path:
         if self._folder is None:
             self._folder = Path(tempfile.mkdtemp(prefix="hookscope-compare-"))
+            self._temp = True
             weakref.finalize(self, shutil.rmtree, str(self._folder), True)
         return self._folder
 
@@ -385,6 +408,26 @@ class ValueStore:
         """No more values: close the file being written (values are still read)."""
         if self._spool is not None:
             self._spool.close()
+
+    def __enter__(self) -> ValueStore:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """:meth:`close`; where the run raised, the values are of no use: the temporary folder
+        is removed now (the run's graph, its hooks holding this store, may outlive the error
+        until the process ends), a record's folder is left as it is."""
+        self.close()
+        if exc is not None:
+            self.discard()
+
+    def discard(self) -> None:
+        """Drop every value: the temporary folder and its file removed (a record's folder is
+        not this store's to remove)."""
+        self.mem.clear()
+        if self._spool is not None and self._temp:
+            shutil.rmtree(self._spool.path.parent, ignore_errors=True)
+            self._reader = None
+            self._spool = None
 
     def get(self, key: str, default: Any = None) -> Any:
         if key in self.mem:
