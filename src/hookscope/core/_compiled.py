@@ -439,7 +439,9 @@ class Region:
             return root._call_impl(*args, **kwargs) if self.in_place else root(*args, **kwargs)
 
     def _names(self) -> str:
-        return ", ".join(repr(n) for n in sorted({self.layers[i] for i, _ in self.hooked}))
+        return ", ".join(
+            repr(n or "<root>") for n in sorted({self.layers[i] for i, _ in self.hooked})
+        )
 
     def _silent(self) -> None:
         """Never silent: a routed call in which no hook of the region ran."""

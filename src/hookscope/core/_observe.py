@@ -101,6 +101,8 @@ class TensorGrads(Sequence[torch.Tensor]):
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self._scope = HookScope("tensor_grads")
         self._grads: list[torch.Tensor | None] = [None] * len(tensors)
+        # arguments that are sharded parameters (a DTensor: FSDP2's): their own hooks never run
+        self._sharded: set[int] = set()
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"tensor_grads takes tensors; argument {i} is {type(t).__name__}")
@@ -108,6 +110,8 @@ class TensorGrads(Sequence[torch.Tensor]):
                 raise HookscopeError(
                     f"tensor_grads: argument {i} does not require grad, so it never gets a gradient"
                 )
+            if _is_dtensor(t) and t.is_leaf:
+                self._sharded.add(i)
             self._scope.add_activation_grad_hook(t, self._recorder(i), layer=f"<tensor {i}>")
 
     def _recorder(self, i: int) -> Callable[[torch.Tensor], None]:
@@ -122,6 +126,14 @@ class TensorGrads(Sequence[torch.Tensor]):
     def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
         g = self._grads[i]
         if g is None:
+            if i in self._sharded:
+                raise NoGradientError(
+                    f"no gradient reached tensor {i}: it is a sharded parameter (a DTensor, as "
+                    "FSDP2's fully_shard makes), whose own gradient hooks never run: FSDP2 "
+                    "computes the gradient of the unsharded parameter and reduces it into its "
+                    ".grad; read p.grad after backward, or use hs.edit_grads / hs.clip_grads "
+                    "on the parameter's name"
+                )
             raise NoGradientError(
                 f"no gradient reached tensor {i}: backward() has not run, or it is not part of the loss"
             )
@@ -148,6 +160,11 @@ class TensorGrads(Sequence[torch.Tensor]):
 def tensor_grads(*tensors: torch.Tensor) -> TensorGrads:
     """Collect the gradients of any tensors (non-leaf too) without ``retain_grad()``.
 
+    A tensor's gradient is what its own backward computes: for a parameter under
+    ``DistributedDataParallel``, this rank's gradient before DDP averages the ranks' into
+    ``.grad`` (read ``p.grad`` after backward for that); a parameter sharded by FSDP2 gets none
+    (its hooks never run: the read says so).
+
     Example:
         >>> import torch, hookscope as hs
         >>> a = torch.ones(3, requires_grad=True)
@@ -158,3 +175,8 @@ def tensor_grads(*tensors: torch.Tensor) -> TensorGrads:
         [0.3333333432674408, 0.3333333432674408, 0.3333333432674408]
     """
     return TensorGrads(tensors)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (without importing torch.distributed where it is not)."""
+    return any(c.__name__ == "DTensor" for c in type(t).__mro__)
