@@ -302,10 +302,17 @@ class _Pass:
             return
         leaves = [(f"{m}.{n}" if m else n, leaf) for (_, n), (m, leaf) in self.leaves.items()]
         with torch.enable_grad():
+            # one root over every handle (zero scalars), seeded with zero: autograd checks and
+            # seeds one output, not one per handle (their gradient is ignored by _Enter and
+            # _Exit, whatever its value); handles on several devices or of several dtypes (a
+            # default dtype other than float32 for the anchor's) stay roots of their own
+            first = outs[0]
+            one = all(t.device == first.device and t.dtype == first.dtype for t in outs)
+            roots = [torch.stack(outs).sum()] if one and len(outs) > 1 else outs
             got = torch.autograd.grad(
-                outs,
+                roots,
                 [self.anchor, *(p for _, p in params), *(leaf for _, leaf in leaves)],
-                [torch.zeros_like(t) for t in outs],
+                [torch.zeros_like(t) for t in roots],
                 allow_unused=True,
             )
         if self.out.void:
