@@ -146,8 +146,8 @@ class _Job:
             or ra.partial_grads
             or (rb is not None and (rb.compiled or rb.partial_grads))
         )
-        self._owned: dict[str, list[str]] | None = None
         self._names_cache: dict[tuple[str, str | None], tuple[dict[str, str], str | None]] = {}
+        self._by_owner: dict[int, dict[str, list[str]]] = {}  # id(record) -> owner -> params
         # B's replayed output of the calls whose output holds integers (a router's indices):
         # where those differ in B and in the reference alike, their floating outputs decide
         self._int_out: dict[int, Any] = {}
@@ -225,7 +225,7 @@ class _Job:
         if module is None or bname in f.unforced:
             return None
         pre_a = f"{ca.name}." if ca.name else ""
-        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        own = _own_params(module)
         own += f.adopted.get(bname, [])  # its children's that never run as modules
         if any(pre_a + n in self.shared for n in own):
             return None  # tied weights: the sums mix modules; per call, A replayed too
@@ -464,14 +464,10 @@ class _Job:
     def _param_grads(self, a_name: str, b_name: str) -> float | None:
         ra, rb = self.ra, self.rb
         assert rb is not None
-        if self._owned is None:  # each module's own parameters, once
-            self._owned = {}
-            for p, owner in ra.params.items():
-                self._owned.setdefault(owner, []).append(p)
         to_a, _ = self._own_names(a_name, b_name)
         to_b = {v: k for k, v in to_a.items()}
         pairs = []
-        for p in self._owned.get(a_name, ()):
+        for p in self._params_of(ra).get(a_name, ()):
             local = p[len(a_name) + 1 :] if a_name else p
             if local not in to_b:  # no counterpart in B's module (said in the row's note)
                 continue
@@ -480,6 +476,16 @@ class _Job:
                 continue
             pairs.append((ra.param_grads.get(p), rb.param_grads.get(q)))
         return self.norms.rel_pairs(pairs, self.missing) if pairs else None
+
+    def _params_of(self, rec: RunRecord) -> dict[str, list[str]]:
+        """Each module's own parameters (full names, in ``rec.params``'s order) in ``rec``, made
+        once per record: a scan of all the parameters per row was quadratic in the model."""
+        got = self._by_owner.get(id(rec))
+        if got is None:
+            got = self._by_owner[id(rec)] = {}
+            for p, owner in rec.params.items():
+                got.setdefault(owner, []).append(p)
+        return got
 
     def _own_names(self, a_name: str, b_name: str | None) -> tuple[dict[str, str], str | None]:
         """B's module's own parameters (local names) -> A's module's, and a note where their
@@ -496,11 +502,7 @@ class _Job:
         def own(rec: RunRecord, name: str | None) -> list[str]:
             if name is None:
                 return []
-            return [
-                p[len(name) + 1 :] if name else p
-                for p, owner in rec.params.items()
-                if owner == name
-            ]
+            return [p[len(name) + 1 :] if name else p for p in self._params_of(rec).get(name, ())]
 
         def shape(rec: RunRecord, name: str, local: str) -> Any:
             g = rec.param_grads.get(f"{name}.{local}" if name else local)
@@ -982,6 +984,21 @@ def _same_integers(x: Any, y: Any) -> bool:
         and all(p.shape == q.shape and torch.equal(p, q.to(p.device)) for p, q in zip(a, b))
         and int_numbers(x) == int_numbers(y)  # (Python ints and bools too)
     )
+
+
+def _own_params(module: nn.Module) -> list[str]:
+    """``[n for n, p in module.named_parameters(recurse=False) if p.requires_grad]``, without
+    the generator machinery (once per row): a parameter held under two names counts under its
+    first, as ``named_parameters`` gives it."""
+    out: list[str] = []
+    seen: set[int] = set()
+    for n, p in module._parameters.items():
+        if p is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            out.append(n)
+    return out
 
 
 def _shared_params(ra: RunRecord, b: nn.Module | None) -> set[str]:

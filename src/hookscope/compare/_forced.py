@@ -130,10 +130,14 @@ class Forced:
 
 
 class _Frame:
-    __slots__ = ("given", "handed", "pos", "res", "to_caller", "versions")
+    __slots__ = ("given", "handed", "output", "pos", "res", "to_caller", "versions")
 
-    def __init__(self, pos: int, res: Result) -> None:
+    def __init__(self, pos: int, res: Result, output: Any) -> None:
         self.pos, self.res = pos, res
+        # the recorded output, read when the call starts where the record is held in memory
+        # (the same object a second read gives); None: read when it ends (a record on disk
+        # gives a fresh copy per read, not held while the call runs)
+        self.output = output
         # the tensors the caller handed to the call, and their recorded gradients (or None)
         self.given: list[torch.Tensor] = []
         self.to_caller: list[torch.Tensor | None] = []
@@ -302,10 +306,17 @@ class _Pass:
             return
         leaves = [(f"{m}.{n}" if m else n, leaf) for (_, n), (m, leaf) in self.leaves.items()]
         with torch.enable_grad():
+            # one root over every handle (zero scalars), seeded with zero: autograd checks and
+            # seeds one output, not one per handle (their gradient is ignored by _Enter and
+            # _Exit, whatever its value); handles on several devices or of several dtypes (a
+            # default dtype other than float32 for the anchor's) stay roots of their own
+            first = outs[0]
+            one = all(t.device == first.device and t.dtype == first.dtype for t in outs)
+            roots = [torch.stack(outs).sum()] if one and len(outs) > 1 else outs
             got = torch.autograd.grad(
-                outs,
+                roots,
                 [self.anchor, *(p for _, p in params), *(leaf for _, leaf in leaves)],
-                [torch.zeros_like(t) for t in outs],
+                [torch.zeros_like(t) for t in roots],
                 allow_unused=True,
             )
         if self.out.void:
@@ -398,10 +409,11 @@ class _Pass:
         c = ref.calls[pos] if pos is not None else None
         inputs = c.inputs if c is not None else None
         recorded = tensors_of(inputs) if inputs is not None else []
+        output = c.output if c is not None else None
         if (
             c is None
             or inputs is None
-            or c.output is None
+            or output is None
             or c.parent != (parent.pos if parent is not None else None)
             or (parent is None and self.stack)
             or len(given) != len(recorded)
@@ -416,7 +428,7 @@ class _Pass:
             self.stack.append(None)
             return None
         res = Result(None)
-        frame = _Frame(pos, res)
+        frame = _Frame(pos, res, output if self.casts is not None else None)
         if parent is not None:
             # the errors are computed later (lazily, with the others): a copy of what the caller
             # handed, which its code may change in place after the call (``h += f(ln(h))``)
@@ -493,8 +505,11 @@ class _Pass:
         self.handles.append(handle)
         frame.handed = [made[j] for j in slots]
         frame.versions = versions(frame.handed)
-        it = iter(frame.handed)
         self.out.results[pos] = res
+        args, kw = value
+        if n == 1 and not kw and len(args) == 1 and args[0].__class__ is torch.Tensor:
+            return (frame.handed[0],), {}  # most calls: one tensor in (no walk)
+        it = iter(frame.handed)
         new = map_tensors(lambda _t: next(it), value)
         return tuple(new[0]), dict(new[1])
 
@@ -522,8 +537,9 @@ class _Pass:
             if live is not None:
                 self.out.unforced.add(live)
         own = rep._own_call(c)
+        recorded = frame.output if frame.output is not None else c.output
         value = _cast(
-            c.output, own.output if own else None, rep.dtype, self.device, rep.round_to, self.casts
+            recorded, own.output if own else None, rep.dtype, self.device, rep.round_to, self.casts
         )
         values = tensors_of(value)
         if len(values) != len(real):
