@@ -14,32 +14,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
 
 import hookscope as hs
+from helpers.threads import Worker
 
 THREAD = "a thread the forward starts"
-
-
-class Worker(nn.Module):
-    """a -> [b.0, b.1] in a worker thread (and, with ``both``, once more here) -> c."""
-
-    def __init__(self, both: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.c = nn.Linear(4, 4), nn.Linear(4, 2)
-        self.b = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-        self.both = both
-
-    def forward(self, x):
-        h, out = self.a(x), {}
-        t = threading.Thread(target=lambda: out.__setitem__("h", self.b(h)), name=THREAD)
-        t.start()
-        t.join()
-        h = out["h"]
-        if self.both:
-            h = self.b(h)
-        return self.c(h)
 
 
 X = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
@@ -59,7 +38,7 @@ SAID = f"'b.*' ran in thread '{THREAD}', which the model's forward started"
     ],
 )
 def test_scopes_say_the_calls_a_worker_thread_made(open_scope, verb):
-    model = Worker(both=verb == "steered")
+    model = Worker(THREAD, both=verb == "steered")
     match = verb if verb.startswith("'") else f"{SAID} .* not {verb}"
     with pytest.warns(hs.HookscopeWarning, match=match) as said, open_scope(model):
         model(X)
@@ -67,7 +46,7 @@ def test_scopes_say_the_calls_a_worker_thread_made(open_scope, verb):
 
 
 def test_capture_read_names_the_worker_thread():
-    model = Worker()
+    model = Worker(THREAD)
     with hs.capture(model, ["b.0", "c"]) as cap:
         model(X)
     with pytest.raises(hs.LayerNotRunError, match=f"'b.0' ran in thread '{THREAD}'"):
@@ -77,7 +56,7 @@ def test_capture_read_names_the_worker_thread():
 
 
 def test_capture_of_a_layer_run_in_both_threads_reads_this_threads_calls_and_says_so():
-    model = Worker(both=True)
+    model = Worker(THREAD, both=True)
     mine: list[torch.Tensor] = []  # a plain hook, keeping this thread's calls
     me = threading.get_ident()
     handle = model.b[0].register_forward_hook(
@@ -95,7 +74,7 @@ def test_capture_of_a_layer_run_in_both_threads_reads_this_threads_calls_and_say
 
 
 def test_another_thread_running_the_model_by_itself_is_its_own():
-    model = Worker()
+    model = Worker(THREAD)
     go = threading.Event()
 
     def other():

@@ -4,37 +4,20 @@ layer that called them (the root) silently. Both now say which layers ran in whi
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-import torch.nn as nn
 
 import hookscope as hs
+from helpers.threads import Worker
 
 THREAD = "worker of the forward"
-
-
-class Worker(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.c = nn.Linear(4, 4), nn.Linear(4, 2)
-        self.b = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-
-    def forward(self, x):
-        h, out = self.a(x), {}
-        t = threading.Thread(target=lambda: out.__setitem__("h", self.b(h)), name=THREAD)
-        t.start()
-        t.join()
-        return self.c(out["h"])
 
 
 X = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
 
 
 def test_monitor_says_the_layers_a_worker_thread_ran():
-    model = Worker()
+    model = Worker(THREAD)
     mon = hs.Monitor(model, every=1)
     with mon:
         said = pytest.warns(hs.MonitorWarning, match=f"'b.0', 'b.1' ran in thread '{THREAD}'")
@@ -51,7 +34,7 @@ def test_monitor_says_the_layers_a_worker_thread_ran():
 
 
 def test_find_nonfinite_says_its_origin_may_be_in_a_worker_thread():
-    model = Worker()
+    model = Worker(THREAD)
     with torch.no_grad():
         model.b[0].weight[0, 0] = float("nan")
     with pytest.warns(hs.HookscopeWarning, match=f"'b' ran in thread '{THREAD}'.* may be wrong"):

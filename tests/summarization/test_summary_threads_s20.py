@@ -6,35 +6,18 @@ this thread's layers are unchanged (FlopCounterMode's count of each)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-import torch.nn as nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import hookscope as hs
+from helpers.threads import Worker
 
 THREAD = "worker of the forward"
 
 
-class Worker(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.c = nn.Linear(4, 4), nn.Linear(4, 2)
-        self.b = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-
-    def forward(self, x):
-        h, out = self.a(x), {}
-        t = threading.Thread(target=lambda: out.__setitem__("h", self.b(h)), name=THREAD)
-        t.start()
-        t.join()
-        return self.c(out["h"])
-
-
 def test_summary_says_the_layers_a_worker_thread_ran():
-    model, x = Worker(), torch.randn(3, 4)
+    model, x = Worker(THREAD), torch.randn(3, 4)
     with pytest.warns(
         hs.HookscopeWarning, match=f"'b' ran in thread '{THREAD}'.* totals are short"
     ):
