@@ -1,16 +1,20 @@
 """The Hugging Face Trainer as the trainer tests run it: a small net behind the Trainer's
 ``forward(x, labels)`` that notes what each micro-batch was, and plain-SGD training arguments
-whose steps a hand-written loop can repeat."""
+whose steps a hand-written loop can repeat; and what the trainer tests share besides: the
+third-party warnings they ignore, a reset of accelerate's process-wide state after each test, and
+a small classifier with its data."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["HFModel", "hf_trainer"]
+__all__ = ["NOISE", "HFModel", "base", "data", "fresh_accelerate_state", "hf_trainer"]
 
 
 class HFModel(nn.Module):
@@ -59,3 +63,37 @@ def hf_trainer(
     }
     args = TrainingArguments(output_dir=out, **{**args, **kw})
     return Trainer(model=HFModel(net, seen), args=args, train_dataset=samples)
+
+
+# third-party noise of the trainers (not ours to fix), for pytest.mark.filterwarnings
+NOISE = (
+    "ignore::DeprecationWarning",
+    "ignore::FutureWarning",
+    "ignore::UserWarning:lightning.*",
+    "ignore::UserWarning:transformers.*",
+    "ignore::UserWarning:accelerate.*",
+    "ignore::pytest.PytestUnraisableExceptionWarning",
+    "ignore::ResourceWarning",
+)
+
+
+def fresh_accelerate_state() -> Iterator[None]:
+    """After a test, accelerate's singletons reset (a test's Accelerator must not leak its
+    gradient-accumulation settings into the next); use as an autouse fixture."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(True)
+        state.GradientState._reset_state()
+
+
+def base() -> nn.Module:
+    """A 6-8-3 classifier, seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def data(n: int = 16, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` inputs for :func:`base` (times ``scale``) and their classes, seeded."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g) * scale, torch.randint(0, 3, (n,), generator=g)

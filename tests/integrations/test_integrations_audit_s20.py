@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,35 +13,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hookscope as hs
+from helpers.trainers import NOISE, base, data, fresh_accelerate_state
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore::DeprecationWarning",
-    "ignore::FutureWarning",
-    "ignore::UserWarning:lightning.*",
-    "ignore::UserWarning:transformers.*",
-    "ignore::UserWarning:accelerate.*",
-    "ignore::pytest.PytestUnraisableExceptionWarning",
-    "ignore::ResourceWarning",
-)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate_state() -> Iterator[None]:
-    yield
-    state = sys.modules.get("accelerate.state")
-    if state is not None:
-        state.AcceleratorState._reset_state(True)
-        state.GradientState._reset_state()
-
-
-def _base() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-def _data(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+pytestmark = pytest.mark.filterwarnings(*NOISE)
+_fresh_accelerate_state = pytest.fixture(autouse=True)(fresh_accelerate_state)
+_base, _data = base, data
 
 
 def _ref_hook(name: str, acts: dict, grads: dict):
