@@ -17,6 +17,7 @@ that runs out of memory is split in two, and the sweep's passes stay at most tha
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import deque
 from collections.abc import Sequence
@@ -88,16 +89,28 @@ def why_differ(a: Any, b: Any, rows: int | None = None) -> str | None:
                 return f"{name} differs"
             continue
         tol = 1e-4 if x.dtype in (torch.float32, torch.float64) else 3e-2
-        diff = float((x.float() - y.float()).abs().max()) if x.numel() else 0.0
-        scale = float(y.float().abs().max()) if y.numel() else 0.0
-        if not diff <= tol * (1.0 + scale):  # NaN fails too
+        xf, yf = x.float(), y.float()
+        fx, fy = torch.isfinite(xf), torch.isfinite(yf)
+        if not (bool(fx.all()) and bool(fy.all())):
+            # the same NaN/inf in both (a metric of -inf, a NaN the model makes) is no difference
+            if not torch.equal(fx, fy) or not torch.equal(
+                xf[~fx].nan_to_num(), yf[~fy].nan_to_num()
+            ):
+                return f"{name} differs (other non-finite values)"
+            xf, yf = xf[fx], yf[fy]
+        diff = float((xf - yf).abs().max()) if xf.numel() else 0.0
+        scale = float(yf.abs().max()) if yf.numel() else 0.0
+        if not diff <= tol * (1.0 + scale):
             return f"{name} differs by {diff:.3g}"
     return None
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
     tol = 1e-3 if dtype in (torch.float32, torch.float64) else 3e-2
-    return bool(abs(float(a) - float(b)) <= tol * (1.0 + abs(float(b))))
+    fa, fb = float(a), float(b)
+    if not (math.isfinite(fa) and math.isfinite(fb)):  # the same NaN or inf: the same value
+        return fa == fb or (math.isnan(fa) and math.isnan(fb))
+    return bool(abs(fa - fb) <= tol * (1.0 + abs(fb)))
 
 
 def rows_of(out: Any, j: int, batch: int, total: int) -> Any:
