@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import inspect
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
@@ -171,7 +172,14 @@ def _match(
         raise LayerNotFoundError(
             f"the {type(sel).__name__} instance given is not a submodule of {model_name}"
         )
+    if isinstance(sel, type):  # a class, not a module's: calling it would not select
+        raise TypeError(
+            f"a layer selector class must be an nn.Module subclass (nn.Linear, a block's class); "
+            f"got {sel.__name__}, which is not one: select by name, glob, module class, module, "
+            "or a predicate (name, module) -> bool"
+        )
     if callable(sel):
+        _check_predicate(sel)
         hit = {k: m for k, m in all_modules.items() if sel(k, m)}
         if not hit:
             raise LayerNotFoundError(
@@ -182,6 +190,24 @@ def _match(
         f"a layer selector must be a name, glob, module class, module or predicate (name, module) -> bool; "
         f"got {type(sel).__name__}: {sel!r}"
     )
+
+
+def _check_predicate(sel: Any) -> None:
+    """A predicate selector takes ``(name, module)``: one that cannot be called so is refused
+    by name before it is called (a ``lambda m: ...`` of one argument raised Python's own
+    ``TypeError``, naming no selector)."""
+    try:
+        sig = inspect.signature(sel)
+    except (TypeError, ValueError):  # a builtin or C callable: its signature is not known
+        return
+    try:
+        sig.bind("name", None)
+    except TypeError:
+        raise TypeError(
+            f"a predicate layer selector is called as predicate(name, module) -> bool; "
+            f"{getattr(sel, '__name__', type(sel).__name__)}{sig} cannot take those two "
+            "arguments (for a test on the module alone: lambda name, m: isinstance(m, nn.Linear))"
+        ) from None
 
 
 def find(model: nn.Module, *selectors: Selector, leaves: bool = False) -> dict[str, nn.Module]:
