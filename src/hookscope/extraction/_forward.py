@@ -20,7 +20,8 @@ __all__ = ["Pool", "Prepared", "Runner", "host", "np_dtype", "pool_fn"]
 
 Pool = Literal["avg", "max", "flatten", "cls"] | Callable[[torch.Tensor], torch.Tensor] | None
 """How a layer's output ``(B, ...)`` becomes the saved row: ``None`` keeps it whole; ``"avg"`` /
-``"max"`` reduce the spatial dims of ``(B, C, *spatial)`` (or the tokens of ``(B, T, D)``);
+``"max"`` reduce the spatial dims of ``(B, C, *spatial)`` (or the tokens of ``(B, T, D)``: a 3-D
+output is read so, a channels-first ``(B, C, L)`` of a 1-D module too, with a warning);
 ``"flatten"`` gives ``(B, -1)``; ``"cls"`` keeps the first token of ``(B, T, D)``; a callable
 ``fn(output) -> (B, ...)`` does anything else."""
 
@@ -99,6 +100,22 @@ def _may_overflow(src: torch.dtype, dst: torch.dtype) -> bool:
     return torch.iinfo(src).max > torch.finfo(dst).max
 
 
+# modules whose 3-D output is (batch, channels, length): pool "avg"/"max" reduces a 3-D output
+# over axis 1 as the tokens of (batch, tokens, dim), which for these averages the channels
+_CHANNELS_FIRST_1D = (
+    nn.Conv1d,
+    nn.ConvTranspose1d,
+    nn.BatchNorm1d,
+    nn.InstanceNorm1d,
+    nn.MaxPool1d,
+    nn.AvgPool1d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveMaxPool1d,
+    nn.LPPool1d,
+    nn.Dropout1d,
+)
+
+
 class Runner:
     """One forward pass per batch with a hook per layer: pool, cast, copy to host, stop early."""
 
@@ -108,8 +125,13 @@ class Runner:
         named: dict[str, nn.Module],
         pool: Callable[[torch.Tensor, str], torch.Tensor],
         device: torch.device,
+        pool_name: str = "",
     ) -> None:
         self.model, self.named, self.pool, self.device = model, named, pool, device
+        self.pool_name = pool_name
+        # the first call: {layer: (class, shape)} of a channels-first 1-D module's 3-D output
+        # that pool "avg"/"max" reduces over axis 1 as tokens (said by the Job)
+        self.channels_first: dict[str, tuple[str, tuple[int, ...]]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         self.host = torch.device("cpu")
         # {layer: bool tensor}: the last call's cast to the storage dtype turned a finite value
@@ -133,6 +155,13 @@ class Runner:
                 )
             if self.watch and output.__class__ is not torch.Tensor:
                 self._several(name, output)
+            if (
+                self.watch
+                and t.dim() == 3
+                and self.pool_name in ("avg", "max")
+                and isinstance(module, _CHANNELS_FIRST_1D)
+            ):
+                self.channels_first[name] = (type(module).__name__, tuple(t.shape))
             f = self.pool(t, name)
             want = self.dtypes.get(name, torch.float32 if f.dtype == torch.bfloat16 else f.dtype)
             if f.dtype != want:

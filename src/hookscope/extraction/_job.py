@@ -319,6 +319,24 @@ def _warn_dropped(dropped: dict[str, str]) -> None:
     )
 
 
+def _warn_channels_first(found: dict[str, tuple[str, tuple[int, ...]]], pool: str) -> None:
+    """Say which layers give a channels-first 3-D output that pool "avg"/"max" reduces over
+    its channels (axis 1, the token rule of (batch, tokens, dim)), not over its length."""
+    first = next(iter(found))
+    cls, shape = found[first]
+    more = f" (and {some_names(list(found)[1:])} likewise)" if len(found) > 1 else ""
+    op = "mean" if pool == "avg" else "amax"
+    warnings.warn(
+        f"extract: layer {first!r} ({cls}) gives (batch, {shape[1]}, {shape[2]}): (batch, "
+        f"channels, length){more}; "
+        f"pool={pool!r} reduces axis 1 of a 3-D output, as for the tokens of (batch, tokens, "
+        f"dim), so each row holds {shape[2]} values, its {shape[1]} channels reduced at each "
+        f"position. For one value per channel over the length, pass pool=lambda t: t.{op}(-1)",
+        HookscopeWarning,
+        stacklevel=_caller_level(),
+    )
+
+
 @dataclass(frozen=True)
 class Options:
     """What the caller asked for, beyond the model, the data and the layers."""
@@ -454,7 +472,7 @@ class Job:
             if self.on_rank0(self._finished):
                 return
             with Prepared(self.model, self.options.device) as run_dev:
-                runner = Runner(self.model, self.named, self.pooling, run_dev)
+                runner = Runner(self.model, self.named, self.pooling, run_dev, self.pool_name)
                 self.on_rank0(lambda: self._prepare(runner))
                 run = read_run(self.out)
                 if run is None or run["fingerprint"] != self.fingerprint:
@@ -734,6 +752,8 @@ class Job:
         runner.watch = False
         if runner.dropped:
             _warn_dropped(runner.dropped)
+        if runner.channels_first:
+            _warn_channels_first(runner.channels_first, self.pool_name)
         if draws.drew:
             modes = ", ".join(map(repr, training_modules(self.model)))
             raise ExtractError(
