@@ -74,7 +74,8 @@ class SummaryTotals:
         flops: forward FLOPs (the sum of the rows).
         param_bytes: bytes of the parameters.
         buffer_bytes: bytes of the buffers.
-        activation_bytes: bytes of the outputs of the innermost rows.
+        activation_bytes: bytes of the outputs of the innermost rows, each output sharing memory
+            with its call's input (an in-place op's result, a view) not counted again.
         peak_memory_bytes: the extra memory the forward needed at its peak.
         peak_memory_measure: how ``peak_memory_bytes`` was measured (CUDA allocator or CPU
             tensor tracking).
@@ -104,6 +105,7 @@ class CallRecord:
         "flops",
         "module",
         "name",
+        "new_bytes",
         "out_bytes",
         "out_shapes",
         "parent",
@@ -123,6 +125,7 @@ class CallRecord:
         self.shapes: Shapes = {}
         self.out_shapes: Shapes = {}
         self.out_bytes = 0
+        self.new_bytes = 0  # of out_bytes, those not sharing memory with an input (see post)
         self.rule: Any = None  # the FLOP rule of a leaf layer run with the dispatch mode off
 
 

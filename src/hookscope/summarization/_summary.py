@@ -187,6 +187,7 @@ class _CallStack:
         if output.__class__ is torch.Tensor:  # the common case
             c.out_shapes = list(output.shape)
             c.out_bytes = output.numel() * output.element_size()
+            c.new_bytes = 0 if _aliases_input(output, args, kw) else c.out_bytes
             return
         if output is None and sys.exc_info()[1] is not None:
             note_exception(name, module, args, kw)  # name the failing layer in the error
@@ -196,7 +197,10 @@ class _CallStack:
             c.out_shapes[_key(p)] = list(t.shape)
             if id(t) not in seen:
                 seen.add(id(t))
-                c.out_bytes += t.numel() * t.element_size()
+                n = t.numel() * t.element_size()
+                c.out_bytes += n
+                if not _aliases_input(t, args, kw):
+                    c.new_bytes += n
 
     def hooks(self, name: str, module: nn.Module, rule: Any) -> tuple[_Hook, _Hook]:
         """The pre- and post-forward hooks of ``module`` (direct calls: no partial, no kwargs)."""
@@ -346,7 +350,7 @@ def summary(
             flops=rec.counter.total_flops,
             param_bytes=sum(data_bytes(p) for p in params.values()),
             buffer_bytes=sum(data_bytes(b) for b in model.buffers()),  # (sparse: what it holds)
-            activation_bytes=sum(r.output_bytes for r in rows if r.leaf),
+            activation_bytes=sum(c.new_bytes for c in calls if c.children == 0),
             peak_memory_bytes=int(peak),
             peak_memory_measure=(
                 "CUDA max_memory_allocated above what was allocated before"
@@ -426,3 +430,25 @@ def _say_uncounted(uncounted: dict[str | None, str]) -> None:
         HookscopeWarning,
         stacklevel=3,
     )
+
+
+def _aliases_input(t: torch.Tensor, args: Any, kw: Any) -> bool:
+    """Whether output ``t`` shares memory with one of the call's input tensors (an in-place
+    op's result, a view such as ``nn.Flatten``'s): no new activation (the inputs are alive
+    during the call, so their storages cannot have been reused)."""
+    if t.layout != torch.strided or t.is_nested:
+        return False
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage of its own
+        return False
+    if ptr == 0:
+        return False
+    for _, x in iter_tensors((args, kw)):
+        if x.layout == torch.strided and not x.is_nested:
+            try:
+                if x.untyped_storage().data_ptr() == ptr:
+                    return True
+            except (RuntimeError, NotImplementedError):
+                continue
+    return False

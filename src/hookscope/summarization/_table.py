@@ -89,7 +89,7 @@ class Summary:
             f"Params: {fmt_int(t.params)} ({fmt_bytes(t.param_bytes)}), trainable: {fmt_int(t.trainable)}, "
             f"non-trainable: {fmt_int(t.params - t.trainable)}; buffers: {fmt_bytes(t.buffer_bytes)}",
             f"Forward FLOPs: {fmt_int(t.flops)} ({fmt_si(t.flops)}; FlopCounterMode formulas, multiply-add = 2)",
-            f"Activations: {fmt_bytes(t.activation_bytes)} (outputs of innermost layers)",
+            f"Activations: {fmt_bytes(t.activation_bytes)} (new outputs of innermost layers)",
             f"Peak memory of the forward: {fmt_bytes(t.peak_memory_bytes)} ({t.peak_memory_measure})",
         ]
         lines.extend(self.legend(cols))
