@@ -418,6 +418,45 @@ def _opaque(inner: _Hook, region: Any, release: Callable[[], None]) -> _OpaqueHo
     return _OpaqueHook(inner, region, release)
 
 
+class _UntracedHook(_Hook):
+    """A module hook outside every region hookscope routes, in a process where Dynamo is loaded:
+    where a compiled caller hookscope was not given traces the module's call (``cm =
+    torch.compile(model)`` called, ``model`` handed to hookscope; a Trainer's own compile),
+    Dynamo breaks the graph at the hook and runs it eagerly on the real tensors, instead of
+    tracing hookscope's code (which it may trace wrongly: an integer it made symbolic in an
+    f-string raised ``InternalTorchDynamoError``; each hooked layer recompiled the hook's resume
+    code until Dynamo's recompile limit). Whether that compiled code calls the hook at all is
+    Dynamo's (pytorch#117758): ``HookScope.watch_unrouted`` says when it does not.
+
+    ``__call__`` is wrapped with ``torch._dynamo.disable`` on first use, as
+    :class:`_OpaqueHook`'s."""
+
+    __slots__ = ()
+
+    def __init__(self, inner: _Hook) -> None:
+        super().__init__(inner, inner.owner, inner.kind, inner.layer, inner.scope_id)
+
+    @thread_checked  # the inner hook checks
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+_untraced_ready: list[bool] = []
+
+
+def _untraced(hook: _Hook) -> _Hook:
+    """``hook``, made opaque to Dynamo where Dynamo is loaded (a compile may trace the module's
+    calls); else ``hook`` itself (nothing can trace it before Dynamo is imported, and ``import
+    hookscope`` does not import it)."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
+    if not _untraced_ready:
+        _untraced_ready.append(True)
+        disabled = torch._dynamo.disable(_UntracedHook.__call__, recursive=True)
+        _UntracedHook.__call__ = disabled  # type: ignore[method-assign]
+    return _UntracedHook(hook)
+
+
 def _dynamo_compiled() -> bool:
     """Whether Dynamo compiled (or tried to compile) a frame in this process."""
     dyn = sys.modules.get("torch._dynamo.utils")
@@ -607,7 +646,7 @@ class HookScope:
         self._hold_guard(module, hook.layer)
         region = region_of(module)
         if region is None:
-            return hook
+            return _untraced(hook)
         release = region.acquire(module, hook.kind, hook.layer)
         self._on_remove.append(release)
         return _opaque(hook, region, release)
@@ -669,6 +708,7 @@ class HookScope:
         attr = "_forward_pre_hooks" if pre else "_forward_hooks"
         kw_attr = attr + "_with_kwargs"
         routed = routing()  # any compiled region or generating model indexed at all
+        dyn = "torch._dynamo" in sys.modules  # a compile may trace the hooks (_untraced)
         if routed:  # refused before any is placed: no hook left behind
             hooks = list(hooks)
             for module, _, layer in hooks:
@@ -711,7 +751,7 @@ class HookScope:
                 self._hold_guard(module, layer)
             hid = RemovableHandle.next_id
             RemovableHandle.next_id = hid + 1
-            d[hid] = hook
+            d[hid] = _untraced(hook) if dyn else hook
             if prepend:
                 d.move_to_end(hid, last=False)
             direct.append((d, hid))

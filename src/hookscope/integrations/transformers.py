@@ -33,6 +33,7 @@ import warnings
 import weakref
 from typing import Any
 
+from ..core._compiled import is_optimized, strip_compiled
 from ..core._errors import HookscopeWarning
 from ..monitor import Monitor, MonitorRecord
 from ._common import need
@@ -117,7 +118,7 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
         kw = dict(self.monitor_kwargs)
         # resumed from a checkpoint: number the records from the steps already taken
         kw.setdefault("first_step", int(state.global_step))
-        self.monitor = Monitor(model, self.layers, scaler=scaler, **kw)
+        self.monitor = Monitor(_called(trainer, model), self.layers, scaler=scaler, **kw)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.monitor is not None:
@@ -146,6 +147,20 @@ class HookscopeTrainerCallback(_tf.TrainerCallback):  # type: ignore[misc, name-
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         if self.monitor is not None:
             self.monitor.close()
+
+
+def _called(trainer: Any, model: Any) -> Any:
+    """The object the Trainer calls, where it is ``torch.compile(model)`` (``torch_compile=True``:
+    Accelerate's wrapper, which the callbacks are not given): hookscope routes the hooks of a
+    compiled model it is given (a hooked variant of the compiled code, the hooks opaque to
+    Dynamo) and names its layers as the model's. Given ``model`` itself, the Monitor's hooks sat
+    inside the wrapper's compiled code: Dynamo traced hookscope's hook code and recompiled it
+    per layer up to its recompile limit (torch's warning), and each step warned that the
+    wrapper's code may skip the hooks. Else ``model``."""
+    wrapped = getattr(trainer, "model_wrapped", None)
+    if wrapped is not None and is_optimized(wrapped) and strip_compiled(wrapped) is model:
+        return wrapped
+    return model
 
 
 def _log(trainer: Any, logs: dict[str, float], console: bool, history: bool) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..core._buffers import Attributes, buffers_kept
-from ..core._compiled import compiled_regions, named_modules, strip_compiled
+from ..core._compiled import compiled_regions, named_modules, region_of, strip_compiled
 from ..core._errors import HookscopeError, HookscopeWarning, LayerNotFoundError, some_names
 from ..core._nested import iter_tensors
 from ..core._scope import ancestors, attribute_path, check_model, internal_run
@@ -40,6 +40,11 @@ class MemoryRow:
         flops: forward FLOPs of its own operations (what recomputing them costs).
         flops_total: the same with its children.
 
+    In a profile of a ``torch.compile``'d model (``per_region``) the FLOPs are ``None`` (not
+    counted), and so are the calls and bytes of a module inside a compiled region (its region's
+    row holds them: the compiled graph does not run the module's hooks): ``n/a`` in the table,
+    never a measured 0.
+
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
         >>> row = hs.memory_profile(nn.Linear(4, 2), torch.randn(3, 4))[""]
@@ -50,18 +55,18 @@ class MemoryRow:
     name: str
     type: str
     depth: int
-    calls: int = 0
-    saved_bytes: int = 0
-    saved_bytes_total: int = 0
-    shared_bytes: int = 0
-    param_saved_bytes: int = 0
-    flops: int = 0
-    flops_total: int = 0
+    calls: int | None = 0
+    saved_bytes: int | None = 0
+    saved_bytes_total: int | None = 0
+    shared_bytes: int | None = 0
+    param_saved_bytes: int | None = 0
+    flops: int | None = 0
+    flops_total: int | None = 0
 
     @property
     def shared(self) -> bool:
         """Whether a storage counted here was also saved by another module."""
-        return self.shared_bytes > 0
+        return bool(self.shared_bytes)
 
 
 @dataclass
@@ -87,9 +92,11 @@ class MemoryProfile:
             forward; ``peak_backward_bytes`` during backward (gradients included; measured with
             ``backward_peak=True``, else ``None``). Parameters, buffers and the given inputs are
             not counted (they were there before). A compiled model gets no FLOPs nor live
-            bytes (the dispatch mode would change what it compiles): those are 0.
+            bytes (the dispatch mode would change what it compiles): the live and peak bytes
+            are 0, the rows' FLOPs ``None``.
         per_region: ``True`` for a ``torch.compile``'d model: what is saved is the compiled
-            graph's choice, so each compiled region gets one row (its subtree is not split).
+            graph's choice, so each compiled region gets one row (its subtree is not split: the
+            rows of the modules inside it hold ``None``, not measured).
         excluded: modules that checkpointing would make wrong, with the reason, seen in the
             step: one that changes in place a tensor it did not create (its input, as
             ``ReLU(inplace=True)`` does) or a parameter, or whose input a later operation changes
@@ -395,6 +402,19 @@ def _say_elsewhere(names: list[str]) -> None:
     )
 
 
+def _not_measured(rows: list[MemoryRow], modules: dict[str, nn.Module]) -> None:
+    """A compiled model's rows: FLOPs not counted; a module inside a compiled region (not its
+    root) ran in the compiled graph, which does not run its hooks, so its calls and bytes are
+    its region's: ``None``, never a 0 that reads as measured (they were 0 and ``0 B``)."""
+    for r in rows:
+        r.flops = r.flops_total = None
+        module = modules.get(r.name)
+        region = region_of(module) if module is not None else None
+        if region is not None and region.root is not module:
+            r.calls = r.saved_bytes = r.saved_bytes_total = None
+            r.shared_bytes = r.param_saved_bytes = None
+
+
 def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> MemoryProfile:
     """Rows from a recorder: each unique storage charged to the first module that saved it."""
     # storage -> (module, bytes)
@@ -448,6 +468,8 @@ def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> M
             parent = parent.rpartition(".")[0]
         rows[parent].saved_bytes_total += r.saved_bytes_total
         rows[parent].flops_total += r.flops_total
+    if per_region:
+        _not_measured(ordered, dict(named_modules(model)))
     param_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     device = next((str(p.device) for p in model.parameters()), "cpu")
     return MemoryProfile(

@@ -22,6 +22,12 @@ def fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def _na(n: int | None, fmt: Any) -> str:
+    """A measured value formatted; ``n/a`` for one not measured (``None``: inside a compiled
+    region, a compiled model's FLOPs)."""
+    return "n/a" if n is None else fmt(n)
+
+
 def _si(n: int) -> str:
     for div, suf in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if n >= div:
@@ -31,15 +37,17 @@ def _si(n: int) -> str:
 
 def _cells(r: MemoryRow, compiled: bool = False) -> tuple[str, ...]:
     label = ("  " * r.depth + (r.name.rsplit(".", 1)[-1] if r.name else "(model)"))[:40]
-    saved = fmt_bytes(r.saved_bytes) + (" *" if r.shared else "")
+    saved = _na(r.saved_bytes, fmt_bytes) + (" *" if r.shared else "")
     return (
         label,
         r.type,
-        str(r.calls),
+        _na(r.calls, str),
         saved,
-        fmt_bytes(r.saved_bytes_total),
-        fmt_bytes(r.param_saved_bytes) if r.param_saved_bytes else "",
-        "n/a" if compiled else _si(r.flops_total),  # not counted in a compiled model
+        _na(r.saved_bytes_total, fmt_bytes),
+        "n/a"
+        if r.param_saved_bytes is None
+        else (fmt_bytes(r.param_saved_bytes) if r.param_saved_bytes else ""),
+        "n/a" if compiled else _na(r.flops_total, _si),  # not counted in a compiled model
     )
 
 
@@ -75,7 +83,8 @@ def _footer(p: MemoryProfile) -> list[str]:
     ]
     if p.per_region:
         lines.append(
-            "compiled model: per compiled region (what is saved is the compiled graph's choice)"
+            "compiled model: per compiled region (what is saved is the compiled graph's choice; "
+            "n/a: a module inside a region, not measured)"
         )
     return lines
 
@@ -114,7 +123,7 @@ def to_rich(p: MemoryProfile) -> Any:
 
 def plot(p: MemoryProfile, *, depth: int | None = 1, ax: Any = None) -> Any:
     plt = need("matplotlib.pyplot", "viz", "MemoryProfile.plot()")
-    rows = [r for r in _rows(p, depth) if r.name and r.saved_bytes_total > 0]
+    rows = [r for r in _rows(p, depth) if r.name and (r.saved_bytes_total or 0) > 0]
     rows = [
         r
         for r in rows
