@@ -2,8 +2,15 @@
 
 Each op is a small callable ``op(tensor) -> tensor`` that always returns a *new* tensor (never
 modifies its input in place: a gradient edited in place could change the caller's
-``backward(gradient=g)`` tensor, docs/pitfalls.md §24) and never synchronises with the device. Applied to a
+``backward(gradient=g)`` tensor, docs/pitfalls.md §24; never the op's own argument, which the
+model could then change in place) and never synchronises with the device. Applied to a
 nested value (a tuple or dict output), an op is applied to every tensor inside it.
+
+An op keeps the dtype and shape of the tensor it edits, or refuses (:class:`~hookscope.HookscopeError`,
+which :func:`apply` names with the layer): a tensor argument of another floating dtype is applied in
+the wider dtype and the result rounded once to the tensor's dtype (what a hand-written
+``(out * k).to(out.dtype)`` gives, bit for bit), and an integer tensor is never turned into a
+float one (``scale(2.5)`` refused, ``clamp(min=1.5)`` is ``clamp(min=2)``, exactly).
 
 Example:
     >>> import torch, hookscope as hs
@@ -22,6 +29,11 @@ import torch
 from ._errors import HookscopeError
 
 __all__ = ["Op", "ablate", "add", "clamp", "clip_norm", "replace", "scale", "zero"]
+
+
+class _OpError(HookscopeError, ValueError):
+    """An op cannot give the tensor it edits a value of the same dtype and shape (a
+    :class:`HookscopeError`; :func:`apply` adds the layer it edits)."""
 
 
 def _number(v: Any, what: str, tensor: bool = True) -> Any:
@@ -43,8 +55,19 @@ class Op:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
-        return f"hs.ops.{type(self).__name__.lower().lstrip('_')}({args})"
+        args = ", ".join(f"{k}={_show(v)}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"hs.ops.{self._public}({args})"
+
+    @property
+    def _public(self) -> str:
+        return type(self).__name__.lower().lstrip("_")
+
+
+def _show(v: Any) -> str:
+    """A value in an op's repr: a tensor by its shape and dtype (its values could be many)."""
+    if isinstance(v, torch.Tensor) and v.numel() > 1:
+        return f"<tensor {tuple(v.shape)} {str(v.dtype).removeprefix('torch.')}>"
+    return repr(v)
 
 
 class _Zero(Op):
@@ -57,7 +80,7 @@ class _Scale(Op):
         self.k = _number(k, "hs.ops.scale: k")
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return t * self.k
+        return _same_kind(t, torch.mul, self.k, self)
 
 
 class _Add(Op):
@@ -65,10 +88,36 @@ class _Add(Op):
         self.v = _number(v, "hs.ops.add: v")
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        v = self.v
-        if isinstance(v, torch.Tensor):
-            v = v.to(device=t.device, dtype=t.dtype if t.is_floating_point() else v.dtype)
-        return t + v
+        return _same_kind(t, torch.add, self.v, self)
+
+
+def _same_kind(t: torch.Tensor, fn: Any, k: Any, op: Op) -> torch.Tensor:
+    """``fn(t, k)`` with ``t``'s dtype and shape: a floating result of a wider dtype (``k`` a
+    float32 tensor, ``t`` bf16) is rounded once to ``t``'s dtype; an integer ``t`` whose result
+    is not an integer, or a ``k`` that broadcasts ``t`` to a larger shape, is refused."""
+    if isinstance(k, torch.Tensor):
+        k = k.to(t.device)
+    elif not t.is_floating_point() and not t.is_complex() and isinstance(k, float):
+        if not k.is_integer():
+            raise _OpError(
+                f"{op!r} would turn this {t.dtype} tensor into a float one; give an integer, "
+                "or edit with a function that says which dtype you want"
+            )
+        k = int(k)
+    new = fn(t, k)
+    if new.shape != t.shape:
+        raise _OpError(
+            f"{op!r}: its tensor of shape {tuple(k.shape)} broadcasts this value of shape "
+            f"{tuple(t.shape)} to {tuple(new.shape)}; give one that broadcasts to {tuple(t.shape)}"
+        )
+    if new.dtype != t.dtype:
+        if not (t.is_floating_point() and new.is_floating_point()):
+            raise _OpError(
+                f"{op!r} would turn this {t.dtype} tensor into {new.dtype}; "
+                f"give a tensor the {t.dtype} values can keep (e.g. .to({t.dtype}))"
+            )
+        new = new.to(t.dtype)  # (computed in the wider dtype, rounded once)
+    return new
 
 
 class _Clamp(Op):
@@ -83,7 +132,17 @@ class _Clamp(Op):
         self.min, self.max = min, max
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        return t.clamp(min=self.min, max=self.max)
+        lo, hi = self.min, self.max
+        if not t.is_floating_point() and t.dtype != torch.bool:
+            # an integer is >= 1.5 exactly when it is >= 2: the bounds made integers keep the dtype
+            lo = math.ceil(lo) if isinstance(lo, float) else lo
+            hi = math.floor(hi) if isinstance(hi, float) else hi
+            if lo is not None and hi is not None and lo > hi:
+                raise _OpError(
+                    f"{self!r}: no integer lies in [{self.min}, {self.max}], so this {t.dtype} "
+                    "tensor cannot be clamped into it"
+                )
+        return t.clamp(min=lo, max=hi)
 
 
 class _Replace(Op):
@@ -99,20 +158,34 @@ class _Replace(Op):
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         v = self.value
         if not isinstance(v, torch.Tensor):
+            if not t.is_floating_point() and not t.is_complex() and not float(v).is_integer():
+                raise _OpError(
+                    f"{self!r}: this tensor is {t.dtype}, which cannot hold {v} (it would be "
+                    "truncated); give an integer"
+                )
             return torch.full_like(t, v)
-        v = v.to(
-            device=t.device,
-            dtype=t.dtype if t.is_floating_point() and v.is_floating_point() else v.dtype,
-        )
+        if not torch.can_cast(v.dtype, t.dtype):
+            raise _OpError(
+                f"{self!r}: the replacement is {v.dtype}, and this tensor is {t.dtype}, which "
+                f"cannot hold its values exactly (truncated); give a {t.dtype} tensor"
+            )
         if v.shape != t.shape:
             try:
-                v = torch.broadcast_to(v, t.shape)
+                fits = torch.broadcast_shapes(v.shape, t.shape) == t.shape
             except RuntimeError:
-                raise ValueError(
-                    f"replace: the replacement has shape {tuple(v.shape)}, which does not broadcast to "
-                    f"the value's shape {tuple(t.shape)}"
-                ) from None
-        return v.clone() if v.data_ptr() == t.data_ptr() else v
+                fits = False
+            if not fits:
+                raise _OpError(
+                    f"replace: the replacement has shape {tuple(v.shape)}, which does not "
+                    f"broadcast to the value's shape {tuple(t.shape)}"
+                )
+        # a new tensor each call, in the value's dtype (rounded as .to() rounds) and layout: the
+        # replacement itself, handed to the model, would be changed by the model's in-place ops
+        # (`out += x`, ReLU(inplace=True)), and the next call would read the changed one
+        if t.__class__ is torch.Tensor:
+            return torch.empty_like(t).copy_(v)
+        # (a DTensor: a full plain tensor, which edit_grads lays out as the gradient's shards)
+        return v.to(device=t.device, dtype=t.dtype).expand(t.shape).clone()
 
 
 class _Ablate(Op):
@@ -151,16 +224,23 @@ class _Ablate(Op):
 
 
 class _ClipNorm(Op):
+    _public = "clip_norm"  # type: ignore[assignment]
+
     def __init__(self, max_norm: float, eps: float = 1e-6) -> None:
         _number(max_norm, "hs.ops.clip_norm: max_norm", tensor=False)
         if max_norm <= 0:
             raise ValueError(f"hs.ops.clip_norm: max_norm must be > 0, got {max_norm}")
-        self.max_norm, self.eps = max_norm, eps
+        self.max_norm, self._eps = max_norm, eps
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            raise _OpError(
+                f"{self!r}: this tensor is {t.dtype}; a factor below 1 cast to it would be 0 "
+                "(clip_norm rescales floating tensors only)"
+            )
         norm = torch.linalg.vector_norm(t.float())
-        factor = (self.max_norm / (norm + self.eps)).clamp(max=1.0)
-        return t * factor.to(t.dtype)
+        factor = (self.max_norm / (norm + self._eps)).clamp(max=1.0)
+        return t * factor  # (a 0-dim float32 factor: the result keeps t's dtype)
 
 
 def zero() -> Op:
@@ -205,7 +285,10 @@ def apply(fn: Any, value: Any, what: str) -> Any:
     if isinstance(fn, torch.Tensor):
         fn = _Replace(fn)
     if isinstance(fn, Op):
-        return fn(value) if isinstance(value, torch.Tensor) else map_tensors(fn, value)
+        try:
+            return fn(value) if isinstance(value, torch.Tensor) else map_tensors(fn, value)
+        except _OpError as e:
+            raise _OpError(f"{what}: {e}{_nested_hint(value)}") from None
     if not callable(fn):
         raise TypeError(
             f"the edit for {what} must be a hs.ops op, a tensor or a callable; got {type(fn).__name__}"
@@ -221,6 +304,22 @@ def apply(fn: Any, value: Any, what: str) -> Any:
         )
     _check_same_kind(value, new, what)
     return new
+
+
+def _nested_hint(value: Any) -> str:
+    """For an op refused on a tensor inside a nested value: which tensors the op acts on."""
+    if isinstance(value, torch.Tensor):
+        return ""
+    from ._nested import iter_tensors
+
+    kinds = ", ".join(
+        f"{'.'.join(map(str, p)) or '.'}: {t.dtype} {tuple(t.shape)}"
+        for p, t in iter_tensors(value)
+    )
+    return (
+        f" (an op acts on every tensor of a nested value; this one holds {kinds}: to edit one "
+        "item, give a function, e.g. lambda out: (out[0] * 2, *out[1:]))"
+    )
 
 
 def _check_same_kind(value: Any, new: Any, what: str) -> None:

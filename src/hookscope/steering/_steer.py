@@ -256,14 +256,20 @@ class _SteerHook(_Hook):
                 f"layer's hidden states have {h.shape[-1]} features (shape {tuple(h.shape)}); "
                 f"give a vector of shape ({h.shape[-1]},)"
             )
-        v = v.detach().to(device=h.device, dtype=h.dtype)
+        # in float32 (or the output's wider dtype), as steering-vectors and a float32 reference
+        # do: a bf16/fp16 output gets the float32 result rounded once (the vector rounded to
+        # bf16 first, then scaled and added, was up to 2 bf16 steps off); the unit vector is
+        # made in float32 too (an fp16 norm above 65504 was inf: the direction became 0, and
+        # nothing was ablated)
+        v = v.detach().to(device=h.device, dtype=torch.promote_types(h.dtype, torch.float32))
         if self.mode == "add":
             d = self.scale * v
         else:
             norm = v.norm()
-            if float(norm) == 0.0:
+            if not 0.0 < float(norm) < math.inf:
                 raise HookscopeError(
-                    f"steer(mode='ablate'): the direction for layer {self.name!r} is zero"
+                    f"steer(mode='ablate'): the direction for layer {self.name!r} has norm "
+                    f"{float(norm)} in {v.dtype}; give a nonzero direction of finite norm"
                 )
             d = v / norm
         self._cache = (h.device, h.dtype, d)
@@ -289,21 +295,26 @@ class _SteerHook(_Hook):
         else:  # on the device, read once at exit (no host sync per call)
             got = sel.any()
             scope.chosen = got if scope.chosen is None else scope.chosen | got.to(scope.chosen)
-        d = self._delta(h)
+        d = self._delta(h)  # (float32 for a bf16/fp16 output: the sum is rounded once)
+        if sel is not None and (h.dim() < 2 or sel.shape != h.shape[:2]):
+            raise HookscopeError(
+                f"steer: layer {self.name!r} output has shape {tuple(h.shape)}, but the model "
+                f"call has {tuple(sel.shape)} (batch, tokens); positions other than 'all' need "
+                "outputs shaped [batch, tokens, features]"
+            )
         if self.mode == "add":
-            delta = d
-        else:
-            delta = (h @ d).unsqueeze(-1) * d * (-self.scale)
-        if sel is None:
-            new = h + delta
-        else:
-            if h.dim() < 2 or sel.shape != h.shape[:2]:
-                raise HookscopeError(
-                    f"steer: layer {self.name!r} output has shape {tuple(h.shape)}, but the model "
-                    f"call has {tuple(sel.shape)} (batch, tokens); positions other than 'all' need "
-                    "outputs shaped [batch, tokens, features]"
-                )
-            new = h + delta * sel.unsqueeze(-1).to(device=h.device, dtype=h.dtype)
+            if sel is None:
+                new = h + d
+            else:
+                new = torch.addcmul(h, sel.unsqueeze(-1).to(device=h.device, dtype=d.dtype), d)
+        else:  # h - scale * (h . u) u
+            coef = (h if h.dtype == d.dtype else h.to(d.dtype)) @ d
+            coef = coef.unsqueeze(-1) * (-self.scale)
+            if sel is not None:
+                coef = coef * sel.unsqueeze(-1).to(device=h.device, dtype=d.dtype)
+            new = torch.addcmul(h, coef, d)
+        if new.dtype != h.dtype:
+            new = new.to(h.dtype)
         replays.acted_on(self.name, module, new)
         return replace_first(output, new)
 
@@ -563,7 +574,9 @@ def steer(
       steers row ``b``'s ``p``-th token; positions past the mask's end are not steered.
 
     On an encoder–decoder model, positions count the decoder's tokens; encoder layers take
-    ``positions="all"``. ``scale`` is a finite number; the vectors are finite floating tensors.
+    ``positions="all"``. ``scale`` is a finite number; the vectors are finite floating tensors,
+    used in float32 (or the output's wider dtype): a bf16/fp16 output gets the float32 result
+    rounded once, as ``steering-vectors``' ``apply`` does.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
