@@ -11,27 +11,13 @@ import warnings
 
 import pytest
 import torch
-import torch._dynamo as dynamo
 import torch.nn as nn
 
 import hookscope as hs
+from helpers.compiled import TwoLayer, fresh_dynamo
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    dynamo.reset()
-    yield
-    dynamo.reset()
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 6)
-        self.b = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.relu(self.a(x)))
+_fresh_dynamo = pytest.fixture(autouse=True)(fresh_dynamo)
+Net = TwoLayer
 
 
 X = torch.randn(5, 4)
