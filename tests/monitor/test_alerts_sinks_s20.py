@@ -1,0 +1,65 @@
+"""Audit s20 of the monitor's alerts and sinks: each alert checked against the statistic
+computed by hand with plain hooks on both sides of its threshold; each sink read back."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import hookscope as hs
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+
+
+def _hand_grad_norms(net: nn.Module, x: torch.Tensor, scale: float) -> dict[str, float]:
+    """Output-gradient norms of ``net``'s children from plain tensor hooks (removed after)."""
+    norms: dict[str, float] = {}
+    handles = []
+    for name, m in net.named_children():
+
+        def fwd(_m, _i, out, name=name):
+            out.register_hook(lambda g: norms.__setitem__(name, float(g.double().norm())))
+
+        handles.append(m.register_forward_hook(fwd))
+    try:
+        (net(x).sum() * scale).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    net.zero_grad()
+    return norms
+
+
+@pytest.mark.parametrize("scale", [math.inf, math.nan])
+def test_non_finite_gradient_norms_alert(scale: float) -> None:
+    """An inf or NaN loss gave every layer an inf/NaN output-gradient norm and every parameter
+    an inf/NaN gradient norm in the record, and no alert at all: ``exploding`` skipped
+    non-finite norms (inf > 1e3 is documented to alert) and ``nonfinite`` looked at outputs
+    only. Now one ``nonfinite`` alert names the first (model order) and lists them all."""
+    net, x = _net(), torch.randn(8, 3)
+    hand = _hand_grad_norms(net, x, scale)
+    assert hand and not any(math.isfinite(v) for v in hand.values())
+    with hs.Monitor(net, alerts="off") as mon:
+        (net(x).sum() * scale).backward()
+        rec = mon.step()
+        net.zero_grad()
+    got = {n: s["grad_norm"] for n, s in rec.layers.items()}
+    assert got.keys() == hand.keys()
+    assert all(str(got[n]) == str(hand[n]) for n in hand)
+    (a,) = [a for a in rec.alerts if a.kind == "nonfinite"]
+    bad = [n for n in rec.layers if not math.isfinite(rec.layers[n]["grad_norm"])]
+    bad += [n for n, s in rec.params.items() if not math.isfinite(s["grad_norm"])]
+    assert (a.layer, a.step, a.values["layers"]) == ("0", 0, bad)
+    assert "non-finite gradients" in a.message and "sentinel=True" in a.message
+    # finite norms on both sides of `exploding` stay as they were
+    with hs.Monitor(net, alerts="off", thresholds={"exploding": 1e30}) as mon:
+        (net(x).sum() * 1e3).backward()
+        rec = mon.step()
+        net.zero_grad()
+    assert not rec.alerts
