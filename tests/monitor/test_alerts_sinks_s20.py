@@ -63,3 +63,41 @@ def test_non_finite_gradient_norms_alert(scale: float) -> None:
         rec = mon.step()
         net.zero_grad()
     assert not rec.alerts
+
+
+def _mlflow_history(mlflow, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    c = mlflow.tracking.MlflowClient()
+    keys = c.get_run(run_id).data.metrics
+    return {k: [(m.step, m.value) for m in c.get_metric_history(run_id, k)] for k in keys}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_mlflow_sink_writes_inf_as_inf(tmp_path, monkeypatch) -> None:
+    """MlflowSink logged +-inf as NaN ("some stores refuse" it), so an exploding layer's inf
+    gradient norm read back from MLflow as NaN, and -inf as NaN too. MLflow 3 takes +-inf: the
+    file store keeps it exactly; the database stores keep +-1.8e308, which now warns naming the
+    tag."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    rec = hs.MonitorRecord(
+        5,
+        {"fc": {"grad_norm": math.inf, "mean": -math.inf, "std": math.nan, "absmax": 0.25}},
+        {"fc.weight": {"grad_norm": 1.2345678901234567e300}},
+    )
+    want = rec.scalars()
+    mlflow.set_tracking_uri("file:" + str(tmp_path / "mlruns"))
+    with mlflow.start_run() as run:
+        hs.MlflowSink()(rec)
+    got = _mlflow_history(mlflow, run.info.run_id)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        ((step, value),) = got[k]
+        assert step == 5 and str(value) == str(v), (k, value, v)
+    mlflow.set_tracking_uri("sqlite:///" + str(tmp_path / "m.db"))
+    with mlflow.start_run() as run:
+        sink = hs.MlflowSink()
+        with pytest.warns(hs.HookscopeWarning, match=r"hookscope/fc/grad_norm.*1\.8e308"):
+            sink(rec)
+        sink(rec)  # said once
+    got = _mlflow_history(mlflow, run.info.run_id)
+    assert got["hookscope/fc/grad_norm"] == [(5, 1.7976931348623157e308)] * 2
