@@ -101,3 +101,44 @@ def test_mlflow_sink_writes_inf_as_inf(tmp_path, monkeypatch) -> None:
         sink(rec)  # said once
     got = _mlflow_history(mlflow, run.info.run_id)
     assert got["hookscope/fc/grad_norm"] == [(5, 1.7976931348623157e308)] * 2
+
+
+@pytest.mark.parametrize(
+    ("act", "lo", "hi"),
+    [(nn.Tanh(), -1.0, 1.0), (nn.Sigmoid(), 0.0, 1.0), (nn.Hardtanh(-5, 5), -5, 5)],
+)
+def test_saturation_band_is_the_margin_times_the_range(
+    act: nn.Module, lo: float, hi: float
+) -> None:
+    """``saturation_margin`` was documented as the distance from the bound, but the monitor
+    counts values within ``margin * (high - low)`` of it: Tanh's band at 0.01 is 0.02 wide
+    (0.985 counted saturated, 0.015 from 1). The statistic is unchanged; the documentation now
+    says the band. Checked against outputs counted by hand on both sides of the band and of
+    the ``saturation`` threshold."""
+    band = 0.01 * (hi - lo)
+    outs = torch.tensor(
+        [hi - 0.6 * band, lo + 0.6 * band, hi - 1.4 * band, lo + 1.4 * band, (lo + hi) / 2],
+        dtype=torch.float64,
+    )
+    seen: list[torch.Tensor] = []
+    h = act.register_forward_hook(lambda _m, _i, o: seen.append(o.detach().clone()))
+    try:
+        for keep, th in ((2, 0.4), (2, 0.41)):
+            x = torch.full((1,), 0.0, dtype=torch.float64)
+            net = nn.Sequential(act)
+            pre = outs.clone()
+            if isinstance(act, nn.Tanh):
+                pre = torch.atanh(outs)
+            elif isinstance(act, nn.Sigmoid):
+                pre = torch.logit(outs)
+            inp = (pre + x).float().requires_grad_()
+            with hs.Monitor(net, alerts="off", thresholds={"saturation": th}) as mon:
+                net(inp).sum().backward()
+                rec = mon.step()
+            y = seen[-1].double()
+            hand = float(((y - lo <= band) | (hi - y <= band)).double().mean())
+            assert hand == keep / 5 == rec.layers["0"]["saturated"]
+            fired = [a for a in rec.alerts if a.kind == "saturation"]
+            assert bool(fired) == (hand >= th)
+    finally:
+        h.remove()

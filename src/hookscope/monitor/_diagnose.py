@@ -36,7 +36,9 @@ class Thresholds:
         dead: alert when at least this fraction of a layer's output is exactly zero.
         saturation: alert when at least this fraction of a Tanh/Sigmoid-like output lies within
             ``saturation_margin`` of its bounds.
-        saturation_margin: distance from the bound that counts as saturated.
+        saturation_margin: distance from a bound that counts as saturated, as a fraction of
+            the activation's range ``high - low``: ``0.01`` is within 0.02 of Tanh's -1 and 1,
+            within 0.01 of Sigmoid's 0 and 1, within 0.1 of ``Hardtanh(-5, 5)``'s bounds.
 
     Example:
         >>> Thresholds.make({"dead": 0.5}).dead
