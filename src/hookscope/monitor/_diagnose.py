@@ -36,7 +36,9 @@ class Thresholds:
         dead: alert when at least this fraction of a layer's output is exactly zero.
         saturation: alert when at least this fraction of a Tanh/Sigmoid-like output lies within
             ``saturation_margin`` of its bounds.
-        saturation_margin: distance from the bound that counts as saturated.
+        saturation_margin: distance from a bound that counts as saturated, as a fraction of
+            the activation's range ``high - low``: ``0.01`` is within 0.02 of Tanh's -1 and 1,
+            within 0.01 of Sigmoid's 0 and 1, within 0.1 of ``Hardtanh(-5, 5)``'s bounds.
 
     Example:
         >>> Thresholds.make({"dead": 0.5}).dead
@@ -69,7 +71,9 @@ class Alert:
     """One diagnosis of a logged step.
 
     Attributes:
-        kind: ``vanishing``, ``exploding``, ``dead``, ``saturation`` or ``nonfinite``.
+        kind: ``vanishing``, ``exploding``, ``dead``, ``saturation`` or ``nonfinite`` (a
+            layer output with NaN/Inf values, or non-finite gradient norms: one alert naming
+            the first, ``values["layers"]`` all of them).
         layer: the layer or parameter it is about.
         step: the step it was found in.
         message: one line for people (what the monitor warns or logs).
@@ -131,15 +135,20 @@ def diagnose(
                 saturated=sat,
             )
 
-    # exploding: absolute, then growth since the previous logged step
+    # exploding: absolute, then growth since the previous logged step; a non-finite gradient
+    # norm (inf or NaN gradient values, or finite ones whose norm overflowed) is one alert
     prev_layers, prev_params = previous if previous is not None else ({}, {})
+    bad: list[tuple[str, str, float]] = []
     for group, prev, label, key in (
         (layers, prev_layers, "output gradient", "grad_norm"),
         (params, prev_params, "gradient", "grad_norm"),
     ):
         for name, s in group.items():
             g = s.get(key)
-            if g is None or not math.isfinite(g):
+            if g is None:
+                continue
+            if not math.isfinite(g):
+                bad.append((label, name, g))
                 continue
             if g > th.exploding:
                 add(
@@ -158,6 +167,23 @@ def diagnose(
                     grad_norm=g,
                     previous=p,
                 )
+
+    if bad:
+        label, name, g = bad[0]
+        more = (
+            f" and {len(bad) - 1} more ({', '.join(repr(n) for _, n, _ in bad[1:4])}{', ...' if len(bad) > 4 else ''})"
+            if len(bad) > 1
+            else ""
+        )
+        add(
+            "nonfinite",
+            name,
+            f"{label} norm of {name!r} is {g}{more}: non-finite gradients (a GradScaler skips "
+            "such a step; without one the optimizer writes them into the weights: "
+            "Monitor(sentinel=True) or hs.find_nonfinite names the layer they come from)",
+            grad_norm=g,
+            layers=[n for _, n, _ in bad],
+        )
 
     # vanishing: first vs last layer (model order) that has a gradient norm
     for group, label in ((layers, "output gradient"), (params, "gradient")):

@@ -177,9 +177,9 @@ class WandbSink:
 
 class MlflowSink:
     """Log each record's scalars (:meth:`MonitorRecord.scalars`) as MLflow metrics at the
-    record's step, to ``run_id`` or the active run (``mlflow.start_run()`` first). NaN is logged
-    as NaN; +-inf, which some MLflow stores refuse, is logged as NaN too. Needs
-    ``pip install 'hookscope[mlflow]'``.
+    record's step, to ``run_id`` or the active run (``mlflow.start_run()`` first). NaN and
+    +-inf are logged as they are: a file store keeps them; MLflow's database stores keep +-inf as
+    +-1.8e308 (a warning says so, once). Needs ``pip install 'hookscope[mlflow]'``.
 
     Example:
         >>> import mlflow, hookscope as hs
@@ -197,13 +197,22 @@ class MlflowSink:
                 )
             run_id = active.info.run_id
         self.run_id, self.prefix = run_id, prefix
+        self._said = False
 
     def __call__(self, record: Any) -> None:
-        # MLflow keeps NaN; it refuses +-inf in some stores, so those are logged as NaN
-        vals = {
-            k: (v if math.isfinite(v) or math.isnan(v) else math.nan)
-            for k, v in record.scalars(self.prefix).items()
-        }
+        vals = record.scalars(self.prefix)
+        if not self._said:
+            infs = [k for k, v in vals.items() if math.isinf(v)]
+            uri = str(self._mlflow.get_tracking_uri())
+            if infs and not (uri.startswith("file:") or "://" not in uri):
+                self._said = True
+                warnings.warn(
+                    f"MlflowSink, step {record.step}: {len(infs)} infinite value(s), e.g. "
+                    f"{infs[0]}, go to the tracking store {uri!r}; MLflow's database stores keep "
+                    "+-inf as +-1.8e308 (the record, monitor.records or a JsonlSink, holds inf)",
+                    HookscopeWarning,
+                    stacklevel=2,
+                )
         self._mlflow.log_metrics(vals, step=record.step, run_id=self.run_id, synchronous=True)
 
     write = __call__
