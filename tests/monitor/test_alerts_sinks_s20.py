@@ -142,3 +142,27 @@ def test_saturation_band_is_the_margin_times_the_range(
             assert bool(fired) == (hand >= th)
     finally:
         h.remove()
+
+
+def test_a_step_a_grad_scaler_skipped_raises_no_nonfinite_alert():
+    """Mixed precision expects a GradScaler to skip a step now and then (its scaled gradients
+    overflowed): the record says skipped=True, and no 'nonfinite' alert is raised for its
+    gradients; the same gradients without a scaler alert."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    x = torch.randn(16, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    with hs.Monitor(net, scaler=scaler) as mon:
+        scaler.scale(net(x).pow(2).mean() * float("inf")).backward()
+        rec = mon.step(opt)
+        scaler.step(opt)
+        scaler.update()
+    assert rec.skipped is True
+    assert not [a for a in rec.alerts if a.kind == "nonfinite"]
+    net.zero_grad()
+    with hs.Monitor(net) as mon:
+        (net(x).pow(2).mean() * float("inf")).backward()
+        with pytest.warns(hs.MonitorWarning, match="non-finite gradients"):
+            rec = mon.step(opt)
+    assert [a.kind for a in rec.alerts if a.kind == "nonfinite"] == ["nonfinite"]

@@ -101,9 +101,13 @@ def diagnose(
     previous: tuple[Mapping[str, Mapping[str, float]], Mapping[str, Mapping[str, float]]] | None,
     th: Thresholds,
     allowed: frozenset[str] | set[str] = frozenset(),
+    skipped: bool | None = None,
 ) -> list[Alert]:
     """Alerts for one record. ``layers``/``params`` map names (in model order) to statistics;
-    layers in ``allowed`` may hold non-finite values on purpose (e.g. ``-inf`` masks)."""
+    layers in ``allowed`` may hold non-finite values on purpose (e.g. ``-inf`` masks).
+    ``skipped``: a GradScaler skipped this step (its scaled gradients overflowed, as mixed
+    precision expects now and then: the weights did not change, the record says so), so its
+    non-finite gradient norms raise no alert."""
     alerts: list[Alert] = []
 
     def add(kind: str, layer: str, message: str, **values: Any) -> None:
@@ -168,7 +172,7 @@ def diagnose(
                     previous=p,
                 )
 
-    if bad:
+    if bad and not skipped:
         label, name, g = bad[0]
         more = (
             f" and {len(bad) - 1} more ({', '.join(repr(n) for _, n, _ in bad[1:4])}{', ...' if len(bad) > 4 else ''})"

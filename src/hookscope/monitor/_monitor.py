@@ -587,7 +587,9 @@ class Monitor:
         rec = MonitorRecord(
             step, layers, params, histograms=hists, skipped=skipped, histogram_sums=sums
         )
-        rec.alerts = diagnose(step, layers, params, self._prev, self.thresholds, self._allowed)
+        rec.alerts = diagnose(
+            step, layers, params, self._prev, self.thresholds, self._allowed, skipped
+        )
         self._prev = (layers, params)
         return rec
 
