@@ -139,3 +139,22 @@ def test_plan_prediction_equals_the_live_storage_drop(how):
     assert predicted == measured == live_before - live_after == 0
     with pytest.raises(hs.PlanError):  # nothing to drop: no plan fits below what is saved
         prof.plan(prof.total_saved_bytes - 1)
+
+
+def test_tied_module_named_by_its_second_name_is_pointed_to_its_listed_name():
+    # a module registered twice (net.b is net.a) was refused as unknown, with "closest: 'head',
+    # 'a'" and no fix; it is named now, and checkpointing 'a' covers both calls exactly
+    torch.manual_seed(0)
+    net = nn.Module()
+    net.a = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Tanh())
+    net.b = net.a
+    net.head = nn.Linear(4, 1)
+    net.forward = lambda x: net.head(net.b(net.a(x)))
+    with pytest.raises(hs.LayerNotFoundError, match="'b' is the module 'a'"):
+        hs.apply_checkpointing(net, ["b"])
+    x = torch.randn(8, 4)
+    ref = copy.deepcopy(net)
+    ref.forward = lambda x: ref.head(ref.b(ref.a(x)))
+    g0, g1 = grads(ref, x), grads(net, x, ["a"])
+    assert all(torch.equal(g, g1[n]) for n, g in g0.items())
+    assert "forward" in net.__dict__ and "forward" not in net.a.__dict__

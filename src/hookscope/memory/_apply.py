@@ -268,6 +268,13 @@ def apply_checkpointing(
     modules = dict(named_modules(model))
     for name in names:
         if name not in modules:
+            same = _alias_of(model, name, modules)
+            if same is not None:
+                raise LayerNotFoundError(
+                    f"apply_checkpointing: {name!r} is the module {same!r} (one module registered "
+                    f"under both names; PyTorch lists it once, as {same!r}): name {same!r}, which "
+                    "checkpoints every call of it"
+                )
             raise LayerNotFoundError(
                 f"apply_checkpointing: no module {name!r} in {type(model).__name__}; closest: "
                 + ", ".join(repr(n) for n in suggest(name, list(modules)))
@@ -304,6 +311,15 @@ def apply_checkpointing(
         d["__getstate__"] = _PlainState(module, inner)
         handle.modules.append(name)
     return handle
+
+
+def _alias_of(model: nn.Module, name: str, modules: dict[str, nn.Module]) -> str | None:
+    """The name ``modules`` lists for the module at ``name`` (a tied module registered twice)."""
+    try:
+        module = model.get_submodule(name)
+    except (AttributeError, ValueError):
+        return None
+    return next((n for n, m in modules.items() if m is module), None)
 
 
 def _names(plan: Any) -> list[str]:
