@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..core._compiled import named_modules, region_of
@@ -64,6 +65,11 @@ class _CheckpointedForward:
         *,
         caches: bool = False,
     ) -> Any:
+        # every tensor of the call is given to ``checkpoint`` as a positional input: it saves
+        # those through the saved-tensor hooks (a memory_profile of the checkpointed model counts
+        # them; save_on_cpu moves them), and reentrant checkpointing gives only those gradients
+        # (a tensor inside a tuple would be cut from the graph: None gradients before it)
+        flat_fn, tensors = _flat(fn, args, kwargs)
         if self.kind == "reentrant" and _needs_grad(args):
             if kwargs or caches:
                 what = "a key/value cache" if caches else f"keyword inputs {sorted(kwargs)}"
@@ -72,7 +78,7 @@ class _CheckpointedForward:
                     f"({type(module).__name__}) was called with {what}, which reentrant "
                     "checkpointing cannot take; use kind='non_reentrant'"
                 )
-            return checkpoint(fn, *args, use_reentrant=True)
+            return checkpoint(flat_fn, *tensors, use_reentrant=True)
         # (reentrant checkpointing of a call whose inputs need no gradient would leave the
         # module's parameter gradients None: such a call is checkpointed non-reentrant)
         if self.kind == "selective":
@@ -85,13 +91,12 @@ class _CheckpointedForward:
                 )
             policy = self.policy
             return checkpoint(
-                fn,
-                *args,
+                flat_fn,
+                *tensors,
                 use_reentrant=False,
                 context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
-                **kwargs,
             )
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return checkpoint(flat_fn, *tensors, use_reentrant=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         # reached only when the wrapper itself is copied (a module's copy drops it, see
@@ -103,6 +108,22 @@ class _CheckpointedForward:
             f"the checkpointing wrapper of layer {self.memory.name!r} cannot be pickled on its "
             "own; pickle the model (its copy is not checkpointed) or call the handle's remove()"
         )
+
+
+def _flat(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """``fn`` as a function of the call's tensors alone (those in nested tuples, lists, dicts
+    and keyword inputs included), and those tensors; the rest of the call is kept as it is."""
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def flat_fn(*tensors: Any) -> Any:
+        now = list(leaves)
+        for i, t in zip(where, tensors):
+            now[i] = t
+        a, k = tree_unflatten(now, spec)
+        return fn(*a, **k)
+
+    return flat_fn, [leaves[i] for i in where]
 
 
 def _needs_grad(args: tuple[Any, ...]) -> bool:
@@ -247,6 +268,13 @@ def apply_checkpointing(
     modules = dict(named_modules(model))
     for name in names:
         if name not in modules:
+            same = _alias_of(model, name, modules)
+            if same is not None:
+                raise LayerNotFoundError(
+                    f"apply_checkpointing: {name!r} is the module {same!r} (one module registered "
+                    f"under both names; PyTorch lists it once, as {same!r}): name {same!r}, which "
+                    "checkpoints every call of it"
+                )
             raise LayerNotFoundError(
                 f"apply_checkpointing: no module {name!r} in {type(model).__name__}; closest: "
                 + ", ".join(repr(n) for n in suggest(name, list(modules)))
@@ -283,6 +311,15 @@ def apply_checkpointing(
         d["__getstate__"] = _PlainState(module, inner)
         handle.modules.append(name)
     return handle
+
+
+def _alias_of(model: nn.Module, name: str, modules: dict[str, nn.Module]) -> str | None:
+    """The name ``modules`` lists for the module at ``name`` (a tied module registered twice)."""
+    try:
+        module = model.get_submodule(name)
+    except (AttributeError, ValueError):
+        return None
+    return next((n for n, m in modules.items() if m is module), None)
 
 
 def _names(plan: Any) -> list[str]:

@@ -2,8 +2,9 @@
 
 A storage stays saved under a set S of checkpointed modules (none inside another) iff one of its
 *keepers* stays: a save event whose module stack holds no module of S, or a call of a module of S
-that takes it as a positional input (the checkpoint keeps its inputs). Each keeper sits at a node
-of the module tree: an event at the innermost module running, an input at the called module.
+that takes it as an input, keyword ones included (the checkpoint keeps its inputs). Each keeper
+sits at a node of the module tree: an event at the innermost module running, an input at the
+called module.
 
 For a subtree T(v), a storage whose keepers are all inside it is *settled* there (its bytes count
 once the choices inside T(v) are made); one with keepers inside and outside is on the boundary,

@@ -30,7 +30,7 @@ class CheckpointPlan:
         predicted_saved_bytes: saved bytes predicted with these modules checkpointed.
         predicted_drop: ``saved_bytes_before - predicted_saved_bytes``. Checkpointing a module
             frees only what nobody outside it keeps: its output saved by the next layer stays, and
-            checkpointing keeps the module's positional inputs.
+            checkpointing keeps the module's tensor inputs (keyword ones included).
         recompute_flops: forward FLOPs run again in backward.
         drops: per module, the bytes checkpointing it alone would free.
         exact: whether the plan is the least-FLOPs one for sure (False when the search had to
@@ -88,8 +88,8 @@ def saved_after(profile: MemoryProfile, chosen: Iterable[str]) -> int:
     """Saved bytes predicted with ``chosen`` modules under non-reentrant checkpointing.
 
     What is saved outside every chosen module stays; what is saved inside one is dropped (the
-    checkpoint's own hooks take it); each call of a chosen module keeps its positional tensor
-    inputs. Unique storages are counted once.
+    checkpoint's own hooks take it); each call of a chosen module keeps its tensor inputs
+    (keyword ones included). Unique storages are counted once.
     """
     chosen = set(chosen)
     kept: dict[tuple[Any, int], int] = {}

@@ -14,8 +14,9 @@ its module hooks through core's :class:`~hookscope.core._scope.HookScope` like e
 * storages are told apart by device, address and, with ``ops=True``, a number the dispatch mode
   gives each storage it sees created (an input freed during forward and its address reused by a
   later tensor are two storages);
-* the positional tensor inputs of every module call (what non-reentrant checkpointing of that
-  module would keep: ``torch.utils.checkpoint`` saves them through the same hooks);
+* the tensor inputs of every module call, keyword ones and those inside tuples, lists and dicts
+  included (what non-reentrant checkpointing of that module keeps: ``apply_checkpointing`` gives
+  them all to ``torch.utils.checkpoint``, which saves them through the same hooks);
 * optionally (``ops=True``) a dispatch mode that counts each module's forward FLOPs (the rules of
   :mod:`torch.utils.flop_counter`; one per output element for an op without a rule, none for a
   view) and the bytes
@@ -94,7 +95,7 @@ class SaveEvent:
 
 @dataclass
 class CallInputs:
-    """The positional tensor inputs of one module call (storage keys and bytes)."""
+    """The tensor inputs of one module call, keyword ones included (storage keys and bytes)."""
 
     module: str
     stack: tuple[str, ...]
@@ -102,7 +103,7 @@ class CallInputs:
 
 
 class _Pre(_Hook):
-    """Forward pre-hook: push the module on the stack and note its positional inputs. A call
+    """Forward pre-hook: push the module on the stack and note its tensor inputs (keyword ones included). A call
     from another thread is only noted (:attr:`SavedTensors.elsewhere`): ``saved_tensors_hooks``
     and the dispatch mode are per thread, so nothing it saves or computes is seen."""
 
@@ -112,13 +113,13 @@ class _Pre(_Hook):
         self.rec, self.name, self.fn = rec, name, None
 
     @thread_checked
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if graph_task_id() != -1:  # a recompute (activation checkpointing) in backward
             return
         if get_ident() != self.thread:  # a thread the forward started, DataParallel's replicas
             self.rec.elsewhere.setdefault(self.name, None)
         elif not quiet(self.scope_id):
-            self.rec._enter_call(self.name, args)
+            self.rec._enter_call(self.name, (args, kwargs) if kwargs else args)
 
 
 class _Post(_Hook):
@@ -157,7 +158,7 @@ class SavedTensors:
         self.starts: list[int] = []  # per stack entry: the generation of its first new storage
         # modules that checkpointing would make wrong (an input changed in place...): the reason
         self.unsafe: dict[str, str] = {}
-        # storage (with generation) -> modules whose calls took it as a positional input
+        # storage (with generation) -> modules whose calls took it as an input
         self._takers: dict[tuple[torch.device, int, int], list[str]] = {}
         self.scope = HookScope("memory_profile")
         self.ops = ops
@@ -187,7 +188,9 @@ class SavedTensors:
     def _attach(self) -> None:
         # (a module inside a compiled region is not hooked: a hook there would break its graph)
         hooks = [(m, name) for name, m in named_modules(self.model) if _outside_regions(m)]
-        self.scope.add_forward_many([(m, _Pre(self, n), n) for m, n in hooks], pre=True)
+        self.scope.add_forward_many(
+            [(m, _Pre(self, n), n) for m, n in hooks], pre=True, with_kwargs=True
+        )
         self.scope.add_forward_many([(m, _Post(self, n), n) for m, n in hooks], always_call=True)
         # where the hooks sit (weakly): a module the step replaces (or adds) runs unhooked; its
         # saves charged to its caller (see lost), checked once at the end, never in the hooks
