@@ -29,8 +29,9 @@ class ImageFolder(torch.utils.data.Dataset):
 
     ``label`` is the index of the first-level sub-folder (sorted), or 0 for files directly in
     ``root``. Without ``transform`` an image becomes a float tensor ``(3, S, S)``: its shorter side
-    resized to ``S / 0.875`` (bilinear), centre-cropped to ``S = image_size`` and normalised with
-    the ImageNet mean and std, as the torchvision classification weights expect. With
+    resized to ``round(S / 0.875)`` (bilinear), centre-cropped to ``S = image_size`` and normalised
+    with the ImageNet mean and std, as the torchvision classification weights expect (equal to
+    ``Compose([Resize(round(S / 0.875)), CenterCrop(S), ToTensor(), Normalize(mean, std)])``). With
     ``image_size=None`` the image keeps its size. ``transform(pil_image)`` replaces all of this.
 
     ``sample_id(i)`` is the file's path relative to ``root`` (the ``index`` that
@@ -112,18 +113,21 @@ class ImageFolder(torch.utils.data.Dataset):
 
 
 def to_tensor(image: Any, size: int | None) -> torch.Tensor:
-    """Resize (shorter side to ``size / 0.875``), centre-crop ``size``, scale to [0, 1], normalise."""
+    """Resize (shorter side to ``round(size / 0.875)``), centre-crop ``size``, scale to [0, 1],
+    normalise: torchvision's ``Resize``, ``CenterCrop``, ``ToTensor`` and ``Normalize``."""
     from PIL import Image
 
     if size is not None:
+        # torchvision's Resize(short) and CenterCrop(size), to the pixel: the longer side is
+        # truncated (int), the crop's offsets rounded (Python's round), as torchvision computes them
         w, h = image.size
         short = round(size / 0.875)
         if w <= h:
-            nw, nh = short, max(short, round(h * short / w))
+            nw, nh = short, int(short * h / w)
         else:
-            nw, nh = max(short, round(w * short / h)), short
+            nw, nh = int(short * w / h), short
         image = image.resize((nw, nh), Image.Resampling.BILINEAR)
-        left, top = (nw - size) // 2, (nh - size) // 2
+        left, top = round((nw - size) / 2.0), round((nh - size) / 2.0)
         image = image.crop((left, top, left + size, top + size))
     arr = np.asarray(image, dtype=np.float32) / 255.0
     arr = (arr - np.asarray(IMAGENET_MEAN, np.float32)) / np.asarray(IMAGENET_STD, np.float32)
