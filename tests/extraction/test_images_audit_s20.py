@@ -38,3 +38,42 @@ def test_default_preprocessing_is_torchvisions_to_the_pixel(tmp_path):
         with Image.open(ds.samples[i][0]) as im:
             expected = ref(im.convert("RGB"))
         assert torch.equal(ds[i][0], expected), sizes[i]
+
+
+@pytest.mark.parametrize(
+    ("array", "mode"),
+    [
+        ((np.arange(64).reshape(8, 8) * 1000).astype(np.uint16), "I;16"),
+        (np.full((8, 8), 0.5, np.float32), "F"),
+    ],
+)
+def test_wide_images_are_refused_not_clipped(tmp_path, array, mode):
+    # PIL's convert("RGB") clipped a 16-bit PNG to 255 (a white picture) and a float TIFF's 0.5 to
+    # 0, silently; the file is now named with the fix
+    path = _save(tmp_path / ("a.png" if mode != "F" else "a.tif"), array)
+    with Image.open(path) as im:
+        assert im.mode == mode
+    ds = hs.ImageFolder(tmp_path, image_size=None)
+    with pytest.raises(OSError, match=r"a\.(png|tif).*PIL mode.*clips.*8 bits"):
+        ds[0]
+
+
+def test_eight_bit_modes_read_as_pil_convert_rgb(tmp_path):
+    rng = np.random.default_rng(1)
+    rgb = rng.integers(0, 256, (6, 7, 3), dtype=np.uint8)
+    rgba = rng.integers(0, 256, (6, 7, 4), dtype=np.uint8)
+    _save(tmp_path / "gray.png", rgb[..., 0])
+    _save(tmp_path / "rgba.png", rgba)
+    Image.fromarray(rgb).convert("P").save(tmp_path / "pal.png")
+    Image.fromarray(rgb).convert("CMYK").save(tmp_path / "cmyk.jpg")
+    Image.fromarray(rgb).save(tmp_path / "rgb16.tiff")
+    ds = hs.ImageFolder(tmp_path, image_size=None)
+    for i, (path, _) in enumerate(ds.samples):
+        with Image.open(path) as im:
+            expected = np.asarray(im.convert("RGB"), np.float32) / 255.0
+        mean, std = (
+            np.array([0.485, 0.456, 0.406], np.float32),
+            np.array([0.229, 0.224, 0.225], np.float32),
+        )
+        expected = torch.from_numpy(((expected - mean) / std).transpose(2, 0, 1).copy())
+        assert torch.equal(ds[i][0], expected), path

@@ -20,6 +20,16 @@ __all__ = ["IMAGE_EXTENSIONS", "ImageFolder"]
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif"}
 )
+# PIL modes whose values go beyond 0..255: convert("RGB") clips them (16-bit 1000 -> 255, float
+# 0.5 -> 0), so these are refused rather than read as a white (or black) picture
+_WIDE_MODES = {
+    "I;16": "16-bit",
+    "I;16L": "16-bit",
+    "I;16B": "16-bit",
+    "I;16N": "16-bit",
+    "I": "32-bit integer",
+    "F": "32-bit float",
+}
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -35,7 +45,13 @@ class ImageFolder(torch.utils.data.Dataset):
     ``image_size=None`` the image keeps its size. ``transform(pil_image)`` replaces all of this.
 
     ``sample_id(i)`` is the file's path relative to ``root`` (the ``index`` that
-    :func:`hookscope.extract` saves). A file that does not decode raises an ``OSError`` naming it.
+    :func:`hookscope.extract` saves). A file that does not decode raises an ``OSError`` naming it,
+    and so does a 16-bit, 32-bit integer or float image (PIL modes ``I;16``, ``I``, ``F``), which
+    ``convert("RGB")`` would clip to 0..255. Every other mode is read as PIL's ``convert("RGB")``
+    reads it (torchvision's loader): grayscale repeated in three channels, the alpha of RGBA, LA
+    and palette images dropped (transparent pixels keep their stored colour), CMYK converted by
+    PIL, the first frame of an animated GIF; the EXIF orientation is *not* applied (pass
+    ``transform=lambda im: f(PIL.ImageOps.exif_transpose(im))`` for photos that need it).
 
     Example:
         >>> import tempfile, numpy as np
@@ -97,9 +113,17 @@ class ImageFolder(torch.utils.data.Dataset):
         path = self.samples[i][0]
         try:
             with Image.open(path) as im:
-                return im.convert("RGB")
+                mode = im.mode
+                if mode not in _WIDE_MODES:
+                    return im.convert("RGB")
         except Exception as e:
             raise OSError(f"cannot decode image {path}: {type(e).__name__}: {e}") from e
+        raise OSError(
+            f"cannot read image {path}: it is a {_WIDE_MODES[mode]} image (PIL mode {mode!r}), and "
+            "PIL's convert('RGB') clips its values to 0..255 (a 16-bit 1000 becomes 255); convert "
+            "the file to 8 bits with the scaling it needs (e.g. values / 257 for the full 16-bit "
+            "range), or give extract a Dataset of your own that reads it"
+        )
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
         image = self.load(i)
