@@ -77,3 +77,55 @@ def test_eight_bit_modes_read_as_pil_convert_rgb(tmp_path):
         )
         expected = torch.from_numpy(((expected - mean) / std).transpose(2, 0, 1).copy())
         assert torch.equal(ds[i][0], expected), path
+
+
+def _tiny(path):
+    return _save(path, np.zeros((4, 4, 3), np.uint8))
+
+
+def test_symlinked_class_folder_and_broken_link_are_seen(tmp_path):
+    # rglob did not enter a symlinked class folder ('bird' vanished, its label given to 'cat')
+    # and dropped a link to a missing file; torchvision's os.walk(followlinks=True) sees both
+    root, elsewhere = tmp_path / "root", tmp_path / "elsewhere"
+    _tiny(elsewhere / "bird" / "b.png")
+    _tiny(root / "cat" / "c.png")
+    (root / "bird").symlink_to(elsewhere / "bird")
+    (root / "cat" / "gone.png").symlink_to(elsewhere / "missing.png")
+    (root / "cat" / "loop").symlink_to(root)  # a cycle ends
+    ds = hs.ImageFolder(root, image_size=None)
+    assert ds.classes == ["bird", "cat"]
+    assert ds.files[:3] == ["bird/b.png", "cat/c.png", "cat/gone.png"]
+    assert [lab for _, lab in ds.samples[:3]] == [0, 1, 1]
+    with pytest.raises(OSError, match="gone.png"):
+        ds.load(2)
+    tv = pytest.importorskip("torchvision.datasets")
+    ref = tv.ImageFolder(str(root))
+    assert ref.classes == ds.classes
+    assert ref.samples[0][1] == ds.samples[0][1]
+
+
+def test_empty_class_folder_keeps_its_label_and_is_said(tmp_path):
+    # the empty 'a' was dropped from classes, so 'b' got label 0 where torchvision gives it 1
+    (tmp_path / "a").mkdir()
+    _tiny(tmp_path / "b" / "x.png")
+    with pytest.warns(hs.HookscopeWarning, match=r"'a' hold no image"):
+        ds = hs.ImageFolder(tmp_path, image_size=None)
+    assert ds.classes == ["a", "b"] and ds[0][1] == 1
+
+
+def test_files_beside_class_folders_are_said_to_share_label_0(tmp_path):
+    _tiny(tmp_path / "b" / "x.png")
+    _tiny(tmp_path / "top.png")
+    with pytest.warns(hs.HookscopeWarning, match=r"'top.png'.*label 0.*class 'b'"):
+        ds = hs.ImageFolder(tmp_path, image_size=None)
+    assert [lab for _, lab in ds.samples] == [0, 0]
+
+
+def test_flat_folder_unicode_and_case_names(tmp_path):
+    for name in ["é.PNG", "a.png", "A.png", ".hidden.png"]:
+        _tiny(tmp_path / name)
+    (tmp_path / "z.txt").write_text("not an image")
+    ds = hs.ImageFolder(tmp_path, image_size=None)
+    assert ds.files == sorted([".hidden.png", "A.png", "a.png", "é.PNG"])
+    assert ds.classes == [] and {lab for _, lab in ds.samples} == {0}
+    assert ds.sample_id(3) == "é.PNG" and ds[3][0].shape == (3, 4, 4)

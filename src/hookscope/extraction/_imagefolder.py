@@ -8,12 +8,15 @@ to report (or skip) an image that does not decode.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from ..core._errors import HookscopeWarning, some_names
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFolder"]
 
@@ -37,8 +40,11 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 class ImageFolder(torch.utils.data.Dataset):
     """Every image file under ``root`` (recursively, sorted by relative path), as ``(image, label)``.
 
-    ``label`` is the index of the first-level sub-folder (sorted), or 0 for files directly in
-    ``root``. Without ``transform`` an image becomes a float tensor ``(3, S, S)``: its shorter side
+    Files are chosen by extension (``extensions``, any case); symbolic links to folders are
+    followed (each real folder once), a link to a missing file is kept and fails to load naming
+    itself. ``label`` is the index of the first-level sub-folder among all of them (sorted, as
+    torchvision's ``ImageFolder``: a folder with no image keeps its label and is warned of), or 0
+    for files directly in ``root`` (warned of when class folders exist, whose first has label 0 too). Without ``transform`` an image becomes a float tensor ``(3, S, S)``: its shorter side
     resized to ``round(S / 0.875)`` (bilinear), centre-cropped to ``S = image_size`` and normalised
     with the ImageNet mean and std, as the torchvision classification weights expect (equal to
     ``Compose([Resize(round(S / 0.875)), CenterCrop(S), ToTensor(), Normalize(mean, std)])``). With
@@ -77,16 +83,34 @@ class ImageFolder(torch.utils.data.Dataset):
                 f"image folder {str(root)!r} does not exist or is not a directory"
             )
         exts = {e.lower() for e in extensions}
-        files = sorted(
-            p.relative_to(self.root).as_posix()
-            for p in self.root.rglob("*")
-            if p.suffix.lower() in exts and p.is_file()
-        )
+        files = sorted(_image_files(self.root, exts))
         if not files:
             raise FileNotFoundError(
                 f"no image files ({', '.join(sorted(exts))}) under {str(root)!r}"
             )
-        self.classes = sorted({f.split("/", 1)[0] for f in files if "/" in f})
+        # every first-level folder is a class, as torchvision's find_classes has it, so the labels
+        # are torchvision's; one holding no image is said, not dropped (which shifted the labels)
+        self.classes = sorted(e.name for e in os.scandir(self.root) if e.is_dir())
+        used = {f.split("/", 1)[0] for f in files if "/" in f}
+        empty = [c for c in self.classes if c not in used]
+        if empty:
+            warnings.warn(
+                f"ImageFolder {str(root)!r}: the class folder(s) {some_names(empty)} hold no "
+                f"image ({', '.join(sorted(exts))}); they keep their label (as torchvision's "
+                "ImageFolder counts them), so no sample has it",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        top = [f for f in files if "/" not in f]
+        if top and self.classes:
+            warnings.warn(
+                f"ImageFolder {str(root)!r}: {len(top)} image(s) lie directly in the folder "
+                f"({some_names(top)}) beside the class folders; they get label 0, which is also "
+                f"class {self.classes[0]!r}'s: move them into a folder of their own to tell them "
+                "apart",
+                HookscopeWarning,
+                stacklevel=2,
+            )
         cls_index = {c: i for i, c in enumerate(self.classes)}
         self.samples: list[tuple[str, int]] = [
             (str(self.root / f), cls_index[f.split("/", 1)[0]] if "/" in f else 0) for f in files
@@ -134,6 +158,26 @@ class ImageFolder(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         return f"ImageFolder({str(self.root)!r}, {len(self)} images, {len(self.classes)} classes, image_size={self.image_size})"
+
+
+def _image_files(root: Path, exts: set[str]) -> list[str]:
+    """Paths (relative, POSIX) of the files under ``root`` with an extension in ``exts``, following
+    symbolic links to folders (as ``os.walk(followlinks=True)`` in torchvision's ImageFolder; each
+    real folder once, so a link cycle ends) and keeping a link to a missing file, which then fails
+    to load naming itself rather than vanishing."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        rel = Path(dirpath).relative_to(root)
+        out.extend(
+            (rel / f).as_posix() for f in filenames if os.path.splitext(f)[1].lower() in exts
+        )
+    return out
 
 
 def to_tensor(image: Any, size: int | None) -> torch.Tensor:
