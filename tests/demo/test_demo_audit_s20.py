@@ -95,7 +95,9 @@ def test_nan_origin_equals_a_hand_search(built):
     handles = [
         m.register_forward_hook(
             lambda m, i, o, n=n: (
-                first.append(n) if not first and not torch.isfinite(o).all() else None
+                first.append((n, i[0].abs().max(), o.isnan().sum()))
+                if not first and not torch.isfinite(o).all()
+                else None
             )
         )
         for n, m in broken.named_modules()
@@ -107,5 +109,7 @@ def test_nan_origin_equals_a_hand_search(built):
     finally:
         for h in handles:
             h.remove()
-    assert first == ["stage2.4"]
-    assert facts.nonfinite_layer == "stage2.4 (BatchNorm2d)"
+    (name, absmax, nans), *_ = first
+    assert name == "stage2.4" and facts.nonfinite_layer == "stage2.4 (BatchNorm2d)"
+    assert f"input_absmax={float(absmax):.4g}" in facts.nonfinite
+    assert f"output_nan={int(nans)}," in facts.nonfinite
