@@ -129,3 +129,24 @@ def test_flat_folder_unicode_and_case_names(tmp_path):
     assert ds.files == sorted([".hidden.png", "A.png", "a.png", "é.PNG"])
     assert ds.classes == [] and {lab for _, lab in ds.samples} == {0}
     assert ds.sample_id(3) == "é.PNG" and ds[3][0].shape == (3, 4, 4)
+
+
+def test_truncated_file_fails_even_with_pils_load_truncated_images(tmp_path, monkeypatch):
+    # with PIL.ImageFile.LOAD_TRUNCATED_IMAGES set (by a library or a script), half a JPEG
+    # decoded with its lower half grey, silently, where the docstring promises an error
+    import io
+
+    from PIL import ImageFile
+
+    buf = io.BytesIO()
+    rng = np.random.default_rng(2)
+    Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(buf, "JPEG")
+    (tmp_path / "t.jpg").write_bytes(buf.getvalue()[: len(buf.getvalue()) // 2])
+    (tmp_path / "u.txt.png").write_text("not an image")
+    ds = hs.ImageFolder(tmp_path, image_size=None)
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    with pytest.raises(OSError, match=r"t\.jpg.*truncated"):
+        ds[0]
+    with pytest.raises(OSError, match=r"u\.txt\.png"):
+        ds[1]
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True

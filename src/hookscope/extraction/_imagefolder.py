@@ -7,9 +7,11 @@ to report (or skip) an image that does not decode.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +129,8 @@ class ImageFolder(torch.utils.data.Dataset):
         return self.files[i]
 
     def load(self, i: int) -> Any:
-        """Sample ``i`` as an RGB ``PIL.Image`` (decoded fully, so a truncated file fails here)."""
+        """Sample ``i`` as an RGB ``PIL.Image`` (decoded fully, so a truncated file fails here, even
+        when ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES`` is set)."""
         try:
             from PIL import Image
         except ImportError:  # pragma: no cover - pillow is an optional dependency
@@ -136,7 +139,7 @@ class ImageFolder(torch.utils.data.Dataset):
             ) from None
         path = self.samples[i][0]
         try:
-            with Image.open(path) as im:
+            with _strict_decoding(), Image.open(path) as im:
                 mode = im.mode
                 if mode not in _WIDE_MODES:
                     return im.convert("RGB")
@@ -158,6 +161,27 @@ class ImageFolder(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         return f"ImageFolder({str(self.root)!r}, {len(self)} images, {len(self.classes)} classes, image_size={self.image_size})"
+
+
+_STRICT = threading.Lock()
+
+
+@contextlib.contextmanager
+def _strict_decoding() -> Iterator[None]:
+    """PIL's ``ImageFile.LOAD_TRUNCATED_IMAGES`` off while an image decodes (put back after): with
+    it on (a library or script may set it), a truncated file decodes with its missing part grey,
+    silently, where the docstring promises an error naming the file."""
+    from PIL import ImageFile
+
+    if not ImageFile.LOAD_TRUNCATED_IMAGES:
+        yield
+        return
+    with _STRICT:
+        ImageFile.LOAD_TRUNCATED_IMAGES = False
+        try:
+            yield
+        finally:
+            ImageFile.LOAD_TRUNCATED_IMAGES = True
 
 
 def _image_files(root: Path, exts: set[str]) -> list[str]:
