@@ -141,16 +141,19 @@ def load_image(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.resize < 0 or args.crop < 0:
         raise CLIError("--resize and --crop must be >= 0")
     if args.resize:
+        # torchvision's Resize(N) to the pixel: the shorter side N, the longer truncated
         w, h = im.size
-        s = args.resize / min(w, h)
-        im = im.resize((max(1, round(w * s)), max(1, round(h * s))), image_mod.BILINEAR)
+        n = args.resize
+        size = (n, max(1, int(n * h / w))) if w <= h else (max(1, int(n * w / h)), n)
+        im = im.resize(size, image_mod.BILINEAR)
     if args.crop:
         w, h = im.size
         if args.crop > min(w, h):
             raise CLIError(
                 f"--crop {args.crop} is larger than the image ({w}x{h}); lower it or raise --resize"
             )
-        left, top = (w - args.crop) // 2, (h - args.crop) // 2
+        # torchvision's CenterCrop: the offsets rounded
+        left, top = round((w - args.crop) / 2.0), round((h - args.crop) / 2.0)
         im = im.crop((left, top, left + args.crop, top + args.crop))
     shown = np.asarray(im, dtype=np.float32) / 255.0
     x = torch.from_numpy(shown).permute(2, 0, 1)
