@@ -84,7 +84,9 @@ class Monitor:
             ``"parameters"`` (grad, weight and update norms); none (``()``) only with
             ``sentinel=True``.
         sinks: where records go on logged steps: :class:`TensorBoardSink`, :class:`JsonlSink`, or
-            any callable ``fn(record)``. Under torch.distributed only rank 0 writes.
+            any callable ``fn(record)``. Under torch.distributed only rank 0 writes. A sink
+            that raises does not keep the record from the others; the first error is raised
+            after, with notes naming its sink, the step and any other sink that raised.
         thresholds: :class:`Thresholds` or a dict of the thresholds to change.
         sentinel: also hook every module on every step and report the first layer that produced
             a NaN/Inf (forward or backward) in ``record.nonfinite`` and as a
@@ -1020,6 +1022,11 @@ class Monitor:
                                 "the other sinks, and the next steps are recorded as usual"
                             )
                             failed = e
+                        else:  # raised after the first: named on the error that is raised
+                            failed.add_note(
+                                f"hookscope: the monitor sink {_sink_name(sink)} raised too on "
+                                f"step {record.step}: {_error_line(e)}"
+                            )
         for cls, msg in messages:
             if self.alerts in ("warn", "both"):
                 warnings.warn(msg, cls, stacklevel=3)
@@ -1101,6 +1108,17 @@ def _check_arguments(
         raise ValueError(f"histograms must be an int >= 0 (bins; 0: none), got {histograms!r}")
     if keep is not None and (not is_int(keep) or keep < 1):
         raise ValueError(f"keep must be None or an int >= 1 (records kept), got {keep!r}")
+
+
+def _error_line(e: BaseException) -> str:
+    """``Type: message (file:line)`` of an error, where it was raised."""
+    where = ""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is not None:
+        where = f" ({tb.tb_frame.f_code.co_filename}:{tb.tb_lineno})"
+    return f"{type(e).__name__}: {e}{where}"
 
 
 def _sink_name(sink: Any) -> str:
