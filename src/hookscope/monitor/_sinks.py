@@ -54,7 +54,8 @@ class JsonlSink:
 class TensorBoardSink:
     """Write scalars ``<stat>/<layer>``, ``param_<stat>/<parameter>``, with a GradScaler
     ``skipped`` (1 for a step it skipped, else 0), and with ``histograms=True`` activation
-    histograms computed on the device, to TensorBoard.
+    histograms computed on the device, to TensorBoard (their ``min``/``max`` are the outer edges
+    of the first and last non-empty buckets, which bound the binned values: 0 for a ReLU's).
 
     ``writer`` is a log directory or a ``torch.utils.tensorboard.SummaryWriter`` (then it is not
     closed by the sink). NaN and inf are written as they are; TensorBoard stores float32, so a
@@ -110,10 +111,14 @@ class TensorBoardSink:
             total, squares = got
             if not (math.isfinite(total) and math.isfinite(squares)):
                 continue
+            # bucket j holds [limits[j-1], limits[j]) (the first from -limits[-1]): the outer
+            # edges of the first and last non-empty buckets bound the binned values
+            filled = [j for j, c in enumerate(counts) if c]
+            lo = limits[filled[0] - 1] if filled[0] else -limits[-1]
             w.add_histogram_raw(
                 tag,
-                min=-limits[-1],
-                max=limits[-1],
+                min=lo,
+                max=limits[filled[-1]],
                 num=num,
                 sum=total,
                 sum_squares=squares,
