@@ -74,8 +74,13 @@ class MonitorRecord:
             out[f"{prefix}/skipped"] = float(self.skipped)
         return out
 
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``)."""
+    def to_dict(self, *, histograms: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict (non-finite floats become the strings ``"nan"``, ``"inf"``, ``"-inf"``).
+
+        With ``histograms=True`` (what :class:`JsonlSink` writes), a record with histograms also
+        has ``"histograms"``: ``{tag: [bucket_limits, counts]}``, and, where it has them,
+        ``"histogram_sums"``: ``{tag: [sum, sum of squares]}``.
+        """
 
         def clean(v: Any) -> Any:
             if isinstance(v, float) and not math.isfinite(v):
@@ -98,13 +103,16 @@ class MonitorRecord:
                 "stats": o.stats,
                 "argument": o.argument,
             }
-        return clean(
-            {
-                "step": self.step,
-                "layers": self.layers,
-                "params": self.params,
-                "alerts": [a.to_dict() for a in self.alerts],
-                "nonfinite": nf,
-                "skipped": self.skipped,
-            }
-        )
+        out = {
+            "step": self.step,
+            "layers": self.layers,
+            "params": self.params,
+            "alerts": [a.to_dict() for a in self.alerts],
+            "nonfinite": nf,
+            "skipped": self.skipped,
+        }
+        if histograms and self.histograms:
+            out["histograms"] = {t: [list(a), list(c)] for t, (a, c) in self.histograms.items()}
+            if self.histogram_sums:
+                out["histogram_sums"] = {t: list(v) for t, v in self.histogram_sums.items()}
+        return clean(out)

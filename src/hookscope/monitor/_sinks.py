@@ -19,8 +19,9 @@ __all__ = ["JsonlSink", "MlflowSink", "TensorBoardSink", "WandbSink", "as_sink"]
 
 
 class JsonlSink:
-    """Append each record as one JSON line (``record.to_dict()``) to ``path`` (its folder is
-    made if missing, as TensorBoard's writer does).
+    """Append each record as one JSON line (``record.to_dict(histograms=True)``: with a
+    record's histograms, ``"histograms": {tag: [bucket_limits, counts]}``) to ``path`` (its
+    folder is made if missing, as TensorBoard's writer does).
 
     Example:
         >>> import tempfile, os, json, hookscope as hs
@@ -41,7 +42,7 @@ class JsonlSink:
         self._file = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
 
     def __call__(self, record: Any) -> None:
-        self._file.write(json.dumps(record.to_dict()) + "\n")
+        self._file.write(json.dumps(record.to_dict(histograms=True)) + "\n")
         self._file.flush()
 
     write = __call__
