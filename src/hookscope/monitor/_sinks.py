@@ -14,6 +14,7 @@ from ..core._errors import HookscopeWarning
 from ..core._optional import need
 
 _F32_MAX = 3.4028234663852886e38
+_F32_TINY = 2.0**-149  # float32's smallest positive (subnormal) value
 
 __all__ = ["JsonlSink", "MlflowSink", "TensorBoardSink", "WandbSink", "as_sink"]
 
@@ -60,12 +61,15 @@ class TensorBoardSink:
 
     ``writer`` is a log directory or a ``torch.utils.tensorboard.SummaryWriter`` (then it is not
     closed by the sink). NaN and inf are written as they are; TensorBoard stores float32, so a
-    finite value beyond its range becomes inf (a warning says so). Needs the ``tensorboard``
+    finite value beyond its range becomes inf (a warning says so), and a nonzero one below it
+    (magnitude 2**-150 or less, e.g. a tiny ``update_ratio``) is written as float32's smallest,
+    +-2**-149, not 0 (a warning says so, once). Needs the ``tensorboard``
     package (``pip install hookscope[tensorboard]``).
     """
 
     def __init__(self, writer: Any = None, *, histograms: bool = False) -> None:
         self.histograms = histograms
+        self._said_under = False  # values below float32's range: said once
         self._own = not hasattr(writer, "add_scalar")
         if self._own:
             try:
@@ -95,6 +99,22 @@ class TensorBoardSink:
                 HookscopeWarning,
                 stacklevel=2,
             )
+        # a nonzero value of magnitude 2**-150 or less is 0 in float32: written as +-2**-149
+        under = [(t, v) for t, v in scalars if v != 0 and abs(v) <= _F32_TINY / 2]
+        if under:
+            if not self._said_under:
+                self._said_under = True
+                ex = ", ".join(f"{t} = {v:.3g}" for t, v in under[:3])
+                warnings.warn(
+                    f"TensorBoardSink, step {step}: {len(under)} nonzero value(s) below float32's "
+                    f"range, {ex}, would be stored by TensorBoard (float32) as 0; they are written "
+                    f"as +-{_F32_TINY:.3g} (float32's smallest), here and at later steps (said "
+                    "once); the record (monitor.records, JsonlSink) holds the values",
+                    HookscopeWarning,
+                    stacklevel=2,
+                )
+            low = {t: math.copysign(_F32_TINY, v) for t, v in under}
+            scalars = [(t, low.get(t, v)) for t, v in scalars]
         for tag, v in scalars:
             w.add_scalar(tag, v, step)
         for tag, (limits, counts) in record.histograms.items():
