@@ -81,6 +81,9 @@ vit = VisionTransformer(
     mlp_dim=128,
     num_classes=4,
 ).eval()
+# torchvision initialises the classification head to zeros: every score is then constant, every
+# gradient zero and every map blank (hookscope warns of it); give the head random weights
+torch.nn.init.normal_(vit.heads.head.weight, std=0.02)
 layer = "encoder.layers.encoder_layer_1.ln_1"
 vit_cam = hs.GradCAM(vit, layer)(x, target=0)
 print(tuple(vit_cam.shape))

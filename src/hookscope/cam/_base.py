@@ -282,6 +282,9 @@ class CAM:
             layers must then share a resolution) instead of ``(B, H, W)`` in ``[0, 1]``.
 
     Calling it returns a float32 tensor on ``x``'s device. See :data:`Target` for ``target``.
+    A sample whose target's gradient at a layer is zero everywhere (the layer does not influence
+    that score) gets an all-zero map: warned of on CPU (a :class:`HookscopeWarning` naming the
+    layer and the samples), not checked on CUDA, where the test would synchronise with the host.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -403,6 +406,8 @@ class CAM:
                 )
             if g is not None:
                 g = to_grid(g, self.reshape, image_hw=image_hw, layer=name).float()  # type: ignore[arg-type]
+                if g.device.type == "cpu":
+                    _warn_zero_gradient(type(self).__name__, name, g)
             with torch.no_grad():
                 maps.append(self.layer_map(a, g, run))
         with torch.no_grad():
@@ -527,6 +532,25 @@ class CAM:
             ups.append(m)
         cam = ups[0] if len(ups) == 1 else torch.stack(ups).clamp_min(0).mean(dim=0)
         return _minmax(cam)
+
+
+def _warn_zero_gradient(cam: str, name: str, g: torch.Tensor) -> None:
+    """Warn when the gradient ``g`` ``(B, C, *spatial)`` of layer ``name`` is zero everywhere for a
+    sample: its map is then all zeros, which read as "no evidence here" without a word. Called on
+    CPU only: on CUDA the test would synchronise with the host, which the CAM contract forbids."""
+    zero = (g.reshape(g.shape[0], -1) == 0).all(dim=1).nonzero().flatten().tolist()
+    if zero:
+        shown = ", ".join(map(str, zero[:8])) + (" ..." if len(zero) > 8 else "")
+        warnings.warn(
+            f"{cam}: the gradient of the target score at layer {name!r} is zero everywhere for "
+            f"sample(s) {shown} (of {g.shape[0]}): what the map reads of the layer does not "
+            "influence that target's score (a layer off the path to it, or a ViT's last block, "
+            "whose patch tokens do not reach the class token the head reads), so the map is all "
+            "zeros, not where the evidence is; pick a layer on the path to that score (an "
+            "earlier block for a ViT) or another target",
+            HookscopeWarning,
+            stacklevel=4,  # _warn_zero_gradient <- _maps <- __call__ <- the caller
+        )
 
 
 def _shown(target: Any) -> str:

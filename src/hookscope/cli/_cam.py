@@ -224,6 +224,7 @@ def run_cam(args: argparse.Namespace) -> int:
     import torch
 
     from ..cam._base import _logits, get_cam
+    from ..core._errors import some_names
     from ..core._select import resolve
     from ..viz._pictures import _colormap_lut, overlay
 
@@ -252,7 +253,8 @@ def run_cam(args: argparse.Namespace) -> int:
                 "class whose pixels' summed score to explain)"
             )
         target = int(logits.argmax(dim=1)[0])
-    cam = method(model, args.layer)(x, target=target)
+    explainer = method(model, args.layer)
+    cam = explainer(x, target=target)
     picture = overlay(shown, cam[0].cpu(), alpha=args.alpha, colormap=args.colormap)
 
     def write(tmp: str) -> None:
@@ -262,7 +264,14 @@ def run_cam(args: argparse.Namespace) -> int:
 
     write_atomic(out, write)
     shown_target = "" if not method.needs_target else f", class {target}"
-    print(f"wrote {args.out} ({method.name} on {args.layer!r}{shown_target})")
+    # the layers used, not the selector: a glob said nothing of what it matched
+    used = list(explainer.layers)
+    shown_layers = (
+        repr(used[0])
+        if len(used) == 1
+        else f"the average of {len(used)} layers matching {args.layer!r}: {some_names(used)}"
+    )
+    print(f"wrote {args.out} ({method.name} on {shown_layers}{shown_target})")
     note = random_weights_note(args)
     if note is not None:
         print(note)
