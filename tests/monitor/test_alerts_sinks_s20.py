@@ -85,8 +85,10 @@ def test_mlflow_sink_writes_inf_as_inf(tmp_path, monkeypatch) -> None:
         {"fc.weight": {"grad_norm": 1.2345678901234567e300}},
     )
     want = rec.scalars()
+    # (an experiment of its own in each store: another test's active experiment, a global of
+    # mlflow's, does not exist in these new stores)
     mlflow.set_tracking_uri("file:" + str(tmp_path / "mlruns"))
-    with mlflow.start_run() as run:
+    with mlflow.start_run(experiment_id=mlflow.create_experiment("inf")) as run:
         hs.MlflowSink()(rec)
     got = _mlflow_history(mlflow, run.info.run_id)
     assert got.keys() == want.keys()
@@ -94,7 +96,7 @@ def test_mlflow_sink_writes_inf_as_inf(tmp_path, monkeypatch) -> None:
         ((step, value),) = got[k]
         assert step == 5 and str(value) == str(v), (k, value, v)
     mlflow.set_tracking_uri("sqlite:///" + str(tmp_path / "m.db"))
-    with mlflow.start_run() as run:
+    with mlflow.start_run(experiment_id=mlflow.create_experiment("inf")) as run:
         sink = hs.MlflowSink()
         with pytest.warns(hs.HookscopeWarning, match=r"hookscope/fc/grad_norm.*1\.8e308"):
             sink(rec)
