@@ -46,7 +46,9 @@ class ImageFolder(torch.utils.data.Dataset):
     followed (each real folder once), a link to a missing file is kept and fails to load naming
     itself. ``label`` is the index of the first-level sub-folder among all of them (sorted, as
     torchvision's ``ImageFolder``: a folder with no image keeps its label and is warned of), or 0
-    for files directly in ``root`` (warned of when class folders exist, whose first has label 0 too). Without ``transform`` an image becomes a float tensor ``(3, S, S)``: its shorter side
+    for files directly in ``root`` (warned of when class folders exist, whose first has label 0 too);
+    images in hidden folders (``.ipynb_checkpoints``) are samples too, as torchvision reads them,
+    with a warning naming the folders. Without ``transform`` an image becomes a float tensor ``(3, S, S)``: its shorter side
     resized to ``round(S / 0.875)`` (bilinear), centre-cropped to ``S = image_size`` and normalised
     with the ImageNet mean and std, as the torchvision classification weights expect (equal to
     ``Compose([Resize(round(S / 0.875)), CenterCrop(S), ToTensor(), Normalize(mean, std)])``). With
@@ -100,6 +102,26 @@ class ImageFolder(torch.utils.data.Dataset):
                 f"ImageFolder {str(root)!r}: the class folder(s) {some_names(empty)} hold no "
                 f"image ({', '.join(sorted(exts))}); they keep their label (as torchvision's "
                 "ImageFolder counts them), so no sample has it",
+                HookscopeWarning,
+                stacklevel=2,
+            )
+        # hidden folders (a notebook's .ipynb_checkpoints, a .git): torchvision counts them too,
+        # so their images are samples like any other; said, labels kept as torchvision's
+        hidden = sorted(
+            {
+                "/".join(f.split("/")[: k + 1])
+                for f in files
+                for k, part in enumerate(f.split("/")[:-1])
+                if part.startswith(".")
+            }
+        )
+        if hidden:
+            n = sum(1 for f in files if any(p.startswith(".") for p in f.split("/")[:-1]))
+            warnings.warn(
+                f"ImageFolder {str(root)!r}: {n} image(s) lie in hidden folder(s) "
+                f"{some_names(hidden)} (a notebook's .ipynb_checkpoints, a .git); they are "
+                "samples like any other (a hidden first-level folder is a class, as torchvision's "
+                "ImageFolder counts it); move those folders out of the data folder",
                 HookscopeWarning,
                 stacklevel=2,
             )
