@@ -6,6 +6,7 @@ a small classifier with its data."""
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -14,7 +15,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["NOISE", "HFModel", "base", "data", "fresh_accelerate_state", "hf_trainer"]
+__all__ = [
+    "NOISE",
+    "HFModel",
+    "base",
+    "data",
+    "fresh_accelerate_state",
+    "hf_trainer",
+    "lightning_module",
+]
 
 
 class HFModel(nn.Module):
@@ -97,3 +106,27 @@ def data(n: int = 16, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` inputs for :func:`base` (times ``scale``) and their classes, seeded."""
     g = torch.Generator().manual_seed(1)
     return torch.randn(n, 6, generator=g) * scale, torch.randint(0, 3, (n,), generator=g)
+
+
+def lightning_module(base: nn.Module, seen: list, validation: bool = True):
+    """A LightningModule training a copy of ``base``, noting each micro-batch in ``seen``; with
+    ``validation``, a validation step whose forward would change the statistics if recorded."""
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = copy.deepcopy(base)
+
+        def training_step(self, batch, i):
+            seen.append((batch[0].clone(), batch[1].clone()))
+            return F.cross_entropy(self.net(batch[0]), batch[1])  # a sub-module, not self(...)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Validated(Module):
+        def validation_step(self, batch, i):
+            self.net(batch[0] * 100)  # would change the statistics if it were recorded
+
+    return Validated() if validation else Module()

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import hookscope as hs
 from helpers.common import mlp6
-from helpers.trainers import hf_trainer
+from helpers.trainers import hf_trainer, lightning_module
 
 pytestmark = pytest.mark.filterwarnings(
     # the trackers' and trainers' own notices, not ours to fix
@@ -92,26 +92,7 @@ def _assert_same(got: dict[str, float], want: hs.MonitorRecord, rel: float = 2e-
 # -- Lightning ----------------------------------------------------------------------------------
 
 
-def _lightning_module(base: nn.Module, seen: list):
-    """A LightningModule training a copy of ``base``, noting each micro-batch in ``seen``."""
-    import lightning as L
-
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = copy.deepcopy(base)
-
-        def training_step(self, batch, i):
-            seen.append((batch[0].clone(), batch[1].clone()))
-            return F.cross_entropy(self.net(batch[0]), batch[1])  # a sub-module, not self(...)
-
-        def validation_step(self, batch, i):
-            self.net(batch[0] * 100)  # would change the statistics if it were recorded
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    return Module()
+_lightning_module = lightning_module
 
 
 def _lightning_trainer(cb, **kw):

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hookscope as hs
-from helpers.trainers import NOISE, base, data, fresh_accelerate_state
+from helpers.trainers import NOISE, base, data, fresh_accelerate_state, lightning_module
 
 pytestmark = pytest.mark.filterwarnings(*NOISE)
 _fresh_accelerate_state = pytest.fixture(autouse=True)(fresh_accelerate_state)
@@ -174,21 +174,7 @@ def test_lightning_manual_optimization_zeroing_in_place_after_the_step_is_said()
 
 
 def _auto_module(base: nn.Module, seen: list):
-    import lightning as L
-
-    class Auto(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = copy.deepcopy(base)
-
-        def training_step(self, batch, i):
-            seen.append((batch[0].clone(), batch[1].clone()))
-            return F.cross_entropy(self.net(batch[0]), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    return Auto()
+    return lightning_module(base, seen, validation=False)
 
 
 def test_lightning_compiled_module_is_refused_with_the_lightning_fix():
