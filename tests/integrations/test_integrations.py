@@ -25,19 +25,10 @@ import torch.nn.functional as F
 
 import hookscope as hs
 from helpers.common import mlp6
-from helpers.trainers import hf_trainer, lightning_module
+from helpers.trainers import NOISE, hf_trainer, lightning_module
 
-pytestmark = pytest.mark.filterwarnings(
-    # the trackers' and trainers' own notices, not ours to fix
-    "ignore::DeprecationWarning",
-    "ignore::FutureWarning",
-    "ignore::UserWarning:lightning.*",
-    "ignore::UserWarning:transformers.*",
-    "ignore::UserWarning:mlflow.*",
-    "ignore::UserWarning:accelerate.*",
-    "ignore::pytest.PytestUnraisableExceptionWarning",
-    "ignore::ResourceWarning",
-)
+# the trackers' and trainers' own notices, not ours to fix
+pytestmark = pytest.mark.filterwarnings(*NOISE, "ignore::UserWarning:mlflow.*")
 
 
 @pytest.fixture(autouse=True)

@@ -12,18 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers.trainers import NOISE
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
-pytestmark = pytest.mark.filterwarnings(
-    # the trainers' own notices, not ours to fix
-    "ignore::DeprecationWarning",
-    "ignore::FutureWarning",
-    "ignore::UserWarning:lightning.*",
-    "ignore::UserWarning:transformers.*",
-    "ignore::UserWarning:accelerate.*",
-    "ignore::pytest.PytestUnraisableExceptionWarning",
-    "ignore::ResourceWarning",
-)
+pytestmark = pytest.mark.filterwarnings(*NOISE)  # the trainers' own notices
 
 
 def _load(name: str):
