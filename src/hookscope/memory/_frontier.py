@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
+from ..core._scope import ancestors
+
 if TYPE_CHECKING:
     from ._profile import MemoryProfile
 
@@ -89,10 +91,7 @@ class _Problem:
         self.children: dict[str, list[str]] = {n: [] for n in rows}
         for n in rows:
             if n:
-                parent = n.rpartition(".")[0]
-                while parent not in rows:
-                    parent = parent.rpartition(".")[0]
-                self.children[parent].append(n)
+                self.children[next(p for p in ancestors(n) if p in rows)].append(n)
         index: dict[Any, int] = {}
         self.sizes: list[int] = []
         self.keepers: list[set[str]] = []

@@ -358,9 +358,7 @@ def _say_lost(lost: dict[str, str]) -> None:
     moved = [n for n in lost if n not in taken]
     if moved:
         first = moved[0]
-        caller = first.rpartition(".")[0]
-        while caller and caller in lost:
-            caller = caller.rpartition(".")[0]
+        caller = next((p for p in ancestors(first) if p not in lost), "")
         warnings.warn(
             f"memory_profile: layer(s) {some_names(moved)} changed in the model during the "
             f"profiled step ({lost[first]}), so the profile's hooks did not see their calls: "
@@ -463,9 +461,8 @@ def build_profile(model: nn.Module, rec: SavedTensors, *, per_region: bool) -> M
     for r in reversed(ordered):  # subtree totals: children come after their parent
         if not r.name:
             continue
-        parent = r.name.rpartition(".")[0]
-        while parent not in rows:  # a parent listed under another name (a shared module)
-            parent = parent.rpartition(".")[0]
+        # (a parent listed under another name, a shared module: the nearest listed ancestor)
+        parent = next(p for p in ancestors(r.name) if p in rows)
         rows[parent].saved_bytes_total += r.saved_bytes_total
         rows[parent].flops_total += r.flops_total
     if per_region:
