@@ -419,7 +419,7 @@ def _opaque(inner: _Hook, region: Any, release: Callable[[], None]) -> _OpaqueHo
 
 
 class _UntracedHook(_Hook):
-    """A module hook outside every region hookscope routes, in a process where Dynamo is loaded:
+    """A module hook outside every region hookscope routes, in a process where Dynamo compiled:
     where a compiled caller hookscope was not given traces the module's call (``cm =
     torch.compile(model)`` called, ``model`` handed to hookscope; a Trainer's own compile),
     Dynamo breaks the graph at the hook and runs it eagerly on the real tensors, instead of
@@ -445,10 +445,12 @@ _untraced_ready: list[bool] = []
 
 
 def _untraced(hook: _Hook) -> _Hook:
-    """``hook``, made opaque to Dynamo where Dynamo is loaded (a compile may trace the module's
-    calls); else ``hook`` itself (nothing can trace it before Dynamo is imported, and ``import
-    hookscope`` does not import it)."""
-    if "torch._dynamo" not in sys.modules:
+    """``hook``, made opaque to Dynamo where Dynamo has compiled a frame in this process (a
+    compiled caller hookscope was not given may trace the module's calls); else ``hook`` itself:
+    the wrapper costs ~1 us a call, and merely loading Dynamo (importing transformers does) must
+    not cost every hook that. A hook placed before the first compile of the process is traced
+    as Dynamo traces any hook (exact; see the guide)."""
+    if not _dynamo_compiled():
         return hook
     if not _untraced_ready:
         _untraced_ready.append(True)
@@ -708,7 +710,7 @@ class HookScope:
         attr = "_forward_pre_hooks" if pre else "_forward_hooks"
         kw_attr = attr + "_with_kwargs"
         routed = routing()  # any compiled region or generating model indexed at all
-        dyn = "torch._dynamo" in sys.modules  # a compile may trace the hooks (_untraced)
+        dyn = _dynamo_compiled()  # a compiled caller may trace the hooks (_untraced)
         if routed:  # refused before any is placed: no hook left behind
             hooks = list(hooks)
             for module, _, layer in hooks:
